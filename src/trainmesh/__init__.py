@@ -1,0 +1,19 @@
+"""trainmesh: every classic parallelism on one device mesh, each identical to one process.
+
+Public face::
+
+    import trainmesh as tm
+    tm.init_distributed()
+    engine = tm.Engine(model, optimizer=..., loss_fn=..., config=tm.ParallelConfig(dp=2))
+    loss = engine.train_step(batch)
+"""
+from .comm import Comm, Ledger
+from .config import ParallelConfig
+from .distributed import init_distributed, shutdown
+from .engine import Engine
+from .errors import CommTimeout, ConfigError
+from .mesh import ParallelMesh
+
+__version__ = "0.1.0"
+__all__ = ["Comm", "CommTimeout", "ConfigError", "Engine", "Ledger", "ParallelConfig",
+           "ParallelMesh", "init_distributed", "shutdown"]

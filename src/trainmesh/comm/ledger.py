@@ -1,0 +1,71 @@
+"""The communication ledger: calls, payload bytes and seconds per (mesh axis, op), per step.
+
+Payload bytes follow the nccl-tests convention (CONTRACT.md): all_reduce, broadcast and reduce
+count the tensor; all_gather the gathered output; reduce_scatter the unreduced input;
+scatter/gather the full buffer; all_to_all the input; send/recv the tensor.
+
+Traffic is attributed to the open step window; traffic outside any window (set-up, e.g. an
+initial broadcast) is kept apart, so per-step averages describe training only.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.calls += 1
+        self.bytes += nbytes
+        self.seconds += seconds
+
+
+def _stats_table() -> defaultdict[str, defaultdict[str, OpStats]]:
+    return defaultdict(lambda: defaultdict(OpStats))
+
+
+@dataclass
+class Ledger:
+    """Per-step accounting of everything the communication layer sends."""
+
+    steps: list[dict[str, dict[str, OpStats]]] = field(default_factory=list)
+    setup: defaultdict[str, defaultdict[str, OpStats]] = field(default_factory=_stats_table)
+    _window: defaultdict[str, defaultdict[str, OpStats]] | None = None
+
+    def record(self, axis: str, op: str, nbytes: int, seconds: float = 0.0) -> None:
+        table = self._window if self._window is not None else self.setup
+        table[axis][op].add(nbytes, seconds)
+
+    def add_seconds(self, axis: str, op: str, seconds: float) -> None:
+        """Add waiting time to an op already recorded (async ops finish later)."""
+        table = self._window if self._window is not None else self.setup
+        table[axis][op].seconds += seconds
+
+    def begin_step(self) -> None:
+        self._window = _stats_table()
+
+    def end_step(self) -> dict[str, dict[str, OpStats]]:
+        """Close the step window and return its table."""
+        window, self._window = self._window or _stats_table(), None
+        self.steps.append(window)
+        return window
+
+    def bytes_per_step(self, axes: tuple[str, ...] = ("dp", "tp", "pp", "other")) -> dict[str, dict[str, float]]:
+        """Average payload bytes per training step, {axis: {op: bytes}} (every axis present)."""
+        out: dict[str, dict[str, float]] = {axis: {} for axis in axes}
+        n = max(len(self.steps), 1)
+        for window in self.steps:
+            for axis, ops in window.items():
+                for op, stats in ops.items():
+                    row = out.setdefault(axis, {})
+                    row[op] = row.get(op, 0.0) + stats.bytes / n
+        return out
+
+    def seconds_per_step(self) -> float:
+        n = max(len(self.steps), 1)
+        return sum(s.seconds for w in self.steps for ops in w.values() for s in ops.values()) / n

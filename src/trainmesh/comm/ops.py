@@ -1,0 +1,219 @@
+"""Comm: every collective and point-to-point op trainmesh issues, through one ledger.
+
+Ops take the mesh axis ("dp", "tp", "pp", or "other" for the world group) by name, so the
+ledger can key traffic by axis; ``group=`` overrides the process group while keeping the axis
+label (e.g. the first/last-stage group of tied embeddings). Groups of size one are a no-op.
+Every op carries the mesh's timeout (set on the process groups and on every ``wait``).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommTimeout
+from ..mesh import ParallelMesh
+from .ledger import Ledger
+
+ReduceOp = dist.ReduceOp
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Handle:
+    """An async op in flight; ``wait()`` blocks (with the timeout) and books the waiting time."""
+
+    def __init__(self, comm: "Comm", work: Any, axis: str, op: str, started: float) -> None:
+        self._comm, self._work, self.axis, self.op, self._started = comm, work, axis, op, started
+        self.done = work is None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        t0 = time.perf_counter()
+        try:
+            ok = self._work.wait(timedelta(seconds=self._comm.timeout_s))
+        except RuntimeError as exc:
+            raise self._comm.failure(self.op, self.axis, exc) from exc
+        if ok is False:
+            raise CommTimeout(f"{self.op} on {self.axis} timed out after {self._comm.timeout_s}s")
+        self._comm.ledger.add_seconds(self.axis, self.op, time.perf_counter() - t0)
+        self.done = True
+
+
+class Comm:
+    """The communication layer of one mesh: ops by axis name, each recorded in ``ledger``."""
+
+    def __init__(self, mesh: ParallelMesh, ledger: Ledger | None = None, *, history: int = 32) -> None:
+        self.mesh = mesh
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.timeout_s = mesh.timeout_s
+        self.seq = 0
+        self.recent: deque[tuple[int, str, str, tuple[int, ...]]] = deque(maxlen=history)
+
+    # ---------------------------------------------------------------- plumbing
+    def _group(self, axis: str, group: Any) -> Any:
+        if group is not None:
+            return group
+        return self.mesh.group("world" if axis == "other" else axis)
+
+    def _size(self, axis: str, group: Any) -> int:
+        if group is not None:
+            return dist.get_world_size(group)
+        return self.mesh.size("world" if axis == "other" else axis)
+
+    def failure(self, op: str, axis: str, exc: BaseException) -> Exception:
+        """An error naming this rank, the op and its recent history (for hang diagnosis)."""
+        last = ", ".join(f"#{s} {o}@{a}{list(shape)}" for s, o, a, shape in list(self.recent)[-5:])
+        return CommTimeout(f"rank {self.mesh.rank}: {op} on {axis} failed: {exc}; "
+                           f"last ops: {last}")
+
+    def _run(self, op: str, axis: str, payload: int, fn, shape: tuple[int, ...],
+             async_op: bool) -> Handle | None:
+        self.seq += 1
+        self.recent.append((self.seq, op, axis, shape))
+        self.ledger.record(axis, op, payload)
+        started = time.perf_counter()
+        try:
+            work = fn(async_op)
+        except RuntimeError as exc:
+            raise self.failure(op, axis, exc) from exc
+        self.ledger.add_seconds(axis, op, time.perf_counter() - started)
+        handle = Handle(self, work, axis, op, started)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce(self, t: torch.Tensor, axis: str, *, op=ReduceOp.SUM, group=None,
+                   async_op: bool = False) -> Handle | None:
+        """In place: every rank gets the reduction of ``t`` over the group."""
+        if self._size(axis, group) == 1:
+            return Handle(self, None, axis, "all_reduce", 0.0) if async_op else None
+        g = self._group(axis, group)
+        return self._run("all_reduce", axis, nbytes(t),
+                         lambda a: dist.all_reduce(t, op=op, group=g, async_op=a), t.shape, async_op)
+
+    def broadcast(self, t: torch.Tensor, axis: str, *, src: int, group=None,
+                  async_op: bool = False) -> Handle | None:
+        """In place from global rank ``src`` to every rank of the group."""
+        if self._size(axis, group) == 1:
+            return None
+        g = self._group(axis, group)
+        return self._run("broadcast", axis, nbytes(t),
+                         lambda a: dist.broadcast(t, src=src, group=g, async_op=a), t.shape, async_op)
+
+    def reduce(self, t: torch.Tensor, axis: str, *, dst: int, op=ReduceOp.SUM, group=None,
+               async_op: bool = False) -> Handle | None:
+        """In place on global rank ``dst``: the reduction of ``t`` over the group."""
+        if self._size(axis, group) == 1:
+            return None
+        g = self._group(axis, group)
+        return self._run("reduce", axis, nbytes(t),
+                         lambda a: dist.reduce(t, dst=dst, op=op, group=g, async_op=a), t.shape, async_op)
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor, axis: str, *, group=None,
+                   async_op: bool = False) -> Handle | None:
+        """``out`` (n * t.numel(), rank-major) <- every rank's ``t``."""
+        n = self._size(axis, group)
+        if out.numel() != n * t.numel():
+            raise ValueError(f"all_gather: output has {out.numel()} elements, need {n} x {t.numel()}")
+        if n == 1:
+            out.view(-1).copy_(t.view(-1))
+            return None
+        g = self._group(axis, group)
+        return self._run("all_gather", axis, nbytes(out),
+                         lambda a: _ALL_GATHER(out, t, group=g, async_op=a), out.shape, async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, axis: str, *, op=ReduceOp.SUM,
+                       group=None, async_op: bool = False) -> Handle | None:
+        """``out`` <- this rank's 1/n chunk of the reduction of ``t`` over the group."""
+        n = self._size(axis, group)
+        if t.numel() != n * out.numel():
+            raise ValueError(f"reduce_scatter: input has {t.numel()} elements, need {n} x {out.numel()}")
+        if n == 1:
+            out.view(-1).copy_(t.view(-1))
+            return None
+        g = self._group(axis, group)
+        return self._run("reduce_scatter", axis, nbytes(t),
+                         lambda a: _REDUCE_SCATTER(out, t, op=op, group=g, async_op=a), t.shape, async_op)
+
+    def scatter(self, out: torch.Tensor, chunks: list[torch.Tensor] | None, axis: str, *, src: int,
+                group=None) -> None:
+        """``out`` <- chunk i of global rank ``src``'s list, on the i-th rank of the group."""
+        n = self._size(axis, group)
+        if n == 1:
+            out.copy_(chunks[0])  # type: ignore[index]
+            return None
+        g = self._group(axis, group)
+        self._run("scatter", axis, nbytes(out) * n,
+                  lambda a: dist.scatter(out, chunks, src=src, group=g, async_op=a), out.shape, False)
+        return None
+
+    def gather(self, t: torch.Tensor, chunks: list[torch.Tensor] | None, axis: str, *, dst: int,
+               group=None) -> None:
+        """On global rank ``dst``, ``chunks[i]`` <- the i-th rank's ``t``."""
+        n = self._size(axis, group)
+        if n == 1:
+            chunks[0].copy_(t)  # type: ignore[index]
+            return None
+        g = self._group(axis, group)
+        self._run("gather", axis, nbytes(t) * n,
+                  lambda a: dist.gather(t, chunks, dst=dst, group=g, async_op=a), t.shape, False)
+        return None
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, axis: str, *, group=None,
+                   async_op: bool = False) -> Handle | None:
+        """Rank i's chunk j goes to rank j's chunk i (equal chunks along dim 0)."""
+        if self._size(axis, group) == 1:
+            out.copy_(t)
+            return None
+        g = self._group(axis, group)
+        return self._run("all_to_all", axis, nbytes(t),
+                         lambda a: dist.all_to_all_single(out, t, group=g, async_op=a), t.shape, async_op)
+
+    def barrier(self, axis: str = "other", *, group=None) -> None:
+        if self._size(axis, group) == 1:
+            return
+        g = self._group(axis, group)
+        self._run("barrier", axis, 0, lambda a: dist.barrier(group=g, async_op=a), (), False)
+
+    # ---------------------------------------------------------------- point to point
+    def send(self, t: torch.Tensor, dst: int, axis: str = "pp") -> None:
+        """Blocking send of ``t`` to global rank ``dst``."""
+        self._run("send", axis, nbytes(t), lambda a: dist.isend(t, dst), t.shape, False)
+
+    def recv(self, t: torch.Tensor, src: int, axis: str = "pp") -> None:
+        """Blocking receive into ``t`` from global rank ``src``."""
+        self._run("recv", axis, nbytes(t), lambda a: dist.irecv(t, src), t.shape, False)
+
+    def isend(self, t: torch.Tensor, dst: int, axis: str = "pp") -> Handle:
+        return self._run("send", axis, nbytes(t), lambda a: dist.isend(t, dst), t.shape, True)  # type: ignore[return-value]
+
+    def irecv(self, t: torch.Tensor, src: int, axis: str = "pp") -> Handle:
+        return self._run("recv", axis, nbytes(t), lambda a: dist.irecv(t, src), t.shape, True)  # type: ignore[return-value]
+
+    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], axis: str = "pp") -> list[Handle]:
+        """Issue a batch of ("send"|"recv", tensor, peer) together; returns one handle each."""
+        if not ops:
+            return []
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer) for kind, t, peer in ops]
+        for kind, t, _ in ops:
+            self.seq += 1
+            self.recent.append((self.seq, kind, axis, tuple(t.shape)))
+            self.ledger.record(axis, kind, nbytes(t))
+        started = time.perf_counter()
+        try:
+            works = dist.batch_isend_irecv(p2p)
+        except RuntimeError as exc:
+            raise self.failure("batch_p2p", axis, exc) from exc
+        return [Handle(self, w, axis, kind, started) for w, (kind, _, _) in zip(works, ops)]

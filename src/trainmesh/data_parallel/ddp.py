@@ -1,0 +1,143 @@
+"""DDP: gradients in one flat buffer, all-reduced in buckets from autograd hooks during backward.
+
+Every parameter's ``.grad`` is a view into one contiguous buffer laid out in reverse
+registration order (the order gradients tend to become ready). The buffer is cut into buckets
+of about ``bucket_mb``. A post-accumulate-grad hook counts down each bucket; when a bucket's
+last gradient lands, its all-reduce is launched asynchronously — in bucket order, so every
+rank issues the same sequence — and overlaps the rest of backward. With gradient accumulation
+only the last microbatch's backward reduces. Gradients are summed, then scaled once.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..comm import Comm, Handle
+from .base import CountsFn, GradSync, OptimizerFactory, group_parameters
+
+
+@dataclass
+class Bucket:
+    index: int
+    start: int                   # element offset in the flat buffer
+    end: int
+    params: list[nn.Parameter]
+    pending: int = 0
+    handle: Handle | None = None
+    launched_at: float = 0.0
+    ready_when_launched: int = 0  # how many params of the model were ready at launch (overlap proof)
+    names: list[str] = field(default_factory=list)
+
+
+class DDP(GradSync):
+    """Plain data parallel with bucketed, overlapped gradient all-reduce."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
+                 bucket_mb: float = 25.0, find_unused_parameters: bool = False) -> None:
+        super().__init__(named_params, comm)
+        self.find_unused = find_unused_parameters
+        params = [p for _, p in named_params]
+        dtype = params[0].dtype if params else torch.float32
+        device = params[0].device if params else torch.device("cpu")
+        total = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(total, dtype=dtype, device=device)   # (Ψ,) every gradient
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        self._name_of = {p: n for n, p in named_params}
+        cap = max(1, int(bucket_mb * 2**20) // self.buffer.element_size())
+        offset, current = 0, None
+        for name, p in reversed(named_params):
+            if current is None or offset - current.start >= cap:
+                current = Bucket(len(self.buckets), offset, offset, [])
+                self.buckets.append(current)
+            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            current.end = offset
+            current.params.append(p)
+            current.names.append(name)
+            self._bucket_of[p] = current
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._sync = False
+        self._next = 0
+        self._ready: set[int] = set()
+
+    # ---------------------------------------------------------------- backward
+    def before_backward(self, *, is_last: bool) -> None:
+        self._sync = is_last and self.dp > 1
+        self._next, self._ready = 0, set()
+        for b in self.buckets:
+            b.pending, b.handle = len(b.params), None
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self._ready.add(id(p))
+        if not self._sync:
+            return
+        bucket = self._bucket_of[p]
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        """Launch complete buckets strictly in bucket order (same sequence on every rank)."""
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.pending > 0 and not force:
+                return
+            b.launched_at, b.ready_when_launched = time.perf_counter(), len(self._ready)
+            b.handle = self.comm.all_reduce(self.buffer[b.start : b.end], "dp", async_op=True)
+            self._next += 1
+
+    def finish(self, scale: float) -> None:
+        if self._sync:
+            missing = self.unused_parameters()
+            if missing and not self.find_unused:
+                raise RuntimeError(
+                    f"rank {self.comm.mesh.rank}: parameters received no gradient: "
+                    f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                    "(pass find_unused_parameters=True to reduce them anyway)")
+            self._launch_ready(force=True)
+            for b in self.buckets:
+                assert b.handle is not None
+                b.handle.wait()
+        if scale != 1.0:
+            self.buffer.mul_(scale)
+
+    def unused_parameters(self) -> list[str]:
+        """Names of parameters that received no gradient in the last backward."""
+        return [n for n, p in self.named_params if id(p) not in self._ready]
+
+    # ---------------------------------------------------------------- step
+    def build_optimizer(self, factory: OptimizerFactory, options=None) -> torch.optim.Optimizer:
+        groups = group_parameters(self.named_params, options)
+        if len(groups) == 1 and not groups[0][0]:
+            self.optimizer = factory([p for _, p in groups[0][1]])
+        else:
+            self.optimizer = factory([{**opts, "params": [p for _, p in ps]} for opts, ps in groups])
+        return self.optimizer
+
+    def grad_sq_sum(self, counts: CountsFn) -> torch.Tensor:
+        # DP replicas hold identical reduced gradients: only DP rank 0 contributes.
+        total = torch.zeros((), dtype=torch.float32, device=self.buffer.device)
+        if self.comm.mesh.index("dp") != 0:
+            return total
+        for name, p in self.named_params:
+            if counts(name, p):
+                total += p.grad.float().pow(2).sum()
+        return total
+
+    def clip(self, coef: float) -> None:
+        self.buffer.mul_(coef)
+
+    def step(self) -> None:
+        assert self.optimizer is not None, "build_optimizer first"
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.buffer.zero_()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        opt = self.optimizer.state.values() if self.optimizer else []
+        return {"params": [p for _, p in self.named_params], "grads": [self.buffer],
+                "optimizer": [t for st in opt for t in st.values() if torch.is_tensor(t)]}

@@ -1,0 +1,135 @@
+"""Engine: composes the mesh, tensor/pipeline parallelism and a DP strategy into one train step.
+
+One step (DESIGN.md "One training step"): split this DP rank's batch into microbatches; run
+forward and backward (locally, or through the pipeline schedule) while the DP strategy reduces
+gradients in buckets; sum the loss and token count over the world; scale gradients to the mean
+over every token of the global batch; measure the global gradient norm (each logical parameter
+once) and clip; step the optimizer. Every layer it composes uses only its own mesh axis.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Comm
+from .config import ParallelConfig
+from .data import split_microbatches
+from .data_parallel import make_grad_sync, unique_named_parameters
+from .data_parallel.base import OptimizerFactory
+from .executor import LocalExecutor, LossFn
+from .mesh import ParallelMesh
+from .metrics import storage_bytes
+from .precision import Precision
+
+
+class Engine:
+    """Trains ``model`` under ``config`` on the mesh (CONTRACT.md, "Python API")."""
+
+    def __init__(self, model: nn.Module, optimizer: OptimizerFactory, loss_fn: LossFn,
+                 config: ParallelConfig | None = None, *,
+                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 param_groups: Callable[[str], dict] | None = None,
+                 mesh: ParallelMesh | None = None, tp_plan: dict[str, str] | None = None,
+                 broadcast_init: bool = True) -> None:
+        self.config = cfg = config or ParallelConfig()
+        self.mesh = mesh or ParallelMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        self.comm = Comm(self.mesh)
+        self.device = next(model.parameters()).device
+        self.precision = Precision(cfg, self.device)
+        if cfg.tp > 1:
+            from .tensor_parallel import parallelize
+            model = parallelize(model, self.mesh, self.comm, plan=tp_plan,
+                                sequence_parallel=cfg.sequence_parallel)
+        if cfg.recompute != "none":
+            from .recompute import apply_recompute
+            apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
+        if cfg.pp > 1:
+            from .pipeline_parallel.runtime import PipelineExecutor
+            self.executor = PipelineExecutor(model, loss_fn, self.mesh, self.comm, cfg)
+            self.module: nn.Module = self.executor.module
+        else:
+            self.executor = LocalExecutor(model, loss_fn)
+            self.module = model
+        self.model = model
+        named = unique_named_parameters(self.module)
+        if broadcast_init:
+            self._broadcast_from_dp_root(named)
+        self.sync = make_grad_sync(cfg, named, self.comm, module=self.module, precision=self.precision)
+        self.optimizer = self.sync.build_optimizer(optimizer, param_groups)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
+        self.step_count = 0
+        self.last: dict[str, Any] = {}
+        self.state_bytes = {"params": 0, "grads": 0, "optimizer": 0}
+
+    # ---------------------------------------------------------------- set-up
+    @torch.no_grad()
+    def _broadcast_from_dp_root(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Identical start on every DP replica, whatever the user's init (set-up traffic)."""
+        if self.mesh.size("dp") == 1:
+            return
+        root = self.mesh.ranks("dp")[0]
+        for _, p in named:
+            self.comm.broadcast(p.data, "dp", src=root)
+
+    def _counts(self, name: str, p: nn.Parameter) -> bool:
+        """Whether this rank counts ``p`` in the global norm: duplicates only once."""
+        if getattr(p, "_tm_duplicate", False):
+            return False
+        return getattr(p, "_tm_tp_sharded", False) or self.mesh.index("tp") == 0
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, batch: Any) -> float:
+        """One optimizer step on this DP rank's ``batch``; returns the global-batch loss."""
+        self.comm.ledger.begin_step()
+        microbatches = (split_microbatches(batch, self.config.microbatches)
+                        if isinstance(batch, dict) else batch)
+        loss_sum, count = self.executor.run(microbatches, self.sync, self.precision)
+        holds_loss = getattr(self.executor, "holds_loss", True) and self.mesh.index("tp") == 0
+        totals = torch.tensor([loss_sum, count] if holds_loss else [0.0, 0.0], dtype=torch.float64)
+        self.comm.all_reduce(totals, "other")
+        global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
+        self.sync.finish(1.0 / (global_count * self.precision.loss_scale))
+        self.state_bytes = self.measure_state()
+        skip = self.precision.should_skip(self.sync.grads_finite(), self._all_reduce_min)
+        norm = 0.0 if skip else self.grad_norm()
+        if not skip:
+            if self.config.grad_clip > 0 and norm > self.config.grad_clip:
+                self.sync.clip(self.config.grad_clip / (norm + 1e-6))
+            self.sync.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.lr_scheduler is not None and not skip:
+            self.lr_scheduler.step()
+        self.sync.zero_grad()
+        self.comm.ledger.end_step()
+        self.step_count += 1
+        self.last = {"loss": global_loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}
+        return global_loss
+
+    def _all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
+        self.comm.all_reduce(t, "other", op=dist.ReduceOp.MIN)
+        return t
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradient, each logical parameter counted once."""
+        sq = self.sync.grad_sq_sum(self._counts).reshape(1).to(torch.float32)
+        self.comm.all_reduce(sq, "other")
+        return math.sqrt(float(sq))
+
+    # ---------------------------------------------------------------- accounting
+    def measure_state(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds (distinct storages)."""
+        held = self.sync.held_tensors()
+        seen: set[int] = set()
+        return {k: storage_bytes(held[k], seen) for k in ("params", "grads", "optimizer")}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated, unsharded model weights (identical on every rank for DDP)."""
+        gather = getattr(self.sync, "full_state_dict", None)
+        if gather is not None:
+            return gather()
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

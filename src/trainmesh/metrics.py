@@ -1,0 +1,79 @@
+"""Measurements: process memory, bytes held by tensors, and the JSON-lines metrics file."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _status_kb(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_now(device: torch.device) -> int:
+    """Resident bytes now: CUDA allocated memory, or the process RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _status_kb("VmRSS")
+
+
+def memory_peak(device: torch.device) -> int:
+    """Peak resident bytes: CUDA max allocated, or the process's RSS high-water mark on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _status_kb("VmHWM")
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new high-water mark (CUDA; on Linux also the RSS mark via clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+class MetricsWriter:
+    """Appends one JSON object per line (rank 0 writes; other ranks pass path=None)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = Path(path) if path else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")

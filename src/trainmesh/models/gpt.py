@@ -1,0 +1,152 @@
+"""Reference GPT: pre-LN decoder, causal self-attention, GELU MLP, learned positions, untied head.
+
+Module names are part of the interface (tensor-parallel plans, checkpoints and the planner use
+them): ``embed.wte``, ``embed.wpe``, ``blocks.{i}.ln1``, ``blocks.{i}.attn.{q,k,v,proj}``,
+``blocks.{i}.ln2``, ``blocks.{i}.mlp.{fc,proj}``, ``head.ln_f``, ``head.out``. Attention derives
+its local head count from the width of ``q``, so a column-sharded ``q``/``k``/``v`` simply holds
+fewer heads. ``pipeline_layers()`` is the ordered layer list pipeline parallelism splits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from .init import init_module
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the reference GPT."""
+
+    vocab_size: int = 512
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 0
+    """MLP width; 0 means 4 * d_model."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name.replace("_", "-").replace("n-", ""),
+                                  f"must be >= 1; got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError("heads", f"must divide --d-model {self.d_model}; got {self.n_heads}")
+        if self.d_ff == 0:
+            self.d_ff = 4 * self.d_model
+
+    def num_params(self) -> int:
+        """Logical parameter count: 2Vd + Sd + L(4d^2 + 2d*ff + 9d + ff) + 2d."""
+        v, s, d, f, n_layers = self.vocab_size, self.seq_len, self.d_model, self.d_ff, self.n_layers
+        block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+        return 2 * v * d + s * d + n_layers * block + 2 * d
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=512, seq_len=64, d_model=64, n_layers=4, n_heads=4),
+    "small": GPTConfig(vocab_size=1024, seq_len=128, d_model=256, n_layers=6, n_heads=8),
+}
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s, d)
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.wte(idx) + self.wpe(pos)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.q, self.k, self.v = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(3))
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention; (b, heads, s, hd) x3 -> (b, heads, s, hd). Selective recompute target."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.q, self.k, self.v))
+        y = self.core(q, k, v)                     # (b, heads_local, s, hd)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))       # (b, s, d) -> (b, s, ff) -> (b, s, d)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> (b, s, vocab)
+        return self.out(self.ln_f(x))
+
+
+class CrossEntropySum(nn.Module):
+    """(logits, labels) -> (sum of token losses, number of counted tokens); label -100 ignored."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum",
+                               ignore_index=-100)
+        return loss, (labels != -100).sum()
+
+
+class GPT(nn.Module):
+    """The reference decoder. ``forward(input_ids, labels)`` -> (loss_sum, tokens); no labels -> logits."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        with torch.device("meta"):
+            self.embed = Embedding(cfg)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.head = Head(cfg)
+        self.criterion = CrossEntropySum()
+        self.run_blocks = self._run_blocks
+        if device != "meta":
+            init_module(self, seed=seed, n_layers=cfg.n_layers)
+            self.to(device)
+
+    def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The ordered layers: embedding, each block, then final norm + head."""
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = self.head(self.run_blocks(self.embed(input_ids)))
+        return logits if labels is None else self.criterion(logits, labels)

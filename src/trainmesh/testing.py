@@ -1,0 +1,46 @@
+"""Run a function on N local worker processes (gloo, CPU) through torch's elastic launcher.
+
+Used by the test suite and the benchmarks::
+
+    results = run_distributed(check_ddp, 2, arg1, timeout_s=120)   # {rank: return value}
+
+``fn`` must be importable by module path (defined at module level). Each worker uses one
+thread, joins a gloo group whose collectives time out after ``timeout_s``, runs ``fn(*args)``
+and returns its result to the caller. A failing rank raises ``ChildFailedError`` here naming
+that rank and its error.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, args: tuple) -> Any:
+    import torch
+
+    from .distributed import init_distributed, shutdown
+    torch.set_num_threads(threads)
+    init_distributed(timeout_s=timeout_s, device="cpu")
+    try:
+        return fn(*args)
+    finally:
+        shutdown()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+                    threads: int = 1) -> dict[int, Any]:
+    """Run ``fn(*args)`` on ``world_size`` fresh processes; return {rank: result}."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                          run_id=f"tm-{uuid.uuid4().hex[:8]}", max_restarts=0,
+                          monitor_interval=0.05, start_method="spawn")
+    return elastic_launch(config, _worker)(fn, timeout_s, threads, args)
