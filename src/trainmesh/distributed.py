@@ -48,6 +48,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
+def shutdown(*, barrier: bool = True) -> None:
+    """Leave the job: a barrier first (on success), so no rank tears down gloo pairs a peer
+    still reads."""
+    if not dist.is_initialized():
+        return
+    try:
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
         dist.destroy_process_group()

@@ -28,9 +28,12 @@ def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, args: tuple)
     torch.set_num_threads(threads)
     init_distributed(timeout_s=timeout_s, device="cpu")
     try:
-        return fn(*args)
-    finally:
-        shutdown()
+        result = fn(*args)
+    except BaseException:
+        shutdown(barrier=False)
+        raise
+    shutdown()
+    return result
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                  + (f", v={schedule.virtual_stages}" if schedule.virtual_stages > 1 else ""))
         draw_timeline(summary.timeline, out, title=title)
     if args.json:
-        print(json.dumps(to_json(summary), indent=2))
+        print(json.dumps(to_json(summary)))
     else:
         _print_report(summary, out)
     return 0

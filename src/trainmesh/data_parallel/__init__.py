@@ -10,6 +10,9 @@ from .base import GradSync, group_parameters, unique_named_parameters
 from .ddp import DDP
 
 
+SUPPORTED_ZERO = (0,)  # ZeRO stages this build runs (the CLI refuses others before launch)
+
+
 def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
                    comm: Comm, **kwargs) -> GradSync:
     """The strategy for ``cfg.zero``: 0 -> DDP."""
@@ -19,4 +22,4 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     raise ConfigError("zero", f"stage {cfg.zero} is not yet supported; valid now: 0")
 
 
-__all__ = ["DDP", "GradSync", "group_parameters", "make_grad_sync", "unique_named_parameters"]
+__all__ = ["SUPPORTED_ZERO", "DDP", "GradSync", "group_parameters", "make_grad_sync", "unique_named_parameters"]

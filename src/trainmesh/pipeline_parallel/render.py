@@ -61,7 +61,7 @@ def grid_cells(timeline: Timeline, *, tick: float | None = None,
 
 def format_grid(timeline: Timeline, *, tick: float | None = None) -> str:
     """The grid as plain text, one line per rank: ``rank 0 | F0 F1 .  B0 B0 ...``."""
-    return "\n".join(line.plain for line in rich_grid(timeline, tick=tick))
+    return "\n".join(line.plain.rstrip() for line in rich_grid(timeline, tick=tick))
 
 
 def rich_grid(timeline: Timeline, *, tick: float | None = None) -> list[Text]:
@@ -106,26 +106,29 @@ def draw_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     for rank, row in enumerate(timeline.ranks):
         for t in row:
             kinds_seen.add(t.action.kind)
-            chunk = t.action.stage // max(timeline.pp, 1)
+            face = _shade(_COLOURS[t.action.kind], t.action.stage // max(timeline.pp, 1),
+                          timeline.virtual_stages)
             ax.broken_barh([(t.start - t0, t.end - t.start)], (rank - 0.4, 0.8),
-                           facecolors=_shade(_COLOURS[t.action.kind], chunk,
-                                             timeline.virtual_stages),
-                           edgecolors="white", linewidth=0.8)
+                           facecolors=face, edgecolors="white", linewidth=0.8)
             box_pt = (t.end - t.start) * points_per_unit
             text = str(t.action.microbatch)
             if box_pt >= 4.5 * len(text):
                 ax.text((t.start + t.end) / 2 - t0, rank, text, ha="center", va="center",
-                        fontsize=min(9.0, box_pt / (0.75 * len(text) + 0.5)), color="white")
+                        fontsize=min(9.0, box_pt / (0.75 * len(text) + 0.5)),
+                        color="white" if sum(face) < 2.0 else "#222222")
     ax.set_ylim(timeline.pp - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, span)
     ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])
     ax.set_xlabel(f"time ({timeline.time_unit})")
     heading = title if title is not None else (timeline.name or "pipeline timeline")
     ax.set_title(f"{heading} — bubble {bubble_fraction(timeline):.1%}")
-    ax.legend(handles=[Patch(color=_COLOURS[k], label=_NAMES[k]) for k in _COLOURS
-                       if k in kinds_seen], loc="upper center", bbox_to_anchor=(0.5, -0.25),
-              ncol=4, frameon=False, fontsize=8)
+    handles = [Patch(color=_COLOURS[k], label=_NAMES[k]) for k in _COLOURS if k in kinds_seen]
+    if timeline.virtual_stages > 1:
+        handles.append(Patch(color=_shade("#808080", 1, 2), label="lighter: later chunk"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5,
+              frameon=False, fontsize=8)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"Date": None} if path.suffix.lower() == ".svg" else None
     fig.savefig(path, dpi=150, metadata=metadata)
     return path

@@ -1,0 +1,117 @@
+"""Step time: compute over achievable throughput, plus the communication that is not hidden.
+
+**Compute.** Training FLOPs per token are ``6*Psi + 12*L*h*s`` (forward 2 per parameter,
+backward 4; attention scores and weighted sum 4*L*h*s forward, causal masking not exploited).
+Full recompute adds one more forward (``2*Psi + 4*L*h*s``), selective recompute the attention
+forward (``4*L*h*s``). One GPU does ``1/(pp*tp)`` of a microbatch's work at
+``Cluster.flops_per_s`` (default 40% of peak).
+
+**Pipeline.** A step takes ``m + (p-1)/v`` microbatch slots (GPipe and 1F1B have bubble
+fraction ``(p-1)/(m+p-1)``; interleaving over v chunks divides the bubble by v; ZB-H1 is
+taken as a third of 1F1B's bubble; the naive schedule runs ``m*p`` slots). Every slot pays the
+stage's compute, its TP collectives and its PP sends: TP and PP communication are on the critical
+path (not overlapped).
+
+**Data parallel.** Reductions overlap with backward, which is taken as 2/3 of the compute:
+DDP's all-reduce and ZeRO-1's reduce-scatter hide behind the last microbatch's backward,
+ZeRO-2's per-microbatch reduce-scatter behind each microbatch's backward, ZeRO-3's gathers and
+reduce-scatter behind each microbatch's forward and backward (prefetching); only the excess is
+exposed. ZeRO-1/2's all-gather of updated parameters follows the optimizer step and is fully
+exposed. Overlap is taken as perfect within its window; real frameworks hide 70-90%.
+
+**Offload.** Gradient shards go to the host and updated parameters come back over PCIe, the
+host runs the optimizer; at ZeRO-3 parameter shards also stream in before every forward and
+backward. None of it is taken as overlapped.
+
+Collective time is wire bytes (ring, see :mod:`.traffic`) over the group's bandwidth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import Cluster
+
+BACKWARD_SHARE = 2 / 3
+"""Fraction of a microbatch's compute that is backward (the DP overlap window)."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Estimated seconds of one optimizer step on the slowest rank, by cause."""
+
+    compute_s: float
+    """Forward + backward (+ recompute) of every microbatch on one GPU."""
+    bubble_s: float
+    """Pipeline idle time."""
+    tp_s: float
+    """Tensor-parallel collectives (critical path)."""
+    pp_s: float
+    """Pipeline sends and receives (critical path)."""
+    dp_s: float
+    """Data-parallel / ZeRO communication not hidden behind compute."""
+    offload_s: float
+    """Host copies and the host optimizer step."""
+
+    @property
+    def total(self) -> float:
+        return self.compute_s + self.bubble_s + self.tp_s + self.pp_s + self.dp_s + self.offload_s
+
+
+def flops_per_token(params: float, *, layers: int | None, hidden: int | None, seq_len: int,
+                    recompute: str = "none") -> float:
+    """Training FLOPs per token (attention term omitted when the shape is unknown)."""
+    attention_fwd = 4 * layers * hidden * seq_len if layers and hidden else 0.0
+    flops = 6 * params + 3 * attention_fwd
+    if recompute == "full":
+        flops += 2 * params + attention_fwd
+    elif recompute == "selective":
+        flops += attention_fwd
+    return float(flops)
+
+
+def pipeline_slots(schedule: str, *, microbatches: int, pp: int, virtual_stages: int = 1) -> float:
+    """Step length in microbatch-stage slots (``m`` when there is no pipeline)."""
+    m, p, v = microbatches, pp, virtual_stages
+    if p == 1:
+        return float(m)
+    if schedule == "naive":
+        return float(m * p)
+    if schedule == "zb1p":
+        return m + (p - 1) / 3
+    return m + (p - 1) / v
+
+
+def dp_exposed(dp_s: dict[str, float], *, zero: int, microbatches: int, mb_compute_s: float) -> float:
+    """Seconds of DP traffic per step not hidden by compute (``dp_s``: op -> seconds per step)."""
+    m = microbatches
+    backward = BACKWARD_SHARE * mb_compute_s
+    ar, rs, ag = dp_s.get("all_reduce", 0.0), dp_s.get("reduce_scatter", 0.0), dp_s.get("all_gather", 0.0)
+    if zero == 0:
+        return max(0.0, ar - backward)
+    if zero == 1:
+        return max(0.0, rs - backward) + ag
+    if zero == 2:
+        return m * max(0.0, rs / m - backward) + ag
+    return m * max(0.0, (rs + ag) / m - mb_compute_s)
+
+
+def offload_seconds(psi_shard: float, *, zero: int, microbatches: int, value_bytes: int,
+                    cluster: Cluster) -> float:
+    """Host copies (gradients out, parameters in, ZeRO-3 parameter streaming) and host Adam."""
+    copies = 2 * value_bytes * psi_shard
+    if zero >= 3:
+        copies += 2 * microbatches * value_bytes * psi_shard
+    return copies / cluster.pcie_bw + psi_shard / cluster.cpu_optimizer_params_per_s
+
+
+def step_time(*, mb_compute_s: float, microbatches: int, pp: int, schedule: str,
+              virtual_stages: int, tp_mb_s: float, pp_mb_s: float, dp_s: dict[str, float],
+              zero: int, offload_s: float = 0.0) -> StepTime:
+    """Assemble a :class:`StepTime` from per-microbatch stage costs and per-step DP traffic."""
+    slots = pipeline_slots(schedule, microbatches=microbatches, pp=pp, virtual_stages=virtual_stages)
+    return StepTime(compute_s=microbatches * mb_compute_s,
+                    bubble_s=(slots - microbatches) * mb_compute_s,
+                    tp_s=slots * tp_mb_s, pp_s=slots * pp_mb_s,
+                    dp_s=dp_exposed(dp_s, zero=zero, microbatches=microbatches,
+                                    mb_compute_s=mb_compute_s),
+                    offload_s=offload_s)

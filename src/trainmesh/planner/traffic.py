@@ -1,0 +1,132 @@
+"""Communication per step, per mesh axis and op: payload bytes and bytes on the wire.
+
+**Payload** follows CONTRACT.md's ``comm_bytes_per_step`` (the nccl-tests convention): all_reduce
+counts the tensor, all_gather the gathered output, reduce_scatter the unreduced input, send/recv
+the tensor. With Psi parameters on the rank's DP group, g bytes per reduced gradient value and
+q bytes per gathered parameter value (both the compute dtype by default), m microbatches:
+
+* DDP: dp.all_reduce g*Psi (once per step, after the last microbatch).
+* ZeRO-1: dp.reduce_scatter g*Psi + dp.all_gather q*Psi.
+* ZeRO-2: dp.reduce_scatter m*g*Psi (after every microbatch) + dp.all_gather q*Psi.
+* ZeRO-3: dp.reduce_scatter m*g*Psi + dp.all_gather 2*m*q*Psi (before each unit's forward
+  and again before its backward).
+* TP (per microbatch, A = b*s*h values): tp.all_reduce of A, 2 per layer forward and 2 per layer
+  backward, + 1 for the vocab-parallel embedding's forward (first stage), + 1 for the head
+  input's backward (last stage), + 3 fp32 b*s-sized reductions of the vocab-parallel cross
+  entropy (max, sum of exponentials, target logit). Sequence parallel turns every A-sized
+  all_reduce into a reduce_scatter plus an all_gather of the same payload, and adds one
+  tp.all_reduce per step of the gradients of the parameters TP replicates (norms, biases,
+  positions), which then see only part of the sequence.
+* PP: per microbatch a rank sends and receives A (A/t with SP) once per boundary of each chunk
+  it holds: pp.send = pp.recv = m*A*(chunks not last + chunks not first); for one chunk
+  ``[stage < p-1] + [stage > 0]``.
+* other: per step the loss sum and token count (two float64) and the squared grad norm (one
+  float32) are all-reduced over the world, 20 bytes (+4 for fp16's overflow flag): small.
+
+Groups of one rank send nothing. Pass the real element counts (padded shards included) for an
+exact match with what trainmesh measures.
+
+**Wire bytes** per rank use ring algorithms: all_reduce 2(n-1)/n of the payload, reduce_scatter
+and all_gather (n-1)/n, send/recv 1. That is why ZeRO-1/2 move what DDP moves (2(n-1)/n*Psi)
+and ZeRO-3 1.5x that.
+"""
+from __future__ import annotations
+
+Traffic = dict[str, dict[str, float]]
+"""Mesh axis (``dp``, ``tp``, ``pp``, ``other``) -> op -> payload bytes per step."""
+
+AXES = ("dp", "tp", "pp", "other")
+
+SCALAR_BYTES = 20
+"""Loss sum + token count (2 x float64) + squared grad norm (float32), all-reduced each step."""
+
+
+def ring_factor(op: str, n: int) -> float:
+    """Wire bytes per payload byte for one rank of an ``n``-rank ring."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather", "broadcast"):
+        return (n - 1) / n
+    return 1.0  # send, recv
+
+
+def empty() -> Traffic:
+    return {axis: {} for axis in AXES}
+
+
+def _add(ops: dict[str, float], op: str, nbytes: float) -> None:
+    if nbytes > 0:
+        ops[op] = ops.get(op, 0.0) + nbytes
+
+
+def dp_ops(psi: float, *, dp: int, zero: int, microbatches: int, grad_bytes: int,
+           param_bytes: int) -> dict[str, float]:
+    """Payload per step on the DP axis; ``psi`` is the element count reduced and gathered
+    (for ZeRO, the flat buffer padded to a multiple of ``dp``)."""
+    ops: dict[str, float] = {}
+    if dp == 1:
+        return ops
+    m = microbatches
+    if zero == 0:
+        _add(ops, "all_reduce", grad_bytes * psi)
+        return ops
+    rs_rounds = 1 if zero == 1 else m
+    ag_rounds = 2 * m if zero == 3 else 1
+    _add(ops, "reduce_scatter", rs_rounds * grad_bytes * psi)
+    _add(ops, "all_gather", ag_rounds * param_bytes * psi)
+    return ops
+
+
+def tp_ops(*, tp: int, layers: int, tokens: int, hidden: int, value_bytes: int,
+           microbatches: int, first: bool, last: bool, sequence_parallel: bool = False,
+           replicated_grad_bytes: float = 0.0) -> dict[str, float]:
+    """Payload per step on the TP axis of a rank holding ``layers`` blocks (tokens = b*s)."""
+    ops: dict[str, float] = {}
+    if tp == 1:
+        return ops
+    act = tokens * hidden * value_bytes
+    count = 4 * layers + int(first) + int(last)
+    m = microbatches
+    if sequence_parallel:
+        _add(ops, "reduce_scatter", m * count * act)
+        _add(ops, "all_gather", m * count * act)
+        _add(ops, "all_reduce", replicated_grad_bytes)
+    else:
+        _add(ops, "all_reduce", m * count * act)
+    if last:
+        _add(ops, "all_reduce", m * 3 * tokens * 4)
+    return ops
+
+
+def pp_ops(*, pp: int, rank: int, virtual_stages: int, microbatches: int, tokens: int,
+           hidden: int, value_bytes: int, tp: int = 1,
+           sequence_parallel: bool = False) -> dict[str, float]:
+    """Payload per step on the PP axis of pipeline ``rank`` (sends equal receives)."""
+    ops: dict[str, float] = {}
+    if pp == 1:
+        return ops
+    v = virtual_stages
+    act = tokens * hidden * value_bytes / (tp if sequence_parallel else 1)
+    boundaries = (v - int(rank == pp - 1)) + (v - int(rank == 0))
+    _add(ops, "send", microbatches * boundaries * act)
+    _add(ops, "recv", microbatches * boundaries * act)
+    return ops
+
+
+def other_ops(*, world: int, precision: str) -> dict[str, float]:
+    """The per-step scalar reductions over the whole world (small)."""
+    if world == 1:
+        return {}
+    return {"all_reduce": float(SCALAR_BYTES + (4 if precision == "fp16" else 0))}
+
+
+def total_payload(traffic: Traffic) -> float:
+    """Sum of payload bytes over every axis and op."""
+    return sum(b for ops in traffic.values() for b in ops.values())
+
+
+def wire_bytes(ops: dict[str, float], n: int) -> float:
+    """Bytes one rank puts on the wire for ``ops`` in a group of ``n`` ranks (ring)."""
+    return sum(nbytes * ring_factor(op, n) for op, nbytes in ops.items())
