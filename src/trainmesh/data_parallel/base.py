@@ -67,6 +67,12 @@ class GradSync(ABC):
     def before_backward(self, *, is_last: bool) -> None:
         """Called before each microbatch's backward; reduce only when ``is_last`` (or per stage)."""
 
+    def expect_backwards(self, n: int) -> None:
+        """Pipeline mode: this step runs ``n`` backward passes through every parameter (in any
+        interleaving of stages); reduce each gradient once it has been through all ``n``.
+        Replaces the per-microbatch ``before_backward`` calls."""
+        raise NotImplementedError(f"{type(self).__name__} does not support pipeline parallelism")
+
     @abstractmethod
     def finish(self, scale: float) -> None:
         """Wait for every reduction of this step; multiply the reduced gradients by ``scale``."""

@@ -63,15 +63,25 @@ class DDP(GradSync):
         self._sync = False
         self._next = 0
         self._ready: set[int] = set()
+        self._remaining: dict[int, int] | None = None   # pipeline mode: backwards left per param
 
     # ---------------------------------------------------------------- backward
     def before_backward(self, *, is_last: bool) -> None:
         self._sync = is_last and self.dp > 1
+        self._remaining = None
         self._next, self._ready = 0, set()
         for b in self.buckets:
             b.pending, b.handle = len(b.params), None
 
+    def expect_backwards(self, n: int) -> None:
+        self.before_backward(is_last=True)
+        self._remaining = {id(p): n for _, p in self.named_params}
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if self._remaining is not None:
+            self._remaining[id(p)] -= 1
+            if self._remaining[id(p)] > 0:
+                return
         self._ready.add(id(p))
         if not self._sync:
             return
