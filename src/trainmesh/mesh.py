@@ -29,6 +29,8 @@ class ParallelMesh:
     pp: int = 1
     tp: int = 1
     timeout_s: float = 300.0
+    local: bool = False
+    """A mesh of this process alone (dp=pp=tp=1), usable beside the job's mesh (references)."""
     rank: int = field(init=False)
     world_size: int = field(init=False)
     coords: dict[str, int] = field(init=False)
@@ -40,7 +42,7 @@ class ParallelMesh:
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(axis, f"must be a positive integer; got {value!r}")
-        initialized = dist.is_available() and dist.is_initialized()
+        initialized = dist.is_available() and dist.is_initialized() and not self.local
         self.world_size = dist.get_world_size() if initialized else 1
         self.rank = dist.get_rank() if initialized else 0
         if self.dp * self.pp * self.tp != self.world_size:

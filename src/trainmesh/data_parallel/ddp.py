@@ -30,15 +30,18 @@ class Bucket:
     launched_at: float = 0.0
     ready_when_launched: int = 0  # how many params of the model were ready at launch (overlap proof)
     names: list[str] = field(default_factory=list)
+    staging: torch.Tensor | None = None   # the bucket cast to reduce_dtype while it is reduced
 
 
 class DDP(GradSync):
     """Plain data parallel with bucketed, overlapped gradient all-reduce."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
-                 bucket_mb: float = 25.0, find_unused_parameters: bool = False) -> None:
+                 bucket_mb: float = 25.0, find_unused_parameters: bool = False,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__(named_params, comm)
         self.find_unused = find_unused_parameters
+        self.reduce_dtype = reduce_dtype   # mixed precision: reduce buckets in this dtype
         params = [p for _, p in named_params]
         dtype = params[0].dtype if params else torch.float32
         device = params[0].device if params else torch.device("cpu")
@@ -96,7 +99,14 @@ class DDP(GradSync):
             if b.pending > 0 and not force:
                 return
             b.launched_at, b.ready_when_launched = time.perf_counter(), len(self._ready)
-            b.handle = self.comm.all_reduce(self.buffer[b.start : b.end], "dp", async_op=True)
+            grads = self.buffer[b.start : b.end]
+            if self.reduce_dtype is not None and self.reduce_dtype != grads.dtype:
+                b.staging = grads.to(self.reduce_dtype)
+                grads = b.staging
+                live = sum(x.staging.numel() * x.staging.element_size() for x in self.buckets
+                           if x.staging is not None)
+                self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, live)
+            b.handle = self.comm.all_reduce(grads, "dp", async_op=True)
             self._next += 1
 
     def finish(self, scale: float) -> None:
@@ -111,6 +121,9 @@ class DDP(GradSync):
             for b in self.buckets:
                 assert b.handle is not None
                 b.handle.wait()
+                if b.staging is not None:
+                    self.buffer[b.start : b.end].copy_(b.staging)
+                    b.staging = None
         if scale != 1.0:
             self.buffer.mul_(scale)
 
@@ -132,9 +145,12 @@ class DDP(GradSync):
         total = torch.zeros((), dtype=torch.float32, device=self.buffer.device)
         if self.comm.mesh.index("dp") != 0:
             return total
-        for name, p in self.named_params:
-            if counts(name, p):
-                total += p.grad.float().pow(2).sum()
+        counted = [p for name, p in self.named_params if counts(name, p)]
+        if len(counted) == len(self.named_params):   # everything counts: one pass over the buffer
+            flat = self.buffer.float()
+            return torch.dot(flat, flat)
+        for p in counted:
+            total += p.grad.float().pow(2).sum()
         return total
 
     def clip(self, coef: float) -> None:

@@ -16,7 +16,9 @@ fp32 training doubles these (an approximation: the 1-byte dropout masks do not d
 dropout, PyTorch's fused scaled-dot-product attention (saves q, k, v, the output and a
 per-head log-sum-exp, never the s x s scores). Per block, in values of the compute dtype::
 
-    outside TP:  ln1 input, ln1 output, ln2 input, ln2 output      4*s*b*h   (/t with SP)
+    outside TP:  ln1 input, ln1 output, ln2 input, ln2 output      4*s*b*h
+                 (SP: the norms' inputs are sequence shards, 2*s*b*h/t, while the gathered
+                 norm outputs the column-parallel layers keep stay whole, 2*s*b*h)
     inside TP:   q, k, v, attention output, fc output, GELU output  (4*s*b*h + 2*s*b*f)/t
     fp32 extras: LayerNorm mean/rstd 4*s*b, log-sum-exp a*s*b/t (dropped by selective recompute)
 
@@ -56,7 +58,7 @@ def gpt_block_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int, 
                     value_bytes: int = 4) -> float:
     """Bytes the built-in GPT's block saves for one microbatch with no recompute/selective."""
     sb = seq * batch
-    outside = 4 * sb * hidden / (tp if sequence_parallel else 1)
+    outside = (2 * sb * hidden / tp + 2 * sb * hidden) if sequence_parallel else 4 * sb * hidden
     inside = (4 * sb * hidden + 2 * sb * ffn) / tp
     stats = 4 * sb * 4 + (0 if recompute == "selective" else heads * sb / tp * 4)
     return (outside + inside) * value_bytes + stats

@@ -16,13 +16,16 @@ Layouts considered (``trainmesh plan``):
   so step times compare like with like.
 
 Ranking: layouts that fit by estimated step time, then the others by memory. The recommendation
-is the simplest fitting layout within 5% of the fastest (simplest: no offload, fewer
-model-parallel axes, lower ZeRO stage, less recompute, smaller tp, smaller pp); :mod:`.rules`
-says why in one sentence.
+follows the rules of thumb of :mod:`.rules`, in this order: if plain DDP over every GPU fits,
+DDP; if only offloading fits, the fastest offload layout; over several nodes, ZeRO alone when it
+is within 25% of the fastest layout without offload; otherwise the fastest layout without
+offload. Within the chosen group the simplest layout within 5% of its fastest wins (simplest: no
+offload, fewer model-parallel axes, smaller pp, smaller tp, less recompute, lower ZeRO stage).
+:mod:`.rules` says why in one sentence.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,10 @@ from .shapes import ModelShape
 
 TOLERANCE = 0.05
 """A simpler layout within this fraction of the fastest one's step time is preferred."""
+
+ZERO_MARGIN = 0.25
+"""Over several nodes, ZeRO alone is preferred to a pipeline/tensor split unless that split is
+estimated more than this fraction faster ("fast links")."""
 
 GLOBAL_BATCH_PER_GPU = 8
 """Default global batch: this many micro-batches per GPU."""
@@ -101,17 +108,37 @@ def layouts(model: ModelShape, cluster: Cluster, *, precision: str,
 
 def _simplicity(c: Candidate) -> tuple:
     cfg = c.layout
-    return (cfg.offload != "none", (cfg.pp > 1) + (cfg.tp > 1), cfg.zero,
-            RECOMPUTE.index(cfg.recompute), cfg.tp, cfg.pp, c.time.total)
+    return (cfg.offload != "none", (cfg.pp > 1) + (cfg.tp > 1), cfg.pp, cfg.tp,
+            RECOMPUTE.index(cfg.recompute), cfg.zero, c.time.total)
 
 
-def _recommend(ranked: list[Candidate]) -> Candidate:
+def _pick(cands: list[Candidate]) -> Candidate:
+    """The simplest of ``cands`` (ranked fastest first) within TOLERANCE of the fastest."""
+    fastest = cands[0].time.total
+    return min((c for c in cands if c.time.total <= fastest * (1 + TOLERANCE)), key=_simplicity)
+
+
+def _is_ddp(c: Candidate, cluster: Cluster) -> bool:
+    cfg = c.layout
+    return cfg.dp == cluster.gpus and cfg.zero == 0 and cfg.offload == "none"
+
+
+def _recommend(ranked: list[Candidate], cluster: Cluster) -> Candidate:
+    """Apply the rules of thumb (module doc of :mod:`.rules`) to the ranked candidates."""
     fitting = [c for c in ranked if c.fits]
     if not fitting:
         return min(ranked, key=lambda c: c.memory.total)
-    fastest = fitting[0].time.total
-    near = [c for c in fitting if c.time.total <= fastest * (1 + TOLERANCE)]
-    return min(near, key=_simplicity)
+    ddp = [c for c in fitting if _is_ddp(c, cluster)]
+    if ddp:
+        return _pick(ddp)
+    resident = [c for c in fitting if c.layout.offload == "none"]
+    if not resident:
+        return _pick(fitting)
+    if cluster.nodes > 1:
+        zero = [c for c in resident if c.layout.dp == cluster.gpus]
+        if zero and zero[0].time.total <= resident[0].time.total * (1 + ZERO_MARGIN):
+            return _pick(zero)
+    return _pick(resident)
 
 
 def _notes(model: ModelShape, global_batch: int, defaulted_batch: bool) -> list[str]:
@@ -128,6 +155,18 @@ def _notes(model: ModelShape, global_batch: int, defaulted_batch: bool) -> list[
     return notes
 
 
+def _single_gpu_bytes(model: ModelShape, cluster: Cluster, precision: str) -> float:
+    """Least memory the unsharded model needs on one GPU, over the recompute options."""
+    recomputes = RECOMPUTE if model.has_shape else ("none",)
+    return min(evaluate(ParallelConfig(precision=precision, recompute=r), model, cluster).memory.total
+               for r in recomputes)
+
+
+def _first(ranked: list[Candidate], keep: Callable[[ParallelConfig], bool]) -> Candidate | None:
+    """The fastest fitting candidate without offload whose layout passes ``keep``."""
+    return next((c for c in ranked if c.fits and c.layout.offload == "none" and keep(c.layout)), None)
+
+
 def plan(model: ModelShape, cluster: Cluster, *, precision: str = "bf16",
          global_batch: int | None = None) -> Plan:
     """Enumerate, score and rank layouts of ``model`` on ``cluster``; recommend one."""
@@ -142,12 +181,10 @@ def plan(model: ModelShape, cluster: Cluster, *, precision: str = "bf16",
     scored = [evaluate(cfg, model, cluster) for cfg in configs]
     ranked = (sorted((c for c in scored if c.fits), key=lambda c: c.time.total)
               + sorted((c for c in scored if not c.fits), key=lambda c: c.memory.total))
-    rec = _recommend(ranked)
-    single = evaluate(ParallelConfig(precision=precision, microbatches=batch // model.micro_batch),
-                      model, cluster)
-    zero_only = [c for c in ranked if c.fits and c.layout.pp == c.layout.tp == 1
-                 and c.layout.offload == "none"]
-    facts = Facts(cluster=cluster, single_gpu_bytes=single.memory.total,
-                  best_dp_only=zero_only[0] if zero_only else None,
-                  fits_without_offload=any(c.fits and c.layout.offload == "none" for c in ranked))
+    rec = _recommend(ranked, cluster)
+    facts = Facts(cluster=cluster, single_gpu_bytes=_single_gpu_bytes(model, cluster, precision),
+                  best_ddp=_first(ranked, lambda cfg: cfg.dp == cluster.gpus and cfg.zero == 0),
+                  best_dp_only=_first(ranked, lambda cfg: cfg.dp == cluster.gpus),
+                  fits_without_offload=any(c.fits and c.layout.offload == "none" for c in ranked),
+                  fastest=ranked[0] if ranked[0].fits else None)
     return Plan(ranked, rec, explain(rec, facts), _notes(model, batch, defaulted), batch)

@@ -105,7 +105,7 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
     traffic["tp"] = tp_ops(tp=cfg.tp, layers=layers, tokens=tokens, hidden=hidden, value_bytes=e,
                            microbatches=cfg.microbatches, first=rank == 0, last=rank == cfg.pp - 1,
                            sequence_parallel=cfg.sequence_parallel,
-                           replicated_grad_bytes=e * 6 * hidden * layers)
+                           partial_grad_bytes=e * 6 * hidden * layers)
     traffic["pp"] = pp_ops(pp=cfg.pp, rank=rank, virtual_stages=cfg.virtual_stages,
                            microbatches=cfg.microbatches, tokens=tokens, hidden=hidden,
                            value_bytes=e, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)

@@ -13,10 +13,13 @@ q bytes per gathered parameter value (both the compute dtype by default), m micr
 * TP (per microbatch, A = b*s*h values): tp.all_reduce of A, 2 per layer forward and 2 per layer
   backward, + 1 for the vocab-parallel embedding's forward (first stage), + 1 for the head
   input's backward (last stage), + 3 fp32 b*s-sized reductions of the vocab-parallel cross
-  entropy (max, sum of exponentials, target logit). Sequence parallel turns every A-sized
-  all_reduce into a reduce_scatter plus an all_gather of the same payload, and adds one
-  tp.all_reduce per step of the gradients of the parameters TP replicates (norms, biases,
-  positions), which then see only part of the sequence.
+  entropy (max, sum of exponentials, target logit). Sequence parallel (as trainmesh's
+  ``tensor_parallel`` does it): each layer's 4 all_reduces become 4 all_gathers + 4
+  reduce_scatters of A; the embedding keeps its forward all_reduce and adds a backward
+  all_gather (its output is split by sequence); the head gathers its input (all_gather forward,
+  reduce_scatter backward); and after every microbatch's backward the gradients of the
+  parameters TP replicates but sees only part of the sequence of (norms, row-parallel biases)
+  are all-reduced.
 * PP: per microbatch a rank sends and receives A (A/t with SP) once per boundary of each chunk
   it holds: pp.send = pp.recv = m*A*(chunks not last + chunks not first); for one chunk
   ``[stage < p-1] + [stage > 0]``.
@@ -81,20 +84,23 @@ def dp_ops(psi: float, *, dp: int, zero: int, microbatches: int, grad_bytes: int
 
 def tp_ops(*, tp: int, layers: int, tokens: int, hidden: int, value_bytes: int,
            microbatches: int, first: bool, last: bool, sequence_parallel: bool = False,
-           replicated_grad_bytes: float = 0.0) -> dict[str, float]:
-    """Payload per step on the TP axis of a rank holding ``layers`` blocks (tokens = b*s)."""
+           partial_grad_bytes: float = 0.0) -> dict[str, float]:
+    """Payload per step on the TP axis of a rank holding ``layers`` blocks (tokens = b*s).
+
+    ``partial_grad_bytes``: bytes of the replicated parameters' gradients that sequence
+    parallelism all-reduces after every microbatch's backward.
+    """
     ops: dict[str, float] = {}
     if tp == 1:
         return ops
     act = tokens * hidden * value_bytes
-    count = 4 * layers + int(first) + int(last)
     m = microbatches
     if sequence_parallel:
-        _add(ops, "reduce_scatter", m * count * act)
-        _add(ops, "all_gather", m * count * act)
-        _add(ops, "all_reduce", replicated_grad_bytes)
+        _add(ops, "all_reduce", m * (int(first) * act + partial_grad_bytes))
+        _add(ops, "all_gather", m * (4 * layers + int(first) + int(last)) * act)
+        _add(ops, "reduce_scatter", m * (4 * layers + int(last)) * act)
     else:
-        _add(ops, "all_reduce", m * count * act)
+        _add(ops, "all_reduce", m * (4 * layers + int(first) + int(last)) * act)
     if last:
         _add(ops, "all_reduce", m * 3 * tokens * 4)
     return ops

@@ -1,0 +1,47 @@
+"""Shared benchmark plumbing: the model, the data, timing and the result table."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from trainmesh.data import SyntheticCorpus
+from trainmesh.models.gpt import GPTConfig
+
+# The model of ../shared/bench/native_baseline.py's table: a small GPT, 2048 tokens per step.
+BENCH_GPT = GPTConfig(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=4)
+GLOBAL_BATCH = 16
+
+
+def batches(steps: int, seed: int = 0):
+    data = SyntheticCorpus(BENCH_GPT.vocab_size, BENCH_GPT.seq_len)
+    return [data.batch(seed, k, GLOBAL_BATCH) for k in range(steps)]
+
+
+def timed(fn: Callable[[], float]) -> tuple[float, float]:
+    """(seconds, loss) of one call, with a barrier so the slowest rank sets the time."""
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = fn()
+    dist.barrier()
+    return time.perf_counter() - t0, loss
+
+
+def report(name_a: str, times_a: list[float], name_b: str, times_b: list[float], tokens: int,
+           losses: tuple[list[float], list[float]] | None = None) -> str:
+    ma, mb = statistics.median(times_a), statistics.median(times_b)
+    lines = [f"| implementation | median step (s) | tokens/s |", "|---|---|---|",
+             f"| {name_a} | {ma:.4f} | {tokens / ma:,.0f} |",
+             f"| {name_b} | {mb:.4f} | {tokens / mb:,.0f} |",
+             "", f"ratio {name_a} / {name_b} tokens/s: **{mb / ma:.3f}x**"]
+    if losses:
+        diff = max(abs(a - b) for a, b in zip(*losses))
+        lines.append(f"max |loss difference| over all steps: {diff:.2e}")
+    return "\n".join(lines)
+
+
+def one_thread() -> None:
+    torch.set_num_threads(1)

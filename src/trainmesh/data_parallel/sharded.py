@@ -1,0 +1,173 @@
+"""What every ZeRO stage shares: an element-wise optimizer over flat shards, the gradient norm
+counted once per shard element, clipping and the overflow check on the shards, and the
+bookkeeping of transient communication memory.
+
+A stage subclass builds, in :meth:`ShardedSync._setup`, one flat shard ``nn.Parameter`` per
+optimizer group (what this rank updates) with its ``.grad`` (the reduced gradient shard), and
+lists which parameter each stretch of the gradient shard belongs to (for the norm).
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm import Comm, Handle
+from ..errors import ConfigError
+from .base import CountsFn, GradSync, OptimizerFactory, group_parameters
+
+# Optimizers whose update of an element depends only on that element's own history: they can
+# update any flat piece of a parameter. Anything else (LBFGS, Adafactor, Muon, ...) cannot.
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop)
+
+Groups = list[tuple[dict, list[tuple[str, nn.Parameter]]]]
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    """Refuse an optimizer ZeRO cannot shard (a class may opt in with ``elementwise = True``)."""
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or getattr(optimizer, "elementwise", False):
+        return
+    valid = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    raise ConfigError("optimizer", f"--zero {stage} updates flat shards that cut through parameters, "
+                      f"so it needs an element-wise optimizer ({valid}); got {type(optimizer).__name__} "
+                      "(use --zero 0 for it)")
+
+
+@dataclass
+class Flight:
+    """A reduction in flight: when done, ``out`` (maybe in ``buf``) lands in ``dst``."""
+
+    handle: Handle | None
+    buf: torch.Tensor            # the collective's input
+    out: torch.Tensor            # its output (this rank's chunk)
+    dst: torch.Tensor            # where the reduced chunk belongs (may be ``out`` itself)
+    accumulate: bool             # add into dst (ZeRO-2/3, once per microbatch) or copy
+    transient: bool              # ``buf`` is a transient buffer counted in comm memory
+
+
+class ShardedSync(GradSync):
+    """Base of the ZeRO stages over the mesh's DP axis."""
+
+    stage = 0
+    max_inflight = 2             # transient reductions in flight before the oldest is waited for
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
+                 bucket_mb: float = 25.0, find_unused_parameters: bool = False,
+                 reduce_dtype: torch.dtype | None = None) -> None:
+        super().__init__(named_params, comm)
+        self.find_unused = find_unused_parameters
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.reduce_dtype = reduce_dtype
+        self.device = named_params[0][1].device if named_params else torch.device("cpu")
+        self.rank_in_dp = comm.mesh.index("dp")
+        self.shard_params: list[nn.Parameter] = []      # one per optimizer group
+        self._norm_pieces: list[tuple[str, nn.Parameter, torch.Tensor]] = []
+        self._inflight: list[Flight] = []
+        self._live_bytes = 0
+        self._ready: set[int] = set()
+
+    # ---------------------------------------------------------------- set-up
+    @abstractmethod
+    def _setup(self, groups: Groups) -> None:
+        """Build the flat buffers and, per group, ``self.shard_params`` (with ``.grad``) and
+        ``self._norm_pieces``: (name, parameter, view of the gradient shard)."""
+
+    def build_optimizer(self, factory: OptimizerFactory,
+                        options: Callable[[str], dict] | None = None) -> torch.optim.Optimizer:
+        groups = group_parameters(self.named_params, options)
+        for _, named in groups:
+            dtypes = {p.dtype for _, p in named}
+            if len(dtypes) > 1:
+                raise ConfigError("model", f"ZeRO needs one dtype per parameter group; got {sorted(map(str, dtypes))}")
+        self._setup(groups)
+        if len(groups) == 1 and not groups[0][0]:
+            optimizer = factory([self.shard_params[0]])
+        else:
+            optimizer = factory([{**opts, "params": [sp]} for (opts, _), sp in zip(groups, self.shard_params)])
+        check_elementwise(optimizer, self.stage)
+        self.optimizer = optimizer
+        return optimizer
+
+    # ---------------------------------------------------------------- reductions
+    def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed transient communication buffer (counted in ``comm_buffer_peak_bytes``)."""
+        t = torch.zeros(numel, dtype=dtype, device=self.device)
+        self._count(t.numel() * t.element_size())
+        return t
+
+    def _count(self, nbytes: int) -> None:
+        self._live_bytes += nbytes
+        self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, self._live_bytes)
+
+    def _reduce_scatter(self, buf: torch.Tensor, dst: torch.Tensor, *, accumulate: bool,
+                        transient: bool) -> None:
+        """Reduce-scatter ``buf`` (world * chunk,) in place into this rank's chunk, async."""
+        chunk = buf.numel() // self.dp
+        out = buf[self.rank_in_dp * chunk : (self.rank_in_dp + 1) * chunk]
+        handle = self.comm.reduce_scatter(out, buf, "dp", async_op=True)
+        self._inflight.append(Flight(handle, buf, out, dst, accumulate, transient))
+        while sum(f.transient for f in self._inflight) > self.max_inflight:   # bound the memory
+            self._complete(self._inflight.pop(0))
+
+    def _complete(self, f: Flight) -> None:
+        if f.handle is not None:
+            f.handle.wait()
+        same = f.out.data_ptr() == f.dst.data_ptr() and f.out.dtype == f.dst.dtype
+        if f.accumulate:
+            f.dst.add_(f.out.view_as(f.dst))
+        elif not same:
+            f.dst.copy_(f.out.view_as(f.dst))
+        if f.transient:
+            self._live_bytes -= f.buf.numel() * f.buf.element_size()
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+
+    def _check_unused(self) -> None:
+        missing = [n for n, p in self.named_params if id(p) not in self._ready]
+        if missing and not self.find_unused:
+            raise RuntimeError(
+                f"rank {self.comm.mesh.rank}: parameters received no gradient: "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                "(pass find_unused_parameters=True to reduce them anyway)")
+
+    # ---------------------------------------------------------------- step
+    @property
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [sp.grad for sp in self.shard_params]
+
+    def grad_sq_sum(self, counts: CountsFn) -> torch.Tensor:
+        # Shards are disjoint over DP: every rank contributes its own elements, each once.
+        flags = [counts(name, p) for name, p, _ in self._norm_pieces]
+        if all(flags):   # padding is zero, so the whole shard is the same sum
+            parts = [g.float().pow(2).sum() for g in self.shard_grads]
+        else:
+            parts = [v.float().pow(2).sum() for (_, _, v), f in zip(self._norm_pieces, flags) if f]
+        return torch.stack(parts).sum() if parts else torch.zeros((), device=self.device)
+
+    def clip(self, coef: float) -> None:
+        for g in self.shard_grads:
+            g.mul_(coef)
+
+    def grads_finite(self) -> torch.Tensor:
+        flags = [torch.isfinite(g).all() for g in self.shard_grads]
+        return torch.stack(flags).all().float() if flags else torch.ones(())
+
+    def step(self) -> None:
+        assert self.optimizer is not None, "build_optimizer first"
+        self.optimizer.step()
+        self._after_step()
+
+    def _after_step(self) -> None:
+        """Make the parameters whole again (ZeRO-1/2 all-gather); nothing at ZeRO-3."""
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        opt = self.optimizer.state.values() if self.optimizer else []
+        return [t for st in opt for t in st.values() if torch.is_tensor(t)]

@@ -1,0 +1,198 @@
+"""ZeRO-1 and ZeRO-2: optimizer states (ZeRO-1) and gradients too (ZeRO-2) sharded over DP.
+
+Per optimizer group, the parameters live in one flat, padded buffer (each ``param.data`` is a
+view into it, laid out in reverse registration order, the order gradients tend to become
+ready) cut into equal buckets; this rank owns one chunk of every bucket (:mod:`.flat`). The
+optimizer updates a flat shard ``nn.Parameter`` that is a strided view of those chunks, so
+the update lands in the model's parameters; after the step every bucket is all-gathered in
+place.
+
+- ZeRO-1: like DDP, ``param.grad`` are views into a full flat gradient buffer that accumulates
+  over microbatches; during the last backward each bucket, once complete, is reduce-scattered
+  in place, so the reduced shard sits inside the gradient buffer (no copy). Traffic per step:
+  dp.reduce_scatter 4Ψ + dp.all_gather 4Ψ.
+- ZeRO-2: gradients are reduce-scattered during *every* microbatch's backward; a gradient is
+  copied into its bucket's transient buffer as soon as autograd produces it (and dropped from
+  ``param.grad``), the bucket goes out when complete, and the reduced chunk is added to this
+  rank's persistent gradient shard. Traffic: dp.reduce_scatter m·4Ψ + dp.all_gather 4Ψ.
+
+Buckets are launched strictly in one global order (the same on every rank), as in DDP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from .flat import FlatLayout, Slot
+from .sharded import Groups, ShardedSync
+
+
+@dataclass
+class _Group:
+    layout: FlatLayout
+    params: torch.Tensor             # (padded,) the model's parameters (views into it)
+    grads: torch.Tensor | None       # ZeRO-1: (padded,) every param.grad is a view into it
+    shard_grad: torch.Tensor         # (n_buckets, chunk): ZeRO-1 a view of grads, ZeRO-2 its own
+
+
+@dataclass
+class _Bucket:
+    group: int
+    index: int                        # bucket index within its group's layout
+    slots: list[tuple[Slot, int, int]]
+    pending: int = 0
+    staging: torch.Tensor | None = None   # ZeRO-2: the bucket's full gradient, transient
+
+
+class Zero12(ShardedSync):
+    """ZeRO stage 1 or 2 over the mesh's DP axis."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *, stage: int,
+                 **kwargs) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"Zero12 implements stages 1 and 2; got {stage}")
+        super().__init__(named_params, comm, **kwargs)
+        self.stage = stage
+        self.groups: list[_Group] = []
+        self.buckets: list[_Bucket] = []
+        self._buckets_of: dict[int, list[_Bucket]] = {}
+        self._sync = False
+        self._next = 0
+        self._remaining: dict[int, int] | None = None
+
+    # ---------------------------------------------------------------- set-up
+    @torch.no_grad()
+    def _setup(self, groups: Groups) -> None:
+        order = {id(p): i for i, (_, p) in enumerate(reversed(self.named_params))}
+        keyed: list[tuple[int, int, _Bucket]] = []
+        for gi, (_, named) in enumerate(groups):
+            named = sorted(named, key=lambda item: order[id(item[1])])
+            dtype = named[0][1].dtype
+            layout = FlatLayout(named, world=self.dp, rank=self.rank_in_dp,
+                                bucket_numel=max(1, self.bucket_bytes // dtype.itemsize))
+            params = layout.new(dtype, self.device)
+            layout.fill(params)
+            for s in layout.slots:
+                s.param.data = layout.view(params, s)
+            grads = layout.new(dtype, self.device) if self.stage == 1 else None
+            if grads is not None:
+                for s in layout.slots:
+                    s.param.grad = layout.view(grads, s)
+            shard_grad = (layout.shard(grads) if grads is not None
+                          else torch.zeros(layout.n_buckets, layout.chunk, dtype=dtype, device=self.device))
+            shard = nn.Parameter(layout.shard(params))
+            shard.grad = shard_grad
+            self.shard_params.append(shard)
+            self.groups.append(_Group(layout, params, grads, shard_grad))
+            for piece in layout.shard_pieces():
+                self._norm_pieces.append((piece.slot.name, piece.slot.param,
+                                          shard_grad[piece.bucket, piece.lo : piece.hi]))
+            for b in range(layout.n_buckets):
+                slots = layout.slots_in(b)
+                key = max((order[id(s.param)] for s, _, _ in slots), default=-1)
+                keyed.append((key, gi, _Bucket(gi, b, slots)))
+        self.buckets = [b for _, _, b in sorted(keyed, key=lambda t: (t[0], t[1], t[2].index))]
+        for bucket in self.buckets:
+            for s, _, _ in bucket.slots:
+                self._buckets_of.setdefault(id(s.param), []).append(bucket)
+        for _, p in self.named_params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # ---------------------------------------------------------------- backward
+    def before_backward(self, *, is_last: bool) -> None:
+        if self.stage == 2 and self._sync:
+            self._launch_ready(force=True)   # a previous microbatch left parameters without grads
+        self._sync = is_last or self.stage == 2
+        self._remaining = None
+        self._next, self._ready = 0, set()
+        for b in self.buckets:
+            b.pending = len(b.slots)
+
+    def expect_backwards(self, n: int) -> None:
+        """Pipeline mode: reduce each gradient once, after its ``n``-th backward."""
+        self.before_backward(is_last=True)
+        self._remaining = {id(p): n for _, p in self.named_params}
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if self._remaining is not None:
+            self._remaining[id(p)] -= 1
+            if self._remaining[id(p)] > 0:
+                return
+        self._ready.add(id(p))
+        if not self._sync:
+            return
+        buckets = self._buckets_of[id(p)]
+        if self.stage == 2:
+            self._stage_grad(p, buckets)
+        for b in buckets:
+            b.pending -= 1
+        self._launch_ready()
+
+    def _stage_grad(self, p: nn.Parameter, buckets: list[_Bucket]) -> None:
+        """ZeRO-2: copy ``p.grad`` into its buckets' transient buffers, then drop it."""
+        grad = p.grad.reshape(-1)
+        for b in buckets:
+            layout = self.groups[b.group].layout
+            if b.staging is None:
+                b.staging = self._alloc(layout.bucket_numel, self.reduce_dtype or grad.dtype)
+            base = b.index * layout.bucket_numel
+            for s, lo, hi in b.slots:
+                if s.param is p:
+                    b.staging[lo - base : hi - base].copy_(grad[lo - s.start : hi - s.start])
+        p.grad = None
+
+    def _launch_ready(self, force: bool = False) -> None:
+        """Launch complete buckets strictly in bucket order (same sequence on every rank)."""
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.pending > 0 and not force:
+                return
+            self._launch(b)
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        g = self.groups[b.group]
+        dst = g.shard_grad[b.index]
+        if self.stage == 1:
+            buf = g.layout.bucket(g.grads, b.index)
+            transient = self.reduce_dtype is not None and self.reduce_dtype != buf.dtype
+            if transient:   # reduce in reduce_dtype: a cast copy, then the shard is copied back
+                staged = self._alloc(buf.numel(), self.reduce_dtype)
+                buf = staged.copy_(buf)
+            self._reduce_scatter(buf, dst, accumulate=False, transient=transient)
+        else:
+            buf = b.staging if b.staging is not None else self._alloc(
+                g.layout.bucket_numel, self.reduce_dtype or g.params.dtype)
+            b.staging = None
+            self._reduce_scatter(buf, dst, accumulate=True, transient=True)
+
+    def finish(self, scale: float) -> None:
+        if self._sync:
+            self._check_unused()
+            self._launch_ready(force=True)
+        self._drain()
+        if scale != 1.0:
+            for g in self.groups:
+                g.shard_grad.mul_(scale)
+
+    # ---------------------------------------------------------------- step
+    def _after_step(self) -> None:
+        """All-gather every bucket of the updated parameters, in place."""
+        handles = [self.comm.all_gather(g.layout.bucket(g.params, b), g.layout.chunk_of(g.params, b),
+                                        "dp", async_op=True)
+                   for g in self.groups for b in range(g.layout.n_buckets)]
+        for h in handles:
+            if h is not None:
+                h.wait()
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            (g.grads if g.grads is not None else g.shard_grad).zero_()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        grads = [g.grads if g.grads is not None else g.shard_grad for g in self.groups]
+        return {"params": [g.params for g in self.groups], "grads": grads,
+                "optimizer": self._optimizer_tensors()}

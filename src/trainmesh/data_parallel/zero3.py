@@ -1,0 +1,364 @@
+"""ZeRO-3, FSDP style: parameters, gradients and optimizer states all sharded over DP.
+
+The model is cut into *units* (:func:`find_units`): every element of a layer list
+(``ModuleList``/``Sequential``, e.g. each GPT block), every other child that owns parameters,
+and the root for whatever is left (a parameter shared by modules of different units belongs to
+their closest common unit). Per unit and optimizer group, the parameters form one flat padded
+buffer of which this rank keeps a fp32 chunk, inside the group's flat shard — the
+``nn.Parameter`` the optimizer updates. A unit's full parameters exist only around its use:
+
+- forward: a pre-hook gathers the unit (all_gather, in the compute dtype: FSDP2-style mixed
+  precision) and prefetches the next unit of the previous forward's order; a post-hook frees it
+  and hooks the unit's outputs, whose gradient marks the start of the unit's backward;
+- backward: that hook gathers the unit again (prefetching the next unit of backward); once every
+  parameter of the unit has its gradient (post-accumulate-grad hooks) the gradients are copied
+  into a transient buffer in ``reduce_dtype`` and reduce-scattered into this rank's fp32 gradient
+  shard, and the unit is freed.
+
+Freeing resizes the storage of the unit's gathered buffer to zero (so tensors autograd saved,
+including views of parameters, see the data again after the next gather) and points every
+``param.data`` at an empty tensor (touching a freed parameter fails instead of reading freed
+memory). Under activation recomputation a unit's forward re-runs inside backward: it is then
+gathered (if not yet) and kept for its backward. Traffic per step with m microbatches:
+dp.all_gather 2m·Ψ·(compute bytes), dp.reduce_scatter m·Ψ·(reduce bytes).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from ..comm import Comm, Handle
+from .flat import FlatLayout, Slot
+from .sharded import Groups, ShardedSync
+
+
+class _State(enum.Enum):
+    FREE = 0
+    GATHERING = 1
+    GATHERED = 2
+
+
+@dataclass
+class _Piece:
+    """A unit's parameters of one optimizer group: one flat buffer, one all-gather."""
+
+    group: int
+    layout: FlatLayout        # a single bucket: padded = world * chunk
+    offset: int               # where this piece starts in the unit's gathered buffer
+    shard_start: int          # where this rank's chunk starts in the group's shard
+
+
+@dataclass
+class _Unit:
+    name: str
+    module: nn.Module
+    pieces: list[_Piece] = field(default_factory=list)
+    full: torch.Tensor | None = None                     # gathered params (storage freed when FREE)
+    views: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    state: _State = _State.FREE
+    handles: list[Handle | None] = field(default_factory=list)
+    sends: list[torch.Tensor] = field(default_factory=list)
+    reduce_bufs: list[torch.Tensor] | None = None
+    n_params: int = 0
+    pending: int = 0
+    done: bool = True         # its gradients were reduced in this microbatch's backward
+
+    @property
+    def nbytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+
+def _is_list(m: nn.Module) -> bool:
+    return isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def find_units(root: nn.Module) -> list[str]:
+    """Module paths of the units, outermost first; the root ("") is always a candidate."""
+    units = [""]
+
+    def add_children(m: nn.Module, prefix: str) -> None:
+        for name, child in m.named_children():
+            if _has_params(child):
+                units.append(prefix + name)
+
+    def walk(m: nn.Module, prefix: str) -> None:
+        for name, child in m.named_children():
+            path = prefix + name
+            if not _has_params(child):
+                continue
+            if _is_list(child):
+                add_children(child, path + ".")
+            elif any(_is_list(d) for d in child.modules() if d is not child):
+                walk(child, path + ".")
+            else:
+                units.append(path)
+
+    if isinstance(root, nn.Sequential):
+        add_children(root, "")
+    else:
+        walk(root, "")
+    return units
+
+
+def _owner(paths: list[str], units: list[str]) -> str:
+    """The deepest unit that contains every module path in ``paths``."""
+    def inside(path: str, unit: str) -> bool:
+        return unit == "" or path == unit or path.startswith(unit + ".")
+    return max((u for u in units if all(inside(p, u) for p in paths)), key=len)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _tensors(v)]
+    return []
+
+
+class Zero3(ShardedSync):
+    """ZeRO stage 3 over the mesh's DP axis (any ``nn.Module``; units found automatically)."""
+
+    stage = 3
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
+                 module: nn.Module, param_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(named_params, comm, **kwargs)
+        self.module = module
+        self.param_dtype = param_dtype
+        self.units: list[_Unit] = []
+        self.group_shards: list[torch.Tensor] = []
+        self._unit_of: dict[int, _Unit] = {}
+        self._slot_of: dict[int, tuple[int, Slot]] = {}
+        self._fwd: list[_Unit] = []          # this forward's pre-forward order
+        self._last_fwd: list[_Unit] = []     # the previous forward's (drives forward prefetch)
+        self._post: list[_Unit] = []         # this forward's post-forward order
+        self._bwd: list[_Unit] = []          # expected backward order: reversed post-forward
+        self._bwd_pos = 0
+        self._in_bwd = False
+
+    # ---------------------------------------------------------------- set-up
+    @torch.no_grad()
+    def _setup(self, groups: Groups) -> None:
+        paths: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            paths.setdefault(id(p), []).append(name.rpartition(".")[0])
+        unit_names = find_units(self.module)
+        modules = dict(self.module.named_modules())
+        group_of = {id(p): gi for gi, (_, named) in enumerate(groups) for _, p in named}
+        owned: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        for name, p in self.named_params:
+            owned.setdefault(_owner(paths[id(p)], unit_names), []).append((name, p))
+        sizes = [0] * len(groups)
+        for uname in unit_names:
+            if uname not in owned:
+                continue
+            unit = _Unit(uname, modules[uname])
+            offset = 0
+            for gi in range(len(groups)):
+                named = [(n, p) for n, p in owned[uname] if group_of[id(p)] == gi]
+                if not named:
+                    continue
+                layout = FlatLayout(named, world=self.dp, rank=self.rank_in_dp)
+                unit.pieces.append(_Piece(gi, layout, offset, sizes[gi]))
+                offset += layout.padded
+                sizes[gi] += layout.chunk
+            unit.n_params = len(owned[uname])
+            self.units.append(unit)
+        dtypes = [groups[gi][1][0][1].dtype for gi in range(len(groups))]
+        self.group_shards = [torch.zeros(n, dtype=dt, device=self.device) for n, dt in zip(sizes, dtypes)]
+        for shard in self.group_shards:
+            sp = nn.Parameter(shard)
+            sp.grad = torch.zeros_like(shard)
+            self.shard_params.append(sp)
+        for unit in self.units:
+            self._shard_unit(unit)
+        for _, p in self.named_params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(partial(self._post_forward, unit))
+
+    def _shard_unit(self, unit: _Unit) -> None:
+        """Keep this rank's chunk of the unit's parameters; point them at the gathered buffer."""
+        dtype = self.param_dtype or self.group_shards[unit.pieces[0].group].dtype
+        unit.full = torch.zeros(sum(pc.layout.padded for pc in unit.pieces), dtype=dtype, device=self.device)
+        for pi, pc in enumerate(unit.pieces):
+            flat = pc.layout.new(self.group_shards[pc.group].dtype, self.device)
+            pc.layout.fill(flat)
+            self._chunk(pc).copy_(pc.layout.chunk_of(flat, 0))
+            grad = self.shard_params[pc.group].grad[pc.shard_start : pc.shard_start + pc.layout.chunk]
+            for sp in pc.layout.shard_pieces():
+                self._norm_pieces.append((sp.slot.name, sp.slot.param, grad[sp.lo : sp.hi]))
+            for s in pc.layout.slots:
+                unit.views.append((s.param, unit.full[pc.offset + s.start : pc.offset + s.end].view(s.shape)))
+                self._unit_of[id(s.param)] = unit
+                self._slot_of[id(s.param)] = (pi, s)
+        unit.pending = unit.n_params
+        unit.state = _State.GATHERED
+        self._count(unit.nbytes)
+        self._free(unit)
+
+    def _chunk(self, pc: _Piece) -> torch.Tensor:
+        return self.group_shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
+
+    # ---------------------------------------------------------------- gather / free
+    def _gather(self, unit: _Unit, *, wait: bool) -> None:
+        if unit.state is _State.FREE:
+            unit.full.untyped_storage().resize_(unit.nbytes)
+            self._count(unit.nbytes)
+            unit.handles, unit.sends = [], []
+            for pc in unit.pieces:
+                send = self._chunk(pc)
+                if send.dtype != unit.full.dtype:     # mixed precision: gather in the compute dtype
+                    send = send.to(unit.full.dtype)
+                    unit.sends.append(send)
+                    self._count(send.numel() * send.element_size())
+                out = unit.full[pc.offset : pc.offset + pc.layout.padded]
+                unit.handles.append(self.comm.all_gather(out, send, "dp", async_op=True))
+            unit.state = _State.GATHERING
+        if wait and unit.state is _State.GATHERING:
+            for h in unit.handles:
+                if h is not None:
+                    h.wait()
+            for s in unit.sends:
+                self._live_bytes -= s.numel() * s.element_size()
+            unit.handles, unit.sends = [], []
+            for p, view in unit.views:
+                p.data = view
+            unit.state = _State.GATHERED
+
+    def _free(self, unit: _Unit) -> None:
+        if unit.state is _State.FREE:
+            return
+        self._gather(unit, wait=True)   # never free memory a collective is writing
+        empty = torch.empty(0, dtype=unit.full.dtype, device=self.device)
+        for p, _ in unit.views:
+            p.data = empty
+        unit.full.untyped_storage().resize_(0)
+        self._live_bytes -= unit.nbytes
+        unit.state = _State.FREE
+
+    # ---------------------------------------------------------------- forward hooks
+    @staticmethod
+    def _in_autograd() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any) -> None:
+        if self._in_autograd():          # recomputation inside backward: keep it for its backward
+            self._gather(unit, wait=True)
+            return
+        i = len(self._fwd)
+        self._fwd.append(unit)
+        self._gather(unit, wait=True)
+        last = self._last_fwd
+        if i + 1 < len(last) and last[i] is unit and last[i + 1] is not unit:
+            self._gather(last[i + 1], wait=False)         # prefetch the next unit
+
+    def _post_forward(self, unit: _Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if self._in_autograd():
+            return
+        self._free(unit)
+        self._post.append(unit)
+        outs = [t for t in _tensors(output) if t.requires_grad]
+        if outs and torch.is_grad_enabled():
+            register_multi_grad_hook(outs, lambda _: self._pre_backward(unit), mode="any")
+
+    # ---------------------------------------------------------------- backward hooks
+    def _pre_backward(self, unit: _Unit) -> None:
+        if not self._in_bwd:
+            self._in_bwd = True
+            self._bwd, self._bwd_pos = list(reversed(self._post)), 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if unit.done:
+            return
+        self._gather(unit, wait=True)
+        for j in range(self._bwd_pos, len(self._bwd)):
+            if self._bwd[j] is unit:
+                self._bwd_pos = j + 1
+                nxt = self._bwd[j + 1] if j + 1 < len(self._bwd) else None
+                if nxt is not None and not nxt.done:
+                    self._gather(nxt, wait=False)         # prefetch the next unit of backward
+                break
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        unit = self._unit_of[id(p)]
+        self._ready.add(id(p))
+        pi, slot = self._slot_of[id(p)]
+        if unit.reduce_bufs is None:
+            unit.reduce_bufs = [self._alloc(pc.layout.padded, self.reduce_dtype or p.grad.dtype)
+                                for pc in unit.pieces]
+        unit.reduce_bufs[pi][slot.start : slot.end].copy_(p.grad.reshape(-1))
+        p.grad = None
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._post_backward(unit)
+
+    def _post_backward(self, unit: _Unit) -> None:
+        """Reduce-scatter the unit's gradients into the gradient shards; free the unit."""
+        bufs = unit.reduce_bufs or [self._alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
+                                    for pc in unit.pieces]
+        unit.reduce_bufs = None
+        for pc, buf in zip(unit.pieces, bufs):
+            dst = self.shard_params[pc.group].grad[pc.shard_start : pc.shard_start + pc.layout.chunk]
+            self._reduce_scatter(buf, dst, accumulate=True, transient=True)
+        unit.done = True
+        self._free(unit)
+
+    def _end_of_backward(self) -> None:
+        """Reduce every unit no hook reduced (unused parameters: zeros, so every rank issues the
+        same collectives), free every unit still gathered. Idempotent."""
+        for unit in self.units:
+            if not unit.done:
+                self._post_backward(unit)
+            self._free(unit)
+        self._in_bwd = False
+
+    # ---------------------------------------------------------------- the seam
+    def before_backward(self, *, is_last: bool) -> None:
+        self._end_of_backward()          # the previous microbatch's, if its callback did not run
+        if self._fwd:
+            self._last_fwd = self._fwd
+        self._fwd, self._post, self._ready = [], [], set()
+        for unit in self.units:
+            unit.pending, unit.done = unit.n_params, False
+
+    def finish(self, scale: float) -> None:
+        self._check_unused()
+        self._end_of_backward()
+        self._drain()
+        if scale != 1.0:
+            for g in self.shard_grads:
+                g.mul_(scale)
+
+    def zero_grad(self) -> None:
+        for g in self.shard_grads:
+            g.zero_()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": list(self.group_shards), "grads": self.shard_grads,
+                "optimizer": self._optimizer_tensors()}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights on every DP rank (a collective: call it on all of them)."""
+        values: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            for pc in unit.pieces:
+                flat = pc.layout.new(self.group_shards[pc.group].dtype, self.device)
+                self.comm.all_gather(flat, self._chunk(pc), "dp")
+                for s in pc.layout.slots:
+                    values[id(s.param)] = pc.layout.view(flat, s).clone()
+        return {name: values[id(t)] if id(t) in values else t.detach().clone()
+                for name, t in self.module.state_dict(keep_vars=True).items()}

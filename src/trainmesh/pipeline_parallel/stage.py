@@ -1,0 +1,180 @@
+"""What one pipeline rank holds: its stage chunks, the module of its parameters, the loss protocol.
+
+The bring-your-own-model protocol (docs/PIPELINE.md, "Running a pipeline"):
+
+* the layers: ``model.pipeline_layers()`` (ordered), or the model is an ``nn.Sequential`` /
+  a list of modules; each layer takes one tensor and returns one tensor;
+* the first stage's input: ``model.pipeline_input(batch)`` if defined, else ``batch["input_ids"]``
+  (dict batch), ``batch[0]`` (tuple/list batch) or the batch itself (a tensor);
+* the loss after the last layer, in order of precedence: the executor's ``pipeline_loss_fn``
+  argument, ``model.pipeline_loss(output, batch)``, or ``model.criterion(output,
+  batch["labels"])`` (the built-in GPT). It returns a mean loss or a ``(loss_sum, count)`` pair,
+  as the engine's ``loss_fn`` does. (The engine's ``loss_fn(model, batch)`` runs the whole
+  model, so a pipeline cannot split it.)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .partition import NamedLayer
+
+PipelineLossFn = Callable[[torch.Tensor, Any], Any]
+"""(last stage's output, microbatch) -> mean loss or (loss_sum, count)."""
+
+
+class Chunk:
+    """One (virtual) stage: consecutive layers run in order, one tensor in, one tensor out.
+
+    Holds references only; the parameters are registered (with their names) in :class:`LocalModule`.
+    """
+
+    def __init__(self, stage: int, layers: list[NamedLayer]) -> None:
+        self.stage = stage
+        self.names = [name for name, _ in layers]
+        self.layers = [layer for _, layer in layers]
+
+    def __call__(self, x: Any) -> torch.Tensor:
+        for name, layer in zip(self.names, self.layers):
+            x = layer(x)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"pipeline layer {name!r} returned {type(x).__name__}; every "
+                                "pipeline layer must return a single tensor")
+        return x
+
+
+class LocalModule(nn.Module):
+    """The layers this rank holds, registered under their names in the full model.
+
+    ``named_parameters()`` therefore yields ``blocks.3.attn.q.weight`` etc., so checkpoints,
+    parameter groups and the gradient norm see the full model's names.
+    """
+
+    def __init__(self, layers: list[NamedLayer]) -> None:
+        super().__init__()
+        for name, layer in layers:
+            _attach(self, name, layer)
+
+
+def _attach(root: nn.Module, name: str, layer: nn.Module) -> None:
+    """Register ``layer`` at dotted path ``name`` under ``root``, creating empty containers."""
+    *parents, leaf = name.split(".")
+    node = root
+    for part in parents:
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            node.add_module(part, child)
+        node = child
+    node.add_module(leaf, layer)
+
+
+@torch.no_grad()
+def release_layers(dropped: list[nn.Module], kept: list[nn.Module]) -> None:
+    """Move the parameters and buffers of layers this rank does not hold to the meta device.
+
+    Parameters shared with a kept layer (tied weights) stay. The storage is freed, so a rank
+    really holds ~1/pp of the model (the user's model object keeps meta placeholders).
+    """
+    keep = {id(t) for m in kept for t in (*m.parameters(), *m.buffers())}
+    for layer in dropped:
+        for mod in layer.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) not in keep and not p.is_meta:
+                    mod._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+            for name, b in list(mod._buffers.items()):
+                if b is not None and id(b) not in keep and not b.is_meta:
+                    mod._buffers[name] = b.to("meta")
+
+
+class LossProtocol:
+    """How the pipeline feeds the first stage and scores the last (see the module docstring)."""
+
+    def __init__(self, model: Any, pipeline_loss_fn: PipelineLossFn | None = None) -> None:
+        self.model = model
+        self.explicit = pipeline_loss_fn
+
+    def input_of(self, batch: Any) -> torch.Tensor:
+        """The first stage's input tensor of one microbatch."""
+        fn = getattr(self.model, "pipeline_input", None)
+        if callable(fn):
+            return fn(batch)
+        if isinstance(batch, dict):
+            if "input_ids" not in batch:
+                raise ConfigError("pp", "a dict batch needs an 'input_ids' entry for the first "
+                                        "stage (or define model.pipeline_input(batch))")
+            return batch["input_ids"]
+        if isinstance(batch, (tuple, list)):
+            return batch[0]
+        if isinstance(batch, torch.Tensor):
+            return batch
+        raise ConfigError("pp", f"cannot find the first stage's input in a {type(batch).__name__} "
+                                "batch; define model.pipeline_input(batch)")
+
+    def check(self) -> None:
+        """Raise now (at set-up) if no loss can be found."""
+        if (self.explicit is None and not callable(getattr(self.model, "pipeline_loss", None))
+                and not callable(getattr(self.model, "criterion", None))):
+            raise ConfigError("pp", "the last pipeline stage needs a loss: pass pipeline_loss_fn="
+                                    "(output, batch) -> loss, or define model.pipeline_loss(output, "
+                                    "batch) or model.criterion(output, labels)")
+
+    def loss(self, output: torch.Tensor, batch: Any) -> Any:
+        """The last stage's loss on one microbatch: a mean or (loss_sum, count)."""
+        if self.explicit is not None:
+            return self.explicit(output, batch)
+        fn = getattr(self.model, "pipeline_loss", None)
+        if callable(fn):
+            return fn(output, batch)
+        labels = batch["labels"] if isinstance(batch, dict) else batch[1]
+        return self.model.criterion(output, labels)
+
+
+class ActivationTracker:
+    """Bytes of activations kept alive for a later backward, per (stage, microbatch).
+
+    A pair's bytes are the distinct storages autograd saved during its forward (parameters
+    excluded) plus its kept input and output. ``peak_bytes`` is the high-water mark of the sum
+    over live pairs within a step. Off by default (a Python hook per saved tensor).
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.live: dict[tuple[int, int], int] = {}
+        self.current = self.peak_bytes = 0
+        self._seen: dict[int, int] | None = None
+
+    def reset(self) -> None:
+        self.live.clear()
+        self.current = self.peak_bytes = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._seen is not None:
+            s = t.untyped_storage()
+            if s.data_ptr() not in self.param_storages:
+                self._seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    def record(self, key: tuple[int, int], fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple:
+        """Run ``fn`` (a forward returning its kept tensors) and book what it saved under ``key``."""
+        self._seen = {}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                out = fn()
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self._pack(t)
+            nbytes = sum(self._seen.values())
+        finally:
+            self._seen = None
+        self.live[key] = nbytes
+        self.current += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current)
+        return out
+
+    def free(self, key: tuple[int, int]) -> None:
+        self.current -= self.live.pop(key, 0)

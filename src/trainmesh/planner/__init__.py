@@ -1,0 +1,20 @@
+"""The planner: which parallel layout to use when, from a memory, traffic and time model.
+
+* :mod:`.memory`      model states per GPU (ZeRO accounting)
+* :mod:`.activations` activation memory (Korthikanti et al. 2022; the built-in GPT's own count)
+* :mod:`.traffic`     bytes per step per mesh axis and op (payload and ring wire bytes)
+* :mod:`.steptime`    FLOPs over throughput, exposed communication, pipeline bubble
+* :mod:`.candidate`   one layout scored; :mod:`.advisor` enumerates, ranks, recommends;
+  :mod:`.rules` says why
+* :mod:`.predict`     what ``trainmesh train --metrics-out`` will measure for one layout
+
+``trainmesh plan`` (``trainmesh.cli.plan``) is the command line over these.
+"""
+from .advisor import Plan, plan
+from .candidate import Candidate, evaluate
+from .cluster import Cluster
+from .memory import MemoryBreakdown, ModelStates, model_states
+from .shapes import ModelShape
+
+__all__ = ["Candidate", "Cluster", "MemoryBreakdown", "ModelShape", "ModelStates", "Plan",
+           "evaluate", "model_states", "plan"]

@@ -1,0 +1,69 @@
+"""The built-in GPT (``trainmesh.models.gpt``) as a rank holds it under a dp x pp x tp layout.
+
+Parameters (d model width, f = 4d MLP width, V vocabulary, S positions, L blocks), per tensor
+parallel rank of t, following trainmesh's Megatron plan (``tensor_parallel.plan.gpt_plan``):
+
+* embedding (first pipeline rank): ``embed.wte`` vocab-parallel ``V/t x d``; ``embed.wpe``
+  replicated ``S x d``;
+* each block: q, k, v and fc column-parallel (weights and biases split), attention ``proj`` and
+  MLP ``proj`` row-parallel (weights split, biases replicated), two LayerNorms replicated:
+  ``(4d^2 + 2df + 3d + f)/t + 6d``; sequence parallelism all-reduces the gradients of the 6d
+  replicated norm and bias values;
+* head (last pipeline rank): ``head.ln_f`` replicated ``2d``, ``head.out`` vocab-parallel
+  ``V/t x d``. With t = 1 the total is ``2Vd + Sd + L(12d^2 + 13d) + 2d``.
+
+Pipeline: the L blocks are cut into ``pp * v`` consecutive chunks as evenly as possible, the
+first chunks taking one extra block when L does not divide; rank r holds chunks
+``r, r + pp, ...`` (round-robin, :mod:`trainmesh.pipeline_parallel.schedules`); the embedding
+rides with chunk 0 and the head with the last chunk.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..models.gpt import GPTConfig
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """The part of the GPT one pipeline/tensor rank holds."""
+
+    blocks: int
+    """Transformer blocks on this rank (all its chunks)."""
+    first: bool
+    """Holds the embedding (chunk 0)."""
+    last: bool
+    """Holds the head (last chunk)."""
+    params: int
+    """Parameter values this rank holds (its TP shards)."""
+    tensors: int
+    """Parameter tensors this rank holds."""
+    partial_grad_params: int
+    """Replicated values whose gradients sequence parallelism all-reduces over tp."""
+
+
+def chunk_sizes(layers: int, chunks: int) -> list[int]:
+    """Blocks per chunk: even, the first ``layers % chunks`` chunks one more."""
+    return [layers // chunks + (1 if i < layers % chunks else 0) for i in range(chunks)]
+
+
+def block_params(cfg: GPTConfig, tp: int) -> int:
+    d, f = cfg.d_model, cfg.d_ff
+    return (4 * d * d + 2 * d * f + 3 * d + f) // tp + 6 * d
+
+
+def rank_model(cfg: GPTConfig, *, pp: int, tp: int, rank: int, virtual_stages: int = 1) -> RankModel:
+    """What pipeline ``rank`` holds, per TP shard."""
+    chunks = pp * virtual_stages
+    sizes = chunk_sizes(cfg.n_layers, chunks)
+    mine = range(rank, chunks, pp)
+    blocks = sum(sizes[c] for c in mine)
+    first, last = 0 in mine, chunks - 1 in mine
+    d, vocab_rows = cfg.d_model, math.ceil(cfg.vocab_size / tp)
+    params = blocks * block_params(cfg, tp)
+    params += (vocab_rows * d + cfg.seq_len * d) if first else 0
+    params += (2 * d + vocab_rows * d) if last else 0
+    tensors = 16 * blocks + 2 * int(first) + 3 * int(last)
+    partial = 6 * d * blocks + 2 * d * int(last)
+    return RankModel(blocks, first, last, params, tensors, partial)

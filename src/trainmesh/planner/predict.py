@@ -1,0 +1,214 @@
+"""Predict what ``trainmesh train --metrics-out`` measures for one layout of the built-in GPT.
+
+For every rank: ``model_state_bytes`` (the ZeRO accounting of :mod:`.memory` on the rank's own
+parameters, :mod:`.builtin`), ``comm_bytes_per_step`` (:mod:`.traffic`, CONTRACT.md's keys and
+payload convention) and ``peak_mem_bytes``. The first two are exact up to ZeRO shard padding and
+a few bytes of scalars; compare them within 1%. The peak is a model of process RSS on CPU::
+
+    peak = base + model states + 1.3 x activations in flight + logits gradient (last stage)
+
+``base`` = 320 MiB on CPU: importing torch is ~220 MiB of RSS (torch 2.13 CPU), gloo and
+trainmesh's own imports bring a worker to ~303 MiB before its model, and the first
+forward/backward/optimizer step adds ~17 MiB of runtime (autograd, thread pools). The 0.3 x
+activations on top is the backward's working set (activation gradients) plus allocator slack
+(glibc keeps freed blocks resident). Both constants were fitted on seven CPU runs of the tiny
+and small presets (DDP, TP, TP+SP, SGD, accumulation), which they match within 11%. On CUDA
+the summary reports ``max_memory_allocated``, so ``base`` is 0 there (not yet calibrated on a
+GPU). Compare the peak within 20%.
+Activations follow :mod:`.activations` (the built-in GPT's own count; pipeline microbatches in
+flight per schedule). Mixed precision is predicted ZeRO-paper style (16-bit parameters and
+gradients, fp32 master in the optimizer states); AdamW's per-tensor ``step`` counters (4 bytes
+per parameter tensor, or per flat shard under ZeRO) are included.
+
+The lead's measured-vs-predicted check calls :func:`predict_run` with the run's
+:class:`~trainmesh.train_config.TrainConfig` and :func:`compare` with the metrics summary.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ParallelConfig
+from ..models.gpt import GPTConfig
+from .activations import (gpt_block_bytes, gpt_block_input_bytes, gpt_head_bytes,
+                          inflight_stages)
+from .builtin import RankModel, rank_model
+from .memory import element_bytes, model_states
+from .traffic import AXES, Traffic, dp_ops, other_ops, pp_ops, tp_ops
+
+BASE_RSS_BYTES = 320 * 2**20
+"""Process RSS of a CPU trainmesh worker with no model: imports + first-step runtime."""
+
+BACKWARD_WORKING_SET = 0.3
+"""Extra peak memory during backward, as a fraction of the activations kept (fitted on CPU)."""
+
+TOLERANCE = {"model_state_bytes": 0.01, "comm_bytes_per_step": 0.01, "peak_mem_bytes": 0.2}
+"""Relative tolerance of each predicted field."""
+
+
+@dataclass(frozen=True)
+class RankPrediction:
+    """One rank's predicted ``ranks[i]`` entry of the metrics summary."""
+
+    rank: int
+    coords: dict[str, int]
+    model_state_bytes: dict[str, int]
+    comm_bytes_per_step: dict[str, dict[str, int]]
+    activation_bytes: int
+    peak_mem_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "coords": self.coords, "model_state_bytes": self.model_state_bytes,
+                "comm_bytes_per_step": self.comm_bytes_per_step,
+                "activation_bytes": self.activation_bytes, "peak_mem_bytes": self.peak_mem_bytes}
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """Predicted summary of one run: layout, logical parameter count, every rank."""
+
+    layout: dict[str, Any]
+    params: int
+    ranks: list[RankPrediction]
+    tolerance: dict[str, float] = field(default_factory=lambda: dict(TOLERANCE))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout, "params": self.params, "world_size": len(self.ranks),
+                "ranks": [r.to_json() for r in self.ranks], "tolerance": self.tolerance}
+
+
+def _coords(rank: int, layout: ParallelConfig) -> dict[str, int]:
+    """Mesh coordinates of a world rank: a (pp, dp, tp) grid, tp fastest (DESIGN.md)."""
+    tp, dp = layout.tp, layout.dp
+    return {"dp": (rank // tp) % dp, "pp": rank // (tp * dp), "tp": rank % tp}
+
+
+def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str, int]:
+    st = model_states(held.params, dp=layout.dp, zero=layout.zero, precision=layout.precision,
+                      optimizer=optimizer, offload=layout.offload)
+    optim = st.optimizer
+    if optimizer == "adamw" and layout.offload == "none":  # AdamW's step counters
+        optim += 4 * (held.tensors if layout.zero == 0 else 1)
+    return {"params": int(st.params), "grads": int(st.grads), "optimizer": int(optim)}
+
+
+def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batch: int,
+             pp_rank: int) -> Traffic:
+    e = element_bytes(layout.precision)
+    grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
+    psi = held.params
+    if layout.zero >= 1:
+        psi = math.ceil(psi / layout.dp) * layout.dp
+    tokens = micro_batch * gpt.seq_len
+    m = layout.microbatches
+    return {
+        "dp": dp_ops(psi, dp=layout.dp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
+                     param_bytes=e),
+        "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
+                     value_bytes=e, microbatches=m, first=held.first, last=held.last,
+                     sequence_parallel=layout.sequence_parallel,
+                     partial_grad_bytes=grad_bytes * held.partial_grad_params),
+        "pp": pp_ops(pp=layout.pp, rank=pp_rank, virtual_stages=layout.virtual_stages,
+                     microbatches=m, tokens=tokens, hidden=gpt.d_model, value_bytes=e,
+                     tp=layout.tp, sequence_parallel=layout.sequence_parallel),
+        "other": other_ops(world=layout.world_size, precision=layout.precision),
+    }
+
+
+def _activations(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batch: int,
+                 pp_rank: int) -> tuple[float, float]:
+    """(activation bytes at the peak, transient bytes on top) of one pipeline rank."""
+    e = element_bytes(layout.precision)
+    shape = dict(seq=gpt.seq_len, batch=micro_batch, hidden=gpt.d_model, tp=layout.tp,
+                 sequence_parallel=layout.sequence_parallel)
+    block = gpt_block_bytes(heads=gpt.n_heads, ffn=gpt.d_ff, recompute=layout.recompute,
+                            value_bytes=e, **shape)
+    if layout.recompute == "full":
+        k = layout.recompute_segment
+        per_mb = math.ceil(held.blocks / k) * gpt_block_input_bytes(value_bytes=e, **shape)
+        working = min(k, held.blocks) * block
+    else:
+        per_mb, working = held.blocks * block, 0.0
+    logits = micro_batch * gpt.seq_len * math.ceil(gpt.vocab_size / layout.tp) * 4
+    if held.last:
+        per_mb += gpt_head_bytes(seq=gpt.seq_len, batch=micro_batch, hidden=gpt.d_model,
+                                 vocab=gpt.vocab_size, tp=layout.tp, value_bytes=e)
+    inflight = inflight_stages(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
+                               rank=pp_rank, virtual_stages=layout.virtual_stages)
+    return inflight * per_mb + working, (logits if held.last else 0.0)
+
+
+def _ints(traffic: Traffic) -> dict[str, dict[str, int]]:
+    return {axis: {op: int(round(b)) for op, b in traffic.get(axis, {}).items()} for axis in AXES}
+
+
+def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
+                   optimizer: str = "adamw", base_bytes: int = BASE_RSS_BYTES) -> RunPrediction:
+    """Per-rank predictions for ``layout`` of ``gpt`` at ``global_batch`` sequences per step."""
+    micro_batch = global_batch // (layout.dp * layout.microbatches)
+    ranks = []
+    for pp_rank in range(layout.pp):
+        held = rank_model(gpt, pp=layout.pp, tp=layout.tp, rank=pp_rank,
+                          virtual_stages=layout.virtual_stages)
+        states = _states(held, layout, optimizer)
+        acts, transient = _activations(held, layout, gpt, micro_batch, pp_rank)
+        comm = _ints(_traffic(held, layout, gpt, micro_batch, pp_rank))
+        peak = int(base_bytes + sum(states.values()) + (1 + BACKWARD_WORKING_SET) * acts + transient)
+        for within in range(layout.dp * layout.tp):
+            rank = pp_rank * layout.dp * layout.tp + within
+            ranks.append(RankPrediction(rank, _coords(rank, layout), dict(states),
+                                        {k: dict(v) for k, v in comm.items()}, int(acts), peak))
+    return RunPrediction(layout.layout(), gpt.num_params(), ranks)
+
+
+def predict_run(cfg: Any, *, base_bytes: int | None = None) -> RunPrediction:
+    """Predictions for a :class:`~trainmesh.train_config.TrainConfig` (what a run will measure).
+
+    ``base_bytes`` defaults to :data:`BASE_RSS_BYTES` on CPU and 0 for ``--device cuda``.
+    """
+    if base_bytes is None:
+        device = getattr(cfg, "device", "cpu")
+        if device == "auto":
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        base_bytes = 0 if device == "cuda" else BASE_RSS_BYTES
+    return predict_layout(cfg.gpt_config(), cfg.parallel, global_batch=cfg.global_batch,
+                          optimizer=cfg.optimizer, base_bytes=base_bytes)
+
+
+def _close(predicted: float, measured: float, rel: float) -> bool:
+    return abs(predicted - measured) <= rel * max(abs(measured), 1.0)
+
+
+def compare(prediction: RunPrediction, summary: dict[str, Any]) -> list[str]:
+    """Every predicted number outside its tolerance of the measured ``summary`` (empty: all agree).
+
+    ``summary`` is the ``{"event": "summary", ...}`` record of ``--metrics-out``.
+    """
+    problems = []
+    measured = {r["rank"]: r for r in summary.get("ranks", [])}
+    if summary.get("params") not in (None, prediction.params):
+        problems.append(f"params: predicted {prediction.params}, measured {summary['params']}")
+    for pred in prediction.ranks:
+        got = measured.get(pred.rank)
+        if got is None:
+            problems.append(f"rank {pred.rank}: missing from the summary")
+            continue
+        for kind, want in pred.model_state_bytes.items():
+            have = got["model_state_bytes"].get(kind, 0)
+            if not _close(want, have, TOLERANCE["model_state_bytes"]):
+                problems.append(f"rank {pred.rank} model_state_bytes.{kind}: predicted {want}, measured {have}")
+        for axis in AXES:
+            ops = set(pred.comm_bytes_per_step.get(axis, {})) | set(got["comm_bytes_per_step"].get(axis, {}))
+            for op in sorted(ops):
+                want = pred.comm_bytes_per_step.get(axis, {}).get(op, 0)
+                have = got["comm_bytes_per_step"].get(axis, {}).get(op, 0)
+                if not _close(want, have, TOLERANCE["comm_bytes_per_step"]):
+                    problems.append(f"rank {pred.rank} comm_bytes_per_step.{axis}.{op}: "
+                                    f"predicted {want}, measured {have}")
+        if "peak_mem_bytes" in got and not _close(pred.peak_mem_bytes, got["peak_mem_bytes"],
+                                                  TOLERANCE["peak_mem_bytes"]):
+            problems.append(f"rank {pred.rank} peak_mem_bytes: predicted {pred.peak_mem_bytes}, "
+                            f"measured {got['peak_mem_bytes']}")
+    return problems

@@ -1,0 +1,178 @@
+"""Tensor-parallel layers, each built from an existing full layer by slicing its weight.
+
+Shards are exact slices of the unsharded weights (so every layout starts from the same logical
+model). Sharded parameters carry ``_tm_tp_sharded = True`` (the engine counts them in the global
+gradient norm on every TP rank) and ``_tm_tp_dim``, the dimension of the full tensor they split;
+replicated ones (the row-parallel bias) carry neither. Parameter attribute names stay ``weight``
+and ``bias``, so a model's parameter names do not change.
+
+What each layer communicates (n = TP degree; SP = sequence parallel):
+
+- :class:`ColumnParallelLinear`: enters the region on its input (f: fwd identity, bwd all-reduce;
+  SP: fwd all-gather along the sequence, bwd reduce-scatter), unless it runs inside a module
+  whose input already entered it (the ``parallel_input`` style). Output: (b, s, out/n).
+- :class:`RowParallelLinear`: input (b, s, in/n); g on the output (fwd all-reduce, bwd identity;
+  SP: fwd reduce-scatter along the sequence, bwd all-gather); bias added once, after g.
+- :class:`VocabParallelEmbedding`: vocab rows split; masked local lookup, then fwd all-reduce.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import Comm
+from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
+                       reduce_scatter_to_sequence, scatter_to_region)
+
+
+@dataclass
+class TPState:
+    """What every parallel layer of one ``parallelize`` call shares: group, mode, region depth."""
+
+    comm: Comm
+    axis: str = "tp"
+    sequence_parallel: bool = False
+    inside_region: int = 0
+    """> 0 while a ``parallel_input`` module runs: its input has already entered the region."""
+
+    @property
+    def size(self) -> int:
+        return self.comm.mesh.size(self.axis)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.mesh.index(self.axis)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The f operator: a replicated (SP: sequence-sharded) activation -> the region's input."""
+        if self.sequence_parallel:
+            return gather_from_sequence(x, self.comm, self.axis)    # (b, s/n, h) -> (b, s, h)
+        return copy_to_region(x, self.comm, self.axis)              # (b, s, h), bwd all-reduce
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        """The g operator: partial sums -> complete activations (SP: of this rank's chunk)."""
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(y, self.comm, self.axis)  # (b, s, h) -> (b, s/n, h)
+        return reduce_from_region(y, self.comm, self.axis)
+
+    def shard(self, full: torch.Tensor, dim: int) -> nn.Parameter:
+        """This rank's slice of ``full`` along ``dim``, as a fresh (1/n-sized) sharded parameter."""
+        width = full.shape[dim] // self.size
+        piece = full.detach().narrow(dim, self.rank * width, width).clone()
+        p = nn.Parameter(piece, requires_grad=full.requires_grad)
+        p._tm_tp_sharded = True  # type: ignore[attr-defined]
+        p._tm_tp_dim = dim       # type: ignore[attr-defined]
+        return p
+
+
+def _check_divisible(what: str, value: int, state: TPState) -> None:
+    if value % state.size:
+        raise ValueError(f"{what} = {value} is not divisible by the tensor-parallel degree {state.size}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows (and b) split: each rank computes out/n features.
+
+    fwd: f on the input (see module docstring), local matmul; with ``gather_output``, also an
+    all-gather along the last dim (bwd: keep own chunk). Shapes: (b, s, in) -> (b, s, out/n), or
+    (b, s, out) gathered. Under SP the input is (b, s/n, in).
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: TPState, *,
+                 gather_output: bool = False) -> None:
+        super().__init__()
+        self.state, self.gather_output = state, gather_output
+        self.weight, self.bias = weight, bias                       # (out/n, in), (out/n,)
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, state: TPState, *,
+                    gather_output: bool = False) -> "ColumnParallelLinear":
+        _check_divisible("out_features", linear.out_features, state)
+        bias = state.shard(linear.bias, 0) if linear.bias is not None else None
+        return cls(state.shard(linear.weight, 0), bias, state, gather_output=gather_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.state.inside_region:
+            x = self.state.enter(x)                                 # (b, s, in)
+        y = F.linear(x, self.weight, self.bias)                     # (b, s, out/n)
+        if self.gather_output:
+            y = gather_from_region(y, self.state.comm, self.state.axis)  # (b, s, out)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local), "
+                f"tp={self.state.size}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split: each rank multiplies its in/n slice.
+
+    fwd: local matmul (partial sums), then g (all-reduce; SP: reduce-scatter along the
+    sequence), then + bias — once, after the reduction; bwd: identity (SP: all-gather). With
+    ``input_is_parallel=False`` a full input is first split along its last dim (bwd all-gather).
+    Shapes: (b, s, in/n) -> (b, s, out); under SP -> (b, s/n, out).
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: TPState, *,
+                 input_is_parallel: bool = True) -> None:
+        super().__init__()
+        self.state, self.input_is_parallel = state, input_is_parallel
+        self.weight, self.bias = weight, bias                       # (out, in/n), (out,) replicated
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, state: TPState, *,
+                    input_is_parallel: bool = True) -> "RowParallelLinear":
+        _check_divisible("in_features", linear.in_features, state)
+        bias = None
+        if linear.bias is not None:
+            bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        return cls(state.shard(linear.weight, 1), bias, state, input_is_parallel=input_is_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.state.comm, self.state.axis)  # (b, s, in/n)
+        y = self.state.leave(F.linear(x, self.weight))              # (b, s, out) or (b, s/n, out)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local), out_features={self.out_features}, "
+                f"tp={self.state.size}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table with its vocabulary rows split: rank r holds ids [r·V/n, (r+1)·V/n).
+
+    fwd: ids outside this rank's range look up row 0 and are zeroed, then all-reduce (each id
+    is found on exactly one rank); bwd: identity (rows of other ranks get no gradient here).
+    Shapes: (b, s) int -> (b, s, h).
+    """
+
+    def __init__(self, weight: nn.Parameter, state: TPState, *, num_embeddings: int) -> None:
+        super().__init__()
+        self.state, self.weight = state, weight                     # (V/n, h)
+        self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
+        self.vocab_start = state.rank * weight.shape[0]
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, state: TPState) -> "VocabParallelEmbedding":
+        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
+            raise ValueError("vocab_embedding supports plain nn.Embedding only "
+                             "(no padding_idx, max_norm or sparse)")
+        _check_divisible("num_embeddings (vocab size)", emb.num_embeddings, state)
+        return cls(state.shard(emb.weight, 0), state, num_embeddings=emb.num_embeddings)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])     # (b, s) bool
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)   # (b, s, h) partial
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_region(out, self.state.comm, self.state.axis)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (local rows {self.vocab_start}.."
+                f"{self.vocab_start + self.weight.shape[0] - 1}), {self.embedding_dim}")

@@ -1,0 +1,120 @@
+"""``parallelize``: apply a tensor-parallel plan to a built model, in place.
+
+Layer styles replace a child module by its parallel counterpart built from it (same attribute
+names ``weight``/``bias``, so parameter names do not change); the other styles install forward
+hooks, and, under sequence parallelism, gradient hooks that all-reduce over tp the partial
+gradients of replicated parameters living on sequence shards (norms, row-parallel biases)
+before they are accumulated — so the data-parallel strategy and the optimizer see complete
+gradients and the engine needs to know nothing of it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..mesh import ParallelMesh
+from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
+from .loss import VocabParallelCrossEntropy
+from .mappings import gather_from_sequence, scatter_to_sequence
+from .plan import REPLACING, Plan, check_divisible, default_plan, resolve, validate_gpt
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan | None = None,
+                sequence_parallel: bool = False, axis: str = "tp") -> nn.Module:
+    """Shard ``model`` over the mesh's ``axis`` following ``plan``; returns the same model.
+
+    ``plan=None`` takes the model's own plan (the reference GPT's, or ``model.tp_plan()``) and
+    raises ValueError for a model without one. Every check (styles, patterns, module kinds,
+    divisibility: ConfigError naming ``heads``, ``d-model``, ``d-ff``, ``vocab-size``,
+    ``seq-len`` or ``tp``) runs before any communication.
+    """
+    from ..models.gpt import GPT
+    tp = mesh.size(axis)
+    if plan is None:
+        plan = default_plan(model)
+    if isinstance(model, GPT):
+        validate_gpt(model.cfg, tp, sequence_parallel=sequence_parallel)
+    resolved = resolve(model, plan)
+    check_divisible(resolved, tp)
+    state = TPState(comm, axis, sequence_parallel)
+    for layers_first in (True, False):        # replace layers, then hook whatever is there now
+        for name, _, styles in resolved:
+            for style in styles:
+                if (style in REPLACING) == layers_first:
+                    _apply(model, name, model.get_submodule(name), style, state)
+    model._tm_tp_plan = {name: styles for name, _, styles in resolved}  # type: ignore[assignment]
+    return model
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
+    return new
+
+
+def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TPState) -> nn.Module:
+    """Apply one style to the module at ``name``; returns the module now at that name."""
+    sp = state.sequence_parallel
+    if style in ("colwise", "vocab_head", "colwise_gather"):
+        new = ColumnParallelLinear.from_linear(module, state,  # type: ignore[arg-type]
+                                               gather_output=style == "colwise_gather")
+        return _replace(model, name, new)
+    if style == "rowwise":
+        new = RowParallelLinear.from_linear(module, state)  # type: ignore[arg-type]
+        if sp and new.bias is not None:
+            _sum_partial_grads(new.bias, state)
+        return _replace(model, name, new)
+    if style == "vocab_embedding":
+        return _replace(model, name, VocabParallelEmbedding.from_embedding(module, state))  # type: ignore[arg-type]
+    if style == "vocab_ce":
+        ignore = getattr(module, "ignore_index", -100)
+        return _replace(model, name, VocabParallelCrossEntropy(state.comm, state.axis, ignore_index=ignore))
+    if style == "parallel_input":
+        _enter_on_input(module, state)
+    elif style == "sequence_parallel" and sp:
+        for p in module.parameters():
+            if not getattr(p, "_tm_tp_sharded", False):
+                _sum_partial_grads(p, state)
+    elif style == "sequence_scatter" and sp:
+        module.register_forward_hook(
+            lambda _m, _a, out: scatter_to_sequence(out, state.comm, state.axis))   # (b, s/n, h)
+    elif style == "sequence_gather" and sp:
+        module.register_forward_hook(
+            lambda _m, _a, out: gather_from_sequence(out, state.comm, state.axis, partial_grad=False))
+    return module
+
+
+def _enter_on_input(module: nn.Module, state: TPState) -> None:
+    """The module's first positional input enters the region once; column layers inside skip f."""
+
+    def pre(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not args or not torch.is_tensor(args[0]):
+            raise TypeError(f"parallel_input: {type(_m).__name__} must get its activation as the "
+                            "first positional argument")
+        entered = args[0] if state.inside_region else state.enter(args[0])  # (b, s, h)
+        state.inside_region += 1
+        return (entered, *args[1:])
+
+    def post(_m: nn.Module, _args: tuple[Any, ...], _out: Any) -> None:
+        state.inside_region -= 1
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
+
+
+def _sum_partial_grads(p: nn.Parameter, state: TPState) -> None:
+    """Under SP each TP rank's gradient of a replicated parameter covers its sequence chunk only:
+    all-reduce it over tp (through the ledger) before it is accumulated into ``p.grad``."""
+    if getattr(p, "_tm_tp_partial_grad", False) or not p.requires_grad:
+        return
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone(memory_format=torch.contiguous_format)
+        state.comm.all_reduce(total, state.axis)
+        return total
+
+    p.register_hook(hook)
+    p._tm_tp_partial_grad = True  # type: ignore[attr-defined]

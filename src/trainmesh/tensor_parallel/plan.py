@@ -1,0 +1,162 @@
+"""Tensor-parallel plans: data mapping module-name patterns to styles, and their validation.
+
+A plan is ``{pattern: style}`` (or ``{pattern: (style, style, ...)}``); patterns are
+:func:`fnmatch` globs over ``model.named_modules()`` names (``"blocks.*.attn.q"``). Every
+pattern must match at least one module. The styles:
+
+``colwise``           nn.Linear -> ColumnParallelLinear (output features split, output stays split)
+``colwise_gather``    the same, output all-gathered along the last dim (replicated)
+``rowwise``           nn.Linear -> RowParallelLinear (input features split, output reduced)
+``vocab_embedding``   nn.Embedding -> VocabParallelEmbedding (vocab rows split)
+``vocab_head``        nn.Linear -> ColumnParallelLinear whose vocab-split logits feed ``vocab_ce``
+``vocab_ce``          a ``(logits, labels) -> (loss_sum, count)`` criterion -> VocabParallelCrossEntropy
+``parallel_input``    any module: its input enters the TP region once, for every column-parallel
+                      layer inside it (Attention: one f for q, k and v; SP: one all-gather)
+``sequence_parallel`` any module with replicated parameters that runs on sequence shards under SP
+                      (norms): their partial gradients are all-reduced over tp; no-op without SP
+``sequence_scatter``  any module: under SP its (b, s, h) output is split along the sequence
+                      (bwd all-gather); no-op without SP
+``sequence_gather``   any module: under SP its (b, s/n, h) output is all-gathered along the
+                      sequence for replicated consumers (bwd keeps own chunk); no-op without SP
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from ..errors import ConfigError
+
+STYLES = ("colwise", "colwise_gather", "rowwise", "vocab_embedding", "vocab_head", "vocab_ce",
+          "parallel_input", "sequence_parallel", "sequence_scatter", "sequence_gather")
+LINEAR_STYLES = ("colwise", "colwise_gather", "rowwise", "vocab_head")
+REPLACING = (*LINEAR_STYLES, "vocab_embedding", "vocab_ce")
+
+Plan = Mapping[str, "str | tuple[str, ...] | list[str]"]
+
+
+def gpt_plan() -> dict[str, str | tuple[str, ...]]:
+    """The Megatron plan of the reference GPT (module names of ``trainmesh.models.gpt``)."""
+    return {
+        "embed.wte": "vocab_embedding",
+        "embed": "sequence_scatter",            # SP: the (wte + wpe) output is split by sequence
+        "blocks.*.ln1": "sequence_parallel",
+        "blocks.*.attn": "parallel_input",      # one f for q, k, v (whole heads per rank)
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.ln2": "sequence_parallel",
+        "blocks.*.mlp": "parallel_input",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "head.ln_f": "sequence_parallel",
+        "head.out": "vocab_head",               # SP: gathers its input along the sequence
+        "criterion": "vocab_ce",
+    }
+
+
+def default_plan(model: nn.Module) -> dict[str, str | tuple[str, ...]]:
+    """The plan of a model that carries one: the reference GPT, or ``model.tp_plan()``."""
+    from ..models.gpt import GPT
+    if isinstance(model, GPT):
+        return gpt_plan()
+    own = getattr(model, "tp_plan", None)
+    if callable(own):
+        return dict(own())
+    raise ValueError(
+        f"tensor parallelism needs a plan for {type(model).__name__}: pass plan={{module-name "
+        f"pattern: style}} (styles: {', '.join(STYLES)}), or give the model a tp_plan() method; "
+        "only the built-in GPT has a default plan")
+
+
+def _styles(pattern: str, value: object) -> tuple[str, ...]:
+    styles = (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
+    if not styles:
+        raise ValueError(f"tensor-parallel plan: pattern {pattern!r} has no style")
+    for style in styles:
+        if style not in STYLES:
+            raise ValueError(f"tensor-parallel plan: unknown style {style!r} for {pattern!r}; "
+                             f"valid: {', '.join(STYLES)}")
+    if sum(s in REPLACING for s in styles) > 1:
+        raise ValueError(f"tensor-parallel plan: {pattern!r} combines two layer styles {styles}")
+    return styles
+
+
+def resolve(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
+    """(module name, module, styles) for every module a pattern matches, in model order.
+
+    Raises ValueError for an unknown style, a pattern matching no module, a module matched by
+    two patterns with conflicting layer styles, or a style applied to the wrong kind of module.
+    """
+    modules = dict(model.named_modules())
+    matched: dict[str, list[str]] = {}
+    for pattern, value in plan.items():
+        styles = _styles(pattern, value)
+        names = [n for n in modules if n and fnmatchcase(n, pattern)]
+        if not names:
+            sample = ", ".join(n for n in list(modules)[1:9])
+            raise ValueError(f"tensor-parallel plan: pattern {pattern!r} matches no module of "
+                             f"{type(model).__name__} (module names look like: {sample}, ...)")
+        for name in names:
+            merged = matched.setdefault(name, [])
+            merged.extend(s for s in styles if s not in merged)
+    out = []
+    for name, module in modules.items():
+        if name not in matched:
+            continue
+        styles = _styles(name, matched[name])
+        _check_kind(name, module, styles)
+        out.append((name, module, styles))
+    kinds = {s for _, _, styles in out for s in styles}
+    if ("vocab_head" in kinds) != ("vocab_ce" in kinds):
+        raise ValueError("tensor-parallel plan: 'vocab_head' (vocab-split logits) and 'vocab_ce' "
+                         "(the loss that reads them) must be used together")
+    return out
+
+
+def _check_kind(name: str, module: nn.Module, styles: tuple[str, ...]) -> None:
+    for style in styles:
+        if style in LINEAR_STYLES and type(module) is not nn.Linear:
+            raise ValueError(f"tensor-parallel plan: {name} is a {type(module).__name__}; "
+                             f"style {style!r} needs an nn.Linear")
+        if style == "vocab_embedding" and type(module) is not nn.Embedding:
+            raise ValueError(f"tensor-parallel plan: {name} is a {type(module).__name__}; "
+                             "style 'vocab_embedding' needs an nn.Embedding")
+
+
+def check_divisible(resolved: list[tuple[str, nn.Module, tuple[str, ...]]], tp: int) -> None:
+    """Every split dimension of the resolved plan must divide by ``tp`` (ConfigError)."""
+    for name, module, styles in resolved:
+        for style in styles:
+            if style in ("colwise", "colwise_gather") and module.out_features % tp:
+                raise ConfigError("tp", f"{name} has {module.out_features} output features, "
+                                  f"not divisible by --tp {tp}")
+            if style == "rowwise" and module.in_features % tp:
+                raise ConfigError("tp", f"{name} has {module.in_features} input features, "
+                                  f"not divisible by --tp {tp}")
+            if style == "vocab_head" and module.out_features % tp:
+                raise ConfigError("vocab-size", f"{module.out_features} ({name}) must be divisible "
+                                  f"by --tp {tp}")
+            if style == "vocab_embedding" and module.num_embeddings % tp:
+                raise ConfigError("vocab-size", f"{module.num_embeddings} ({name}) must be "
+                                  f"divisible by --tp {tp}")
+
+
+def validate_gpt(cfg, tp: int, *, sequence_parallel: bool = False) -> None:
+    """The reference GPT's shape against ``tp`` (ConfigError naming the flag); CLI preflight.
+
+    ``cfg`` is a :class:`~trainmesh.models.gpt.GPTConfig`.
+    """
+    if tp == 1:
+        return
+    checks = [("d-model", cfg.d_model, "the hidden size"),
+              ("heads", cfg.n_heads, "attention heads (each rank holds whole heads)"),
+              ("d-ff", cfg.d_ff, "the MLP width"),
+              ("vocab-size", cfg.vocab_size, "the vocabulary (split across ranks)")]
+    if sequence_parallel:
+        checks.append(("seq-len", cfg.seq_len, "the sequence (split across ranks by --sequence-parallel)"))
+    for field, value, what in checks:
+        if value % tp:
+            raise ConfigError(field, f"{what} must be divisible by --tp {tp}; got {value}")

@@ -1,0 +1,40 @@
+"""Shared test helpers: run `trainmesh train` end to end and compare runs per CONTRACT.md."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# A small but real GPT for end-to-end runs (fast on 2 cores).
+SMALL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
+         "--vocab-size", "64", "--global-batch", "8", "--steps", "20", "--warmup-steps", "5"]
+
+
+def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "m") -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`python -m trainmesh train ARGS --metrics-out ...` -> (process, metrics records)."""
+    out = tmp / f"{name}.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "trainmesh", "train", *args, "--metrics-out", str(out)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return proc, records
+
+
+def steps(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["event"] == "step"]
+
+
+def summary(records: list[dict]) -> dict:
+    return next(r for r in records if r["event"] == "summary")
+
+
+def assert_equivalent(ref: list[dict], run: list[dict], *, loss_tol: float = 1e-3, norm_rtol: float = 1e-3) -> None:
+    """CONTRACT.md: per step, loss within 1e-3 absolute and grad_norm within 1e-3 relative."""
+    a, b = steps(ref), steps(run)
+    assert len(a) == len(b) and len(a) >= 20, (len(a), len(b))
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= loss_tol, f"step {x['step']}: loss {x['loss']} vs {y['loss']}"
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= norm_rtol * abs(x["grad_norm"]), \
+            f"step {x['step']}: grad_norm {x['grad_norm']} vs {y['grad_norm']}"

@@ -1,0 +1,288 @@
+"""The pipeline runtime against the single-process engine, in real gloo processes.
+
+Three launches (world 2, 3 and 4), each running many checks, since a launch costs ~8 s here:
+equivalence (CONTRACT.md "Numerical equivalence": loss within 1e-3 absolute, grad norm within
+1e-3 relative, 20 steps, fp32, AdamW and SGD), pipeline traffic per stage, no deadlock for any
+schedule, activation memory of 1F1B vs GPipe, the measured timeline, and bad input.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh.errors import ConfigError
+from trainmesh.testing import run_distributed
+
+GPT_KW = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=8, n_heads=4)
+SMALL_KW = dict(vocab_size=32, seq_len=8, d_model=16, n_layers=6, n_heads=2)     # deadlock runs
+ACT_KW = dict(vocab_size=32, seq_len=64, d_model=32, n_layers=4, n_heads=4)      # activation-heavy
+STEPS, GLOBAL_BATCH = 20, 8
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=0.3)}
+
+# (name, world, ParallelConfig kwargs); microbatches divide the per-replica batch
+WORLD2 = [("pp2-gpipe-m4", dict(pp=2, microbatches=4, schedule="gpipe")),
+          ("pp2-1f1b-m4", dict(pp=2, microbatches=4, schedule="1f1b")),
+          ("pp2-interleaved-v2-m4", dict(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)),
+          ("pp2-naive-m4", dict(pp=2, microbatches=4, schedule="naive"))]
+WORLD4 = [("pp4-1f1b-m8", dict(pp=4, microbatches=8, schedule="1f1b")),
+          ("dp2-pp2-1f1b-m2", dict(dp=2, pp=2, microbatches=2, schedule="1f1b"))]
+
+
+# --------------------------------------------------------------------------- helpers (any process)
+def _gpt(kw: dict, tied: bool = False):
+    from trainmesh.models.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(**kw), seed=0)
+    if tied:
+        model.head.out.weight = model.embed.wte.weight      # both (vocab, d)
+    return model
+
+
+def _engine(kw: dict, opt: str, *, tied: bool = False, mesh=None, **cfg):
+    import trainmesh as tm
+    return tm.Engine(_gpt(kw, tied), optimizer=OPTIMIZERS[opt], loss_fn=lambda m, b: m(**b),
+                     config=tm.ParallelConfig(timeout_s=30, **cfg), mesh=mesh, broadcast_init=False)
+
+
+def _train(engine, kw: dict, steps: int, global_batch: int) -> list[tuple[float, float]]:
+    from trainmesh.data import SyntheticCorpus, dp_slice
+    data, dp = SyntheticCorpus(kw["vocab_size"], kw["seq_len"]), engine.config.dp
+    out = []
+    for step in range(steps):
+        batch = dp_slice(data.batch(0, step, global_batch), engine.mesh.index("dp"), dp)
+        engine.train_step(batch)
+        out.append((engine.last["loss"], engine.last["grad_norm"]))
+    return out
+
+
+def _run_equivalence(configs: list) -> dict:
+    """Each config x optimizer: the per-step (loss, grad norm) and this rank's pp traffic."""
+    import torch.distributed as dist
+    out = {}
+    for name, cfg in configs:
+        for opt in OPTIMIZERS:
+            eng = _engine(GPT_KW, opt, **cfg)
+            curve = _train(eng, GPT_KW, STEPS, GLOBAL_BATCH)
+            out[(name, opt)] = {"curve": curve, "stage": eng.mesh.index("pp"),
+                                "pp_bytes": eng.comm.ledger.bytes_per_step()["pp"],
+                                "params": sum(p.numel() for p in eng.module.parameters())}
+            dist.barrier()
+    return out
+
+
+def _run_deadlock(pp: int) -> dict:
+    """One step of every runnable schedule at ``pp`` for m in {1, p, 2p+1}: the loss."""
+    from trainmesh.mesh import ParallelMesh
+    mesh = ParallelMesh(pp=pp, timeout_s=30)
+    out = {}
+    for name, v, m in deadlock_cases(pp):
+        eng = _engine(SMALL_KW, "sgd", mesh=mesh, pp=pp, microbatches=m, schedule=name,
+                      virtual_stages=v)
+        out[(name, v, m)] = _train(eng, SMALL_KW, 1, m)[0][0]
+    return out
+
+
+def deadlock_cases(pp: int) -> list[tuple[str, int, int]]:
+    cases = [(name, 1, m) for name in ("naive", "gpipe", "1f1b") for m in (1, pp, 2 * pp + 1)]
+    cases += [("interleaved", 2, pp)] + ([("interleaved", 3, 2 * pp)] if pp == 2 else [])
+    return cases
+
+
+def _errors(kw: dict, **cfg) -> str:
+    """The ConfigError field of building (and stepping) an engine, or 'none'."""
+    from trainmesh.data import SyntheticCorpus
+    try:
+        eng = _engine(kw, "sgd", **cfg)
+        eng.train_step(SyntheticCorpus(kw["vocab_size"], kw["seq_len"]).batch(0, 0, 6))
+    except ConfigError as exc:
+        return exc.field
+    return "none"
+
+
+def _activation_peak(schedule: str) -> tuple[int, int]:
+    """(pipeline index, peak activation bytes of one step) at pp 4, m 8."""
+    eng = _engine(ACT_KW, "sgd", pp=4, microbatches=8, schedule=schedule)
+    eng.executor.track_memory = True
+    _train(eng, ACT_KW, 1, 16)
+    return eng.mesh.index("pp"), eng.executor.activation_peak_bytes
+
+
+# --------------------------------------------------------------------------- workers
+def world2_worker(svg_path: str) -> dict:
+    import torch.distributed as dist
+    from trainmesh.pipeline_parallel.analysis import bubble_fraction
+    from trainmesh.pipeline_parallel.timeline import gather_timeline, write_timeline
+    res: dict = {"equivalence": _run_equivalence(WORLD2)}
+    tied = _engine(GPT_KW, "sgd", tied=True, pp=2, microbatches=4, schedule="1f1b")
+    res["tied"] = _train(tied, GPT_KW, STEPS, GLOBAL_BATCH)
+    res["tied_duplicate"] = [n for n, p in tied.module.named_parameters()
+                             if getattr(p, "_tm_duplicate", False)]
+    tl = gather_timeline(tied.executor, tied.mesh)
+    res["timeline"] = None if tl is None else {
+        "labels": [[tl.label(t.action) for t in row] for row in tl.ranks],
+        "unit": tl.time_unit, "start": tl.start, "bubble": bubble_fraction(tl)}
+    res["svg"] = str(write_timeline(tied.executor, tied.mesh, svg_path))
+    dist.barrier()
+    res["deadlock"] = _run_deadlock(2)
+    res["errors"] = {
+        "too_few_layers": _errors(dict(GPT_KW, n_layers=1), pp=2, microbatches=2,
+                                  schedule="interleaved", virtual_stages=2),
+        "microbatches_not_dividing": _errors(GPT_KW, pp=2, microbatches=4),
+        "interleaved_not_multiple": _errors(GPT_KW, pp=2, microbatches=3, schedule="interleaved",
+                                            virtual_stages=2),
+    }
+    return res
+
+
+def world3_worker() -> dict:
+    return {"deadlock": _run_deadlock(3)}
+
+
+def world4_worker() -> dict:
+    import torch.distributed as dist
+    res: dict = {"equivalence": _run_equivalence(WORLD4)}
+    res["memory"] = {s: _activation_peak(s) for s in ("gpipe", "1f1b")}
+    dist.barrier()
+    res["deadlock"] = _run_deadlock(4)
+    return res
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """Single-process curves: {(optimizer, tied): [(loss, grad_norm)] * STEPS}."""
+    out = {(opt, False): _train(_engine(GPT_KW, opt), GPT_KW, STEPS, GLOBAL_BATCH) for opt in OPTIMIZERS}
+    out[("sgd", True)] = _train(_engine(GPT_KW, "sgd", tied=True), GPT_KW, STEPS, GLOBAL_BATCH)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory) -> dict:
+    svg = tmp_path_factory.mktemp("timeline") / "step.svg"
+    return run_distributed(world2_worker, 2, str(svg), timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def world4() -> dict:
+    return run_distributed(world4_worker, 4, timeout_s=150)
+
+
+def _assert_same_run(curve, ref, what) -> None:
+    assert len(curve) == len(ref) == STEPS
+    for step, ((loss, norm), (rloss, rnorm)) in enumerate(zip(curve, ref), 1):
+        assert abs(loss - rloss) <= 1e-3, f"{what} step {step}: loss {loss} vs {rloss}"
+        assert abs(norm - rnorm) <= 1e-3 * rnorm, f"{what} step {step}: grad_norm {norm} vs {rnorm}"
+
+
+# --------------------------------------------------------------------------- tests
+@pytest.mark.timeout(200)
+def test_equivalence_world2(world2, reference) -> None:
+    for rank, res in world2.items():
+        for (name, opt), r in res["equivalence"].items():
+            _assert_same_run(r["curve"], reference[(opt, False)], f"rank {rank} {name} {opt}")
+        _assert_same_run(res["tied"], reference[("sgd", True)], f"rank {rank} tied")
+    # the loss went down: the run trained
+    assert reference[("adamw", False)][-1][0] < reference[("adamw", False)][0][0] - 0.5
+
+
+@pytest.mark.timeout(200)
+def test_equivalence_world4(world4, reference) -> None:
+    for rank, res in world4.items():
+        for (name, opt), r in res["equivalence"].items():
+            _assert_same_run(r["curve"], reference[(opt, False)], f"rank {rank} {name} {opt}")
+
+
+@pytest.mark.timeout(200)
+def test_stages_hold_their_share_of_parameters(world2, world4) -> None:
+    total = _gpt(GPT_KW).cfg.num_params()
+    for results, name in ((world2, "pp2-1f1b-m4"), (world4, "pp4-1f1b-m8")):
+        held = {r["equivalence"][(name, "sgd")]["stage"]: r["equivalence"][(name, "sgd")]["params"]
+                for r in results.values()}
+        assert sum(held.values()) == total
+        assert max(held.values()) < 0.6 * total
+
+
+@pytest.mark.timeout(200)
+def test_tied_weights_counted_once(world2) -> None:
+    assert world2[0]["tied_duplicate"] == []
+    assert world2[1]["tied_duplicate"] == ["head.out.weight"]
+
+
+@pytest.mark.timeout(200)
+def test_pp_traffic_per_stage(world2, world4) -> None:
+    """pp.send = pp.recv = m * A * ([s < p-1] + [s > 0]), A = b*s*d*4 per microbatch."""
+    cases = [(world2, "pp2-1f1b-m4", 2, 4, GLOBAL_BATCH // 4),
+             (world2, "pp2-gpipe-m4", 2, 4, GLOBAL_BATCH // 4),
+             (world4, "pp4-1f1b-m8", 4, 8, GLOBAL_BATCH // 8),
+             (world4, "dp2-pp2-1f1b-m2", 2, 2, GLOBAL_BATCH // 2 // 2)]
+    for results, name, p, m, rows in cases:
+        a = rows * GPT_KW["seq_len"] * GPT_KW["d_model"] * 4
+        for rank, res in results.items():
+            r = res["equivalence"][(name, "adamw")]
+            s = r["stage"]
+            expected = m * a * ((s < p - 1) + (s > 0))
+            for op in ("send", "recv"):
+                got = r["pp_bytes"].get(op, 0.0)
+                assert abs(got - expected) <= 0.03 * expected, (name, rank, op, got, expected)
+
+
+@pytest.mark.timeout(200)
+def test_no_deadlock_any_schedule(world2, world4, reference) -> None:
+    world3 = run_distributed(world3_worker, 3, timeout_s=90)
+    for p, results in ((2, world2), (3, world3), (4, world4)):
+        for rank, res in results.items():
+            assert set(res["deadlock"]) == set(deadlock_cases(p))
+    # the one-step losses equal the single process's (every rank reports the global loss)
+    refs = {}
+    for p, results in ((2, world2), (3, world3), (4, world4)):
+        for (name, v, m), loss in results[0]["deadlock"].items():
+            if m not in refs:
+                refs[m] = _train(_engine(SMALL_KW, "sgd"), SMALL_KW, 1, m)[0][0]
+            assert abs(loss - refs[m]) < 1e-4, (p, name, v, m)
+
+
+@pytest.mark.timeout(200)
+def test_1f1b_holds_fewer_activations_than_gpipe(world4) -> None:
+    """Stage 0 at pp 4, m 8: GPipe keeps 8 microbatches' activations, 1F1B 4."""
+    stage0 = next(res["memory"] for res in world4.values() if res["memory"]["gpipe"][0] == 0)
+    gpipe, one_f_one_b = stage0["gpipe"][1], stage0["1f1b"][1]
+    assert gpipe > 0
+    assert one_f_one_b <= 0.6 * gpipe, (one_f_one_b, gpipe)
+
+
+@pytest.mark.timeout(200)
+def test_measured_timeline(world2) -> None:
+    tl = world2[0]["timeline"]
+    assert world2[1]["timeline"] is None
+    assert tl["unit"] == "s" and tl["start"] == 0.0 and 0.0 <= tl["bubble"] < 1.0
+    assert tl["labels"] == [["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
+                            ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]]
+    from pathlib import Path
+    assert Path(world2[0]["svg"]).stat().st_size > 1000
+
+
+@pytest.mark.timeout(200)
+def test_bad_input_is_a_config_error(world2) -> None:
+    for res in world2.values():
+        assert res["errors"] == {"too_few_layers": "pp", "microbatches_not_dividing": "microbatches",
+                                 "interleaved_not_multiple": "microbatches"}
+
+
+def test_partition_balances_parameters_and_checks_cuts() -> None:
+    from trainmesh.pipeline_parallel.partition import (balanced_cuts, named_pipeline_layers,
+                                                       partition)
+    model = _gpt(GPT_KW)
+    layers = named_pipeline_layers(model)
+    assert [n for n, _ in layers] == ["embed", *(f"blocks.{i}" for i in range(8)), "head"]
+    stages = partition(layers, 4)
+    assert [[n for n, _ in st] for st in stages][0][0] == "embed"
+    assert stages[-1][-1][0] == "head"
+    assert balanced_cuts([5, 1, 1, 1, 1, 5], 3) == [1, 5]
+    assert [len(st) for st in partition(layers, 2, cuts=[3])] == [3, 7]
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    assert [n for n, _ in named_pipeline_layers(seq)] == ["0", "1", "2"]
+    for bad in (lambda: partition(layers, 11), lambda: partition(layers, 2, cuts=[0]),
+                lambda: named_pipeline_layers(torch.nn.Linear(2, 2))):
+        with pytest.raises(ConfigError) as exc:
+            bad()
+        assert exc.value.field == "pp"

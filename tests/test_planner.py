@@ -1,0 +1,266 @@
+"""The planner: ZeRO paper numbers, recommendations, bad input, and the CONTRACT.md predictions.
+
+All in-process and single-process: the whole file runs in a few seconds.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainmesh.cli import main
+from trainmesh.config import ParallelConfig
+from trainmesh.models.gpt import PRESETS
+from trainmesh.planner import Cluster, ModelShape, plan
+from trainmesh.planner.activations import gpt_block_bytes, gpt_head_bytes, inflight_chunks
+from trainmesh.planner.steptime import pipeline_slots
+from trainmesh.planner.traffic import dp_ops, wire_bytes
+from trainmesh.planner.units import parse_bandwidth, parse_size
+
+GPT3 = dict(layers=96, hidden=12288, heads=96, seq_len=2048)
+
+
+def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
+    """``trainmesh ARGV`` in process -> (exit code, stdout, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def plan_json(capsys, *args: str) -> dict:
+    code, out, err = run_cli(capsys, ["plan", *args, "--json"])
+    assert code == 0, err
+    return json.loads(out)  # stdout holds exactly one JSON object
+
+
+def layout_of(c: dict) -> dict:
+    return c["layout"]
+
+
+# ---------------------------------------------------------------- the ZeRO paper's table
+def test_zero_paper_table_7_5b_on_64_gpus(capsys):
+    result = plan_json(capsys, "--params", "7.5e9", "--gpus", "64")
+    expected = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.88e9}
+    for zero, want in expected.items():
+        [c] = [c for c in result["candidates"]
+               if layout_of(c) | {"zero": zero} == layout_of(c) and layout_of(c)["dp"] == 64
+               and layout_of(c)["offload"] == "none"]
+        mem = c["memory_per_gpu_bytes"]
+        states = mem["params"] + mem["grads"] + mem["optimizer"]
+        assert states == pytest.approx(want, rel=0.01), f"ZeRO-{zero}"
+        assert mem["activations"] == 0  # no shape given: activations not counted
+
+
+def test_json_follows_the_contract(capsys):
+    result = plan_json(capsys, "--params", "1.3e9", "--gpus", "8", "--layers", "24",
+                       "--hidden", "2048", "--heads", "16")
+    assert set(result) == {"candidates", "recommended", "why"}
+    layout_keys = set(ParallelConfig().layout())
+    for c in result["candidates"]:
+        assert set(c) == {"layout", "memory_per_gpu_bytes", "comm_bytes_per_step", "fits",
+                          "est_step_time_s"}
+        assert set(c["layout"]) == layout_keys
+        assert {"params", "grads", "optimizer", "activations", "total"} <= set(c["memory_per_gpu_bytes"])
+        assert isinstance(c["fits"], bool) and c["est_step_time_s"] > 0
+    assert result["recommended"] in result["candidates"]
+    assert result["why"].count(". ") == 0 and result["why"].endswith(".")  # one sentence
+
+
+# ---------------------------------------------------------------- recommendations
+def test_one_gpu_model_does_not_fit_gives_zero3_offload(capsys):
+    rec = plan_json(capsys, "--params", "30e9", "--gpus", "1", "--gpu-mem", "80GB")["recommended"]
+    assert (rec["layout"]["zero"], rec["layout"]["offload"]) == (3, "cpu") and rec["fits"]
+
+
+def test_one_gpu_model_that_needs_offload_only_for_the_optimizer():
+    rec = plan(ModelShape(params=10 * 10**9), Cluster(gpus=1)).recommended
+    assert rec.fits and rec.layout.offload == "cpu" and rec.layout.zero >= 1
+
+
+def test_one_node_model_that_fits_gives_ddp(capsys):
+    result = plan_json(capsys, "--params", "1.3e9", "--gpus", "8", "--layers", "24",
+                       "--hidden", "2048", "--heads", "16", "--seq-len", "2048")
+    lay = result["recommended"]["layout"]
+    assert (lay["dp"], lay["pp"], lay["tp"], lay["zero"], lay["offload"]) == (8, 1, 1, 0, "none")
+    assert "DDP" in result["why"]
+
+
+def test_175b_on_64_gpus_is_split_three_ways_inside_nodes(capsys):
+    args = ["--params", "175e9", "--gpus", "64", "--gpus-per-node", "8", "--gpu-mem", "80GB"]
+    shaped = plan_json(capsys, *args, *[f"--{k.replace('_', '-')}={v}" for k, v in GPT3.items()])
+    lay = shaped["recommended"]["layout"]
+    assert lay["dp"] * lay["pp"] * lay["tp"] == 64 and shaped["recommended"]["fits"]
+    assert 1 < lay["tp"] <= 8 and lay["pp"] > 1 and lay["zero"] <= 1
+    bare = plan_json(capsys, *args)["recommended"]["layout"]
+    assert bare["pp"] > 1 and bare["tp"] <= 8 and bare["dp"] * bare["pp"] * bare["tp"] == 64
+
+
+def test_fast_links_between_nodes_favour_zero():
+    shape = ModelShape(params=13 * 10**9, layers=40, hidden=5120, heads=40)
+    rec = plan(shape, Cluster(gpus=64, inter_node_bw=200e9)).recommended.layout
+    assert (rec.dp, rec.pp, rec.tp) == (64, 1, 1) and rec.zero >= 1
+
+
+@pytest.mark.parametrize("gpus,per_node", [(1, 8), (4, 8), (8, 8), (16, 8), (64, 8), (16, 4), (32, 2)])
+def test_tp_never_crosses_a_node(gpus, per_node):
+    for params in (1e8, 1.3e9, 7.5e9, 70e9, 175e9, 1e12):
+        for inter in (25e9, 400e9):
+            cluster = Cluster(gpus=gpus, gpus_per_node=per_node, inter_node_bw=inter)
+            result = plan(ModelShape(params=int(params)), cluster)
+            for c in [result.recommended, *result.candidates]:
+                cfg = c.layout
+                assert cfg.dp * cfg.pp * cfg.tp == gpus
+                assert cfg.tp <= min(gpus, per_node) and min(gpus, per_node) % cfg.tp == 0
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("argv,field", [
+    (["--params", "7e9", "--gpus", "8", "--gpu-mem", "80XB"], "--gpu-mem"),
+    (["--params", "7e9", "--gpus", "8", "--gpu-mem=-5GB"], "--gpu-mem"),
+    (["--params", "7e9", "--gpus", "8", "--gpu-mem", "0GB"], "--gpu-mem"),
+    (["--params", "0", "--gpus", "8"], "--params"),
+    (["--params", "7e9", "--gpus", "0"], "--gpus"),
+    (["--params", "7e9", "--gpus", "12", "--gpus-per-node", "8"], "--gpus"),
+    (["--params", "7e9", "--gpus", "8", "--inter-node-bw", "25GB"], "--inter-node-bw"),
+    (["--params", "7e9", "--gpus", "8", "--hidden", "1000", "--heads", "3"], "--heads"),
+    (["--params", "7e9", "--gpus", "8", "--dp", "2"], "--dp"),
+    (["--params", "7e9"], "--gpus"),
+    (["--gpus", "8"], "--params"),
+    (["--params", "7e9", "--gpus", "x"], "--gpus"),
+    (["--model", "tiny", "--gpus", "2"], "--gpus"),
+    (["--model", "tiny", "--dp", "3"], "global-batch"),
+])
+def test_bad_input_exits_2_naming_the_field(capsys, argv, field):
+    code, out, err = run_cli(capsys, ["plan", *argv])
+    assert code == 2 and out == ""
+    assert field in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- prediction for this machine
+TINY = PRESETS["tiny"]
+PSI = TINY.num_params()
+STEP_COUNTERS = 4 * (2 + 16 * 4 + 3)  # AdamW keeps a 4-byte step per parameter tensor
+
+
+def predict(capsys, *args: str) -> dict:
+    return plan_json(capsys, "--model", "tiny", *args)
+
+
+def rank0(result: dict) -> tuple[dict, dict]:
+    r = result["ranks"][0]
+    return r["model_state_bytes"], r["comm_bytes_per_step"]
+
+
+def test_tiny_parameter_count():
+    v, s, d, n = 512, 64, 64, 4
+    assert PSI == 2 * v * d + s * d + n * (12 * d * d + 13 * d) + 2 * d
+
+
+def test_prediction_ddp(capsys):
+    result = predict(capsys, "--dp", "2")
+    states, comm = rank0(result)
+    assert states == {"params": 4 * PSI, "grads": 4 * PSI, "optimizer": 8 * PSI + STEP_COUNTERS}
+    assert comm["dp"] == {"all_reduce": 4 * PSI} and comm["tp"] == comm["pp"] == {}
+    assert 0 < comm["other"]["all_reduce"] <= 64  # loss, token count and grad norm: small
+    assert len(result["ranks"]) == 2 and result["params"] == PSI
+    assert 200 * 2**20 < result["ranks"][0]["peak_mem_bytes"] < 500 * 2**20
+
+
+@pytest.mark.parametrize("zero,m,params,grads,optim,rs,ag", [
+    (1, 1, 4, 4, 8 / 2, 4, 4),
+    (2, 2, 4, 4 / 2, 8 / 2, 2 * 4, 4),
+    (3, 2, 4 / 2, 4 / 2, 8 / 2, 2 * 4, 2 * 2 * 4),
+])
+def test_prediction_zero_stages(capsys, zero, m, params, grads, optim, rs, ag):
+    states, comm = rank0(predict(capsys, "--dp", "2", "--zero", str(zero), "--microbatches", str(m)))
+    for kind, per_param in (("params", params), ("grads", grads), ("optimizer", optim)):
+        assert states[kind] == pytest.approx(per_param * PSI, rel=1e-3), kind
+    assert comm["dp"] == {"reduce_scatter": pytest.approx(rs * PSI, rel=1e-3),
+                          "all_gather": pytest.approx(ag * PSI, rel=1e-3)}
+
+
+def test_prediction_sgd_has_no_optimizer_state(capsys):
+    states, _ = rank0(predict(capsys, "--dp", "2", "--optimizer", "sgd"))
+    assert states["optimizer"] == 0 and states["params"] == 4 * PSI
+
+
+def test_prediction_tensor_and_pipeline_traffic(capsys):
+    b, s, h, L = 16, TINY.seq_len, TINY.d_model, TINY.n_layers
+    _, comm = rank0(predict(capsys, "--tp", "2"))
+    assert comm["tp"] == {"all_reduce": (4 * L + 2) * b * s * h * 4 + 3 * b * s * 4}
+    result = predict(capsys, "--pp", "2", "--microbatches", "4")
+    act = (b // 4) * s * h * 4
+    for r in result["ranks"]:
+        assert r["comm_bytes_per_step"]["pp"] == {"send": 4 * act, "recv": 4 * act}
+    held = sum(r["model_state_bytes"]["params"] for r in result["ranks"])
+    assert held == 4 * PSI  # the two stages hold the model once between them
+
+
+def test_prediction_human_table(capsys):
+    code, out, _ = run_cli(capsys, ["plan", "--model", "tiny", "--dp", "2", "--zero", "1"])
+    assert code == 0 and "predicted metrics" in out and "dp.reduce_scatter" in out
+
+
+def test_advisor_human_table(capsys):
+    code, out, _ = run_cli(capsys, ["plan", "--params", "7.5B", "--gpus", "16"])
+    assert code == 0 and "Recommended:" in out and "Why:" in out and "->" in out
+
+
+# ---------------------------------------------------------------- the models underneath
+def test_units():
+    assert parse_size("x", "80GB") == 80 * 10**9 and parse_size("x", "80GiB") == 80 * 2**30
+    assert parse_size("x", "512MiB") == 512 * 2**20 and parse_size("x", "8e10") == 8 * 10**10
+    assert parse_bandwidth("x", "25GB/s") == 25e9 and parse_bandwidth("x", "1.5TiB/s") == 1.5 * 2**40
+
+
+def test_ring_wire_bytes_zero_paper_ratios():
+    n, psi = 64, 10**9
+    ddp = wire_bytes(dp_ops(psi, dp=n, zero=0, microbatches=1, grad_bytes=2, param_bytes=2), n)
+    zero1 = wire_bytes(dp_ops(psi, dp=n, zero=1, microbatches=1, grad_bytes=2, param_bytes=2), n)
+    zero3 = wire_bytes(dp_ops(psi, dp=n, zero=3, microbatches=1, grad_bytes=2, param_bytes=2), n)
+    assert ddp == pytest.approx(2 * (n - 1) / n * 2 * psi) and zero1 == pytest.approx(ddp)
+    assert zero3 == pytest.approx(1.5 * ddp)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 3)])
+def test_pipeline_bubble(p, m):
+    slots = pipeline_slots("1f1b", microbatches=m, pp=p)
+    assert (slots - m) / slots == pytest.approx((p - 1) / (m + p - 1))
+    assert pipeline_slots("interleaved", microbatches=m, pp=p, virtual_stages=2) - m == pytest.approx((p - 1) / 2)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("naive", 3, 4, 1), ("gpipe", 4, 3, 1), ("1f1b", 4, 8, 1),
+                                        ("1f1b", 4, 3, 1), ("interleaved", 4, 8, 2),
+                                        ("interleaved", 4, 4, 2), ("interleaved", 2, 6, 3)])
+def test_inflight_matches_the_schedule_analysis(name, p, m, v):
+    from trainmesh.pipeline_parallel.analysis import peak_inflight_microbatches
+    from trainmesh.pipeline_parallel.schedules import build_schedule
+    measured = peak_inflight_microbatches(build_schedule(name, p, m, v))
+    assert [inflight_chunks(name, pp=p, microbatches=m, rank=r, virtual_stages=v)
+            for r in range(p)] == measured
+
+
+def test_activation_count_matches_the_gpt_saved_tensors():
+    torch = pytest.importorskip("torch")
+    from trainmesh.models.gpt import GPT
+    cfg, b = TINY, 8
+    model = GPT(cfg)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    idx = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, idx)
+    shape = dict(seq=cfg.seq_len, batch=b, hidden=cfg.d_model)
+    predicted = (cfg.n_layers * gpt_block_bytes(heads=cfg.n_heads, ffn=cfg.d_ff, **shape)
+                 + gpt_head_bytes(vocab=cfg.vocab_size, **shape))
+    assert predicted == pytest.approx(sum(saved.values()), rel=0.05)

@@ -1,0 +1,142 @@
+"""`trainmesh train` end to end: equivalence across DP layouts, accounting, bad input, faults."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import SMALL, assert_equivalent, run_train, steps, summary
+from trainmesh.cli import main
+
+LAYOUTS = {"dp2": ["--dp", "2"], "dp4": ["--dp", "4"], "mb4": ["--microbatches", "4"],
+           "dp2mb2": ["--dp", "2", "--microbatches", "2"]}
+
+
+@pytest.fixture(scope="module", params=["adamw", "sgd"])
+def reference(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"ref-{request.param}")
+    proc, records = run_train([*SMALL, "--optimizer", request.param], tmp)
+    assert proc.returncode == 0, proc.stderr
+    return request.param, records
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_is_equivalent_to_one_process(reference, layout, tmp_path):
+    optimizer, ref = reference
+    proc, run = run_train([*SMALL, "--optimizer", optimizer, *LAYOUTS[layout]], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_equivalent(ref, run)
+    if optimizer == "adamw" and layout == "dp2":
+        check_ddp_accounting(summary(run))
+
+
+def check_ddp_accounting(s: dict) -> None:
+    """CONTRACT.md: dp.all_reduce 4Ψ per step; params 4Ψ, grads 4Ψ, optimizer 8Ψ (AdamW)."""
+    psi = s["params"]
+    for r in s["ranks"]:
+        assert r["comm_bytes_per_step"]["dp"]["all_reduce"] == pytest.approx(4 * psi, rel=0.02)
+        held = r["model_state_bytes"]
+        assert held["params"] == pytest.approx(4 * psi, rel=0.02)
+        assert held["grads"] == pytest.approx(4 * psi, rel=0.02)
+        assert held["optimizer"] == pytest.approx(8 * psi, rel=0.02)
+        assert r["comm_buffer_peak_bytes"] == 0
+        assert r["peak_mem_bytes"] >= r["setup_mem_bytes"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bare_demo_learns(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "trainmesh", "train"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    assert "world 2" in proc.stdout
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
+    assert last < 0.6 * first, (first, last)
+    assert time.time() - t0 < 110
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--dp", "3", "--global-batch", "8"], "global-batch"),
+    (["--dp", "0"], "dp"),
+    (["--zero", "7"], "zero"),
+    (["--precision", "fp8"], "precision"),
+    (["--schedule", "zigzag"], "schedule"),
+    (["--optimizer", "lion"], "optimizer"),
+    (["--model", "huge"], "model"),
+    (["--heads", "5"], "heads"),
+    (["--data", "/no/such/file.txt"], "data"),
+    (["--offload", "cpu"], "offload"),
+    (["--exit-after", "500", "--steps", "10"], "exit-after"),
+    (["--recompute-segment", "0"], "recompute-segment"),
+    (["--config", "/no/such.toml"], "config"),
+    (["--device", "cuda"], "device"),
+])
+def test_bad_input_exits_2_naming_the_field(args, field, capsys):
+    if field == "device":
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is present")
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0], err
+    assert "Traceback" not in err[0]
+
+
+def test_unknown_flag_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--dpp", "2"])
+    assert exc.value.code == 2
+
+
+def test_toml_config_and_flags_win(tmp_path):
+    from trainmesh.cli.train import collect
+    from trainmesh.train_config import build_train_config
+    cfg_file = tmp_path / "run.toml"
+    cfg_file.write_text('[parallel]\ndp = 2\nmicrobatches = 2\n[train]\nsteps = 7\nglobal-batch = 8\n')
+    from trainmesh.cli import build_parser
+    args = build_parser().parse_args(["train", "--config", str(cfg_file), "--steps", "9"])
+    cfg = build_train_config(collect(args, True))
+    assert (cfg.parallel.dp, cfg.parallel.microbatches, cfg.steps, cfg.global_batch) == (2, 2, 9, 8)
+    cfg_file.write_text("bogus = 1\n")
+    assert main(["train", "--config", str(cfg_file)]) == 2
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_fails_the_run_naming_the_rank(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *SMALL[:-4], "--steps", "100000",
+                             "--dp", "2", "--metrics-out", str(metrics), "--timeout", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        victim = workers[1]
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert re.search(r"rank \d failed", err), err[-2000:]
+    assert "SIGKILL" in err
+    for pid in workers:   # every worker torn down
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
