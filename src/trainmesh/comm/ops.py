@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..errors import CommTimeout
 from ..mesh import ParallelMesh
+from .diagnose import exchange, verdict
 from .ledger import Ledger
 
 ReduceOp = dist.ReduceOp
@@ -71,10 +72,12 @@ class Comm:
         return self.mesh.size("world" if axis == "other" else axis)
 
     def failure(self, op: str, axis: str, exc: BaseException) -> Exception:
-        """An error naming this rank, the op and its recent history (for hang diagnosis)."""
-        last = ", ".join(f"#{s} {o}@{a}{list(shape)}" for s, o, a, shape in list(self.recent)[-5:])
-        return CommTimeout(f"rank {self.mesh.rank}: {op} on {axis} failed: {exc}; "
-                           f"last ops: {last}")
+        """An error naming this rank, the op, and which rank diverged where (hang diagnosis)."""
+        history = [(s, o, a, tuple(shape)) for s, o, a, shape in self.recent]
+        seen = exchange(self.mesh.rank, self.mesh.world_size, history, wait_s=min(10.0, self.timeout_s))
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return CommTimeout(f"rank {self.mesh.rank}: {op} on {axis} failed (op #{self.seq}): "
+                           f"{first_line[:300]}; diagnosis: {verdict(seen, self.mesh.world_size)}")
 
     def _run(self, op: str, axis: str, payload: int, fn, shape: tuple[int, ...],
              async_op: bool) -> Handle | None:

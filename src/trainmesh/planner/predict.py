@@ -198,7 +198,8 @@ def compare(prediction: RunPrediction, summary: dict[str, Any]) -> list[str]:
         for kind, want in pred.model_state_bytes.items():
             have = got["model_state_bytes"].get(kind, 0)
             if not _close(want, have, TOLERANCE["model_state_bytes"]):
-                problems.append(f"rank {pred.rank} model_state_bytes.{kind}: predicted {want}, measured {have}")
+                problems.append(f"rank {pred.rank} model_state_bytes.{kind}: "
+                                f"predicted {want}, measured {have}")
         for axis in AXES:
             ops = set(pred.comm_bytes_per_step.get(axis, {})) | set(got["comm_bytes_per_step"].get(axis, {}))
             for op in sorted(ops):

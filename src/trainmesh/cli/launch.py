@@ -1,0 +1,71 @@
+"""``trainmesh launch slurm [train flags] --nodes N --gpus-per-node G``: print an sbatch script.
+
+The script runs one ``torchrun`` per node through ``srun``; the torchruns meet through a c10d
+rendezvous on the first node and each starts G workers of ``trainmesh train``. The train flags
+are validated here, as ``trainmesh train`` would, before anything is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from ..errors import ConfigError
+
+PORT = 29500
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="print a multi-node launch script")
+    what = p.add_subparsers(dest="what", metavar="SCHEDULER", parser_class=type(p))
+    s = what.add_parser("slurm", help="an sbatch script using srun + torchrun",
+                        description=__doc__.splitlines()[0])
+    s.add_argument("--nodes", type=int, required=True)
+    s.add_argument("--gpus-per-node", type=int, required=True)
+    s.add_argument("--job-name", default="trainmesh")
+    s.add_argument("--partition", default=None)
+    s.add_argument("--time", default="01:00:00", help="wall-clock limit HH:MM:SS")
+    s.add_argument("train_flags", nargs=argparse.REMAINDER, help="flags for trainmesh train")
+    p.set_defaults(run=run)
+
+
+def sbatch_script(*, nodes: int, gpus_per_node: int, job_name: str, partition: str | None,
+                  time: str, train_flags: list[str]) -> str:
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
+             "#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={gpus_per_node}",
+             f"#SBATCH --time={time}"]
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    lines += [
+        "set -euo pipefail",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "srun torchrun \\",
+        '  --nnodes "$SLURM_NNODES" \\',
+        f"  --nproc-per-node {gpus_per_node} \\",
+        '  --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" \\',
+        f'  --rdzv-endpoint "$head:{PORT}" \\',
+        f"  -m trainmesh train {shlex.join(train_flags)}".rstrip(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "what", None) != "slurm":
+        raise ConfigError("launch", "name the scheduler: trainmesh launch slurm ...")
+    for field in ("nodes", "gpus_per_node"):
+        if getattr(args, field) < 1:
+            raise ConfigError(field.replace("_", "-"), f"must be >= 1; got {getattr(args, field)}")
+    from . import build_parser
+    from .train import collect
+    from ..train_config import build_train_config
+    flags = [f for f in args.train_flags if f != "--"]
+    train_args = build_parser().parse_args(["train", *flags])
+    cfg = build_train_config(collect(train_args, True))
+    world = args.nodes * args.gpus_per_node
+    if cfg.parallel.world_size != world:
+        raise ConfigError("dp*pp*tp", f"{cfg.parallel.world_size} must equal nodes x gpus-per-node = {world}")
+    if args.gpus_per_node % cfg.parallel.tp:
+        raise ConfigError("tp", f"{cfg.parallel.tp} must divide --gpus-per-node {args.gpus_per_node}: "
+                          "a TP group stays inside a node")
+    print(sbatch_script(nodes=args.nodes, gpus_per_node=args.gpus_per_node, job_name=args.job_name,
+                        partition=args.partition, time=args.time, train_flags=flags), end="")
+    return 0
