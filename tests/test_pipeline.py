@@ -17,7 +17,9 @@ GPT_KW = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=8, n_heads=4)
 SMALL_KW = dict(vocab_size=32, seq_len=8, d_model=16, n_layers=6, n_heads=2)     # deadlock runs
 ACT_KW = dict(vocab_size=32, seq_len=64, d_model=32, n_layers=4, n_heads=4)      # activation-heavy
 STEPS, GLOBAL_BATCH = 20, 8
-OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+# AdamW at lr 1e-2 amplifies fp32 reduction-order noise past 1e-3 in 20 steps even for plain
+# gradient accumulation on one process; 3e-3 trains as visibly and stays within 1e-5.
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.3)}
 
 # (name, world, ParallelConfig kwargs); microbatches divide the per-replica batch
@@ -150,9 +152,12 @@ def world4_worker() -> dict:
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    """Single-process curves: {(optimizer, tied): [(loss, grad_norm)] * STEPS}."""
+    """Single-process curves: {(optimizer, tied): [(loss, grad_norm)] * STEPS} (one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     out = {(opt, False): _train(_engine(GPT_KW, opt), GPT_KW, STEPS, GLOBAL_BATCH) for opt in OPTIMIZERS}
     out[("sgd", True)] = _train(_engine(GPT_KW, "sgd", tied=True), GPT_KW, STEPS, GLOBAL_BATCH)
+    torch.set_num_threads(threads)
     return out
 
 

@@ -1,0 +1,120 @@
+"""trainmesh ZeRO-3 vs FSDP2 ``fully_shard`` and ZeRO-1 vs ``ZeroRedundancyOptimizer`` (world 2).
+
+Each worker holds all four implementations of the same model (same initial weights, data and
+processes, one thread per process) and alternates their steps, so machine noise hits them alike;
+the ratio of median step times is the figure. Both sides clip the gradient norm at 1.0.
+FSDP2 shards the same units trainmesh does (embedding, each block, head, root). Run from the
+repository root:
+
+    python benchmarks/bench_zero.py --steps 30
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common import BENCH_GPT, GLOBAL_BATCH, batches, report, timed  # noqa: E402
+from trainmesh import Engine, ParallelConfig  # noqa: E402
+from trainmesh.data import dp_slice  # noqa: E402
+from trainmesh.models.gpt import GPT  # noqa: E402
+from trainmesh.testing import run_distributed  # noqa: E402
+
+
+def _mean_loss(loss: torch.Tensor, world: int) -> float:
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+def fsdp2_step_fn(model: torch.nn.Module, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    for unit in (model.embed, *model.blocks, model.head):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(batch) -> float:
+        loss_sum, count = model(**batch)
+        loss = loss_sum / count
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return _mean_loss(loss, world)
+    return step
+
+
+def zero_redundancy_step_fn(model: torch.nn.Module, world: int, bucket_mb: float):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+
+    def step(batch) -> float:
+        loss_sum, count = ddp(**batch)
+        loss = loss_sum / count
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return _mean_loss(loss, world)
+    return step
+
+
+def worker(steps: int, warmup: int, bucket_mb: float) -> str | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = GPT(BENCH_GPT, seed=0)
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)   # noqa: E731
+
+    def engine(zero: int) -> Engine:
+        return Engine(copy.deepcopy(base), adamw, lambda m, b: m(**b),
+                      ParallelConfig(dp=world, zero=zero, grad_clip=1.0, bucket_mb=bucket_mb),
+                      broadcast_init=False)
+
+    ours3, ours1 = engine(3), engine(1)
+    impls = {"trainmesh ZeRO-3": ours3.train_step,
+             "torch FSDP2": fsdp2_step_fn(copy.deepcopy(base), world),
+             "trainmesh ZeRO-1": ours1.train_step,
+             "torch ZeroRedundancyOptimizer": zero_redundancy_step_fn(copy.deepcopy(base), world, bucket_mb)}
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    losses: dict[str, list[float]] = {k: [] for k in impls}
+    for k, batch in enumerate(batches(steps + warmup)):
+        mine = dp_slice(batch, rank, world)
+        order = list(impls) if k % 2 == 0 else list(reversed(impls))   # no fixed position bias
+        for name in order:
+            t, loss = timed(lambda: impls[name](mine))
+            if k >= warmup:
+                times[name].append(t)
+            losses[name].append(loss)
+    if rank:
+        return None
+    tokens = GLOBAL_BATCH * BENCH_GPT.seq_len
+    names = list(impls)
+    return "\n\n".join([
+        report(names[0], times[names[0]], names[1], times[names[1]], tokens, (losses[names[0]], losses[names[1]])),
+        report(names[2], times[names[2]], names[3], times[names[3]], tokens, (losses[names[2]], losses[names[3]])),
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    args = ap.parse_args()
+    out = run_distributed(worker, 2, args.steps, args.warmup, args.bucket_mb, timeout_s=900)
+    print(f"model {BENCH_GPT}, params {BENCH_GPT.num_params():,}, global batch {GLOBAL_BATCH}, "
+          f"world 2, 1 thread/rank, AdamW, clip 1.0, {args.steps} timed steps")
+    print(out[0])
+
+
+if __name__ == "__main__":
+    main()
