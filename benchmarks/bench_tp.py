@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--vocab-size", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma list of {STRATEGIES}")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 
 from ..errors import ConfigError
-from .units import parse_size
+from ..planner.units import parse_size
 
 DEFAULT_SIZES = "4KB,64KB,1MB,16MB"
 
@@ -31,7 +31,7 @@ def _ops() -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "what", None) != "comm":
         raise ConfigError("bench", "name what to measure: trainmesh bench comm")
-    sizes = [parse_size(s, "sizes") for s in args.sizes.split(",") if s]
+    sizes = [parse_size("sizes", s) for s in args.sizes.split(",") if s]
     ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in ops if o not in _ops()]
     if bad:

@@ -56,8 +56,9 @@ PRESETS: dict[str, GPTConfig] = {
 class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        # An explicit (meta) weight skips nn.Embedding's random init: on meta it costs seconds.
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model, _weight=torch.empty(cfg.seq_len, cfg.d_model))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s, d)
         pos = torch.arange(idx.shape[1], device=idx.device)
