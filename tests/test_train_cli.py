@@ -35,6 +35,18 @@ def test_layout_is_equivalent_to_one_process(reference, layout, tmp_path):
     assert_equivalent(ref, run)
     if optimizer == "adamw" and layout == "dp2":
         check_ddp_accounting(summary(run))
+    check_prediction([*SMALL, "--optimizer", optimizer, *LAYOUTS[layout]], summary(run))
+
+
+def check_prediction(args: list[str], measured: dict) -> None:
+    """`trainmesh plan`'s model predicts what the run measured (issue: plan vs measurement)."""
+    from trainmesh.cli import build_parser
+    from trainmesh.cli.train import collect
+    from trainmesh.planner.predict import compare, predict_run
+    from trainmesh.train_config import build_train_config
+    cfg = build_train_config(collect(build_parser().parse_args(["train", *args]), True))
+    problems = compare(predict_run(cfg), measured)
+    assert not problems, problems
 
 
 def check_ddp_accounting(s: dict) -> None:
