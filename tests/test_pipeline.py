@@ -22,13 +22,16 @@ STEPS, GLOBAL_BATCH = 20, 8
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.3)}
 
-# (name, world, ParallelConfig kwargs); microbatches divide the per-replica batch
-WORLD2 = [("pp2-gpipe-m4", dict(pp=2, microbatches=4, schedule="gpipe")),
-          ("pp2-1f1b-m4", dict(pp=2, microbatches=4, schedule="1f1b")),
-          ("pp2-interleaved-v2-m4", dict(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)),
-          ("pp2-naive-m4", dict(pp=2, microbatches=4, schedule="naive"))]
-WORLD4 = [("pp4-1f1b-m8", dict(pp=4, microbatches=8, schedule="1f1b")),
-          ("dp2-pp2-1f1b-m2", dict(dp=2, pp=2, microbatches=2, schedule="1f1b"))]
+# (name, ParallelConfig kwargs, optimizers); microbatches divide the per-replica batch
+BOTH = tuple(OPTIMIZERS)
+WORLD2 = [("pp2-gpipe-m4", dict(pp=2, microbatches=4, schedule="gpipe"), BOTH),
+          ("pp2-1f1b-m4", dict(pp=2, microbatches=4, schedule="1f1b"), BOTH),
+          ("pp2-interleaved-v2-m4", dict(pp=2, microbatches=4, schedule="interleaved",
+                                         virtual_stages=2), BOTH),
+          ("pp2-naive-m4", dict(pp=2, microbatches=4, schedule="naive"), BOTH)]
+WORLD4 = [("pp4-1f1b-m8", dict(pp=4, microbatches=8, schedule="1f1b"), BOTH),
+          ("dp2-pp2-1f1b-m2", dict(dp=2, pp=2, microbatches=2, schedule="1f1b"), BOTH),
+          ("tp2-pp2-sp-1f1b-m4", dict(tp=2, pp=2, microbatches=4, sequence_parallel=True), ("adamw",))]
 
 
 # --------------------------------------------------------------------------- helpers (any process)
@@ -61,8 +64,8 @@ def _run_equivalence(configs: list) -> dict:
     """Each config x optimizer: the per-step (loss, grad norm) and this rank's pp traffic."""
     import torch.distributed as dist
     out = {}
-    for name, cfg in configs:
-        for opt in OPTIMIZERS:
+    for name, cfg, optimizers in configs:
+        for opt in optimizers:
             eng = _engine(GPT_KW, opt, **cfg)
             curve = _train(eng, GPT_KW, STEPS, GLOBAL_BATCH)
             out[(name, opt)] = {"curve": curve, "stage": eng.mesh.index("pp"),

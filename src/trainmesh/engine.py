@@ -127,6 +127,38 @@ class Engine:
         seen: set[int] = set()
         return {k: storage_bytes(held[k], seen) for k in ("params", "grads", "optimizer")}
 
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, path: str, trainer_state: dict[str, Any] | None = None):
+        """Collective: write a checkpoint under ``path`` (see :mod:`trainmesh.checkpoint`)."""
+        from .checkpoint import save
+        return save(self, path, trainer_state)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Collective: resume from the newest checkpoint under ``path``, in this layout."""
+        from .checkpoint import load
+        return load(self, path)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Step, learning rates, LR schedule and loss scaler: the non-tensor training state."""
+        state: dict[str, Any] = {"step": self.step_count,
+                                 "group_lrs": [g["lr"] for g in self.optimizer.param_groups]}
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = {"last_epoch": self.lr_scheduler.last_epoch,
+                                     "last_lr": self.lr_scheduler.get_last_lr()}
+        if hasattr(self.precision, "state_dict"):
+            state["precision"] = self.precision.state_dict()
+        return state
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.step_count = state["step"]
+        for group, lr in zip(self.optimizer.param_groups, state["group_lrs"]):
+            group["lr"] = lr
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.last_epoch = state["lr_scheduler"]["last_epoch"]
+            self.lr_scheduler._last_lr = state["lr_scheduler"]["last_lr"]  # type: ignore[attr-defined]
+        if "precision" in state and hasattr(self.precision, "load_state_dict"):
+            self.precision.load_state_dict(state["precision"])
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated, unsharded model weights (identical on every rank for DDP)."""
         gather = getattr(self.sync, "full_state_dict", None)

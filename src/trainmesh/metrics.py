@@ -67,11 +67,18 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
 class MetricsWriter:
     """Appends one JSON object per line (rank 0 writes; other ranks pass path=None)."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, *, keep_steps_before: int = 1) -> None:
+        """A fresh file; when resuming at step k, the step records before k are kept."""
         self.path = Path(path) if path else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            kept = []
+            if keep_steps_before > 1 and self.path.exists():
+                for line in self.path.read_text().splitlines():
+                    rec = json.loads(line)
+                    if rec.get("event") == "step" and rec["step"] < keep_steps_before:
+                        kept.append(line + "\n")
+            self.path.write_text("".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.path:

@@ -11,8 +11,8 @@ log = logging.getLogger("trainmesh")
 class Progress:
     """``with Progress(total) as bar: bar.update(step, loss=...)``."""
 
-    def __init__(self, total: int, *, enabled: bool = True) -> None:
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, *, enabled: bool = True, start: int = 0) -> None:
+        self.total, self.enabled, self.start = total, enabled, start
         self.tty = enabled and sys.stdout.isatty()
         self.every = max(1, total // 10)
         self._bar = None
@@ -24,7 +24,7 @@ class Progress:
             self._bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())
             self._bar.start()
-            self._task = self._bar.add_task("train", total=self.total, info="")
+            self._task = self._bar.add_task("train", total=self.total, completed=self.start, info="")
         return self
 
     def update(self, step: int, *, loss: float, tokens_per_s: float) -> None:

@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .data import dp_slice, make_dataset
@@ -69,15 +68,16 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     engine = build_engine(cfg, device, mesh)
     gpt = cfg.gpt_config()
     dataset = make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
+    start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)
-    metrics = MetricsWriter(cfg.metrics_out if rank0 else None)
+    metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start)
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
     log.info("trainmesh: %s params, world %d %s, %d steps", f"{gpt.num_params():,}", mesh.world_size,
              {k: v for k, v in p.layout().items()}, cfg.steps)
     first_loss = loss = float("nan")
-    with Progress(total=last, enabled=rank0) as bar:
-        for step in range(1, last + 1):
+    with Progress(total=last, enabled=rank0, start=start - 1) as bar:
+        for step in range(start, last + 1):
             batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
             batch = {k: v.to(device) for k, v in batch.items()}
             t0 = time.perf_counter()
@@ -90,11 +90,29 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                        **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
             metrics.write(record_)
             bar.update(step, loss=loss, tokens_per_s=record_["tokens_per_s"])
+            if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
+                engine.save(cfg.save_dir)
     summary = _summary(cfg, engine, mesh, device, setup_mem, loss)
     metrics.write(summary)
     if rank0:
         print_summary(summary, first_loss=first_loss)
     return 0
+
+
+def _resume(cfg: TrainConfig, engine: Engine) -> int:
+    """The last step already done: from the newest checkpoint when resuming (asked for with
+    --resume, or implied by an elastic restart), else 0."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not cfg.save_dir or not (cfg.resume or restarted):
+        return 0
+    from .checkpoint import latest
+    if latest(cfg.save_dir) is None:
+        if cfg.resume and not restarted:
+            log.warning("trainmesh: no checkpoint under %s yet; starting from step 1", cfg.save_dir)
+        return 0
+    state = engine.load(cfg.save_dir)
+    log.info("trainmesh: resumed from step %d of %s", state["step"], cfg.save_dir)
+    return int(state["step"])
 
 
 def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch.device,
@@ -103,11 +121,7 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
             "peak_mem_bytes": memory_peak(device), "model_state_bytes": engine.state_bytes,
             "comm_buffer_peak_bytes": engine.sync.comm_buffer_peak_bytes,
             "comm_bytes_per_step": engine.comm.ledger.bytes_per_step()}
-    ranks: list[Any] = [None] * mesh.world_size
-    if mesh.world_size > 1:
-        dist.all_gather_object(ranks, mine)
-    else:
-        ranks = [mine]
+    ranks = engine.comm.all_gather_object(mine)
     return {"event": "summary", "world_size": mesh.world_size, "layout": cfg.parallel.layout(),
             "params": cfg.gpt_config().num_params(), "final_loss": final_loss,
             "steps": engine.step_count, "ranks": ranks}

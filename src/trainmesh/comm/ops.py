@@ -190,6 +190,22 @@ class Comm:
         g = self._group(axis, group)
         self._run("barrier", axis, 0, lambda a: dist.barrier(group=g, async_op=a), (), False)
 
+    def all_gather_object(self, obj: Any, axis: str = "other") -> list[Any]:
+        """Every rank's picklable ``obj``, in group order (metadata, never tensors of a step)."""
+        n = self._size(axis, None)
+        if n == 1:
+            return [obj]
+        out: list[Any] = [None] * n
+        self.seq += 1
+        self.recent.append((self.seq, "all_gather_object", axis, ()))
+        started = time.perf_counter()
+        try:
+            dist.all_gather_object(out, obj, group=self._group(axis, None))
+        except RuntimeError as exc:
+            raise self.failure("all_gather_object", axis, exc) from exc
+        self.ledger.record(axis, "all_gather_object", 0, time.perf_counter() - started)
+        return out
+
     # ---------------------------------------------------------------- point to point
     def send(self, t: torch.Tensor, dst: int, axis: str = "pp") -> None:
         """Blocking send of ``t`` to global rank ``dst``."""

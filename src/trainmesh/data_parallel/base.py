@@ -97,6 +97,18 @@ class GradSync(ABC):
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The persistent tensors this rank keeps: {"params", "grads", "optimizer"}."""
 
+    def logical_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """Checkpointing: this rank's parameters and optimizer states by parameter name, whole
+        along the DP axis (collective over DP for sharded strategies): ({name: param},
+        {name: {state key: tensor}})."""
+        raise NotImplementedError(f"{type(self).__name__} cannot save checkpoints yet")
+
+    def load_logical_state(self, params: dict[str, torch.Tensor],
+                           optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Checkpointing: take whole-along-DP parameters and optimizer states by name (each
+        rank keeps its shard)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load checkpoints yet")
+
     def grads_finite(self) -> torch.Tensor:
         """1.0 if every gradient entry this rank holds is finite, else 0.0 (fp16 overflow check)."""
         flags = [torch.isfinite(t).all() for t in self.held_tensors()["grads"]]

@@ -163,6 +163,22 @@ class DDP(GradSync):
     def zero_grad(self) -> None:
         self.buffer.zero_()
 
+    def logical_state(self):
+        assert self.optimizer is not None
+        params = {n: p.detach() for n, p in self.named_params}
+        optim = {n: {k: v for k, v in self.optimizer.state.get(p, {}).items() if torch.is_tensor(v)}
+                 for n, p in self.named_params}
+        return params, optim
+
+    @torch.no_grad()
+    def load_logical_state(self, params, optim) -> None:
+        assert self.optimizer is not None
+        for n, p in self.named_params:
+            p.copy_(params[n])
+            if optim.get(n):
+                self.optimizer.state[p] = {k: v.clone().to(p.device) if v.dim() else v.clone()
+                                           for k, v in optim[n].items()}
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         opt = self.optimizer.state.values() if self.optimizer else []
         return {"params": [p for _, p in self.named_params], "grads": [self.buffer],

@@ -28,7 +28,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
 
     ``plan=None`` takes the model's own plan (the reference GPT's, or ``model.tp_plan()``) and
     raises ValueError for a model without one. Every check (styles, patterns, module kinds,
-    divisibility: ConfigError naming ``heads``, ``d-model``, ``d-ff``, ``vocab-size``,
+    divisibility: ConfigError naming ``heads``, ``d-model``, ``ffn``, ``vocab-size``,
     ``seq-len`` or ``tp``) runs before any communication.
     """
     from ..models.gpt import GPT

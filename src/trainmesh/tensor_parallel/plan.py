@@ -153,7 +153,7 @@ def validate_gpt(cfg, tp: int, *, sequence_parallel: bool = False) -> None:
         return
     checks = [("d-model", cfg.d_model, "the hidden size"),
               ("heads", cfg.n_heads, "attention heads (each rank holds whole heads)"),
-              ("d-ff", cfg.d_ff, "the MLP width"),
+              ("ffn", cfg.d_ff, "the MLP width (d_ff)"),
               ("vocab-size", cfg.vocab_size, "the vocabulary (split across ranks)")]
     if sequence_parallel:
         checks.append(("seq-len", cfg.seq_len, "the sequence (split across ranks by --sequence-parallel)"))

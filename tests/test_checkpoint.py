@@ -1,0 +1,158 @@
+"""Checkpoints: resume under another layout, consolidate, refuse damaged pieces, survive a
+save that dies midway, and elastic restarts that resume where they left off."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import SMALL, assert_equivalent, run_train, steps, summary
+from trainmesh.checkpoint import CheckpointError, _Reader, consolidate, latest
+from trainmesh.cli import main
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    proc, records = run_train(SMALL, tmp_path_factory.mktemp("ref"))
+    assert proc.returncode == 0, proc.stderr
+    return records
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Layout A (dp 2) runs steps 1-10, saves, and exits (a planned preemption)."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    proc, records = run_train([*SMALL, "--dp", "2", "--save-dir", str(tmp / "ck"), "--save-every", "10",
+                               "--exit-after", "10"], tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["step"] for r in steps(records)] == list(range(1, 11))
+    assert summary(records)["steps"] == 10
+    return tmp / "ck"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [["--dp", "4"], []], ids=["dp4", "one-process"])
+def test_resume_under_another_layout(reference, saved, layout, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    proc, records = run_train([*SMALL, *layout, "--save-dir", str(ck), "--resume"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    resumed = steps(records)
+    assert [r["step"] for r in resumed] == list(range(11, 21))
+    ref = steps(reference)
+    for a, b in zip(ref[10:], resumed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"]
+
+
+@pytest.mark.timeout(60)
+def test_consolidated_weights_give_the_sharded_loss(reference, saved, tmp_path):
+    from trainmesh.data import SyntheticCorpus
+    from trainmesh.models.gpt import GPT, GPTConfig
+    out = tmp_path / "full.safetensors"
+    assert main(["checkpoint", "consolidate", str(saved), str(out)]) == 0
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4), device="meta")
+    model.load_state_dict(load_file(str(out)), assign=True)
+    batch = SyntheticCorpus(64, 16).batch(0, 11, 8)   # step 11: the first step after the save
+    loss_sum, count = model(**batch)
+    assert abs(loss_sum.item() / count.item() - steps(reference)[10]["loss"]) <= 1e-4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_piece_is_refused(saved, tmp_path, damage):
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    piece = sorted(latest(ck).glob("*.safetensors"))[0]
+    data = bytearray(piece.read_bytes())
+    if damage == "flip":
+        data[-10] ^= 0xFF
+        piece.write_bytes(bytes(data))
+    elif damage == "truncate":
+        piece.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        piece.unlink()
+    reader = _Reader(latest(ck))
+    with pytest.raises(CheckpointError, match=piece.name):
+        for key in reader.manifest["tensors"]:
+            reader.get(key)
+    assert main(["checkpoint", "consolidate", str(ck), str(tmp_path / "x.safetensors")]) == 2
+
+
+def _save_dies_midway(root: str) -> None:
+    """Rank 0 dies after every piece of step 2 is written, before the checkpoint is published."""
+    import torch.distributed as dist
+
+    from trainmesh import Engine, ParallelConfig
+    from trainmesh.data import SyntheticCorpus, dp_slice
+    from trainmesh.models.gpt import GPT, GPTConfig
+    engine = Engine(GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)),
+                    lambda ps: torch.optim.AdamW(ps, lr=1e-3), lambda m, b: m(**b), ParallelConfig(dp=2))
+    data = SyntheticCorpus(64, 16)
+    engine.train_step(dp_slice(data.batch(0, 1, 8), dist.get_rank(), 2))
+    engine.save(root)
+    engine.train_step(dp_slice(data.batch(0, 2, 8), dist.get_rank(), 2))
+    if dist.get_rank() == 0:
+        os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)   # the process dies at publish
+    engine.save(root)
+
+
+@pytest.mark.timeout(120)
+def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
+    from trainmesh.testing import run_distributed
+    with pytest.raises(Exception):
+        run_distributed(_save_dies_midway, 2, str(tmp_path), timeout_s=20)
+    assert (tmp_path / ".step-00000002.tmp").exists()          # the half-written save
+    assert latest(tmp_path).name == "step-00000001"             # ... is not what resumes
+    reader = _Reader(latest(tmp_path))
+    for key in reader.manifest["tensors"]:
+        reader.get(key)                                          # every piece verifies
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+
+
+def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str]:
+    """A 30-step dp=2 run; SIGKILL one worker once step `kill_at` is logged; --max-restarts 1."""
+    metrics = tmp / "e.jsonl"
+    args = [*SMALL[:-4], "--steps", "30", "--warmup-steps", "5", "--dp", "2", "--save-dir", str(tmp / "ck"),
+            "--save-every", "5", "--max-restarts", "1", "--timeout", "30", "--metrics-out", str(metrics)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if metrics.exists() and f'"step": {kill_at},' in metrics.read_text():
+                break
+            time.sleep(0.02)
+        workers = _children(proc.pid)
+        os.kill(workers[-1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    import json
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return proc.returncode, records, err
+
+
+@pytest.mark.timeout(400)
+def test_elastic_restart_resumes_exactly(tmp_path):
+    proc, ref = run_train([*SMALL[:-4], "--steps", "30", "--warmup-steps", "5"], tmp_path, name="ref30")
+    assert proc.returncode == 0, proc.stderr
+    for trial in range(2):   # benchmarks/soak_elastic.py runs many more
+        tmp = tmp_path / f"t{trial}"
+        tmp.mkdir()
+        code, records, err = elastic_trial(tmp)
+        assert code == 0, err[-3000:]
+        assert abs(summary(records)["final_loss"] - summary(ref)["final_loss"]) <= 1e-3
+        assert_equivalent(ref, records)
