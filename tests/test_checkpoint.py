@@ -149,7 +149,8 @@ def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str
 def test_elastic_restart_resumes_exactly(tmp_path):
     proc, ref = run_train([*SMALL[:-4], "--steps", "30", "--warmup-steps", "5"], tmp_path, name="ref30")
     assert proc.returncode == 0, proc.stderr
-    for trial in range(2):   # benchmarks/soak_elastic.py runs many more
+    # The soak: TRAINMESH_ELASTIC_TRIALS=10 python -m pytest tests/test_checkpoint.py -k elastic
+    for trial in range(int(os.environ.get("TRAINMESH_ELASTIC_TRIALS", "2"))):
         tmp = tmp_path / f"t{trial}"
         tmp.mkdir()
         code, records, err = elastic_trial(tmp)
