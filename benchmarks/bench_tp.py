@@ -13,10 +13,12 @@ on the same synthetic global batches, every TP rank seeing the whole batch, worl
 - ``trainmesh-layers``: ``trainmesh.tensor_parallel.parallelize`` with a plain training loop,
   the layers alone (what DTensor's loop does).
 
-Strategies alternate over ``--rounds`` rounds (order reversed every round) to spread drift;
-each step starts after a barrier and lasts until the slowest rank ends. Prints tokens/s (global
+Strategies interleave step by step (step k of each, in rotating order), so a load change on a
+shared machine hits all of them alike; each step starts after a barrier and lasts until the
+slowest rank ends; ``--rounds`` repeats the batches. Prints tokens/s (global
 batch tokens over the median step time), the ratio to DTensor, and the largest per-step loss
-difference between the strategies (they must agree: same weights, same batches).
+difference between the strategies (they must agree: same weights, same batches). The CPU
+seconds per step (process time, max over ranks) are less sensitive to other load on the machine.
 
     python benchmarks/bench_tp.py --steps 20
 """
@@ -109,31 +111,35 @@ def _worker(a: dict) -> dict:
     makers = {"dtensor": _dtensor_step, "trainmesh": _trainmesh_step, "trainmesh-layers": _layers_step}
     steps = {name: makers[name](a, world) for name in a["strategies"]}
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     losses: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
     for r in range(a["rounds"]):
-        order = list(steps) if r % 2 == 0 else list(reversed(steps))
-        for name in order:
-            for k, batch in enumerate(batches):
+        for k, batch in enumerate(batches):
+            shift = (r * len(batches) + k) % len(names)     # rotate who goes first
+            for name in names[shift:] + names[:shift]:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 loss = steps[name](batch)
-                elapsed = time.perf_counter() - t0
+                elapsed, used = time.perf_counter() - t0, time.process_time() - c0
                 if k >= a["warmup"]:
                     times[name].append(elapsed)
+                    cpu[name].append(used)
                 if r == 0:
                     losses[name].append(loss)
-    for name in times:   # a step lasts until the slowest rank is done
-        t = torch.tensor(times[name], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times[name] = t.tolist()
-    return {"times": times, "losses": losses}
+    for table in (times, cpu):   # a step lasts until the slowest rank is done
+        for name in table:
+            t = torch.tensor(table[name], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            table[name] = t.tolist()
+    return {"times": times, "cpu": cpu, "losses": losses}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy and round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per strategy and round")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of all strategies")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the batches")
     ap.add_argument("--world", type=int, default=2, help="processes = TP degree")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
@@ -160,7 +166,8 @@ def main() -> None:
     rows = {}
     for name, times in result["times"].items():
         med = statistics.median(times)
-        rows[name] = {"median_step_s": med, "tokens_per_s": tokens / med}
+        rows[name] = {"median_step_s": med, "tokens_per_s": tokens / med,
+                      "median_cpu_s": statistics.median(result["cpu"][name])}
     base = rows.get("dtensor", {}).get("tokens_per_s")
     for row in rows.values():
         row["ratio_vs_dtensor"] = row["tokens_per_s"] / base if base else None
@@ -178,11 +185,12 @@ def main() -> None:
           f"vocab={args.vocab_size}; global batch {args.batch} ({tokens} tokens/step); world "
           f"{args.world}, 1 thread/rank, gloo, fp32 AdamW; {args.rounds} x {args.steps} timed steps "
           f"per strategy; torch {torch.__version__}")
-    print(f"{'strategy':18} {'median step (s)':>16} {'tokens/s':>10} {'vs DTensor':>11} {'max |dloss|':>12}")
+    print(f"{'strategy':18} {'median step (s)':>16} {'tokens/s':>10} {'vs DTensor':>11} "
+          f"{'CPU s/step':>11} {'max |dloss|':>12}")
     for name, row in rows.items():
         ratio = f"{row['ratio_vs_dtensor']:.2f}x" if row["ratio_vs_dtensor"] else "-"
         print(f"{name:18} {row['median_step_s']:16.4f} {row['tokens_per_s']:10,.0f} {ratio:>11} "
-              f"{dloss[name]:12.2e}")
+              f"{row['median_cpu_s']:11.4f} {dloss[name]:12.2e}")
     print(f"wall time {summary['wall_s']} s")
 
 

@@ -83,6 +83,8 @@ class ParallelConfig:
             raise ConfigError("grad-clip", f"must be >= 0 (0 = off); got {self.grad_clip}")
         if self.timeout_s <= 0:
             raise ConfigError("timeout", f"must be > 0 seconds; got {self.timeout_s}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence-parallel", "shards activations inside TP groups; needs --tp > 1")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError("virtual-stages", "> 1 needs --schedule interleaved")
 

@@ -95,7 +95,7 @@ class Engine:
         global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
         self.sync.finish(1.0 / (global_count * self.precision.loss_scale))
         self.state_bytes = self.measure_state()
-        skip = self.precision.should_skip(self.sync.grads_finite(), self._all_reduce_min)
+        skip = self.precision.should_skip(self.sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
         norm = 0.0 if skip else self.grad_norm()
         if not skip:
             if self.config.grad_clip > 0 and norm > self.config.grad_clip:
@@ -164,4 +164,7 @@ class Engine:
         gather = getattr(self.sync, "full_state_dict", None)
         if gather is not None:
             return gather()
+        if self.mesh.size("tp") > 1:
+            from .tensor_parallel.state import full_state_dict
+            return full_state_dict(self.module, self.comm)
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

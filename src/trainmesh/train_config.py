@@ -83,11 +83,8 @@ class TrainConfig:
         if p.pp * p.virtual_stages > gpt.n_layers:
             raise ConfigError("pp", f"pp x virtual-stages = {p.pp * p.virtual_stages} exceeds the "
                               f"model's {gpt.n_layers} layers")
-        if p.tp > 1:
-            for flag, size in (("heads", gpt.n_heads), ("d-model", gpt.d_model),
-                               ("ffn", gpt.d_ff), ("vocab-size", gpt.vocab_size)):
-                if size % p.tp:
-                    raise ConfigError(flag, f"{size} must be divisible by tp={p.tp}")
+        from .tensor_parallel.plan import validate_gpt
+        validate_gpt(gpt, p.tp, sequence_parallel=p.sequence_parallel)
 
     @property
     def peak_lr(self) -> float:

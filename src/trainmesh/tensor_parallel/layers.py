@@ -38,6 +38,9 @@ class TPState:
     inside_region: int = 0
     """> 0 while a ``parallel_input`` module runs: its input has already entered the region."""
 
+    def __deepcopy__(self, memo: dict) -> "TPState":
+        return self   # shared by every layer of the model (and its copies): groups are not copied
+
     @property
     def size(self) -> int:
         return self.comm.mesh.size(self.axis)

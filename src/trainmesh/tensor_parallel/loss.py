@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import Comm
+from .layers import TPState
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -72,10 +73,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, com
 class VocabParallelCrossEntropy(nn.Module):
     """Drop-in for a ``(logits, labels) -> (loss_sum, count)`` criterion on vocab-sharded logits."""
 
-    def __init__(self, comm: Comm, axis: str = "tp", *, ignore_index: int = -100) -> None:
+    def __init__(self, state: TPState, *, ignore_index: int = -100) -> None:
         super().__init__()
-        self.comm, self.axis, self.ignore_index = comm, axis, ignore_index
+        self.state, self.ignore_index = state, ignore_index
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return vocab_parallel_cross_entropy(logits, labels, self.comm, self.axis,
+        return vocab_parallel_cross_entropy(logits, labels, self.state.comm, self.state.axis,
                                             ignore_index=self.ignore_index)

@@ -3,19 +3,15 @@
 Each op is a small :class:`torch.autograd.Function` whose forward is one collective (or none)
 and whose backward is its dual; every byte goes through :class:`~trainmesh.comm.Comm` under the
 given mesh axis, so the ledger books it (CONTRACT.md, ``comm_bytes_per_step``). ``n`` below is
-the size of the group along ``axis``; on a group of one every op is the identity.
+the size of the group along ``axis``; on a group of one every op is the identity::
 
-=============================  ======================================  ===================================
-function                        forward                                 backward
-=============================  ======================================  ===================================
-copy_to_region       (f)        identity                                all-reduce
-reduce_from_region   (g)        all-reduce                              identity
-scatter_to_region               split last dim, keep own chunk          all-gather last dim
-gather_from_region              all-gather last dim                     split last dim
-scatter_to_sequence             split dim 1, keep own chunk             all-gather dim 1
-gather_from_sequence  (SP f)    all-gather dim 1                        reduce-scatter dim 1 (or split)
-reduce_scatter_to_sequence (g)  reduce-scatter dim 1                    all-gather dim 1
-=============================  ======================================  ===================================
+    copy_to_region (f)              fwd identity                    bwd all-reduce
+    reduce_from_region (g)          fwd all-reduce                  bwd identity
+    scatter_to_region               fwd split last dim, keep own    bwd all-gather last dim
+    gather_from_region              fwd all-gather last dim         bwd split last dim
+    scatter_to_sequence             fwd split dim 1, keep own       bwd all-gather dim 1
+    gather_from_sequence (SP f)     fwd all-gather dim 1            bwd reduce-scatter dim 1 (or split)
+    reduce_scatter_to_sequence (g)  fwd reduce-scatter dim 1        bwd all-gather dim 1
 
 Collectives never work in place on their argument: the result is a fresh tensor, so a caller
 may keep using its input (and autograd never sees an input modified behind its back).

@@ -71,7 +71,7 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TP
         return _replace(model, name, VocabParallelEmbedding.from_embedding(module, state))  # type: ignore[arg-type]
     if style == "vocab_ce":
         ignore = getattr(module, "ignore_index", -100)
-        return _replace(model, name, VocabParallelCrossEntropy(state.comm, state.axis, ignore_index=ignore))
+        return _replace(model, name, VocabParallelCrossEntropy(state, ignore_index=ignore))
     if style == "parallel_input":
         _enter_on_input(module, state)
     elif style == "sequence_parallel" and sp:
