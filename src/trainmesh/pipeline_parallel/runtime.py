@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -91,7 +92,9 @@ class PipelineExecutor:
         self.p2p = StageP2P(comm, self.schedule, self.rank, self.peers, self.device)
         self.track_memory = False
         """Book activation bytes per in-flight microbatch (``activation_peak_bytes``)."""
-        self.tracker = ActivationTracker(params)
+        self.tracker = ActivationTracker()
+        self._kept: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (stage, mb) -> (in, out)
+        self._loss, self._count = 0.0, 0.0
         self.last_timeline = Timeline([[] for _ in self.peers], self.schedule.virtual_stages,
                                       "s", self.schedule.name)
 
@@ -126,7 +129,7 @@ class PipelineExecutor:
             for d in range(self.mesh.dp):
                 for t in range(self.mesh.tp):
                     members = [self.mesh.rank_of(dp=d, pp=k, tp=t) for k in rs]
-                    g = dist.new_group(members, timeout=_timeout(self.mesh))
+                    g = dist.new_group(members, timeout=timedelta(seconds=self.mesh.timeout_s))
                     if self.mesh.rank in members:
                         groups[rs] = g
         out = []
@@ -155,9 +158,10 @@ class PipelineExecutor:
             raise ConfigError("microbatches", f"the pipeline schedule expects "
                                               f"{self.schedule.microbatches}; got {len(microbatches)}")
         sync.expect_backwards(len(microbatches))
-        self.tracker.reset()
+        if self.track_memory:
+            self.tracker.reset(list(self.module.parameters()))
         self.p2p.begin(batch_key(microbatches[0]))
-        self._kept: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._kept.clear()
         self._loss, self._count = 0.0, 0.0
         row: list[TimedAction] = []
         for action in self.schedule.actions[self.rank]:
@@ -217,7 +221,3 @@ class PipelineExecutor:
         del x, out
         return TimedAction(a, start, time.perf_counter())
 
-
-def _timeout(mesh: ParallelMesh):
-    from datetime import timedelta
-    return timedelta(seconds=mesh.timeout_s)

@@ -142,13 +142,15 @@ class ActivationTracker:
     over live pairs within a step. Off by default (a Python hook per saved tensor).
     """
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+    def __init__(self) -> None:
+        self.param_storages: set[int] = set()
         self.live: dict[tuple[int, int], int] = {}
         self.current = self.peak_bytes = 0
         self._seen: dict[int, int] | None = None
 
-    def reset(self) -> None:
+    def reset(self, params: list[torch.Tensor]) -> None:
+        """Start a step; ``params`` are excluded (their storage may move, e.g. into flat buffers)."""
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
         self.live.clear()
         self.current = self.peak_bytes = 0
 
