@@ -69,7 +69,7 @@ def zero_redundancy_step_fn(model: torch.nn.Module, world: int, bucket_mb: float
     return step
 
 
-def worker(steps: int, warmup: int, bucket_mb: float) -> str | None:
+def worker(steps: int, warmup: int, bucket_mb: float, pairs: list[str]) -> str | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     base = GPT(BENCH_GPT, seed=0)
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)   # noqa: E731
@@ -79,11 +79,13 @@ def worker(steps: int, warmup: int, bucket_mb: float) -> str | None:
                       ParallelConfig(dp=world, zero=zero, grad_clip=1.0, bucket_mb=bucket_mb),
                       broadcast_init=False)
 
-    ours3, ours1 = engine(3), engine(1)
-    impls = {"trainmesh ZeRO-3": ours3.train_step,
-             "torch FSDP2": fsdp2_step_fn(copy.deepcopy(base), world),
-             "trainmesh ZeRO-1": ours1.train_step,
-             "torch ZeroRedundancyOptimizer": zero_redundancy_step_fn(copy.deepcopy(base), world, bucket_mb)}
+    impls = {}
+    if "zero3" in pairs:
+        impls["trainmesh ZeRO-3"] = engine(3).train_step
+        impls["torch FSDP2"] = fsdp2_step_fn(copy.deepcopy(base), world)
+    if "zero1" in pairs:
+        impls["trainmesh ZeRO-1"] = engine(1).train_step
+        impls["torch ZeroRedundancyOptimizer"] = zero_redundancy_step_fn(copy.deepcopy(base), world, bucket_mb)
     times: dict[str, list[float]] = {k: [] for k in impls}
     losses: dict[str, list[float]] = {k: [] for k in impls}
     for k, batch in enumerate(batches(steps + warmup)):
@@ -98,10 +100,8 @@ def worker(steps: int, warmup: int, bucket_mb: float) -> str | None:
         return None
     tokens = GLOBAL_BATCH * BENCH_GPT.seq_len
     names = list(impls)
-    return "\n\n".join([
-        report(names[0], times[names[0]], names[1], times[names[1]], tokens, (losses[names[0]], losses[names[1]])),
-        report(names[2], times[names[2]], names[3], times[names[3]], tokens, (losses[names[2]], losses[names[3]])),
-    ])
+    return "\n\n".join(report(a, times[a], b, times[b], tokens, (losses[a], losses[b]))
+                       for a, b in zip(names[::2], names[1::2]))
 
 
 def main() -> None:
@@ -109,8 +109,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--pairs", default="zero3,zero1",
+                    help="comma list: zero3 (vs FSDP2), zero1 (vs ZeroRedundancyOptimizer)")
     args = ap.parse_args()
-    out = run_distributed(worker, 2, args.steps, args.warmup, args.bucket_mb, timeout_s=900)
+    pairs = [p for p in args.pairs.split(",") if p]
+    out = run_distributed(worker, 2, args.steps, args.warmup, args.bucket_mb, pairs, timeout_s=900)
     print(f"model {BENCH_GPT}, params {BENCH_GPT.num_params():,}, global batch {GLOBAL_BATCH}, "
           f"world 2, 1 thread/rank, AdamW, clip 1.0, {args.steps} timed steps")
     print(out[0])

@@ -21,6 +21,15 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=4)
 MODES = [("none", 1), ("full", 1), ("full", 2), ("selective", 1)]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine more threads only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _losses(mode: str, segment: int, zero: int = 0) -> list[tuple[float, float]]:
     cfg = ParallelConfig(recompute=mode, recompute_segment=segment, zero=zero)
     engine = Engine(GPT(CFG, seed=0), lambda ps: torch.optim.AdamW(ps, lr=1e-2),

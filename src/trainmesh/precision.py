@@ -110,18 +110,32 @@ class Precision:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
-    def should_skip(self, grads_finite: torch.Tensor,
+    def should_skip(self, grads_finite: torch.Tensor | Callable[[], torch.Tensor],
                     all_reduce_min: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         """fp16: whether every rank skips this step (an overflow on any rank, in any shard);
-        updates the loss scale. Never skips otherwise (and sends nothing)."""
+        updates the loss scale. Never skips otherwise (and computes and sends nothing).
+        ``grads_finite``: this rank's 1.0/0.0 flag, or a function computing it (called only
+        when needed: checking every gradient element costs a pass over them)."""
         self._step_scale = self.loss_scale
         if self.scaler is None:
             return False
+        if callable(grads_finite):
+            grads_finite = grads_finite()
         flag = all_reduce_min(grads_finite.detach().reshape(1).to(torch.float32).clone())
         finite = bool(flag.item() >= 1.0)
         self.scaler.update(finite)
         self.skipped = not finite
         return self.skipped
+
+    def state_dict(self) -> dict:
+        """Checkpointing: the loss scaler's state (fp16), else {}."""
+        if self.scaler is None:
+            return {}
+        return {"scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and "scale" in state:
+            self.scaler.scale, self.scaler.good_steps = float(state["scale"]), int(state["good_steps"])
 
     def metrics(self) -> dict:
         """fp16: {"loss_scale": the scale this step used, "skipped": bool}; otherwise {}."""

@@ -33,6 +33,9 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     if cfg.zero in (1, 2):
         return Zero12(named_params, comm, stage=cfg.zero, **common)
     if cfg.zero == 3:
+        if cfg.pp > 1:
+            raise ConfigError("zero", "3 cannot be combined with --pp > 1 (a stage's parameters would be "
+                              "re-gathered for every pipeline microbatch); use --zero 1 or 2 with --pp")
         if module is None:
             raise ValueError("ZeRO-3 needs the module (make_grad_sync(..., module=model))")
         mixed = precision is not None and getattr(precision, "mixed", False)

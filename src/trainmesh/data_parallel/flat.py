@@ -89,12 +89,11 @@ class FlatLayout:
         """This rank's chunks of every bucket as one strided view, (n_buckets, chunk)."""
         return flat.view(self.n_buckets, self.world, self.chunk)[:, self.rank]
 
-    def fill(self, flat: torch.Tensor, tensors: dict[int, torch.Tensor] | None = None) -> None:
-        """Copy each parameter's current value (or ``tensors[id(param)]``) into ``flat``."""
+    def fill(self, flat: torch.Tensor) -> None:
+        """Copy each parameter's current value into ``flat``."""
         with torch.no_grad():
             for s in self.slots:
-                src = tensors[id(s.param)] if tensors is not None else s.param
-                flat[s.start : s.end].copy_(src.reshape(-1))
+                flat[s.start : s.end].copy_(s.param.reshape(-1))
 
     # ---------------------------------------------------------------- geometry
     def slots_in(self, b: int) -> list[tuple[Slot, int, int]]:

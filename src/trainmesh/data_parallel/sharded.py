@@ -4,7 +4,9 @@ bookkeeping of transient communication memory.
 
 A stage subclass builds, in :meth:`ShardedSync._setup`, one flat shard ``nn.Parameter`` per
 optimizer group (what this rank updates) with its ``.grad`` (the reduced gradient shard), and
-lists which parameter each stretch of the gradient shard belongs to (for the norm).
+lists which parameter each stretch of the gradient shard belongs to (for the norm). For
+checkpoints it says how to gather a shard-shaped tensor whole (``_whole``) and how to cut this
+rank's shard out of whole tensors (``_take_shard``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import nn
 from ..comm import Comm, Handle
 from ..errors import ConfigError
 from .base import CountsFn, GradSync, OptimizerFactory, group_parameters
+from .flat import Slot
 
 # Optimizers whose update of an element depends only on that element's own history: they can
 # update any flat piece of a parameter. Anything else (LBFGS, Adafactor, Muon, ...) cannot.
@@ -167,6 +170,65 @@ class ShardedSync(GradSync):
 
     def _after_step(self) -> None:
         """Make the parameters whole again (ZeRO-1/2 all-gather); nothing at ZeRO-3."""
+
+    # ---------------------------------------------------------------- checkpoints
+    @abstractmethod
+    def _whole(self, gi: int, shard: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
+        """Collective over DP: each parameter's whole value of a tensor laid out like group
+        ``gi``'s shard (the parameters, or an optimizer state)."""
+
+    @abstractmethod
+    def _take_shard(self, gi: int, whole: dict[int, torch.Tensor], dst: torch.Tensor) -> None:
+        """Copy this rank's shard of group ``gi`` from whole tensors by id(param) into ``dst``
+        (parameters missing from ``whole`` are left as they are)."""
+
+    def logical_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """Whole parameters and optimizer states by parameter name (collective over DP)."""
+        assert self.optimizer is not None, "build_optimizer first"
+        params: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for gi, sp in enumerate(self.shard_params):
+            for slot, value in self._whole(gi, sp.detach()):
+                params[slot.name] = value.clone()
+            for key, v in self.optimizer.state.get(sp, {}).items():
+                if not torch.is_tensor(v):
+                    continue
+                pieces = (self._whole(gi, v) if v.shape == sp.shape
+                          else [(slot, v) for slot in self._slots(gi)])   # e.g. Adam's step count
+                for slot, value in pieces:
+                    optim.setdefault(slot.name, {})[key] = value.clone()
+        return params, optim
+
+    @torch.no_grad()
+    def load_logical_state(self, params: dict[str, torch.Tensor],
+                           optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Keep this rank's shard of whole parameters and optimizer states given by name."""
+        assert self.optimizer is not None, "build_optimizer first"
+        by_name = dict(self.named_params)
+        whole = {id(by_name[n]): t for n, t in params.items() if n in by_name}
+        for gi, sp in enumerate(self.shard_params):
+            self._take_shard(gi, whole, sp.data)
+            names = [s.name for s in self._slots(gi)]
+            keys = {k for n in names for k in optim.get(n, {})}
+            state = {}
+            for key in keys:
+                values = {id(by_name[n]): optim[n][key] for n in names if key in optim.get(n, {})}
+                sample = next(iter(values.values()))
+                if sample.dim() == 0:
+                    state[key] = sample.clone()
+                else:
+                    state[key] = torch.zeros_like(sp.data)
+                    self._take_shard(gi, values, state[key])
+            if state:
+                self.optimizer.state[sp] = state
+        self._after_load()
+
+    @abstractmethod
+    def _slots(self, gi: int) -> list[Slot]:
+        """Every parameter slot of group ``gi``."""
+
+    def _after_load(self) -> None:
+        """Make the model's parameters whole again after a load (ZeRO-1/2)."""
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         opt = self.optimizer.state.values() if self.optimizer else []

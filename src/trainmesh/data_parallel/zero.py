@@ -62,6 +62,7 @@ class Zero12(ShardedSync):
         self._sync = False
         self._next = 0
         self._remaining: dict[int, int] | None = None
+        self._pipeline_bytes = 0
 
     # ---------------------------------------------------------------- set-up
     @torch.no_grad()
@@ -112,9 +113,13 @@ class Zero12(ShardedSync):
             b.pending = len(b.slots)
 
     def expect_backwards(self, n: int) -> None:
-        """Pipeline mode: reduce each gradient once, after its ``n``-th backward."""
+        """Pipeline mode: reduce each gradient once, after its ``n``-th backward. (At ZeRO-2 the
+        gradients meanwhile accumulate full-size in ``param.grad``: counted as transient.)"""
         self.before_backward(is_last=True)
         self._remaining = {id(p): n for _, p in self.named_params}
+        if self.stage == 2:
+            self._pipeline_bytes = sum(p.numel() * p.element_size() for _, p in self.named_params)
+            self._count(self._pipeline_bytes)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if self._remaining is not None:
@@ -174,6 +179,8 @@ class Zero12(ShardedSync):
             self._check_unused()
             self._launch_ready(force=True)
         self._drain()
+        self._live_bytes -= self._pipeline_bytes
+        self._pipeline_bytes = 0
         if scale != 1.0:
             for g in self.groups:
                 g.shard_grad.mul_(scale)
@@ -187,6 +194,32 @@ class Zero12(ShardedSync):
         for h in handles:
             if h is not None:
                 h.wait()
+
+    # ---------------------------------------------------------------- checkpoints
+    def _slots(self, gi: int) -> list[Slot]:
+        return self.groups[gi].layout.slots
+
+    def _whole(self, gi: int, shard: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
+        g = self.groups[gi]
+        layout = g.layout
+        if shard.data_ptr() == layout.shard(g.params).data_ptr():
+            flat = g.params                    # the parameters themselves: already whole
+        else:
+            flat = layout.new(shard.dtype, self.device)
+            for b in range(layout.n_buckets):
+                self.comm.all_gather(layout.bucket(flat, b), shard[b].contiguous(), "dp")
+        return [(s, layout.view(flat, s)) for s in layout.slots]
+
+    @torch.no_grad()
+    def _take_shard(self, gi: int, whole: dict[int, torch.Tensor], dst: torch.Tensor) -> None:
+        for piece in self.groups[gi].layout.shard_pieces():
+            src = whole.get(id(piece.slot.param))
+            if src is not None:
+                n = piece.hi - piece.lo
+                dst[piece.bucket, piece.lo : piece.hi].copy_(src.reshape(-1)[piece.offset : piece.offset + n])
+
+    def _after_load(self) -> None:
+        self._after_step()
 
     def zero_grad(self) -> None:
         for g in self.groups:

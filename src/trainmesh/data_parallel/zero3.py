@@ -350,15 +350,35 @@ class Zero3(ShardedSync):
         return {"params": list(self.group_shards), "grads": self.shard_grads,
                 "optimizer": self._optimizer_tensors()}
 
+    # ---------------------------------------------------------------- checkpoints
+    def _group_pieces(self, gi: int) -> list[_Piece]:
+        return [pc for unit in self.units for pc in unit.pieces if pc.group == gi]
+
+    def _slots(self, gi: int) -> list[Slot]:
+        return [s for pc in self._group_pieces(gi) for s in pc.layout.slots]
+
+    def _whole(self, gi: int, shard: torch.Tensor) -> list[tuple[Slot, torch.Tensor]]:
+        out = []
+        for pc in self._group_pieces(gi):
+            flat = pc.layout.new(shard.dtype, self.device)
+            self.comm.all_gather(flat, shard[pc.shard_start : pc.shard_start + pc.layout.chunk], "dp")
+            out += [(s, pc.layout.view(flat, s)) for s in pc.layout.slots]
+        return out
+
+    @torch.no_grad()
+    def _take_shard(self, gi: int, whole: dict[int, torch.Tensor], dst: torch.Tensor) -> None:
+        for pc in self._group_pieces(gi):
+            for piece in pc.layout.shard_pieces():
+                src = whole.get(id(piece.slot.param))
+                if src is not None:
+                    n = piece.hi - piece.lo
+                    dst[pc.shard_start + piece.lo : pc.shard_start + piece.hi].copy_(
+                        src.reshape(-1)[piece.offset : piece.offset + n])
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights on every DP rank (a collective: call it on all of them)."""
-        values: dict[int, torch.Tensor] = {}
-        for unit in self.units:
-            for pc in unit.pieces:
-                flat = pc.layout.new(self.group_shards[pc.group].dtype, self.device)
-                self.comm.all_gather(flat, self._chunk(pc), "dp")
-                for s in pc.layout.slots:
-                    values[id(s.param)] = pc.layout.view(flat, s).clone()
+        values = {id(slot.param): value.clone() for gi, sp in enumerate(self.shard_params)
+                  for slot, value in self._whole(gi, sp.detach())}
         return {name: values[id(t)] if id(t) in values else t.detach().clone()
                 for name, t in self.module.state_dict(keep_vars=True).items()}
