@@ -31,13 +31,15 @@ def _curve(cfg: ParallelConfig, optimizer: str, mesh: ParallelMesh | None = None
     return out
 
 
-def _layouts(layouts: list[dict], optimizer: str) -> dict:
-    """Every layout on this world (one mesh after another in the same processes) + the reference."""
+def _layouts(layouts: list[dict]) -> dict:
+    """Every layout and optimizer on this world (one mesh after another in the same processes),
+    plus the single-process reference on rank 0."""
     out = {}
-    for kw in layouts:
-        out[str(kw)] = _curve(ParallelConfig(grad_clip=1.0, **kw), optimizer)
-    if dist.get_rank() == 0:
-        out["reference"] = _curve(ParallelConfig(grad_clip=1.0), optimizer, ParallelMesh(local=True))
+    for optimizer in ("adamw", "sgd"):
+        for kw in layouts:
+            out[optimizer, str(kw)] = _curve(ParallelConfig(grad_clip=1.0, **kw), optimizer)
+        if dist.get_rank() == 0:
+            out[optimizer, "reference"] = _curve(ParallelConfig(grad_clip=1.0), optimizer, ParallelMesh(local=True))
     return out
 
 
@@ -47,21 +49,21 @@ def _assert_same(ref, run, what):
         assert abs(na - nb) <= 1e-3 * na, f"{what} step {step}: grad_norm {na} vs {nb}"
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_dp2_pp2_tp2_zero1(optimizer):
-    layout = dict(dp=2, pp=2, tp=2, zero=1, microbatches=2)
-    res = run_distributed(_layouts, 8, [layout], optimizer, timeout_s=120)
-    for rank, out in res.items():
-        _assert_same(res[0]["reference"], out[str(layout)], f"rank {rank} {layout}")
+def _check(world: int, layouts: list[dict]) -> None:
+    res = run_distributed(_layouts, world, layouts, timeout_s=120)
+    for optimizer in ("adamw", "sgd"):
+        ref = res[0][optimizer, "reference"]
+        for rank, out in res.items():
+            for kw in layouts:
+                _assert_same(ref, out[optimizer, str(kw)], f"{optimizer} rank {rank} {kw}")
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_world4_compositions(optimizer):
-    layouts = [dict(dp=2, tp=2, zero=3), dict(pp=2, tp=2, microbatches=2),
-               dict(pp=2, tp=2, microbatches=2, sequence_parallel=True)]
-    res = run_distributed(_layouts, 4, layouts, optimizer, timeout_s=120)
-    for rank, out in res.items():
-        for kw in layouts:
-            _assert_same(res[0]["reference"], out[str(kw)], f"rank {rank} {kw}")
+@pytest.mark.timeout(400)
+def test_dp2_pp2_tp2_zero1():
+    _check(8, [dict(dp=2, pp=2, tp=2, zero=1, microbatches=2)])
+
+
+@pytest.mark.timeout(400)
+def test_world4_compositions():
+    _check(4, [dict(dp=2, tp=2, zero=3), dict(pp=2, tp=2, microbatches=2),
+               dict(pp=2, tp=2, microbatches=2, sequence_parallel=True)])

@@ -21,6 +21,7 @@ from .config import ParallelConfig
 from .data import split_microbatches
 from .data_parallel import make_grad_sync, unique_named_parameters
 from .data_parallel.base import OptimizerFactory
+from .errors import ConfigError
 from .executor import LocalExecutor, LossFn
 from .mesh import ParallelMesh
 from .metrics import storage_bytes
@@ -59,6 +60,9 @@ class Engine:
         named = unique_named_parameters(self.module)
         if broadcast_init:
             self._broadcast_from_dp_root(named)
+        if getattr(self.executor, "_tied", None) and cfg.zero >= 2:
+            raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
+                              "(their gradients are summed over stages before sharding)")
         self.sync = make_grad_sync(cfg, named, self.comm, module=self.module, precision=self.precision)
         self.optimizer = self.sync.build_optimizer(optimizer, param_groups)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
