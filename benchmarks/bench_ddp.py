@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import BENCH_GPT, GLOBAL_BATCH, batches, report, timed  # noqa: E402
+from common import BENCH_GPT, GLOBAL_BATCH, batches, native_step, report, timed  # noqa: E402
 from trainmesh import Engine, ParallelConfig  # noqa: E402
 from trainmesh.data import dp_slice  # noqa: E402
 from trainmesh.models.gpt import GPT  # noqa: E402
@@ -34,16 +34,7 @@ def worker(steps: int, warmup: int, bucket_mb: float) -> str | None:
     ddp = torch.nn.parallel.DistributedDataParallel(twin, bucket_cap_mb=bucket_mb)
     opt = adamw(ddp.parameters())
 
-    def torch_step(batch) -> float:
-        loss_sum, count = ddp(**batch)
-        loss = loss_sum / count
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return total.item() / world
+    torch_step = native_step(ddp, opt, world)
 
     t_ours, t_torch, l_ours, l_torch = [], [], [], []
     for k, batch in enumerate(batches(steps + warmup)):

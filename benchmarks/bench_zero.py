@@ -20,17 +20,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import BENCH_GPT, GLOBAL_BATCH, batches, report, timed  # noqa: E402
+from common import BENCH_GPT, GLOBAL_BATCH, batches, native_step, report, timed  # noqa: E402
 from trainmesh import Engine, ParallelConfig  # noqa: E402
 from trainmesh.data import dp_slice  # noqa: E402
 from trainmesh.models.gpt import GPT  # noqa: E402
 from trainmesh.testing import run_distributed  # noqa: E402
-
-
-def _mean_loss(loss: torch.Tensor, world: int) -> float:
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return total.item() / world
 
 
 def fsdp2_step_fn(model: torch.nn.Module, world: int):
@@ -40,33 +34,14 @@ def fsdp2_step_fn(model: torch.nn.Module, world: int):
     for unit in (model.embed, *model.blocks, model.head):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step(batch) -> float:
-        loss_sum, count = model(**batch)
-        loss = loss_sum / count
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        return _mean_loss(loss, world)
-    return step
+    return native_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), world, set_to_none=True)
 
 
 def zero_redundancy_step_fn(model: torch.nn.Module, world: int, bucket_mb: float):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
-
-    def step(batch) -> float:
-        loss_sum, count = ddp(**batch)
-        loss = loss_sum / count
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        return _mean_loss(loss, world)
-    return step
+    return native_step(ddp, opt, world)
 
 
 def worker(steps: int, warmup: int, bucket_mb: float, pairs: list[str]) -> str | None:

@@ -43,5 +43,20 @@ def report(name_a: str, times_a: list[float], name_b: str, times_b: list[float],
     return "\n".join(lines)
 
 
-def one_thread() -> None:
-    torch.set_num_threads(1)
+def native_step(module: torch.nn.Module, opt: torch.optim.Optimizer, world: int, *,
+                set_to_none: bool = False) -> Callable[[dict], float]:
+    """One step of a PyTorch-native baseline: mean loss, backward, clip 1.0, step; the loss
+    averaged over ranks (as trainmesh's engine reports it)."""
+    import torch.distributed as dist
+
+    def step(batch: dict) -> float:
+        loss_sum, count = module(**batch)
+        loss = loss_sum / count
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total.item() / world
+    return step

@@ -57,6 +57,18 @@ class GradSync(ABC):
         self.dp = comm.mesh.size("dp")
         self.optimizer: torch.optim.Optimizer | None = None
         self.comm_buffer_peak_bytes = 0
+        self._ready: set[int] = set()                   # params whose gradient is final
+        self._remaining: dict[int, int] | None = None   # pipeline mode: backwards left per param
+
+    def _grad_final(self, p: nn.Parameter) -> bool:
+        """Bookkeeping of a post-accumulate-grad hook: whether ``p``'s gradient is now final for
+        this backward (in pipeline mode: after all its expected backward passes)."""
+        if self._remaining is not None:
+            self._remaining[id(p)] -= 1
+            if self._remaining[id(p)] > 0:
+                return False
+        self._ready.add(id(p))
+        return True
 
     @abstractmethod
     def build_optimizer(self, factory: OptimizerFactory,

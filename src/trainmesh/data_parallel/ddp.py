@@ -65,8 +65,6 @@ class DDP(GradSync):
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = False
         self._next = 0
-        self._ready: set[int] = set()
-        self._remaining: dict[int, int] | None = None   # pipeline mode: backwards left per param
 
     # ---------------------------------------------------------------- backward
     def before_backward(self, *, is_last: bool) -> None:
@@ -81,12 +79,7 @@ class DDP(GradSync):
         self._remaining = {id(p): n for _, p in self.named_params}
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if self._remaining is not None:
-            self._remaining[id(p)] -= 1
-            if self._remaining[id(p)] > 0:
-                return
-        self._ready.add(id(p))
-        if not self._sync:
+        if not self._grad_final(p) or not self._sync:
             return
         bucket = self._bucket_of[p]
         bucket.pending -= 1

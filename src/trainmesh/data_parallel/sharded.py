@@ -73,7 +73,6 @@ class ShardedSync(GradSync):
         self._norm_pieces: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         self._inflight: list[Flight] = []
         self._live_bytes = 0
-        self._ready: set[int] = set()
 
     # ---------------------------------------------------------------- set-up
     @abstractmethod

@@ -61,7 +61,6 @@ class Zero12(ShardedSync):
         self._buckets_of: dict[int, list[_Bucket]] = {}
         self._sync = False
         self._next = 0
-        self._remaining: dict[int, int] | None = None
         self._pipeline_bytes = 0
 
     # ---------------------------------------------------------------- set-up
@@ -122,12 +121,7 @@ class Zero12(ShardedSync):
             self._count(self._pipeline_bytes)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if self._remaining is not None:
-            self._remaining[id(p)] -= 1
-            if self._remaining[id(p)] > 0:
-                return
-        self._ready.add(id(p))
-        if not self._sync:
+        if not self._grad_final(p) or not self._sync:
             return
         buckets = self._buckets_of[id(p)]
         if self.stage == 2:
