@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..errors import ConfigError
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # (name, parameter) -> does this rank count it in the global gradient norm? (TP duplicates: once)
@@ -82,8 +83,9 @@ class GradSync(ABC):
     def expect_backwards(self, n: int) -> None:
         """Pipeline mode: this step runs ``n`` backward passes through every parameter (in any
         interleaving of stages); reduce each gradient once it has been through all ``n``.
-        Replaces the per-microbatch ``before_backward`` calls."""
-        raise NotImplementedError(f"{type(self).__name__} does not support pipeline parallelism")
+        Replaces the per-microbatch ``before_backward`` calls. Strategies without a pipeline
+        mode refuse it."""
+        raise ConfigError("pp", f"{type(self).__name__} cannot run under a pipeline (--pp > 1)")
 
     @abstractmethod
     def finish(self, scale: float) -> None:
@@ -109,17 +111,17 @@ class GradSync(ABC):
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The persistent tensors this rank keeps: {"params", "grads", "optimizer"}."""
 
+    @abstractmethod
     def logical_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
         """Checkpointing: this rank's parameters and optimizer states by parameter name, whole
         along the DP axis (collective over DP for sharded strategies): ({name: param},
         {name: {state key: tensor}})."""
-        raise NotImplementedError(f"{type(self).__name__} cannot save checkpoints yet")
 
+    @abstractmethod
     def load_logical_state(self, params: dict[str, torch.Tensor],
                            optim: dict[str, dict[str, torch.Tensor]]) -> None:
         """Checkpointing: take whole-along-DP parameters and optimizer states by name (each
         rank keeps its shard)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot load checkpoints yet")
 
     def grads_finite(self) -> torch.Tensor:
         """1.0 if every gradient entry this rank holds is finite, else 0.0 (fp16 overflow check)."""
