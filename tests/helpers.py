@@ -38,3 +38,14 @@ def assert_equivalent(ref: list[dict], run: list[dict], *, loss_tol: float = 1e-
         assert abs(x["loss"] - y["loss"]) <= loss_tol, f"step {x['step']}: loss {x['loss']} vs {y['loss']}"
         assert abs(x["grad_norm"] - y["grad_norm"]) <= norm_rtol * abs(x["grad_norm"]), \
             f"step {x['step']}: grad_norm {x['grad_norm']} vs {y['grad_norm']}"
+
+
+def check_prediction(args: list[str], measured: dict) -> None:
+    """`trainmesh plan`'s model predicts what the run measured (issue: plan vs measurement)."""
+    from trainmesh.cli import build_parser
+    from trainmesh.cli.train import collect
+    from trainmesh.planner.predict import compare, predict_run
+    from trainmesh.train_config import build_train_config
+    cfg = build_train_config(collect(build_parser().parse_args(["train", *args]), True))
+    problems = compare(predict_run(cfg), measured)
+    assert not problems, problems

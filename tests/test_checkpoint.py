@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import SMALL, assert_equivalent, run_train, steps, summary
+from helpers import SMALL, assert_equivalent, check_prediction, run_train, steps, summary
 from trainmesh.checkpoint import CheckpointError, _Reader, consolidate, latest
 from trainmesh.cli import main
 
@@ -43,6 +43,7 @@ def save_in(layout: list[str], tmp: Path) -> Path:
         assert proc.returncode == 0, proc.stderr
         assert [r["step"] for r in steps(records)] == list(range(1, 11))
         assert summary(records)["steps"] == 10
+        check_prediction([*SMALL, *layout], summary(records))   # the planner predicted this run
         _SAVED[key] = tmp / "ck"
     return _SAVED[key]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL, assert_equivalent, run_train, steps, summary
+from helpers import SMALL, assert_equivalent, check_prediction, run_train, steps, summary
 from trainmesh.cli import main
 
 LAYOUTS = {"dp2": ["--dp", "2"], "dp4": ["--dp", "4"], "mb4": ["--microbatches", "4"],
@@ -36,17 +36,6 @@ def test_layout_is_equivalent_to_one_process(reference, layout, tmp_path):
     if optimizer == "adamw" and layout == "dp2":
         check_ddp_accounting(summary(run))
     check_prediction([*SMALL, "--optimizer", optimizer, *LAYOUTS[layout]], summary(run))
-
-
-def check_prediction(args: list[str], measured: dict) -> None:
-    """`trainmesh plan`'s model predicts what the run measured (issue: plan vs measurement)."""
-    from trainmesh.cli import build_parser
-    from trainmesh.cli.train import collect
-    from trainmesh.planner.predict import compare, predict_run
-    from trainmesh.train_config import build_train_config
-    cfg = build_train_config(collect(build_parser().parse_args(["train", *args]), True))
-    problems = compare(predict_run(cfg), measured)
-    assert not problems, problems
 
 
 def check_ddp_accounting(s: dict) -> None:

@@ -38,6 +38,8 @@ def sbatch_script(*, nodes: int, gpus_per_node: int, job_name: str, partition: s
     lines += [
         "set -euo pipefail",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# restarted workers get a fresh store (gloo reconnects to stale peers otherwise)",
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         "srun torchrun \\",
         '  --nnodes "$SLURM_NNODES" \\',
         f"  --nproc-per-node {gpus_per_node} \\",
