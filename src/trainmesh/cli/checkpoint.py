@@ -10,7 +10,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checkpoint", help="work with checkpoints")
     what = p.add_subparsers(dest="what", metavar="ACTION", parser_class=type(p))
     c = what.add_parser("consolidate", help="write the full model of the newest checkpoint as safetensors")
-    c.add_argument("dir", help="a --save-dir, or one step-XXXXXXXX directory in it")
+    c.add_argument("dir", help="a --save-dir, or one step-NNNNNNNN directory in it")
     c.add_argument("out", help="output .safetensors file")
     p.set_defaults(run=run)
 

@@ -121,12 +121,12 @@ def draw_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])
     ax.set_xlabel(f"time ({timeline.time_unit})")
     heading = title if title is not None else (timeline.name or "pipeline timeline")
-    ax.set_title(f"{heading} — bubble {bubble_fraction(timeline):.1%}")
+    ax.set_title(f"{heading} — bubble {bubble_fraction(timeline):.1%}", loc="left", fontsize=10)
     handles = [Patch(color=_COLOURS[k], label=_NAMES[k]) for k in _COLOURS if k in kinds_seen]
     if timeline.virtual_stages > 1:
         handles.append(Patch(color=_shade("#808080", 1, 2), label="lighter: later chunk"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5,
-              frameon=False, fontsize=8)
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=5,
+              frameon=False, fontsize=8, borderaxespad=0.2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"Date": None} if path.suffix.lower() == ".svg" else None
