@@ -29,6 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .tensor_parallel.state import full_tensor, shard_dim, shard_of
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -63,21 +65,14 @@ def _sha256(path: Path) -> str:
 
 # ---------------------------------------------------------------- TP: whole <-> shard
 def _tp_gather(engine: Engine, p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:
-    dim = getattr(p, "_tm_tp_dim", None)
-    n = engine.mesh.size("tp")
-    if dim is None or n == 1 or t.dim() == 0:
-        return t
-    flat = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
-    engine.comm.all_gather(flat, t.contiguous().view(-1), "tp")
-    return torch.cat(list(flat.view(n, *t.shape).unbind(0)), dim=dim)
+    """``t`` (``p`` or one of its optimizer states) whole along tp."""
+    return full_tensor(t, engine.comm, like=p)
 
 
 def _tp_slice(engine: Engine, p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    dim = getattr(p, "_tm_tp_dim", None)
-    n = engine.mesh.size("tp")
-    if dim is None or n == 1 or full.dim() == 0:
-        return full
-    return full.chunk(n, dim=dim)[engine.mesh.index("tp")].contiguous()
+    """This rank's tp slice of ``full``, sharded as ``p`` is."""
+    dim = shard_dim(p) if full.dim() else None
+    return shard_of(full, dim, engine.mesh.index("tp"), engine.mesh.size("tp")).contiguous()
 
 
 def _writer(key: str, engine: Engine) -> int:
@@ -100,7 +95,7 @@ def save(engine: Engine, root: str | Path, trainer_state: dict[str, Any] | None 
         for key, v in optim.get(name, {}).items():
             tensors[f"optim/{name}/{key}"] = _tp_gather(engine, by_name[name], v)
     me = mesh.index("dp") * mesh.size("tp") + mesh.index("tp")
-    mine = {k: t.detach().cpu().contiguous().clone() for k, t in tensors.items() if _writer(k, engine) == me}
+    mine = {k: t.detach().cpu().contiguous() for k, t in tensors.items() if _writer(k, engine) == me}
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -26,10 +26,14 @@ def shard_of(full: torch.Tensor, dim: int | None, rank: int, n: int) -> torch.Te
 
 
 @torch.no_grad()
-def full_tensor(p: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.Tensor:
-    """The unsharded value of ``p`` (an all-gather over tp for a shard; a copy otherwise)."""
-    dim = shard_dim(p)
-    return p.detach().clone() if dim is None else _gather(p.detach(), dim, comm, axis)
+def full_tensor(p: torch.Tensor, comm: Comm, axis: str = "tp", *,
+                like: torch.Tensor | None = None) -> torch.Tensor:
+    """The unsharded value of ``p`` (an all-gather over tp for a shard; a copy otherwise).
+    ``like``: the parameter whose sharding ``p`` shares (e.g. ``p`` is its Adam moment)."""
+    dim = shard_dim(p if like is None else like)
+    if dim is None or p.dim() == 0:
+        return p.detach().clone()
+    return _gather(p.detach().contiguous(), dim, comm, axis)
 
 
 def full_state_dict(module: nn.Module, comm: Comm, axis: str = "tp") -> dict[str, torch.Tensor]:
