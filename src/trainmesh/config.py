@@ -1,8 +1,10 @@
 """Typed configuration: the parallel layout (:class:`ParallelConfig`), validated once.
 
-Every field is settable from a TOML file and from ``trainmesh train`` flags (the CLI maps
-``--global-batch`` to ``global_batch`` and so on). Checks raise :class:`ConfigError` naming the
-field and what would be valid.
+Every field is settable from a TOML file and from ``trainmesh train`` flags (the flag is the
+field name with dashes, ``timeout_s`` is ``--timeout``; :mod:`trainmesh.validation`). Every
+check of a layout lives here: :func:`~trainmesh.validation.check_fields` checks each field's
+type and range, ``__post_init__`` the rules between fields. Checks raise :class:`ConfigError`
+naming the flag and what would be valid.
 """
 from __future__ import annotations
 
@@ -10,87 +12,67 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ConfigError
+from .pipeline_parallel.schedules import SCHEDULES as DRAWN_SCHEDULES
+from .validation import check_fields, setting
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+"""Pipeline schedules the training runtime runs (``trainmesh schedule`` draws more)."""
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full", "selective")
 OFFLOAD = ("none", "cpu", "nvme")
-
-
-def _positive(field: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(field, f"must be a positive integer; got {value!r}")
-
-
-def _choice(field: str, value: Any, valid: tuple) -> None:
-    if value not in valid:
-        raise ConfigError(field, f"must be one of {', '.join(map(str, valid))}; got {value!r}")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest collective timeout accepted: a week (torch's timedelta-based timeouts overflow far
+beyond; no collective legitimately waits longer)."""
 
 
 @dataclass
 class ParallelConfig:
     """How one training step is split over processes. World size = dp * pp * tp."""
 
-    dp: int = 1
-    """Data-parallel degree: replicas, each with a slice of the global batch."""
-    pp: int = 1
-    """Pipeline-parallel degree: stages the model's layers are split into."""
-    tp: int = 1
-    """Tensor-parallel degree: ranks each layer's matrices are split across."""
-    zero: int = 0
-    """ZeRO stage over the DP axis: 0 plain DDP, 1 optimizer states, 2 + gradients, 3 + parameters."""
-    microbatches: int = 1
-    """Gradient-accumulation steps (pp=1) or pipeline microbatches (pp>1) per optimizer step."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: naive, gpipe, 1f1b or interleaved."""
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism inside TP groups."""
-    precision: str = "fp32"
-    """Compute precision: fp32, bf16 or fp16 (dynamic loss scaling)."""
-    reduce_dtype: str | None = None
-    """dtype gradients are reduced in: fp32, or None for the compute dtype."""
-    recompute: str = "none"
-    """Activation recomputation: none, full (keep layer inputs) or selective (attention internals)."""
-    recompute_segment: int = 1
-    """With full recompute: keep the input of every K-th layer, recompute K layers from it."""
-    offload: str = "none"
-    """Offload of optimizer states: none, cpu or nvme."""
-    offload_dir: str | None = None
-    """Directory for nvme offload."""
-    bucket_mb: float = 25.0
-    """Gradient bucket size in MiB (DDP all-reduce, ZeRO reduce-scatter)."""
-    grad_clip: float = 0.0
-    """Global gradient-norm clip; 0 disables clipping (the norm is still measured)."""
-    timeout_s: float = 300.0
-    """Every collective's timeout in seconds."""
-    find_unused_parameters: bool = False
-    """Reduce gradients of parameters that received none instead of raising an error."""
+    dp: int = setting(1, "data-parallel degree: replicas, each with a slice of the global batch", ge=1)
+    pp: int = setting(1, "pipeline-parallel degree: stages the layers are split into", ge=1)
+    tp: int = setting(1, "tensor-parallel degree: ranks each layer's matrices are split across", ge=1)
+    zero: int = setting(0, "ZeRO stage over the DP axis: 0 (DDP), 1 (optimizer states), "
+                           "2 (+ gradients), 3 (+ parameters)", choices=(0, 1, 2, 3))
+    microbatches: int = setting(1, "gradient accumulation (pp=1) or pipeline microbatches (pp>1)", ge=1)
+    schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
+    virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)", ge=1)
+    sequence_parallel: bool = setting(False, "Megatron sequence parallelism inside TP groups")
+    precision: str = setting("fp32", "compute precision: fp32, bf16, fp16 (dynamic loss scaling)",
+                             choices=PRECISIONS)
+    reduce_dtype: str | None = setting(None, "dtype gradients are reduced in: fp32 or the compute "
+                                             "dtype (default)")
+    recompute: str = setting("none", "activation recomputation: none, full (keep layer inputs) or "
+                                     "selective (attention internals)", choices=RECOMPUTE)
+    recompute_segment: int = setting(1, "with full: recompute K layers from every K-th layer's input", ge=1)
+    offload: str = setting("none", "optimizer states off the device: none, cpu or nvme", choices=OFFLOAD)
+    offload_dir: str | None = setting(None, "directory for nvme offload", path=True)
+    bucket_mb: float = setting(25.0, "gradient bucket size in MiB (DDP all-reduce, ZeRO "
+                                     "reduce-scatter)", gt=0)
+    grad_clip: float = setting(0.0, "global gradient-norm clip (0 = off; the norm is still "
+                                    "measured)", ge=0)
+    timeout_s: float = setting(300.0, "every collective's timeout in seconds", flag="--timeout",
+                               gt=0, le=MAX_TIMEOUT_S)
+    find_unused_parameters: bool = setting(False)
+    """Reduce gradients of parameters that received none instead of raising an error (API only)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "microbatches", "virtual_stages", "recompute_segment"):
-            _positive(name.replace("_", "-"), getattr(self, name))
-        _choice("zero", self.zero, (0, 1, 2, 3))
-        _choice("schedule", self.schedule, SCHEDULES)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("reduce-dtype", self.reduce_dtype, (None, "fp32", self.precision))
-        _choice("recompute", self.recompute, RECOMPUTE)
-        _choice("offload", self.offload, OFFLOAD)
-        if self.bucket_mb <= 0:
-            raise ConfigError("bucket-mb", f"must be > 0; got {self.bucket_mb}")
-        if self.grad_clip < 0:
-            raise ConfigError("grad-clip", f"must be >= 0 (0 = off); got {self.grad_clip}")
-        if self.timeout_s <= 0:
-            raise ConfigError("timeout", f"must be > 0 seconds; got {self.timeout_s}")
+        check_fields(self)
+        if self.schedule not in SCHEDULES:
+            why = (" splits each backward into input and weight passes: `trainmesh schedule` draws "
+                   "it, the training runtime does not run it" if self.schedule in DRAWN_SCHEDULES else "")
+            raise ConfigError("--schedule", f"{self.schedule!r}{why}; valid: {', '.join(SCHEDULES)}")
+        if self.reduce_dtype not in (None, "fp32", self.precision):
+            raise ConfigError("--reduce-dtype", f"must be fp32 or the compute dtype "
+                              f"({self.precision}); got {self.reduce_dtype!r}")
         if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("sequence-parallel", "shards activations inside TP groups; needs --tp > 1")
+            raise ConfigError("--sequence-parallel", "shards activations inside TP groups; needs --tp > 1")
         if self.zero == 3 and self.pp > 1:
-            raise ConfigError("zero", "3 with --pp > 1 is refused: ZeRO-3 re-gathers every layer "
+            raise ConfigError("--zero", "3 with --pp > 1 is refused: ZeRO-3 re-gathers every layer "
                               "for each of the pipeline's microbatches (traffic x microbatches); "
                               "use --zero 1 or 2 with pipelines")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise ConfigError("virtual-stages", "> 1 needs --schedule interleaved")
+            raise ConfigError("--virtual-stages", "> 1 needs --schedule interleaved")
 
     @property
     def world_size(self) -> int:

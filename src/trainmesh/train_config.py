@@ -1,8 +1,10 @@
 """TrainConfig: everything ``trainmesh train`` needs, from a TOML file and flags (flags win).
 
-Field names are the flag names with dashes as underscores (``--global-batch`` ->
-``global_batch``). A TOML file may set them at top level or in tables (``[parallel]``,
-``[model]``, ``[train]``: tables are only for grouping). Unknown keys are an error.
+Fields are declared once with their flag, help text and valid range
+(:func:`~trainmesh.validation.setting`); :data:`FLAGS` (flag -> field) generates the command
+line of ``train`` and ``plan`` and is the list of TOML keys. A TOML key is a flag name without
+the dashes (``global-batch`` or ``global_batch``, ``timeout``), at top level or in tables
+(``[parallel]``, ``[model]``, ``[train]``: tables only group keys). Unknown keys are an error.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 from .config import ParallelConfig
 from .errors import ConfigError
 from .models.gpt import PRESETS, GPTConfig
+from .validation import Flag, check_fields, flags_of, setting
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -23,6 +26,9 @@ else:  # pragma: no cover
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.3}
+SHAPE = {"layers": "n_layers", "d_model": "d_model", "heads": "n_heads", "seq_len": "seq_len",
+         "vocab_size": "vocab_size"}
+"""Model-shape overrides: TrainConfig field -> GPTConfig field."""
 
 
 @dataclass
@@ -30,58 +36,55 @@ class TrainConfig:
     """One training run: layout, model, data, optimizer, schedule, outputs."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    model: str = "tiny"
-    """Preset name of the built-in GPT."""
-    layers: int | None = None
-    d_model: int | None = None
-    heads: int | None = None
-    seq_len: int | None = None
-    vocab_size: int | None = None
-    data: str = "synthetic"
-    """'synthetic', or a text file (bytes) / token file (.npy, .bin uint16)."""
-    global_batch: int = 16
-    """Sequences per optimizer step over all DP ranks and microbatches."""
-    optimizer: str = "adamw"
-    lr: float | None = None
-    """Peak learning rate (default: 3e-3 for adamw, 0.3 for sgd)."""
-    warmup_steps: int = 20
-    steps: int = 200
-    seed: int = 0
-    metrics_out: str | None = None
-    save_dir: str | None = None
-    save_every: int = 0
-    resume: bool = False
-    exit_after: int | None = None
-    max_restarts: int = 0
-    timeline_out: str | None = None
-    device: str = "auto"
+    model: str = setting("tiny", f"built-in GPT preset: {', '.join(PRESETS)}", choices=tuple(PRESETS))
+    layers: int | None = setting(None, "override the preset's layer count", ge=1)
+    d_model: int | None = setting(None, "override the preset's hidden size", ge=1)
+    heads: int | None = setting(None, "override the preset's attention heads", ge=1)
+    seq_len: int | None = setting(None, "override the preset's sequence length", ge=1)
+    vocab_size: int | None = setting(None, "override the preset's vocabulary size", ge=1)
+    data: str = setting("synthetic", "'synthetic', or a text file (bytes) / token file (.npy, "
+                                     ".bin uint16)", path=True)
+    global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
+                                    "microbatches", ge=1)
+    optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS)
+    lr: float | None = setting(None, "peak learning rate (default 3e-3 for adamw, 0.3 for sgd)", gt=0)
+    warmup_steps: int = setting(20, "linear warm-up steps before cosine decay", ge=0)
+    steps: int = setting(200, "total optimizer steps", ge=1)
+    seed: int = setting(0, "seed of weights and data", ge=0)
+    metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True)
+    save_dir: str | None = setting(None, "checkpoint directory", path=True)
+    save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0)
+    resume: bool = setting(False, "continue from the newest checkpoint in --save-dir")
+    exit_after: int | None = setting(None, "stop cleanly after this step (planned preemption)", ge=1)
+    max_restarts: int = setting(0, "restarts of failed workers (local runs)", ge=0)
+    timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
+                                             "(pipeline runs)", path=True)
+    device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES)
+    force: bool = setting(False, "start even when the planner predicts the run will not fit "
+                                 "this machine")
 
     def __post_init__(self) -> None:
-        if self.model not in PRESETS:
-            raise ConfigError("model", f"must be one of {', '.join(PRESETS)}; got {self.model!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
-        if self.device not in DEVICES:
-            raise ConfigError("device", f"must be one of {', '.join(DEVICES)}; got {self.device!r}")
-        for name in ("global_batch", "steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(name.replace("_", "-"), f"must be a positive integer; got {value!r}")
-        for name in ("warmup_steps", "save_every", "max_restarts"):
-            if getattr(self, name) < 0:
-                raise ConfigError(name.replace("_", "-"), f"must be >= 0; got {getattr(self, name)}")
-        if self.lr is not None and self.lr <= 0:
-            raise ConfigError("lr", f"must be > 0; got {self.lr}")
-        if self.exit_after is not None and not 1 <= self.exit_after <= self.steps:
-            raise ConfigError("exit-after", f"must be a step in 1..--steps ({self.steps}); got {self.exit_after}")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise TypeError("TrainConfig.parallel must be a ParallelConfig")
+        check_fields(self)
+        if self.exit_after is not None and self.exit_after > self.steps:
+            raise ConfigError("--exit-after", f"must be a step in 1..--steps ({self.steps}); "
+                              f"got {self.exit_after}")
+        if self.resume and not self.save_dir:
+            raise ConfigError("--resume", "needs --save-dir (where the checkpoints are)")
+        if self.timeline_out is not None:
+            if self.parallel.pp == 1:
+                raise ConfigError("--timeline-out", "draws pipeline runs; needs --pp > 1")
+            if not self.timeline_out.endswith((".svg", ".png")):
+                raise ConfigError("--timeline-out", f"must end in .svg or .png; got {self.timeline_out!r}")
         p = self.parallel
         per = p.dp * p.microbatches
         if self.global_batch % per:
-            raise ConfigError("global-batch", f"must be divisible by dp x microbatches = {p.dp} x "
+            raise ConfigError("--global-batch", f"must be divisible by dp x microbatches = {p.dp} x "
                               f"{p.microbatches} = {per}; got {self.global_batch}")
-        gpt = self.gpt_config()  # validates the shape
+        gpt = self.gpt_config()  # the shape's own rules (heads divide d-model)
         if p.pp * p.virtual_stages > gpt.n_layers:
-            raise ConfigError("pp", f"pp x virtual-stages = {p.pp * p.virtual_stages} exceeds the "
+            raise ConfigError("--pp", f"pp x virtual-stages = {p.pp * p.virtual_stages} exceeds the "
                               f"model's {gpt.n_layers} layers")
         from .tensor_parallel.plan import validate_gpt
         validate_gpt(gpt, p.tp, sequence_parallel=p.sequence_parallel)
@@ -91,21 +94,28 @@ class TrainConfig:
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
 
     def gpt_config(self) -> GPTConfig:
-        base = PRESETS[self.model]
-        return GPTConfig(
-            vocab_size=self.vocab_size or base.vocab_size,
-            seq_len=self.seq_len or base.seq_len,
-            d_model=self.d_model or base.d_model,
-            n_layers=self.layers or base.n_layers,
-            n_heads=self.heads or base.n_heads,
-        )
+        """The preset with the shape flags given (``--layers`` ...) applied."""
+        base = asdict(PRESETS[self.model])
+        base.update({gpt: getattr(self, mine) for mine, gpt in SHAPE.items()
+                     if getattr(self, mine) is not None})
+        base["d_ff"] = 0  # 4 x d_model of the final width
+        return GPTConfig(**base)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+FLAGS: dict[str, Flag] = {**flags_of(ParallelConfig), **flags_of(TrainConfig)}
+"""Every ``trainmesh train`` flag -> its config field (the flags of ``train`` and ``plan``, and
+the TOML keys)."""
 PARALLEL_FIELDS = ParallelConfig.field_names()
 TRAIN_FIELDS = {f.name for f in fields(TrainConfig)} - {"parallel"}
+
+
+def field_of_key(key: str) -> str | None:
+    """The field a flag or TOML key sets (``global-batch``, ``global_batch``, ``--timeout``), or None."""
+    flag = FLAGS.get("--" + key.lstrip("-").replace("_", "-"))
+    return flag.field if flag is not None else None
 
 
 def read_toml(path: str) -> dict[str, Any]:
@@ -113,16 +123,17 @@ def read_toml(path: str) -> dict[str, Any]:
     try:
         raw = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ConfigError("config", f"no such file {path!r}") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError("config", f"cannot read {path!r}: {exc}") from None
+        raise ConfigError("--config", f"no such file {path!r}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("--config", f"cannot read {path!r}: {exc}") from None
     flat: dict[str, Any] = {}
     for key, value in raw.items():
         items = value.items() if isinstance(value, dict) else [(key, value)]
         for k, v in items:
-            name = k.replace("-", "_")
-            if name not in PARALLEL_FIELDS | TRAIN_FIELDS:
-                raise ConfigError("config", f"unknown key {k!r} in {path}")
+            name = field_of_key(k)
+            if name is None:
+                raise ConfigError("--config", f"unknown key {k!r} in {path}; keys are the flag "
+                                  "names without '--' (e.g. global-batch, timeout)")
             flat[name] = v
     return flat
 
@@ -132,7 +143,4 @@ def build_train_config(values: dict[str, Any]) -> TrainConfig:
     par = {k: v for k, v in values.items() if k in PARALLEL_FIELDS}
     rest = {k: v for k, v in values.items() if k in TRAIN_FIELDS}
     par.setdefault("grad_clip", 1.0)  # CONTRACT.md: --grad-clip defaults to 1.0
-    try:
-        return TrainConfig(parallel=ParallelConfig(**par), **rest)
-    except TypeError as exc:  # a wrongly typed TOML value
-        raise ConfigError("config", str(exc)) from None
+    return TrainConfig(parallel=ParallelConfig(**par), **rest)

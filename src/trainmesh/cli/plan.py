@@ -6,7 +6,7 @@ Advisor (any model, any cluster)::
                    [--precision bf16] [--layers L --hidden H --heads A --seq-len S --micro-batch B]
                    [--intra-node-bw 300GB/s --inter-node-bw 25GB/s] [--json]
 
-Prediction (the built-in GPT, the same model/layout flags as ``trainmesh train``)::
+Prediction (the built-in GPT, every flag of ``trainmesh train``: the same table)::
 
     trainmesh plan --model tiny [--dp 2 --zero 1 --microbatches 2 ...] [--json]
 
@@ -22,18 +22,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..config import PRECISIONS
 from ..errors import ConfigError
 from ..planner.units import fmt_bytes, fmt_seconds, parse_bandwidth, parse_count, parse_size
+from ..train_config import FLAGS
+from .train import add_train_flags, given_flags
 
-# flag -> (type, help); None default everywhere so that "given" is visible
-SHARED: dict[str, tuple[Any, str]] = {
-    "--layers": (int, "transformer layers"),
-    "--heads": (int, "attention heads"),
-    "--seq-len": (int, "sequence length (advisor default 2048)"),
-    "--vocab-size": (int, "vocabulary size"),
-    "--global-batch": (int, "sequences per optimizer step (advisor default 8 x gpus x micro-batch)"),
-    "--precision": (str, "fp32, bf16 or fp16 (advisor default bf16, prediction fp32)"),
-}
+# The prediction mode takes every `trainmesh train` flag (one table: train_config.FLAGS); the
+# advisor shares these of them and adds its own.
+SHARED = ("--layers", "--heads", "--seq-len", "--vocab-size", "--global-batch", "--precision")
 ADVISOR: dict[str, tuple[Any, str]] = {
     "--params": (str, "parameter count, e.g. 7.5e9 or 7.5B (advisor mode)"),
     "--gpus": (int, "total GPUs"),
@@ -43,24 +40,6 @@ ADVISOR: dict[str, tuple[Any, str]] = {
     "--micro-batch": (int, "sequences per microbatch per DP rank (default 1)"),
     "--intra-node-bw": (str, "per-GPU bandwidth inside a node (default 300GB/s)"),
     "--inter-node-bw": (str, "per-GPU bandwidth between nodes (default 25GB/s)"),
-}
-PREDICT: dict[str, tuple[Any, str]] = {
-    "--model": (str, "built-in GPT preset, tiny or small (prediction mode)"),
-    "--d-model": (int, "override the preset's hidden size"),
-    "--dp": (int, "data-parallel degree"),
-    "--pp": (int, "pipeline-parallel degree"),
-    "--tp": (int, "tensor-parallel degree"),
-    "--zero": (int, "ZeRO stage 0-3"),
-    "--microbatches": (int, "gradient accumulation (pp=1) or pipeline microbatches"),
-    "--schedule": (str, "pipeline schedule"),
-    "--virtual-stages": (int, "model chunks per pipeline rank (interleaved)"),
-    "--reduce-dtype": (str, "fp32 or the compute dtype"),
-    "--recompute": (str, "none, full or selective"),
-    "--recompute-segment": (int, "with full: keep every K-th layer's input"),
-    "--offload": (str, "none, cpu or nvme"),
-    "--bucket-mb": (float, "gradient bucket size in MiB"),
-    "--optimizer": (str, "adamw or sgd"),
-    "--device": (str, "auto, cpu or cuda (cpu: peak is process RSS)"),
 }
 TABLE_ROWS = 15
 
@@ -72,11 +51,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="With --params: rank every dp x pp x tp x ZeRO layout of a model on a cluster "
                     "and recommend one. With --model: predict what `trainmesh train` measures for "
                     "one layout of the built-in GPT.")
-    for table in (SHARED, ADVISOR, PREDICT):
-        for flag, (typ, text) in table.items():
-            parser.add_argument(flag, type=typ, default=None, help=text)
-    parser.add_argument("--sequence-parallel", action="store_const", const=True, default=None,
-                        help="Megatron sequence parallelism inside TP groups (prediction)")
+    add_train_flags(parser)
+    for flag, (typ, text) in ADVISOR.items():
+        parser.add_argument(flag, type=typ, default=None, help=text)
     parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout")
     parser.set_defaults(run=run)
     return parser
@@ -84,10 +61,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _given(args: argparse.Namespace, flags: Any) -> list[str]:
     return [f for f in flags if getattr(args, f[2:].replace("-", "_")) is not None]
-
-
-def _value(args: argparse.Namespace, flag: str) -> Any:
-    return getattr(args, flag[2:].replace("-", "_"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.params is None:
         raise ConfigError("--params", "give --params N to compare layouts, or --model NAME to "
                                       "predict one layout of the built-in GPT")
-    wrong = _given(args, [*PREDICT, "--sequence-parallel"])
+    wrong = [f for f in _given(args, FLAGS) if f not in SHARED]
     if wrong:
         raise ConfigError(wrong[0], "is a prediction flag (with --model); the advisor tries every "
                                     "layout itself")
@@ -119,8 +92,8 @@ def _advise(args: argparse.Namespace) -> int:
     if args.gpus is None:
         raise ConfigError("--gpus", "is required with --params (total GPUs, e.g. --gpus 64)")
     precision = args.precision or "bf16"
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ConfigError("--precision", f"must be one of fp32, bf16, fp16; got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ConfigError("--precision", f"must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     cluster = Cluster(
         gpus=args.gpus, gpus_per_node=8 if args.gpus_per_node is None else args.gpus_per_node,
         gpu_mem_bytes=parse_size("--gpu-mem", args.gpu_mem or "80GB"),
@@ -187,12 +160,7 @@ def _predict(args: argparse.Namespace) -> int:
     from ..planner.predict import predict_run
     from ..train_config import build_train_config
 
-    values: dict[str, Any] = {}
-    for flag in [*SHARED, *PREDICT, "--sequence-parallel"]:
-        value = _value(args, flag)
-        if value is not None:
-            values[flag[2:].replace("-", "_")] = value
-    prediction = predict_run(build_train_config(values))
+    prediction = predict_run(build_train_config(given_flags(args)))
     if args.json:
         print(json.dumps(prediction.to_json()))
         return 0
