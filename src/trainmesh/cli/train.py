@@ -1,4 +1,10 @@
-"""``trainmesh train``: validate, then launch local workers (or be one worker under torchrun)."""
+"""``trainmesh train``: validate, then launch local workers (or be one worker under torchrun).
+
+The flags are generated from the config dataclasses (:data:`trainmesh.train_config.FLAGS`);
+:func:`add_train_flags` gives ``plan`` the same ones. Validation of values happens once, in the
+dataclasses; :func:`preflight` adds what depends on this machine (devices, files, memory, the
+checkpoint to resume), before any worker starts.
+"""
 from __future__ import annotations
 
 import argparse
@@ -10,124 +16,110 @@ from ..errors import ConfigError
 
 DEMO = {"dp": 2}  # a bare `trainmesh train`: the 2-process demo layout
 
-# flag -> (type, help); every flag defaults to None so that "given" is visible
-FLAGS: dict[str, tuple[Any, str]] = {
-    "--dp": (int, "data-parallel degree"),
-    "--pp": (int, "pipeline-parallel degree"),
-    "--tp": (int, "tensor-parallel degree"),
-    "--zero": (int, "ZeRO stage: 0 (DDP), 1, 2, 3"),
-    "--microbatches": (int, "gradient accumulation (pp=1) or pipeline microbatches"),
-    "--global-batch": (int, "sequences per optimizer step over all DP ranks"),
-    "--schedule": (str, "pipeline schedule: naive, gpipe, 1f1b, interleaved"),
-    "--virtual-stages": (int, "model chunks per pipeline rank (interleaved)"),
-    "--precision": (str, "fp32, bf16 or fp16"),
-    "--reduce-dtype": (str, "fp32 or the compute dtype"),
-    "--recompute": (str, "none, full or selective"),
-    "--recompute-segment": (int, "with full: recompute K layers from every K-th layer's input"),
-    "--offload": (str, "none, cpu or nvme"),
-    "--offload-dir": (str, "directory for nvme offload"),
-    "--bucket-mb": (float, "gradient bucket size in MiB"),
-    "--model": (str, "preset: tiny, small"),
-    "--layers": (int, "override the preset's layer count"),
-    "--d-model": (int, "override the preset's hidden size"),
-    "--heads": (int, "override the preset's attention heads"),
-    "--seq-len": (int, "override the preset's sequence length"),
-    "--vocab-size": (int, "override the preset's vocabulary size"),
-    "--data": (str, "'synthetic', or a text file / token file (.npy, .bin)"),
-    "--optimizer": (str, "adamw or sgd"),
-    "--lr": (float, "peak learning rate"),
-    "--warmup-steps": (int, "linear warm-up steps before cosine decay"),
-    "--grad-clip": (float, "global gradient-norm clip (0 = off)"),
-    "--steps": (int, "total optimizer steps"),
-    "--seed": (int, "seed of weights and data"),
-    "--metrics-out": (str, "JSON-lines metrics file"),
-    "--save-dir": (str, "checkpoint directory"),
-    "--save-every": (int, "save every N steps"),
-    "--exit-after": (int, "stop cleanly after this step (planned preemption)"),
-    "--max-restarts": (int, "restarts of failed workers (local runs)"),
-    "--timeline-out": (str, "SVG/PNG of the measured per-rank timeline (pipeline runs)"),
-    "--device": (str, "auto, cpu or cuda"),
-    "--timeout": (float, "collective timeout in seconds"),
-}
-BOOL_FLAGS = {"--sequence-parallel": "Megatron sequence parallelism inside TP groups",
-              "--resume": "continue from the newest checkpoint in --save-dir"}
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_train_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Every ``trainmesh train`` flag (but ``skip``), each defaulting to None so "given" shows."""
+    from ..train_config import FLAGS
+    for flag, f in FLAGS.items():
+        if flag in skip:
+            continue
+        if f.kind is bool:
+            parser.add_argument(flag, action="store_const", const=True, default=None, help=f.help)
+        else:
+            parser.add_argument(flag, type=f.kind, default=None, help=f.help)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model under a parallel layout",
                        description="Train the built-in GPT under a dp x pp x tp layout.")
-    p.add_argument("--config", help="TOML file setting any of these flags (flags win)")
-    for flag, (typ, text) in FLAGS.items():
-        p.add_argument(flag, type=typ, default=None, help=text)
-    for flag, text in BOOL_FLAGS.items():
-        p.add_argument(flag, action="store_const", const=True, default=None, help=text)
+    p.add_argument("--config", help="TOML file setting any of these flags (keys: the flag names "
+                                    "without '--'); flags win")
+    add_train_flags(p)
     p.set_defaults(run=run)
+
+
+def given_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """{field: value} of the train flags given on the command line."""
+    from ..train_config import FLAGS
+    return {f.field: getattr(args, _dest(flag)) for flag, f in FLAGS.items()
+            if getattr(args, _dest(flag), None) is not None}
 
 
 def collect(args: argparse.Namespace, argv_given: bool) -> dict[str, Any]:
     """TOML values, overridden by the flags given; the bare demo's layout when nothing is."""
     from ..train_config import read_toml
-    values: dict[str, Any] = read_toml(args.config) if args.config else {}
-    for flag in [*FLAGS, *BOOL_FLAGS]:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            values[flag[2:].replace("-", "_")] = value
-    if "timeout" in values:
-        values["timeout_s"] = values.pop("timeout")
+    values: dict[str, Any] = read_toml(args.config) if getattr(args, "config", None) else {}
+    values.update(given_flags(args))
     if not argv_given:
         values.update(DEMO)
     return values
 
 
-def preflight(cfg) -> None:
-    """Refuse, before any worker starts, what this build cannot run."""
-    from ..data import make_dataset
-    from ..data_parallel import SUPPORTED_ZERO
+def _cuda_devices(cfg, local_ranks: int) -> int | None:
+    """CUDA devices the run computes on (None: CPU), by CONTRACT.md's --device rule."""
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.device == "cuda":
+        if count == 0:
+            raise ConfigError("--device", "cuda was asked for but no CUDA device is available; "
+                              "valid: auto, cpu")
+        return count
+    if cfg.device == "auto" and count >= local_ranks:
+        return count
+    return None
+
+
+def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
+    """Refuse, before any worker starts, what this machine or build cannot run.
+
+    ``local_ranks``: worker processes on this machine; ``launching``: this process starts them
+    (a local launch) rather than being one of them.
+    """
+    from ..planner.fit import check_memory, check_processes
+    from .paths import check_output_dir, check_output_file
     p = cfg.parallel
     if p.offload != "none":
-        raise ConfigError("offload", f"{p.offload} is planned but not yet supported; valid now: none")
-    if p.zero not in SUPPORTED_ZERO:
-        raise ConfigError("zero", f"stage {p.zero} is not yet supported; valid now: "
-                          f"{', '.join(map(str, SUPPORTED_ZERO))}")
-    for axis, module in (("tp", "tensor_parallel"), ("pp", "pipeline_parallel.runtime")):
-        if getattr(p, axis) > 1 and not _has_module(module):
-            raise ConfigError(axis, "values > 1 are not yet supported in this build; valid now: 1")
-    if p.recompute != "none" and not _has_module("recompute"):
-        raise ConfigError("recompute", "not yet supported in this build; valid now: none")
+        raise ConfigError("--offload", f"{p.offload} is planned but not yet supported; valid now: none")
+    cuda = _cuda_devices(cfg, local_ranks)
     import torch
 
     from ..precision import Precision
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", "cuda was asked for but no CUDA device is available; valid: auto, cpu")
-    Precision(p, torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"))
-    if cfg.save_dir or cfg.resume:
-        if not _has_module("checkpoint"):
-            raise ConfigError("save-dir" if cfg.save_dir else "resume",
-                              "checkpointing is not yet supported in this build")
-    if cfg.resume and not cfg.save_dir:
-        raise ConfigError("resume", "needs --save-dir")
-    if cfg.timeline_out and p.pp == 1:
-        raise ConfigError("timeline-out", "draws pipeline runs; needs --pp > 1")
-    if cfg.timeline_out and not cfg.timeline_out.endswith((".svg", ".png")):
-        raise ConfigError("timeline-out", f"must end in .svg or .png; got {cfg.timeline_out!r}")
-    gpt = cfg.gpt_config()
-    make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
-
-
-def _has_module(name: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(f"trainmesh.{name}") is not None
+    Precision(p, torch.device("cuda" if cuda else "cpu"))
+    if launching and not cfg.force:
+        check_processes(local_ranks, cuda_devices=cuda if cfg.device == "cuda" else None)
+    elif cfg.device == "cuda" and local_ranks > (cuda or 0):
+        check_processes(local_ranks, cuda_devices=cuda)
+    if not cfg.force:
+        check_memory(cfg, local_ranks=local_ranks, cuda=cuda is not None)
+    for flag, path in (("--save-dir", cfg.save_dir), ("--offload-dir", p.offload_dir)):
+        if path is not None:
+            check_output_dir(flag, path)
+    for flag, path in (("--metrics-out", cfg.metrics_out), ("--timeline-out", cfg.timeline_out)):
+        if path is not None:
+            check_output_file(flag, path)
+    if cfg.resume:
+        from ..resume import check_resume
+        check_resume(cfg)  # errors only; the worker that resumes prints the notice
+    if cfg.data != "synthetic":
+        from ..data import make_dataset
+        gpt = cfg.gpt_config()
+        make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..train_config import build_train_config
     argv = list(getattr(args, "argv", sys.argv[1:]))[1:]  # the flags after "train"
-    given = any(getattr(args, f[2:].replace("-", "_")) is not None for f in [*FLAGS, *BOOL_FLAGS]) \
-        or args.config is not None
+    given = bool(given_flags(args)) or args.config is not None
     cfg = build_train_config(collect(args, given))
-    preflight(cfg)
     if "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")))
+        preflight(cfg, local_ranks=local, launching=False)
         from ..trainer import worker_main
         return worker_main(cfg)
+    preflight(cfg, local_ranks=cfg.parallel.world_size, launching=True)
     from ..launch import launch_local
     return launch_local(argv, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts)

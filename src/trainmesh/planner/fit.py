@@ -1,0 +1,86 @@
+"""Will this run fit this machine? The planner's per-rank prediction against what the machine has.
+
+Checked before any worker starts (``--force`` skips it), from the config alone: nothing is built.
+
+* Host memory: on CPU the local ranks' predicted peaks (:func:`~.predict.predict_run`, process
+  RSS) must sum to at most the machine's physical memory (``/proc/meminfo``-equivalent
+  ``sysconf``, or the cgroup's ``memory.max`` when lower). Physical memory, not what is free
+  now: the answer is the same on every call and in every worker.
+* GPU memory: on CUDA each rank's predicted peak must fit its GPU (the smallest local one).
+* Processes: a local launch may start at most :data:`PROCS_PER_CORE` processes per CPU core
+  (gloo workers past that spend their time switching, and collectives time out) and, on CUDA,
+  at most one per GPU.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .predict import BASE_RSS_BYTES, predict_run
+from .units import fmt_bytes
+
+PROCS_PER_CORE = 8
+"""Most local worker processes per CPU core a launch may ask for."""
+FIT_FLAG = "--dp x --pp x --tp"
+MEMORY = "memory"
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine, or the cgroup limit when it is lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = Path("/sys/fs/cgroup/memory.max")
+    try:
+        text = limit.read_text().strip()
+        if text.isdigit():
+            total = min(total, int(text))
+    except OSError:
+        pass
+    return total
+
+
+def gpu_memory_bytes(count: int) -> int:
+    """Memory of the smallest of the first ``count`` CUDA devices."""
+    import torch
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+
+
+def check_processes(nproc: int, *, cuda_devices: int | None) -> None:
+    """Refuse a local launch of more processes than the machine can run (ConfigError)."""
+    cores = cpu_cores()
+    if nproc > PROCS_PER_CORE * cores:
+        raise ConfigError(FIT_FLAG, f"asks for {nproc} local processes; this machine has {cores} "
+                          f"CPU cores (at most {PROCS_PER_CORE} per core: "
+                          f"{PROCS_PER_CORE * cores}); --force to try anyway")
+    if cuda_devices is not None and nproc > cuda_devices:
+        raise ConfigError(FIT_FLAG, f"asks for {nproc} local processes on CUDA; this machine has "
+                          f"{cuda_devices} GPUs (one per process); use --device cpu or fewer ranks")
+
+
+def check_memory(cfg: Any, *, local_ranks: int, cuda: bool) -> None:
+    """Refuse a run whose predicted memory exceeds what this machine has (ConfigError)."""
+    ranks = predict_run(cfg, base_bytes=0 if cuda else BASE_RSS_BYTES).ranks
+    if cuda:
+        need, have = max(r.peak_mem_bytes for r in ranks), gpu_memory_bytes(local_ranks)
+        if need > have:
+            raise ConfigError(MEMORY, f"the planner predicts {fmt_bytes(need)} per GPU at the "
+                              f"peak; a GPU here has {fmt_bytes(have)}; shard more (--zero, --tp, "
+                              "--pp), shrink the model or the batch, or --force to try anyway")
+        return
+    peaks = sorted((r.peak_mem_bytes for r in ranks), reverse=True)
+    need, have = sum(peaks[:local_ranks]), host_memory_bytes()
+    if need > have:
+        ranks_here = f"{local_ranks} local rank{'s' if local_ranks > 1 else ''}"
+        raise ConfigError(MEMORY, f"the planner predicts {fmt_bytes(need)} at the peak for the "
+                          f"{ranks_here}; this machine has "
+                          f"{fmt_bytes(have)}; shard more (--zero, --tp, --pp), shrink the model "
+                          "or the batch, or --force to try anyway")
