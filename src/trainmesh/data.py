@@ -18,7 +18,7 @@ Batch = dict[str, torch.Tensor]
 
 
 def _generator(seed: int, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)  # any int64 seed
 
 
 @dataclass
@@ -71,15 +71,35 @@ def load_tokens(path: str) -> np.ndarray:
     """Token file (.npy, or .bin as uint16 like nanoGPT) or a text file read as bytes (vocab 256)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError("data", f"no such file {path!r}; use 'synthetic' or a text/token file")
+        raise ConfigError("--data", f"no such file {path!r}; use 'synthetic' or a text/token file")
     try:
         if p.suffix == ".npy":
-            return np.load(p, mmap_mode="r")
+            return np.load(p, mmap_mode="r", allow_pickle=False)
         if p.suffix == ".bin":
             return np.memmap(p, dtype=np.uint16, mode="r")
         return np.frombuffer(p.read_bytes(), dtype=np.uint8)
     except (OSError, ValueError) as exc:
-        raise ConfigError("data", f"cannot read {path!r}: {exc}") from exc
+        raise ConfigError("--data", f"cannot read {path!r}: {exc}") from None
+
+
+def check_tokens(tokens: np.ndarray, path: str, *, vocab_size: int, seq_len: int) -> None:
+    """A token array fit to train on: integer ids, one dimension, 0 <= id < vocab, long enough."""
+    if tokens.dtype.kind not in "iu":
+        raise ConfigError("--data", f"{path!r} holds {tokens.dtype} values; token ids must be an "
+                          "integer array (int or uint)")
+    if tokens.ndim != 1:
+        raise ConfigError("--data", f"{path!r} has shape {tokens.shape}; a token file must be one "
+                          "flat (1-D) sequence of ids")
+    if len(tokens) < seq_len + 2:
+        raise ConfigError("--data", f"{path!r} has {len(tokens)} tokens; need more than "
+                          f"--seq-len + 1 = {seq_len + 1}")
+    low, top = int(tokens.min()), int(tokens.max())
+    if low < 0:
+        raise ConfigError("--data", f"{path!r} holds a negative token id ({low}); ids must be "
+                          f"in 0..--vocab-size - 1")
+    if top >= vocab_size:
+        raise ConfigError("--vocab-size", f"must exceed the largest token id {top} in --data "
+                          f"{path!r}; got {vocab_size}")
 
 
 def make_dataset(data: str, *, vocab_size: int, seq_len: int):
@@ -87,11 +107,7 @@ def make_dataset(data: str, *, vocab_size: int, seq_len: int):
     if data == "synthetic":
         return SyntheticCorpus(vocab_size, seq_len)
     tokens = load_tokens(data)
-    if len(tokens) < seq_len + 2:
-        raise ConfigError("data", f"{data!r} has {len(tokens)} tokens; need more than --seq-len + 1 = {seq_len + 1}")
-    top = int(tokens.max())
-    if top >= vocab_size:
-        raise ConfigError("vocab-size", f"must exceed the largest token id {top} in {data!r}; got {vocab_size}")
+    check_tokens(tokens, data, vocab_size=vocab_size, seq_len=seq_len)
     return TokenStream(tokens, seq_len)
 
 
