@@ -17,6 +17,7 @@ from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
 from .progress import Progress, print_summary
+from .resume import check_resume, run_record, schedule_changed
 from .schedule_lr import warmup_cosine
 from .train_config import TrainConfig
 
@@ -91,7 +92,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             metrics.write(record_)
             bar.update(step, loss=loss, tokens_per_s=record_["tokens_per_s"])
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
-                engine.save(cfg.save_dir)
+                engine.save(cfg.save_dir, {"run": run_record(cfg)})
     if cfg.timeline_out:   # collective: every rank's measured actions, drawn by rank 0
         from .pipeline_parallel.timeline import write_timeline
         write_timeline(engine.executor, mesh, cfg.timeline_out)
@@ -113,9 +114,22 @@ def _resume(cfg: TrainConfig, engine: Engine) -> int:
         if cfg.resume and not restarted:
             log.warning("trainmesh: no checkpoint under %s yet; starting from step 1", cfg.save_dir)
         return 0
+    notice = check_resume(cfg)  # a checkpoint of another model or optimizer: ConfigError
+    changed = schedule_changed(cfg)
     state = engine.load(cfg.save_dir)
+    if changed:
+        _apply_new_schedule(engine)
     log.info("trainmesh: resumed from step %d of %s", state["step"], cfg.save_dir)
+    if notice:
+        log.info(notice)
     return int(state["step"])
+
+
+def _apply_new_schedule(engine: Engine) -> None:
+    """After loading: the LR of the next step from this run's schedule, not the checkpoint's."""
+    sched = engine.lr_scheduler
+    for group, base, factor in zip(engine.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * factor(sched.last_epoch)
 
 
 def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch.device,

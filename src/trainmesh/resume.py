@@ -1,0 +1,85 @@
+"""Resume checks: does the newest checkpoint in ``--save-dir`` belong to this run?
+
+Every checkpoint's manifest records the run that wrote it (:func:`run_record`, saved in the
+trainer state as ``run``). Before resuming, :func:`check_resume` compares it with the run asked
+for: a different model shape or optimizer cannot continue (the tensors or the optimizer states
+would not match) and is refused naming the flag and both values; a different seed, global batch
+or LR schedule is allowed (the weights fit) and reported as one notice each. The layout may
+differ freely: checkpoints reshard.
+
+Pure reads of the manifest, cheap: the launcher calls it before any worker starts (exit 2), a
+worker under torchrun before loading.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .checkpoint import MANIFEST, latest
+from .errors import ConfigError
+from .train_config import SHAPE, TrainConfig
+
+MUST_MATCH = {**{k: "--" + k.replace("_", "-") for k in SHAPE}, "optimizer": "--optimizer"}
+"""Run-record keys a resumed run must share with its checkpoint -> the flag that sets each."""
+MAY_DIFFER = {"seed": "--seed", "global_batch": "--global-batch", "lr": "--lr",
+              "warmup_steps": "--warmup-steps", "steps": "--steps"}
+"""Run-record keys that may change on resume (with a notice) -> their flag."""
+
+
+def run_record(cfg: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint records about the run writing it: model shape, optimizer, seed, global
+    batch and LR schedule (the resolved values, preset defaults filled in)."""
+    gpt = cfg.gpt_config()
+    record: dict[str, Any] = {mine: getattr(gpt, theirs) for mine, theirs in SHAPE.items()}
+    record.update(optimizer=cfg.optimizer, seed=cfg.seed, global_batch=cfg.global_batch,
+                  lr=cfg.peak_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps)
+    return record
+
+
+def saved_run(save_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """(checkpoint directory, its run record) of the newest checkpoint, or None when there is
+    none or it predates run records."""
+    directory = latest(save_dir)
+    if directory is None:
+        return None
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError("--save-dir", f"{directory}: unreadable manifest: {exc}") from None
+    run = manifest.get("trainer", {}).get("run") if isinstance(manifest, dict) else None
+    return (str(directory), run) if isinstance(run, dict) else None
+
+
+def check_resume(cfg: TrainConfig) -> str | None:
+    """A one-line notice for a resume of ``cfg`` from the newest checkpoint in ``--save-dir``
+    when the seed, global batch or LR schedule changed; None when nothing changed or there is
+    nothing to resume from.
+
+    Raises ConfigError naming the flag and both values where the checkpoint cannot continue
+    this run (model shape, optimizer).
+    """
+    found = saved_run(cfg.save_dir) if cfg.save_dir else None
+    if found is None:
+        return None
+    directory, saved = found
+    now = run_record(cfg)
+    for key, flag in MUST_MATCH.items():
+        if key in saved and saved[key] != now[key]:
+            raise ConfigError(flag, f"is {now[key]!r} but the checkpoint {directory} was written "
+                              f"with {saved[key]!r}; resume with {flag} {saved[key]} (or use "
+                              "another --save-dir)")
+    changed = [f"{flag} {saved[key]!r} -> {now[key]!r}" for key, flag in MAY_DIFFER.items()
+               if key in saved and saved[key] != now[key]]
+    if not changed:
+        return None
+    return (f"trainmesh: resuming {directory} with {', '.join(changed)}; the new values apply "
+            "from the next step (the data order follows the new seed and batch)")
+
+
+def schedule_changed(cfg: TrainConfig) -> bool:
+    """Whether the LR schedule (--lr, --warmup-steps, --steps) differs from the checkpoint's."""
+    found = saved_run(cfg.save_dir) if cfg.save_dir else None
+    if found is None:
+        return False
+    now = run_record(cfg)
+    return any(k in found[1] and found[1][k] != now[k] for k in ("lr", "warmup_steps", "steps"))
