@@ -72,8 +72,8 @@ def check_resume(cfg: TrainConfig) -> str | None:
                if key in saved and saved[key] != now[key]]
     if not changed:
         return None
-    return (f"trainmesh: resuming {directory} with {', '.join(changed)}; the new values apply "
-            "from the next step (the data order follows the new seed and batch)")
+    return (f"trainmesh: note: resuming {directory} with {', '.join(changed)} (checkpoint -> "
+            "this run); this run's values apply from the next step")
 
 
 def schedule_changed(cfg: TrainConfig) -> bool:
