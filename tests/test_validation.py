@@ -197,6 +197,13 @@ def test_memory_counts_every_local_rank(capsys, machine, monkeypatch):
     assert main(["train", *T]) == LAUNCHED
 
 
+def test_cuda_needs_a_gpu_per_local_rank(capsys, machine, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    line = refused(capsys, ["train", *T, "--device", "cuda", "--dp", "2"], "--device")
+    assert "2 local ranks" in line and "has 1" in line
+
+
 # ---------------------------------------------------------------- E. consolidate output paths
 def fake_checkpoint(root: Path, run: dict | None = None, step: int = 4) -> Path:
     """A minimal complete checkpoint directory (one tensor) whose trainer state holds ``run``."""

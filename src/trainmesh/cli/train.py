@@ -89,10 +89,11 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
 
     from ..precision import Precision
     Precision(p, torch.device("cuda" if cuda else "cpu"))
+    if cfg.device == "cuda" and local_ranks > cuda:  # CONTRACT.md: one GPU per local rank
+        raise ConfigError("--device", f"cuda: the {local_ranks} local ranks need a GPU each; this "
+                          f"machine has {cuda}; valid: auto (CPU then), cpu, or fewer ranks")
     if launching and not cfg.force:
-        check_processes(local_ranks, cuda_devices=cuda if cfg.device == "cuda" else None)
-    elif cfg.device == "cuda" and local_ranks > (cuda or 0):
-        check_processes(local_ranks, cuda_devices=cuda)
+        check_processes(local_ranks)
     if not cfg.force:
         check_memory(cfg, local_ranks=local_ranks, cuda=cuda is not None)
     for flag, path in (("--save-dir", cfg.save_dir), ("--offload-dir", p.offload_dir)):

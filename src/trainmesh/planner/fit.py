@@ -8,8 +8,8 @@ Checked before any worker starts (``--force`` skips it), from the config alone: 
   now: the answer is the same on every call and in every worker.
 * GPU memory: on CUDA each rank's predicted peak must fit its GPU (the smallest local one).
 * Processes: a local launch may start at most :data:`PROCS_PER_CORE` processes per CPU core
-  (gloo workers past that spend their time switching, and collectives time out) and, on CUDA,
-  at most one per GPU.
+  (gloo workers past that spend their time switching, and collectives time out). On CUDA each
+  local rank needs its own GPU; the CLI refuses fewer (CONTRACT.md's ``--device`` rule).
 """
 from __future__ import annotations
 
@@ -54,16 +54,13 @@ def gpu_memory_bytes(count: int) -> int:
     return min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
 
 
-def check_processes(nproc: int, *, cuda_devices: int | None) -> None:
-    """Refuse a local launch of more processes than the machine can run (ConfigError)."""
+def check_processes(nproc: int) -> None:
+    """Refuse a local launch of more processes than the machine's cores can run (ConfigError)."""
     cores = cpu_cores()
     if nproc > PROCS_PER_CORE * cores:
         raise ConfigError(FIT_FLAG, f"asks for {nproc} local processes; this machine has {cores} "
                           f"CPU cores (at most {PROCS_PER_CORE} per core: "
                           f"{PROCS_PER_CORE * cores}); --force to try anyway")
-    if cuda_devices is not None and nproc > cuda_devices:
-        raise ConfigError(FIT_FLAG, f"asks for {nproc} local processes on CUDA; this machine has "
-                          f"{cuda_devices} GPUs (one per process); use --device cpu or fewer ranks")
 
 
 def check_memory(cfg: Any, *, local_ranks: int, cuda: bool) -> None:
