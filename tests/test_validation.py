@@ -310,3 +310,10 @@ def test_cli_exit_codes_without_traceback_as_a_process(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trainmesh", "train", *T, "--lr", "nan"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--lr" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_generated_help_renders(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0 and "--seq-len" in capsys.readouterr().out

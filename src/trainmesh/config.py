@@ -58,10 +58,12 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.schedule in DRAWN_SCHEDULES and self.schedule not in SCHEDULES:
+            raise ConfigError("--schedule", f"{self.schedule} splits each backward into input and "
+                              "weight passes: `trainmesh schedule` draws it, the training runtime "
+                              f"does not run it; valid: {', '.join(SCHEDULES)}")
         if self.schedule not in SCHEDULES:
-            why = (" splits each backward into input and weight passes: `trainmesh schedule` draws "
-                   "it, the training runtime does not run it" if self.schedule in DRAWN_SCHEDULES else "")
-            raise ConfigError("--schedule", f"{self.schedule!r}{why}; valid: {', '.join(SCHEDULES)}")
+            raise ConfigError("--schedule", f"must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         if self.reduce_dtype not in (None, "fp32", self.precision):
             raise ConfigError("--reduce-dtype", f"must be fp32 or the compute dtype "
                               f"({self.precision}); got {self.reduce_dtype!r}")
