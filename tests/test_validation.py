@@ -160,11 +160,11 @@ def test_good_token_file_passes(tmp_path):
 # ---------------------------------------------------------------- D. resources
 @pytest.fixture
 def machine(monkeypatch):
-    """A 2-core machine with 8 GiB of memory; the GPT must never be built by the check."""
+    """A 2-core machine with 32 GiB of memory; the GPT must never be built by the check."""
     import trainmesh.models.gpt
     import trainmesh.planner.fit as fit
     monkeypatch.setattr(fit, "cpu_cores", lambda: 2)
-    monkeypatch.setattr(fit, "host_memory_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: 32 * GiB)
 
     def no_model(*a, **k):
         raise AssertionError("the fit check built the model")
@@ -190,11 +190,22 @@ def test_model_too_large_for_any_machine(capsys):
 
 
 def test_memory_counts_every_local_rank(capsys, machine, monkeypatch):
-    """16 ranks of ~330 MiB each do not fit 4 GiB; one rank does."""
+    """The local ranks' predicted peaks together must fit: one byte short is refused."""
     import trainmesh.planner.fit as fit
-    monkeypatch.setattr(fit, "host_memory_bytes", lambda: 4 * GiB)
-    refused(capsys, ["train", *T, "--dp", "16", "--global-batch", "16"], "memory")
-    assert main(["train", *T]) == LAUNCHED
+    from trainmesh.planner.predict import predict_run
+    from trainmesh.train_config import build_train_config
+    args = [*T, "--dp", "16", "--global-batch", "16"]
+    cfg = build_train_config(given(args))
+    need = sum(r.peak_mem_bytes for r in predict_run(cfg, base_bytes=fit.BASE_RSS_BYTES).ranks)
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: need - 1)
+    refused(capsys, ["train", *args], "memory")
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: need)
+    assert main(["train", *args]) == LAUNCHED
+
+
+def given(args: list[str]) -> dict:
+    from trainmesh.cli.train import given_flags
+    return given_flags(build_parser().parse_args(["train", *args]))
 
 
 def test_cuda_needs_a_gpu_per_local_rank(capsys, machine, monkeypatch):
