@@ -21,12 +21,10 @@ def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
-def add_train_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    """Every ``trainmesh train`` flag (but ``skip``), each defaulting to None so "given" shows."""
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """Every ``trainmesh train`` flag, each defaulting to None so that "given" is visible."""
     from ..train_config import FLAGS
     for flag, f in FLAGS.items():
-        if flag in skip:
-            continue
         if f.kind is bool:
             parser.add_argument(flag, action="store_const", const=True, default=None, help=f.help)
         else:
