@@ -1,8 +1,10 @@
 """Comm: every collective and point-to-point op trainmesh issues, through one ledger.
 
 Ops take the mesh axis ("dp", "tp", "pp", or "world" for the whole world) by name, so the
-ledger can key traffic by axis ("other", the world's name in the metrics file, is accepted too); ``group=`` overrides the process group while keeping the axis
-label (e.g. the first/last-stage group of tied embeddings). Groups of size one are a no-op.
+ledger can key traffic by axis ("other", the world's name in the metrics file, is accepted
+too); ``group=`` overrides the process group while keeping the axis label (e.g. the group of
+the pipeline ranks sharing a tied weight, from ``mesh.subgroups``). Groups of size one are a
+no-op. Object gathers (checkpoint manifests, timelines, summaries) go through here too.
 Every op carries the mesh's timeout (set on the process groups and on every ``wait``).
 """
 from __future__ import annotations
