@@ -108,7 +108,7 @@ def bench_worker(args) -> dict:
     bubbles = {}
     for schedule in ("gpipe", "1f1b"):
         engine = runners[("trainmesh", schedule)][0]
-        tl = gather_timeline(engine.executor, engine.mesh)
+        tl = gather_timeline(engine.executor, engine.comm)
         if tl is not None:
             bubbles[schedule] = {"measured": bubble_fraction(tl), "makespan_s": tl.makespan,
                                  "busy_s": [tl.busy(r) for r in range(tl.pp)]}

@@ -131,3 +131,17 @@ def test_mesh_rejects_bad_degrees():
         ParallelMesh(dp=0)
     with pytest.raises(ConfigError, match="world size 1"):
         ParallelMesh(dp=2)   # no process group: the world is one process
+
+
+def test_world_axis_is_reported_as_other():
+    """The ledger keys the whole world's traffic "world"; the metrics file calls it "other"
+    (CONTRACT.md comm_bytes_per_step), and code that says "other" lands in the same row."""
+    from trainmesh.comm import Ledger
+    ledger = Ledger()
+    ledger.begin_step()
+    ledger.record("world", "all_reduce", 16)
+    ledger.record("other", "all_reduce", 8)
+    ledger.record("dp", "all_reduce", 4)
+    ledger.end_step()
+    assert ledger.bytes_per_step() == {"dp": {"all_reduce": 4.0}, "tp": {}, "pp": {},
+                                       "other": {"all_reduce": 24.0}}

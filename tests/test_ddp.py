@@ -42,11 +42,11 @@ def _grads_and_buckets(microbatches: int) -> dict:
     grads = {n: before[n] - p.detach() for n, p in model.named_parameters()}   # SGD lr=1: -dp
     ref = reference_grads(batch)
     err = max((grads[n] - ref[n]).abs().max().item() for n in ref)
-    buckets = engine.sync.buckets
-    return {"err": err, "n_buckets": len(buckets), "n_params": len(engine.sync.named_params),
+    buckets = engine.grad_sync.buckets
+    return {"err": err, "n_buckets": len(buckets), "n_params": len(engine.grad_sync.named_params),
             "first_launch_ready": buckets[0].ready_when_launched,
             "dp_bytes": engine.comm.ledger.bytes_per_step()["dp"],
-            "grad_is_view": all(p.grad.untyped_storage().data_ptr() == engine.sync.buffer.untyped_storage().data_ptr()
+            "grad_is_view": all(p.grad.untyped_storage().data_ptr() == engine.grad_sync.buffer.untyped_storage().data_ptr()
                                 for p in model.parameters()),
             "psi": sum(p.numel() for p in model.parameters())}
 
@@ -81,8 +81,8 @@ def _planted_bug(plant: bool) -> dict:
     ref = Engine(GPT(CFG, seed=0), adam, loss_fn, ParallelConfig(), mesh=ParallelMesh(local=True))
     run = Engine(GPT(CFG, seed=0), adam, loss_fn, ParallelConfig(dp=dp))
     if plant:  # the classic bug: sum gradients over DP instead of averaging them
-        finish = run.sync.finish
-        run.sync.finish = lambda scale: finish(scale * dp)
+        finish = run.grad_sync.finish
+        run.grad_sync.finish = lambda scale: finish(scale * dp)
     rows = []
     for step in range(1, 21):
         batch = data.batch(0, step, GLOBAL_BATCH)

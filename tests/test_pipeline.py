@@ -89,6 +89,20 @@ def _train_seq(**cfg) -> list[tuple[float, float]]:
     return out
 
 
+def _doubled_mean(m, b):
+    """A loss_fn that is not the model's own loss: twice the microbatch's mean token loss."""
+    loss_sum, count = m(**b)
+    return 2 * loss_sum / count
+
+
+def _train_doubled(**cfg) -> list[tuple[float, float]]:
+    """Three SGD steps with ``_doubled_mean`` as the loss_fn."""
+    import trainmesh as tm
+    engine = tm.Engine(_gpt(GPT_KW), optimizer=OPTIMIZERS["sgd"], loss_fn=_doubled_mean,
+                       config=tm.ParallelConfig(timeout_s=30, **cfg), broadcast_init=False)
+    return _train(engine, GPT_KW, 3, GLOBAL_BATCH)
+
+
 def _run_equivalence(configs: list) -> dict:
     """Each config x optimizer: the per-step (loss, grad norm) and this rank's pp traffic."""
     import torch.distributed as dist
@@ -150,13 +164,14 @@ def world2_worker(svg_path: str) -> dict:
     tied = _engine(GPT_KW, "sgd", tied=True, pp=2, microbatches=4, schedule="1f1b")
     res["tied"] = _train(tied, GPT_KW, STEPS, GLOBAL_BATCH)
     res["sequential"] = _train_seq(pp=2, microbatches=2, schedule="1f1b")
+    res["doubled_mean"] = _train_doubled(pp=2, microbatches=4, schedule="1f1b")
     res["tied_duplicate"] = [n for n, p in tied.module.named_parameters()
                              if getattr(p, "_tm_duplicate", False)]
-    tl = gather_timeline(tied.executor, tied.mesh)
+    tl = gather_timeline(tied.executor, tied.comm)
     res["timeline"] = None if tl is None else {
         "labels": [[tl.label(t.action) for t in row] for row in tl.ranks],
         "unit": tl.time_unit, "start": tl.start, "bubble": bubble_fraction(tl)}
-    res["svg"] = str(write_timeline(tied.executor, tied.mesh, svg_path))
+    res["svg"] = str(write_timeline(tied.executor, tied.comm, svg_path))
     dist.barrier()
     res["deadlock"] = _run_deadlock(2)
     res["errors"] = {
@@ -308,6 +323,34 @@ def test_bad_input_is_a_config_error(world2) -> None:
     for res in world2.values():
         assert res["errors"] == {"too_few_layers": "pp", "microbatches_not_dividing": "microbatches",
                                  "interleaved_not_multiple": "microbatches"}
+
+
+@pytest.mark.timeout(200)
+def test_loss_fn_is_the_loss_under_pp(world2) -> None:
+    """The engine's loss_fn, not the model's own criterion, scores the last stage."""
+    ref = _train_doubled(microbatches=4)
+    for rank, res in world2.items():
+        for step, ((loss, norm), (rloss, rnorm)) in enumerate(zip(res["doubled_mean"], ref), 1):
+            assert abs(loss - rloss) <= 1e-3, f"rank {rank} step {step}: loss {loss} vs {rloss}"
+            assert abs(norm - rnorm) <= 1e-3 * rnorm, f"rank {rank} step {step}: norm {norm} vs {rnorm}"
+
+
+def test_last_stage_runs_loss_fn_or_refuses_it() -> None:
+    """StageIO: loss_fn on the stand-in gives the whole model's result; a loss_fn that never
+    calls the model, or calls it on other data, is refused naming pp."""
+    from trainmesh.data import SyntheticCorpus
+    from trainmesh.pipeline_parallel.stage import StageIO
+    model = _gpt(SMALL_KW)
+    batch = SyntheticCorpus(SMALL_KW["vocab_size"], SMALL_KW["seq_len"]).batch(0, 0, 2)
+    with torch.no_grad():
+        logits = model(batch["input_ids"])                    # (b, s, vocab): the last layer's output
+        got = StageIO(model, _doubled_mean).loss(logits, batch)
+        assert torch.allclose(got[0], _doubled_mean(model, batch)) and float(got[1]) == 1.0
+        other = {k: v.flip(0) for k, v in batch.items()}
+        for bad in (lambda m, b: m.criterion(logits, b["labels"]), lambda m, b: m(**other)):
+            with pytest.raises(ConfigError) as exc:
+                StageIO(model, bad).loss(logits, batch)
+            assert exc.value.field == "pp"
 
 
 def test_partition_balances_parameters_and_checks_cuts() -> None:

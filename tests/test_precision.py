@@ -91,29 +91,29 @@ def _overflow_on_one_rank(zeros: list[int]) -> dict:
     for zero in zeros:
         engine = _engine(zero, "fp16", dp)
         engine.precision.scaler.scale = FP16_START
-        held_by_me = {name for name, _, _ in getattr(engine.sync, "_norm_pieces", [])}
-        names = sorted(n for n, _ in engine.sync.named_params)
+        held_by_me = {name for name, _, _ in getattr(engine.grad_sync, "_norm_pieces", [])}
+        names = sorted(n for n, _ in engine.grad_sync.named_params)
         # ZeRO >= 1: a parameter rank 1 holds no element of; DDP: any
         name = [n for n in names if n not in held_by_me][0] if zero else names[0]
         planted = {"step": -1}
         if rank == 1:
-            param = dict(engine.sync.named_params)[name]
+            param = dict(engine.grad_sync.named_params)[name]
             param.register_hook(lambda g: g * float("inf") if planted["step"] == 5 else g)
         finite_flags = []
-        grads_finite = engine.sync.grads_finite
+        grads_finite = engine.grad_sync.grads_finite
 
         def record():
             flag = grads_finite()
             finite_flags.append(float(flag))
             return flag
-        engine.sync.grads_finite = record
+        engine.grad_sync.grads_finite = record
         rows = []
         for step in range(8):
             planted["step"] = step
-            before = [sp.detach().clone() for sp in getattr(engine.sync, "shard_params", [])] or \
-                     [p.detach().clone() for _, p in engine.sync.named_params]
+            before = [sp.detach().clone() for sp in getattr(engine.grad_sync, "shard_params", [])] or \
+                     [p.detach().clone() for _, p in engine.grad_sync.named_params]
             engine.train_step(dp_slice(data.batch(0, step, GLOBAL_BATCH), rank, dp))
-            after = getattr(engine.sync, "shard_params", None) or [p for _, p in engine.sync.named_params]
+            after = getattr(engine.grad_sync, "shard_params", None) or [p for _, p in engine.grad_sync.named_params]
             changed = any(not torch.equal(a, b) for a, b in zip(before, after))
             rows.append((engine.last["skipped"], engine.last["loss_scale"], changed, finite_flags[-1]))
         out[zero] = {"rows": rows}

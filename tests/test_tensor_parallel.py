@@ -527,7 +527,7 @@ def test_bad_plans_are_refused():
 
 @pytest.mark.timeout(30)
 def test_gpt_default_plan_covers_every_weight_matrix():
-    from trainmesh.tensor_parallel import gpt_plan
+    from trainmesh.models.gpt import gpt_plan
     from trainmesh.tensor_parallel.plan import resolve
     styles = {name: s for name, _, s in resolve(_gpt(), gpt_plan())}
     assert styles["blocks.1.attn.k"] == ("colwise",) and styles["blocks.0.mlp.proj"] == ("rowwise",)

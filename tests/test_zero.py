@@ -63,10 +63,10 @@ def _run_configs(configs: list[tuple[str, str, bool, dict]]) -> dict:
             "loss_err": max(abs(a[0] - b[0]) for a, b in zip(ref_rows, rows)),
             "norm_err": max(abs(a[1] - b[1]) / a[1] for a, b in zip(ref_rows, rows)),
             "weight_err": max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights),
-            "state": engine.state_bytes, "peak": engine.sync.comm_buffer_peak_bytes,
+            "state": engine.state_bytes, "peak": engine.grad_sync.comm_buffer_peak_bytes,
             "dp": engine.comm.ledger.bytes_per_step()["dp"], "m": cfg.microbatches, "zero": cfg.zero,
-            "optimizer": opt, "n_shards": len(engine.sync.shard_params),
-            "largest_unit": max((u.nbytes for u in getattr(engine.sync, "units", [])), default=0)}
+            "optimizer": opt, "n_shards": len(engine.grad_sync.shard_params),
+            "largest_unit": max((u.nbytes for u in getattr(engine.grad_sync, "units", [])), default=0)}
     return out
 
 
@@ -230,12 +230,11 @@ def test_zero3_frees_units_and_runs_without_grad():
         logits = engine.module(batch["input_ids"])          # evaluation: gathered and freed again
     assert logits.shape == (4, CFG.seq_len, CFG.vocab_size)
     assert all(p.numel() == 0 for p in engine.module.parameters())
-    assert [u.name for u in engine.sync.units] == ["embed", "blocks.0", "blocks.1", "head"]
+    assert [u.name for u in engine.grad_sync.units] == ["embed", "blocks.0", "blocks.1", "head"]
 
 
 def _resume_across_stages(root: str, pairs: list[tuple[int, int]]) -> dict:
     """Train 4 steps at one stage, save, load into another stage, train 4 more: the same run."""
-    from trainmesh.checkpoint import load, save
     rank, dp = dist.get_rank(), dist.get_world_size()
     data = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     batch = lambda k: dp_slice(data.batch(0, k, GLOBAL_BATCH), rank, dp)   # noqa: E731
@@ -247,10 +246,10 @@ def _resume_across_stages(root: str, pairs: list[tuple[int, int]]) -> dict:
                    param_groups=no_decay)
         for k in range(4):
             a.train_step(batch(k))
-        save(a, f"{root}/{before}-{after}")
+        a.save(f"{root}/{before}-{after}")
         b = Engine(GPT(CFG, seed=1), optimizer("adamw"), loss_fn, ParallelConfig(dp=dp, zero=after),
                    param_groups=no_decay)
-        load(b, f"{root}/{before}-{after}")
+        b.load(f"{root}/{before}-{after}")
         rows = [(b.train_step(batch(k)), b.last["grad_norm"]) for k in range(4, 8)]
         out[f"{before}->{after}"] = max(max(abs(x[0] - y[0]), abs(x[1] - y[1]) / x[1])
                                         for x, y in zip(ref_rows[4:], rows))

@@ -12,6 +12,9 @@ so a crash mid-save leaves the previous checkpoint the newest complete one. Load
 manifest, verifies the checksum of every file it opens, and each rank slices out what its own
 layout holds — any dp, pp, tp, zero stage or precision.
 
+It takes what it needs — the data-parallel strategy (which holds the tensors), the
+communication layer (and its mesh) and the trainer state — and knows nothing of the engine.
+
 The saving ranks hold whole tensors transiently (one stage's worth); fine for the models this
 runs on a CPU, and the place to stream when models grow.
 """
@@ -23,16 +26,15 @@ import os
 import shutil
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .comm import Comm
+from .data_parallel.base import GradSync
 from .tensor_parallel.state import full_tensor, shard_dim, shard_of
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 MANIFEST = "manifest.json"
 FORMAT = "trainmesh-checkpoint-1"
@@ -64,38 +66,42 @@ def _sha256(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- TP: whole <-> shard
-def _tp_gather(engine: Engine, p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:
-    """``t`` (``p`` or one of its optimizer states) whole along tp."""
-    return full_tensor(t, engine.comm, like=p)
-
-
-def _tp_slice(engine: Engine, p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+def _tp_slice(comm: Comm, p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """This rank's tp slice of ``full``, sharded as ``p`` is."""
     dim = shard_dim(p) if full.dim() else None
-    return shard_of(full, dim, engine.mesh.index("tp"), engine.mesh.size("tp")).contiguous()
+    return shard_of(full, dim, comm.mesh.index("tp"), comm.mesh.size("tp")).contiguous()
 
 
-def _writer(key: str, engine: Engine) -> int:
+def _writer(key: str, comm: Comm) -> int:
     """Which of the dp x tp ranks sharing this rank's pipeline stage writes ``key``."""
-    return zlib.crc32(key.encode()) % (engine.mesh.size("dp") * engine.mesh.size("tp"))
+    return zlib.crc32(key.encode()) % (comm.mesh.size("dp") * comm.mesh.size("tp"))
+
+
+def _logical_tensors(grad_sync: GradSync, comm: Comm) -> dict[str, torch.Tensor]:
+    """Collective over dp and tp: every logical tensor of this pipeline stage, whole."""
+    params, optim = grad_sync.logical_state()
+    by_name = dict(grad_sync.named_params)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in params.items():
+        tensors[f"param/{name}"] = full_tensor(t, comm, like=by_name[name])
+        for key, v in optim.get(name, {}).items():
+            tensors[f"optim/{name}/{key}"] = full_tensor(v, comm, like=by_name[name])
+    return tensors
 
 
 # ---------------------------------------------------------------- save
-def save(engine: Engine, root: str | Path, trainer_state: dict[str, Any] | None = None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
+         layout: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
+    """Collective: every rank calls it. Writes the parameters and optimizer states
+    ``grad_sync`` holds on ``comm``'s mesh as checkpoint ``step`` under ``root``, with the
+    ``layout`` record and the (JSON) ``trainer_state``. Returns the checkpoint directory."""
     root = Path(root)
-    mesh, comm = engine.mesh, engine.comm
-    final = step_dir(root, engine.step_count)
+    mesh = comm.mesh
+    final = step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
-    params, optim = engine.sync.logical_state()
-    by_name = dict(engine.sync.named_params)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in params.items():
-        tensors[f"param/{name}"] = _tp_gather(engine, by_name[name], t)
-        for key, v in optim.get(name, {}).items():
-            tensors[f"optim/{name}/{key}"] = _tp_gather(engine, by_name[name], v)
+    tensors = _logical_tensors(grad_sync, comm)
     me = mesh.index("dp") * mesh.size("tp") + mesh.index("tp")
-    mine = {k: t.detach().cpu().contiguous() for k, t in tensors.items() if _writer(k, engine) == me}
+    mine = {k: t.detach().cpu().contiguous() for k, t in tensors.items() if _writer(k, comm) == me}
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -107,8 +113,7 @@ def save(engine: Engine, root: str | Path, trainer_state: dict[str, Any] | None 
         entry = {"file": path.name, "sha256": _sha256(path), "keys": sorted(mine)}
     entries = comm.all_gather_object(entry)
     if mesh.rank == 0:
-        manifest = {"format": FORMAT, "step": engine.step_count, "layout": engine.config.layout(),
-                    "trainer": {**engine.checkpoint_state(), **(trainer_state or {})},
+        manifest = {"format": FORMAT, "step": step, "layout": layout, "trainer": trainer_state,
                     "files": {e["file"]: e["sha256"] for e in entries if e},
                     "tensors": {k: e["file"] for e in entries if e for k in e["keys"]}}
         with (tmp / MANIFEST).open("w") as f:
@@ -156,24 +161,23 @@ class _Reader:
             raise CheckpointError(f"{self.dir}: cannot read {key!r} from {name}: {exc}") from exc
 
 
-def load(engine: Engine, root: str | Path) -> dict[str, Any]:
-    """Collective: restore the newest checkpoint under ``root`` into ``engine``, resharding to
-    its layout. Returns the trainer state saved with it."""
+def load(root: str | Path, grad_sync: GradSync, comm: Comm) -> dict[str, Any]:
+    """Collective: restore the parameters and optimizer states of the newest checkpoint under
+    ``root`` into ``grad_sync``, resharded to ``comm``'s mesh. Returns the trainer state saved
+    with it (the caller restores its step, LR schedule and loss scaler from it)."""
     directory = latest(root)
     if directory is None:
         raise CheckpointError(f"no complete checkpoint under {root}")
     reader = _Reader(directory)
     params: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
-    for name, p in engine.sync.named_params:
-        params[name] = _tp_slice(engine, p, reader.get(f"param/{name}"))
+    for name, p in grad_sync.named_params:
+        params[name] = _tp_slice(comm, p, reader.get(f"param/{name}"))
         prefix = f"optim/{name}/"
-        optim[name] = {k[len(prefix):]: _tp_slice(engine, p, reader.get(k))
+        optim[name] = {k[len(prefix):]: _tp_slice(comm, p, reader.get(k))
                        for k in reader.manifest["tensors"] if k.startswith(prefix)}
-    engine.sync.load_logical_state(params, optim)
-    state = reader.manifest["trainer"]
-    engine.restore_checkpoint_state(state)
-    return state
+    grad_sync.load_logical_state(params, optim)
+    return reader.manifest["trainer"]
 
 
 def consolidate(root: str | Path, out: str | Path) -> Path:

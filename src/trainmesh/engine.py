@@ -5,6 +5,11 @@ forward and backward (locally, or through the pipeline schedule) while the DP st
 gradients in buckets; sum the loss and token count over the world; scale gradients to the mean
 over every token of the global batch; measure the global gradient norm (each logical parameter
 once) and clip; step the optimizer. Every layer it composes uses only its own mesh axis.
+
+The seams: the executor (:mod:`trainmesh.step`: local or a pipeline stage) runs the passes and
+reaches the precision policy and the DP strategy only through the :class:`~trainmesh.step.
+StepHooks` the engine binds; the engine alone drives the strategy (``grad_sync``);
+checkpoints get the strategy, the communication layer and the trainer state, never the engine.
 """
 from __future__ import annotations
 
@@ -16,16 +21,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import checkpoint
 from .comm import Comm
+from .compat import set_last_lr
 from .config import ParallelConfig
 from .data import split_microbatches
 from .data_parallel import make_grad_sync, unique_named_parameters
 from .data_parallel.base import OptimizerFactory
 from .errors import ConfigError
-from .executor import LocalExecutor, LossFn
+from .executor import LocalExecutor
 from .mesh import ParallelMesh
 from .metrics import storage_bytes
 from .precision import Precision
+from .step import Executor, LossFn, StepHooks
 
 
 class Engine:
@@ -42,35 +50,49 @@ class Engine:
         self.comm = Comm(self.mesh)
         self.device = next(model.parameters()).device
         self.precision = Precision(cfg, self.device)
-        if cfg.tp > 1:
-            from .tensor_parallel import parallelize
-            model = parallelize(model, self.mesh, self.comm, plan=tp_plan,
-                                sequence_parallel=cfg.sequence_parallel)
-        if cfg.recompute != "none":
-            from .recompute import apply_recompute
-            apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
-        if cfg.pp > 1:
-            from .pipeline_parallel.runtime import PipelineExecutor
-            self.executor = PipelineExecutor(model, loss_fn, self.mesh, self.comm, cfg)
-            self.module: nn.Module = self.executor.module
-        else:
-            self.executor = LocalExecutor(model, loss_fn)
-            self.module = model
-        self.model = model
+        self.model = self._split_layers(model, tp_plan)
+        self.executor: Executor = self._build_executor(self.model, loss_fn)
+        self.module: nn.Module = self.executor.module
         named = unique_named_parameters(self.module)
         if broadcast_init:
             self._broadcast_from_dp_root(named)
-        if getattr(self.executor, "_tied", None) and cfg.zero >= 2:
+        if self.executor.tied_parameters and cfg.zero >= 2:
             raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
                               "(their gradients are summed over stages before sharding)")
-        self.sync = make_grad_sync(cfg, named, self.comm, module=self.module, precision=self.precision)
-        self.optimizer = self.sync.build_optimizer(optimizer, param_groups)
+        self.grad_sync = make_grad_sync(cfg, named, self.comm, module=self.module,
+                                        precision=self.precision)
+        self.hooks = StepHooks(autocast=self.precision.autocast, scale_loss=self.precision.scale_loss,
+                               before_backward=self.grad_sync.before_backward,
+                               expect_backwards=self.grad_sync.expect_backwards)
+        self.optimizer = self.grad_sync.build_optimizer(optimizer, param_groups)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
         self.step_count = 0
         self.last: dict[str, Any] = {}
         self.state_bytes = {"params": 0, "grads": 0, "optimizer": 0}
 
     # ---------------------------------------------------------------- set-up
+    def _split_layers(self, model: nn.Module, tp_plan: dict[str, str] | None) -> nn.Module:
+        """Tensor parallelism (the model's own plan unless ``tp_plan``) and recomputation, in place."""
+        cfg = self.config
+        if cfg.tp > 1:
+            from .tensor_parallel import parallelize
+            parallelize(model, self.mesh, self.comm, plan=tp_plan,
+                        sequence_parallel=cfg.sequence_parallel)
+        if cfg.recompute != "none":
+            from .recompute import apply_recompute
+            apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
+        return model
+
+    def _build_executor(self, model: nn.Module, loss_fn: LossFn) -> Executor:
+        """This rank's share of the model and how a step runs it: a pipeline stage or all of it."""
+        cfg = self.config
+        if cfg.pp == 1:
+            return LocalExecutor(model, loss_fn)
+        from .pipeline_parallel.runtime import PipelineExecutor
+        from .pipeline_parallel.schedules import build_schedule
+        schedule = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+        return PipelineExecutor(model, loss_fn, self.mesh, self.comm, schedule)
+
     @torch.no_grad()
     def _broadcast_from_dp_root(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """Identical start on every DP replica, whatever the user's init (set-up traffic)."""
@@ -80,7 +102,7 @@ class Engine:
         for _, p in named:
             self.comm.broadcast(p.data, "dp", src=root)
 
-    def _counts(self, name: str, p: nn.Parameter) -> bool:
+    def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p`` in the global norm: duplicates only once."""
         if getattr(p, "_tm_duplicate", False):
             return False
@@ -92,65 +114,67 @@ class Engine:
         self.comm.ledger.begin_step()
         microbatches = (split_microbatches(batch, self.config.microbatches)
                         if isinstance(batch, dict) else batch)
-        loss_sum, count = self.executor.run(microbatches, self.sync, self.precision)
-        holds_loss = getattr(self.executor, "holds_loss", True) and self.mesh.index("tp") == 0
+        loss_sum, count = self.executor.run(microbatches, self.hooks)
+        holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
         totals = torch.tensor([loss_sum, count] if holds_loss else [0.0, 0.0], dtype=torch.float64)
-        self.comm.all_reduce(totals, "other")
+        self.comm.all_reduce(totals, "world")
         global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
-        self.sync.finish(1.0 / (global_count * self.precision.loss_scale))
+        self.grad_sync.finish(1.0 / (global_count * self.precision.loss_scale))
         self.state_bytes = self.measure_state()
-        skip = self.precision.should_skip(self.sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
+        skip = self.precision.should_skip(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
         norm = 0.0 if skip else self.grad_norm()
         if not skip:
             if self.config.grad_clip > 0 and norm > self.config.grad_clip:
-                self.sync.clip(self.config.grad_clip / (norm + 1e-6))
-            self.sync.step()
+                self.grad_sync.clip(self.config.grad_clip / (norm + 1e-6))
+            self.grad_sync.step()
         lr = self.optimizer.param_groups[0]["lr"]
         if self.lr_scheduler is not None and not skip:
             self.lr_scheduler.step()
-        self.sync.zero_grad()
+        self.grad_sync.zero_grad()
         self.comm.ledger.end_step()
         self.step_count += 1
         self.last = {"loss": global_loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}
         return global_loss
 
     def _all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
-        self.comm.all_reduce(t, "other", op=dist.ReduceOp.MIN)
+        self.comm.all_reduce(t, "world", op=dist.ReduceOp.MIN)
         return t
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient, each logical parameter counted once."""
-        sq = self.sync.grad_sq_sum(self._counts).reshape(1).to(torch.float32)
-        self.comm.all_reduce(sq, "other")
+        sq = self.grad_sync.grad_sq_sum(self._counted_in_norm).reshape(1).to(torch.float32)
+        self.comm.all_reduce(sq, "world")
         return math.sqrt(float(sq))
 
     # ---------------------------------------------------------------- accounting
     def measure_state(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds (distinct storages)."""
-        held = self.sync.held_tensors()
+        held = self.grad_sync.held_tensors()
         seen: set[int] = set()
         return {k: storage_bytes(held[k], seen) for k in ("params", "grads", "optimizer")}
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str, trainer_state: dict[str, Any] | None = None):
         """Collective: write a checkpoint under ``path`` (see :mod:`trainmesh.checkpoint`)."""
-        from .checkpoint import save
-        return save(self, path, trainer_state)
+        return checkpoint.save(path, self.grad_sync, self.comm, step=self.step_count,
+                               layout=self.config.layout(),
+                               trainer_state={**self.checkpoint_state(), **(trainer_state or {})})
 
     def load(self, path: str) -> dict[str, Any]:
-        """Collective: resume from the newest checkpoint under ``path``, in this layout."""
-        from .checkpoint import load
-        return load(self, path)
+        """Collective: resume from the newest checkpoint under ``path``, in this layout; returns
+        the trainer state saved with it."""
+        state = checkpoint.load(path, self.grad_sync, self.comm)
+        self.restore_checkpoint_state(state)
+        return state
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Step, learning rates, LR schedule and loss scaler: the non-tensor training state."""
         state: dict[str, Any] = {"step": self.step_count,
-                                 "group_lrs": [g["lr"] for g in self.optimizer.param_groups]}
+                                 "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
+                                 "precision": self.precision.state_dict()}
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = {"last_epoch": self.lr_scheduler.last_epoch,
                                      "last_lr": self.lr_scheduler.get_last_lr()}
-        if hasattr(self.precision, "state_dict"):
-            state["precision"] = self.precision.state_dict()
         return state
 
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -159,15 +183,15 @@ class Engine:
             group["lr"] = lr
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.last_epoch = state["lr_scheduler"]["last_epoch"]
-            self.lr_scheduler._last_lr = state["lr_scheduler"]["last_lr"]  # type: ignore[attr-defined]
-        if "precision" in state and hasattr(self.precision, "load_state_dict"):
+            set_last_lr(self.lr_scheduler, state["lr_scheduler"]["last_lr"])
+        if "precision" in state:
             self.precision.load_state_dict(state["precision"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated, unsharded model weights (identical on every rank for DDP)."""
-        gather = getattr(self.sync, "full_state_dict", None)
-        if gather is not None:
-            return gather()
+        gathered = self.grad_sync.full_state_dict()
+        if gathered is not None:
+            return gathered
         if self.mesh.size("tp") > 1:
             from .tensor_parallel.state import full_state_dict
             return full_state_dict(self.module, self.comm)

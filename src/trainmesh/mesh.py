@@ -36,6 +36,7 @@ class ParallelMesh:
     coords: dict[str, int] = field(init=False)
     _groups: dict[str, object] = field(init=False, repr=False)
     _ranks: dict[str, list[int]] = field(init=False, repr=False)
+    _distributed: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -43,6 +44,7 @@ class ParallelMesh:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(axis, f"must be a positive integer; got {value!r}")
         initialized = dist.is_available() and dist.is_initialized() and not self.local
+        self._distributed = initialized
         self.world_size = dist.get_world_size() if initialized else 1
         self.rank = dist.get_rank() if initialized else 0
         if self.dp * self.pp * self.tp != self.world_size:
@@ -96,6 +98,19 @@ class ParallelMesh:
         if axis not in self._groups:
             raise KeyError(f"unknown mesh axis {axis!r}; valid: dp, pp, tp, world")
         return self._groups[axis]
+
+    def subgroups(self, member_lists: list[list[int]]) -> dict[tuple[int, ...], object]:
+        """Process groups over other sets of world ranks (e.g. the pipeline ranks that share a
+        tied weight), with the mesh's timeout. Collective: every rank of the world calls it with
+        the same lists in the same order. Returns the groups this rank is a member of, keyed by
+        their member tuple."""
+        timeout = timedelta(seconds=self.timeout_s)
+        mine: dict[tuple[int, ...], object] = {}
+        for members in member_lists:
+            group = dist.new_group(members, timeout=timeout) if self._distributed else None
+            if self.rank in members:
+                mine[tuple(members)] = group
+        return mine
 
     def ranks(self, axis: str) -> list[int]:
         """World ranks of this rank's group along ``axis``, in axis order."""

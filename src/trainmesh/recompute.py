@@ -127,7 +127,7 @@ def _full(model: nn.Module | Sequence[nn.Module], segment: int) -> None:
 def _find_layer_list(model: nn.Module) -> tuple[str, nn.Module] | None:
     for name, m in model.named_modules():
         for attr in LAYER_LIST_NAMES:
-            layers = m._modules.get(attr)
+            layers = getattr(m, attr, None)
             if isinstance(layers, (nn.ModuleList, nn.Sequential)) and len(layers) > 0:
                 return (f"{name}.{attr}" if name else attr), layers
     return None

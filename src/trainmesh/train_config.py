@@ -86,7 +86,7 @@ class TrainConfig:
         if p.pp * p.virtual_stages > gpt.n_layers:
             raise ConfigError("--pp", f"pp x virtual-stages = {p.pp * p.virtual_stages} exceeds the "
                               f"model's {gpt.n_layers} layers")
-        from .tensor_parallel.plan import validate_gpt
+        from .models.gpt import validate_gpt
         validate_gpt(gpt, p.tp, sequence_parallel=p.sequence_parallel)
 
     @property

@@ -85,17 +85,17 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             loss = engine.train_step(batch)
             dt = time.perf_counter() - t0
             first_loss = loss if step == 1 else first_loss
-            record_ = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
-                       "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt,
-                       "tokens_per_s": tokens / dt if dt > 0 else 0.0,
-                       **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
-            metrics.write(record_)
-            bar.update(step, loss=loss, tokens_per_s=record_["tokens_per_s"])
+            row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
+                   "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt,
+                   "tokens_per_s": tokens / dt if dt > 0 else 0.0,
+                   **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
+            metrics.write(row)
+            bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
                 engine.save(cfg.save_dir, {"run": run_record(cfg)})
     if cfg.timeline_out:   # collective: every rank's measured actions, drawn by rank 0
         from .pipeline_parallel.timeline import write_timeline
-        write_timeline(engine.executor, mesh, cfg.timeline_out)
+        write_timeline(engine.executor, engine.comm, cfg.timeline_out)
     summary = _summary(cfg, engine, mesh, device, setup_mem, loss)
     metrics.write(summary)
     if rank0:
@@ -136,7 +136,7 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
              setup_mem: int, final_loss: float) -> dict[str, Any]:
     mine = {"rank": mesh.rank, "coords": mesh.coords, "setup_mem_bytes": setup_mem,
             "peak_mem_bytes": memory_peak(device), "model_state_bytes": engine.state_bytes,
-            "comm_buffer_peak_bytes": engine.sync.comm_buffer_peak_bytes,
+            "comm_buffer_peak_bytes": engine.grad_sync.comm_buffer_peak_bytes,
             "comm_bytes_per_step": engine.comm.ledger.bytes_per_step()}
     ranks = engine.comm.all_gather_object(mine)
     return {"event": "summary", "world_size": mesh.world_size, "layout": cfg.parallel.layout(),

@@ -4,6 +4,10 @@ Payload bytes follow the nccl-tests convention (CONTRACT.md): all_reduce, broadc
 count the tensor; all_gather the gathered output; reduce_scatter the unreduced input;
 scatter/gather the full buffer; all_to_all the input; send/recv the tensor.
 
+Axes are the mesh's: ``dp``, ``tp``, ``pp`` and ``world`` (the whole world, e.g. the loss and
+gradient-norm reductions). The metrics file names the world's axis ``other`` (CONTRACT.md:
+groups spanning several axes): :meth:`Ledger.bytes_per_step` reports it under that name.
+
 Traffic is attributed to the open step window; traffic outside any window (set-up, e.g. an
 initial broadcast) is kept apart, so per-step averages describe training only.
 """
@@ -11,6 +15,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+
+METRICS_NAME = {"world": "other"}
+"""Mesh axis -> its key in the metrics file's ``comm_bytes_per_step`` where the two differ."""
+
+
+def canonical_axis(axis: str) -> str:
+    """The mesh's name of an axis; the metrics name ``other`` means ``world``."""
+    return "world" if axis == "other" else axis
 
 
 @dataclass
@@ -39,12 +52,12 @@ class Ledger:
 
     def record(self, axis: str, op: str, nbytes: int, seconds: float = 0.0) -> None:
         table = self._window if self._window is not None else self.setup
-        table[axis][op].add(nbytes, seconds)
+        table[canonical_axis(axis)][op].add(nbytes, seconds)
 
     def add_seconds(self, axis: str, op: str, seconds: float) -> None:
         """Add waiting time to an op already recorded (async ops finish later)."""
         table = self._window if self._window is not None else self.setup
-        table[axis][op].seconds += seconds
+        table[canonical_axis(axis)][op].seconds += seconds
 
     def begin_step(self) -> None:
         self._window = _stats_table()
@@ -56,13 +69,14 @@ class Ledger:
         return window
 
     def bytes_per_step(self, axes: tuple[str, ...] = ("dp", "tp", "pp", "other")) -> dict[str, dict[str, float]]:
-        """Average payload bytes per training step, {axis: {op: bytes}} (every axis present)."""
+        """Average payload bytes per training step, {axis: {op: bytes}} (every axis present),
+        keyed as in the metrics file (the world's axis as ``other``)."""
         out: dict[str, dict[str, float]] = {axis: {} for axis in axes}
         n = max(len(self.steps), 1)
         for window in self.steps:
             for axis, ops in window.items():
                 for op, stats in ops.items():
-                    row = out.setdefault(axis, {})
+                    row = out.setdefault(METRICS_NAME.get(axis, axis), {})
                     row[op] = row.get(op, 0.0) + stats.bytes / n
         return out
 

@@ -1,8 +1,10 @@
 """Comm: every collective and point-to-point op trainmesh issues, through one ledger.
 
-Ops take the mesh axis ("dp", "tp", "pp", or "other" for the world group) by name, so the
-ledger can key traffic by axis; ``group=`` overrides the process group while keeping the axis
-label (e.g. the first/last-stage group of tied embeddings). Groups of size one are a no-op.
+Ops take the mesh axis ("dp", "tp", "pp", or "world" for the whole world) by name, so the
+ledger can key traffic by axis ("other", the world's name in the metrics file, is accepted
+too); ``group=`` overrides the process group while keeping the axis label (e.g. the group of
+the pipeline ranks sharing a tied weight, from ``mesh.subgroups``). Groups of size one are a
+no-op. Object gathers (checkpoint manifests, timelines, summaries) go through here too.
 Every op carries the mesh's timeout (set on the process groups and on every ``wait``).
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from ..errors import CommTimeout
 from ..mesh import ParallelMesh
 from .diagnose import exchange, verdict
-from .ledger import Ledger
+from .ledger import Ledger, canonical_axis
 
 ReduceOp = dist.ReduceOp
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -68,12 +70,12 @@ class Comm:
     def _group(self, axis: str, group: Any) -> Any:
         if group is not None:
             return group
-        return self.mesh.group("world" if axis == "other" else axis)
+        return self.mesh.group(canonical_axis(axis))
 
     def _size(self, axis: str, group: Any) -> int:
         if group is not None:
             return dist.get_world_size(group)
-        return self.mesh.size("world" if axis == "other" else axis)
+        return self.mesh.size(canonical_axis(axis))
 
     def failure(self, op: str, axis: str, exc: BaseException) -> Exception:
         """An error naming this rank, the op, and which rank diverged where (hang diagnosis)."""
@@ -188,13 +190,13 @@ class Comm:
         return self._run("all_to_all", axis, nbytes(t),
                          lambda a: dist.all_to_all_single(out, t, group=g, async_op=a), t.shape, async_op)
 
-    def barrier(self, axis: str = "other", *, group=None) -> None:
+    def barrier(self, axis: str = "world", *, group=None) -> None:
         if self._size(axis, group) == 1:
             return
         g = self._group(axis, group)
         self._run("barrier", axis, 0, lambda a: dist.barrier(group=g, async_op=a), (), False)
 
-    def all_gather_object(self, obj: Any, axis: str = "other") -> list[Any]:
+    def all_gather_object(self, obj: Any, axis: str = "world") -> list[Any]:
         """Every rank's picklable ``obj``, in group order (metadata, never tensors of a step)."""
         n = self._size(axis, None)
         if n == 1:

@@ -7,33 +7,36 @@ from torch import nn
 
 from ..comm import Comm
 from ..config import ParallelConfig
-from .base import GradSync, group_parameters, unique_named_parameters
+from .base import GradSync, SyncOptions, group_parameters, unique_named_parameters
 from .ddp import DDP
 from .sharded import ELEMENTWISE_OPTIMIZERS
-from .zero import Zero12
+from .zero import Zero1, Zero2
 from .zero3 import Zero3, find_units
+
 
 def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
                    comm: Comm, *, module: nn.Module | None = None, precision: Any = None) -> GradSync:
-    """The strategy for ``cfg.zero``: 0 -> DDP, 1/2 -> :class:`Zero12`, 3 -> :class:`Zero3`.
+    """The strategy for ``cfg.zero``: 0 -> DDP, 1 -> :class:`Zero1`, 2 -> :class:`Zero2`,
+    3 -> :class:`Zero3`.
 
     ``precision`` (a :class:`~trainmesh.precision.Precision`) gives the dtype gradients are
     reduced in and, at ZeRO-3, the dtype parameters are gathered in; ``module`` is the model
     ZeRO-3 cuts into units. ``cfg`` was validated when built (stage 0-3, never 3 with pp > 1).
     """
-    reduce_dtype = getattr(precision, "reduce_dtype", None)
-    common = dict(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
-                  reduce_dtype=reduce_dtype)
+    options = SyncOptions(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
+                          reduce_dtype=getattr(precision, "reduce_dtype", None))
     if cfg.zero == 0:
-        return DDP(named_params, comm, **common)
-    if cfg.zero in (1, 2):
-        return Zero12(named_params, comm, stage=cfg.zero, **common)
+        return DDP(named_params, comm, options)
+    if cfg.zero == 1:
+        return Zero1(named_params, comm, options)
+    if cfg.zero == 2:
+        return Zero2(named_params, comm, options)
     if module is None:
         raise ValueError("ZeRO-3 needs the module (make_grad_sync(..., module=model))")
     mixed = precision is not None and getattr(precision, "mixed", False)
     return Zero3(named_params, comm, module=module,
-                 param_dtype=precision.compute_dtype if mixed else None, **common)
+                 param_dtype=precision.compute_dtype if mixed else None, options=options)
 
 
-__all__ = ["DDP", "ELEMENTWISE_OPTIMIZERS", "GradSync", "Zero12", "Zero3",
+__all__ = ["DDP", "ELEMENTWISE_OPTIMIZERS", "GradSync", "SyncOptions", "Zero1", "Zero2", "Zero3",
            "find_units", "group_parameters", "make_grad_sync", "unique_named_parameters"]

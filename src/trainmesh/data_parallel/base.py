@@ -1,20 +1,25 @@
 """The seam between the engine and a data-parallel strategy (DDP, ZeRO-1/2/3).
 
 A strategy owns how this rank's gradients are reduced over the DP axis, what the optimizer
-updates, and what it holds. The engine drives one step as::
+updates, and what it holds. The engine alone drives it, through the executor's step hooks::
 
     for i, microbatch in enumerate(microbatches):
         strategy.before_backward(is_last=(i == m - 1))   # reduce in this backward?
-        ... forward, backward ...
+        ... forward, backward ...                        # (a pipeline: expect_backwards(m) once)
     strategy.finish(scale)          # wait for reductions; grads *= scale (1 / global token count)
-    sq = strategy.grad_sq_sum(counts)                    # this rank's share of ||g||^2
+    sq = strategy.grad_sq_sum(counted)                   # this rank's share of ||g||^2
     strategy.clip(coef); strategy.step(); strategy.zero_grad()
+
+What every strategy shares lives here: the options (:class:`SyncOptions`), the launch of ready
+buckets in one global order (:class:`BucketOrder`), the "received no gradient" check, and the
+scaling, clipping and overflow check of the reduced gradients (:meth:`GradSync.reduced_grads`).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -24,7 +29,50 @@ from ..errors import ConfigError
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # (name, parameter) -> does this rank count it in the global gradient norm? (TP duplicates: once)
-CountsFn = Callable[[str, nn.Parameter], bool]
+CountedFn = Callable[[str, nn.Parameter], bool]
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """What every data-parallel strategy is built with."""
+
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB (all-reduce or reduce-scatter granularity)."""
+    find_unused_parameters: bool = False
+    """Reduce the gradients of parameters that received none instead of raising an error."""
+    reduce_dtype: torch.dtype | None = None
+    """dtype the gradients are reduced in (mixed precision); None: the gradients' own."""
+
+
+class _Pending(Protocol):
+    pending: int
+
+
+B = TypeVar("B", bound=_Pending)
+
+
+class BucketOrder(Generic[B]):
+    """Launches buckets strictly in one global order, each once it is complete (``pending``
+    reached 0), so every rank issues the same sequence of collectives whatever order autograd
+    produces the gradients in."""
+
+    def __init__(self, launch: Callable[[B], None]) -> None:
+        self.buckets: Sequence[B] = []
+        self.launch = launch
+        self.next = 0
+
+    def reset(self, buckets: Sequence[B]) -> None:
+        """Start a backward pass: nothing launched yet."""
+        self.buckets, self.next = buckets, 0
+
+    def launch_ready(self, *, force: bool = False) -> None:
+        """Launch every complete bucket from the next one on (``force``: every bucket left)."""
+        while self.next < len(self.buckets):
+            b = self.buckets[self.next]
+            if b.pending > 0 and not force:
+                return
+            self.launch(b)
+            self.next += 1
 
 
 def unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -52,9 +100,11 @@ def group_parameters(named: list[tuple[str, nn.Parameter]],
 class GradSync(ABC):
     """A data-parallel strategy over the mesh's DP axis."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm) -> None:
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
+                 options: SyncOptions | None = None) -> None:
         self.named_params = named_params
         self.comm = comm
+        self.options = options or SyncOptions()
         self.dp = comm.mesh.size("dp")
         self.optimizer: torch.optim.Optimizer | None = None
         self.comm_buffer_peak_bytes = 0
@@ -71,6 +121,16 @@ class GradSync(ABC):
         self._ready.add(id(p))
         return True
 
+    def _check_unused(self) -> None:
+        """Raise naming the parameters without a gradient in the last backward (unless the
+        options ask to reduce them anyway)."""
+        missing = [n for n, p in self.named_params if id(p) not in self._ready]
+        if missing and not self.options.find_unused_parameters:
+            raise RuntimeError(
+                f"rank {self.comm.mesh.rank}: parameters received no gradient: "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                "(pass find_unused_parameters=True to reduce them anyway)")
+
     @abstractmethod
     def build_optimizer(self, factory: OptimizerFactory,
                         options: Callable[[str], dict] | None) -> torch.optim.Optimizer:
@@ -84,7 +144,11 @@ class GradSync(ABC):
         """Pipeline mode: this step runs ``n`` backward passes through every parameter (in any
         interleaving of stages); reduce each gradient once it has been through all ``n``.
         Replaces the per-microbatch ``before_backward`` calls. Strategies without a pipeline
-        mode refuse it."""
+        mode override it with :meth:`_no_pipeline`."""
+        self.before_backward(is_last=True)
+        self._remaining = {id(p): n for _, p in self.named_params}
+
+    def _no_pipeline(self) -> None:
         raise ConfigError("pp", f"{type(self).__name__} cannot run under a pipeline (--pp > 1)")
 
     @abstractmethod
@@ -92,12 +156,26 @@ class GradSync(ABC):
         """Wait for every reduction of this step; multiply the reduced gradients by ``scale``."""
 
     @abstractmethod
-    def grad_sq_sum(self, counts: CountsFn) -> torch.Tensor:
+    def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         """Sum of squares of the gradient entries this rank contributes to the global norm."""
 
     @abstractmethod
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's reduced gradient (what the optimizer reads)."""
+
+    def _scale(self, factor: float) -> None:
+        if factor != 1.0:
+            for g in self.reduced_grads():
+                g.mul_(factor)
+
     def clip(self, coef: float) -> None:
         """Multiply this rank's gradients by ``coef``."""
+        self._scale(coef)
+
+    def grads_finite(self) -> torch.Tensor:
+        """1.0 if every gradient entry this rank holds is finite, else 0.0 (fp16 overflow check)."""
+        flags = [torch.isfinite(g).all() for g in self.reduced_grads()]
+        return torch.stack(flags).all().float() if flags else torch.ones(())
 
     @abstractmethod
     def step(self) -> None:
@@ -123,7 +201,7 @@ class GradSync(ABC):
         """Checkpointing: take whole-along-DP parameters and optimizer states by name (each
         rank keeps its shard)."""
 
-    def grads_finite(self) -> torch.Tensor:
-        """1.0 if every gradient entry this rank holds is finite, else 0.0 (fp16 overflow check)."""
-        flags = [torch.isfinite(t).all() for t in self.held_tensors()["grads"]]
-        return torch.stack(flags).all().float() if flags else torch.ones(())
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The consolidated weights, where the strategy shards the parameters themselves
+        (ZeRO-3: a collective over DP); None where the module's own tensors are whole along DP."""
+        return None

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Handle
-from .base import CountsFn, GradSync, OptimizerFactory, group_parameters
+from .base import BucketOrder, CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 
 
 @dataclass
@@ -36,12 +36,9 @@ class Bucket:
 class DDP(GradSync):
     """Plain data parallel with bucketed, overlapped gradient all-reduce."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
-                 bucket_mb: float = 25.0, find_unused_parameters: bool = False,
-                 reduce_dtype: torch.dtype | None = None) -> None:
-        super().__init__(named_params, comm)
-        self.find_unused = find_unused_parameters
-        self.reduce_dtype = reduce_dtype   # mixed precision: reduce buckets in this dtype
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
+                 options: SyncOptions | None = None) -> None:
+        super().__init__(named_params, comm, options)
         params = [p for _, p in named_params]
         dtype = params[0].dtype if params else torch.float32
         device = params[0].device if params else torch.device("cpu")
@@ -49,8 +46,7 @@ class DDP(GradSync):
         self.buffer = torch.zeros(total, dtype=dtype, device=device)   # (Ψ,) every gradient
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
-        self._name_of = {p: n for n, p in named_params}
-        cap = max(1, int(bucket_mb * 2**20) // self.buffer.element_size())
+        cap = max(1, int(self.options.bucket_mb * 2**20) // self.buffer.element_size())
         offset, current = 0, None
         for name, p in reversed(named_params):
             if current is None or offset - current.start >= cap:
@@ -64,65 +60,47 @@ class DDP(GradSync):
             self._bucket_of[p] = current
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = False
-        self._next = 0
+        self._order = BucketOrder(self._launch)
 
     # ---------------------------------------------------------------- backward
     def before_backward(self, *, is_last: bool) -> None:
         self._sync = is_last and self.dp > 1
         self._remaining = None
-        self._next, self._ready = 0, set()
+        self._ready = set()
+        self._order.reset(self.buckets)
         for b in self.buckets:
             b.pending, b.handle = len(b.params), None
-
-    def expect_backwards(self, n: int) -> None:
-        self.before_backward(is_last=True)
-        self._remaining = {id(p): n for _, p in self.named_params}
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._grad_final(p) or not self._sync:
             return
-        bucket = self._bucket_of[p]
-        bucket.pending -= 1
-        self._launch_ready()
+        self._bucket_of[p].pending -= 1
+        self._order.launch_ready()
 
-    def _launch_ready(self, force: bool = False) -> None:
-        """Launch complete buckets strictly in bucket order (same sequence on every rank)."""
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
-            if b.pending > 0 and not force:
-                return
-            b.launched_at, b.ready_when_launched = time.perf_counter(), len(self._ready)
-            grads = self.buffer[b.start : b.end]
-            if self.reduce_dtype is not None and self.reduce_dtype != grads.dtype:
-                b.staging = grads.to(self.reduce_dtype)
-                grads = b.staging
-                live = sum(x.staging.numel() * x.staging.element_size() for x in self.buckets
-                           if x.staging is not None)
-                self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, live)
-            b.handle = self.comm.all_reduce(grads, "dp", async_op=True)
-            self._next += 1
+    def _launch(self, b: Bucket) -> None:
+        """All-reduce bucket ``b`` asynchronously (cast to ``reduce_dtype`` first, if set)."""
+        b.launched_at, b.ready_when_launched = time.perf_counter(), len(self._ready)
+        grads = self.buffer[b.start : b.end]
+        reduce_dtype = self.options.reduce_dtype
+        if reduce_dtype is not None and reduce_dtype != grads.dtype:
+            b.staging = grads.to(reduce_dtype)
+            grads = b.staging
+            live = sum(x.staging.numel() * x.staging.element_size() for x in self.buckets
+                       if x.staging is not None)
+            self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, live)
+        b.handle = self.comm.all_reduce(grads, "dp", async_op=True)
 
     def finish(self, scale: float) -> None:
         if self._sync:
-            missing = self.unused_parameters()
-            if missing and not self.find_unused:
-                raise RuntimeError(
-                    f"rank {self.comm.mesh.rank}: parameters received no gradient: "
-                    f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
-                    "(pass find_unused_parameters=True to reduce them anyway)")
-            self._launch_ready(force=True)
+            self._check_unused()
+            self._order.launch_ready(force=True)
             for b in self.buckets:
                 assert b.handle is not None
                 b.handle.wait()
                 if b.staging is not None:
                     self.buffer[b.start : b.end].copy_(b.staging)
                     b.staging = None
-        if scale != 1.0:
-            self.buffer.mul_(scale)
-
-    def unused_parameters(self) -> list[str]:
-        """Names of parameters that received no gradient in the last backward."""
-        return [n for n, p in self.named_params if id(p) not in self._ready]
+        self._scale(scale)
 
     # ---------------------------------------------------------------- step
     def build_optimizer(self, factory: OptimizerFactory, options=None) -> torch.optim.Optimizer:
@@ -133,21 +111,21 @@ class DDP(GradSync):
             self.optimizer = factory([{**opts, "params": [p for _, p in ps]} for opts, ps in groups])
         return self.optimizer
 
-    def grad_sq_sum(self, counts: CountsFn) -> torch.Tensor:
+    def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         # DP replicas hold identical reduced gradients: only DP rank 0 contributes.
         total = torch.zeros((), dtype=torch.float32, device=self.buffer.device)
         if self.comm.mesh.index("dp") != 0:
             return total
-        counted = [p for name, p in self.named_params if counts(name, p)]
-        if len(counted) == len(self.named_params):   # everything counts: one pass over the buffer
+        params = [p for name, p in self.named_params if counted(name, p)]
+        if len(params) == len(self.named_params):   # everything counts: one pass over the buffer
             flat = self.buffer.float()
             return torch.dot(flat, flat)
-        for p in counted:
+        for p in params:
             total += p.grad.float().pow(2).sum()
         return total
 
-    def clip(self, coef: float) -> None:
-        self.buffer.mul_(coef)
+    def reduced_grads(self) -> list[torch.Tensor]:
+        return [self.buffer]
 
     def step(self) -> None:
         assert self.optimizer is not None, "build_optimizer first"

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..comm import Comm, Handle
 from ..errors import ConfigError
-from .base import CountsFn, GradSync, OptimizerFactory, group_parameters
+from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 from .flat import Slot
 
 # Optimizers whose update of an element depends only on that element's own history: they can
@@ -60,13 +60,11 @@ class ShardedSync(GradSync):
     stage = 0
     max_inflight = 2             # transient reductions in flight before the oldest is waited for
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
-                 bucket_mb: float = 25.0, find_unused_parameters: bool = False,
-                 reduce_dtype: torch.dtype | None = None) -> None:
-        super().__init__(named_params, comm)
-        self.find_unused = find_unused_parameters
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.reduce_dtype = reduce_dtype
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
+                 options: SyncOptions | None = None) -> None:
+        super().__init__(named_params, comm, options)
+        self.bucket_bytes = int(self.options.bucket_mb * 2**20)
+        self.reduce_dtype = self.options.reduce_dtype
         self.device = named_params[0][1].device if named_params else torch.device("cpu")
         self.rank_in_dp = comm.mesh.index("dp")
         self.shard_params: list[nn.Parameter] = []      # one per optimizer group
@@ -132,35 +130,22 @@ class ShardedSync(GradSync):
         while self._inflight:
             self._complete(self._inflight.pop(0))
 
-    def _check_unused(self) -> None:
-        missing = [n for n, p in self.named_params if id(p) not in self._ready]
-        if missing and not self.find_unused:
-            raise RuntimeError(
-                f"rank {self.comm.mesh.rank}: parameters received no gradient: "
-                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
-                "(pass find_unused_parameters=True to reduce them anyway)")
-
     # ---------------------------------------------------------------- step
     @property
     def shard_grads(self) -> list[torch.Tensor]:
         return [sp.grad for sp in self.shard_params]
 
-    def grad_sq_sum(self, counts: CountsFn) -> torch.Tensor:
+    def reduced_grads(self) -> list[torch.Tensor]:
+        return self.shard_grads
+
+    def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         # Shards are disjoint over DP: every rank contributes its own elements, each once.
-        flags = [counts(name, p) for name, p, _ in self._norm_pieces]
+        flags = [counted(name, p) for name, p, _ in self._norm_pieces]
         if all(flags):   # padding is zero, so the whole shard is the same sum
             parts = [g.float().pow(2).sum() for g in self.shard_grads]
         else:
             parts = [v.float().pow(2).sum() for (_, _, v), f in zip(self._norm_pieces, flags) if f]
         return torch.stack(parts).sum() if parts else torch.zeros((), device=self.device)
-
-    def clip(self, coef: float) -> None:
-        for g in self.shard_grads:
-            g.mul_(coef)
-
-    def grads_finite(self) -> torch.Tensor:
-        flags = [torch.isfinite(g).all() for g in self.shard_grads]
-        return torch.stack(flags).all().float() if flags else torch.ones(())
 
     def step(self) -> None:
         assert self.optimizer is not None, "build_optimizer first"

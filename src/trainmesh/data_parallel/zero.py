@@ -1,4 +1,5 @@
-"""ZeRO-1 and ZeRO-2: optimizer states (ZeRO-1) and gradients too (ZeRO-2) sharded over DP.
+"""ZeRO-1 and ZeRO-2 (:class:`Zero1`, :class:`Zero2`): optimizer states (ZeRO-1) and gradients
+too (ZeRO-2) sharded over DP, on what they share (:class:`FlatZero`).
 
 Per optimizer group, the parameters live in one flat, padded buffer (each ``param.data`` is a
 view into it, laid out in reverse registration order, the order gradients tend to become
@@ -20,12 +21,14 @@ Buckets are launched strictly in one global order (the same on every rank), as i
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..comm import Comm
+from .base import BucketOrder, SyncOptions
 from .flat import FlatLayout, Slot
 from .sharded import Groups, ShardedSync
 
@@ -34,8 +37,8 @@ from .sharded import Groups, ShardedSync
 class _Group:
     layout: FlatLayout
     params: torch.Tensor             # (padded,) the model's parameters (views into it)
-    grads: torch.Tensor | None       # ZeRO-1: (padded,) every param.grad is a view into it
-    shard_grad: torch.Tensor         # (n_buckets, chunk): ZeRO-1 a view of grads, ZeRO-2 its own
+    grads: torch.Tensor              # the persistent gradients: ZeRO-1 (padded,), ZeRO-2 the shard
+    shard_grad: torch.Tensor         # (n_buckets, chunk): ZeRO-1 a view of grads, ZeRO-2 grads
 
 
 @dataclass
@@ -47,23 +50,25 @@ class _Bucket:
     staging: torch.Tensor | None = None   # ZeRO-2: the bucket's full gradient, transient
 
 
-class Zero12(ShardedSync):
-    """ZeRO stage 1 or 2 over the mesh's DP axis."""
+class FlatZero(ShardedSync):
+    """What ZeRO-1 and ZeRO-2 share: flat parameter buffers, buckets launched in one order,
+    the all-gather after the step, checkpoints. Subclasses say where gradients live
+    (:meth:`_grad_buffers`), when they are reduced and how a bucket goes out (:meth:`_launch`)."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *, stage: int,
-                 **kwargs) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"Zero12 implements stages 1 and 2; got {stage}")
-        super().__init__(named_params, comm, **kwargs)
-        self.stage = stage
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
+                 options: SyncOptions | None = None) -> None:
+        super().__init__(named_params, comm, options)
         self.groups: list[_Group] = []
         self.buckets: list[_Bucket] = []
         self._buckets_of: dict[int, list[_Bucket]] = {}
         self._sync = False
-        self._next = 0
-        self._pipeline_bytes = 0
+        self._order: BucketOrder[_Bucket] = BucketOrder(self._launch)
 
     # ---------------------------------------------------------------- set-up
+    @abstractmethod
+    def _grad_buffers(self, layout: FlatLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the group's persistent gradient buffer, its (n_buckets, chunk) reduced shard)."""
+
     @torch.no_grad()
     def _setup(self, groups: Groups) -> None:
         order = {id(p): i for i, (_, p) in enumerate(reversed(self.named_params))}
@@ -77,12 +82,7 @@ class Zero12(ShardedSync):
             layout.fill(params)
             for s in layout.slots:
                 s.param.data = layout.view(params, s)
-            grads = layout.new(dtype, self.device) if self.stage == 1 else None
-            if grads is not None:
-                for s in layout.slots:
-                    s.param.grad = layout.view(grads, s)
-            shard_grad = (layout.shard(grads) if grads is not None
-                          else torch.zeros(layout.n_buckets, layout.chunk, dtype=dtype, device=self.device))
+            grads, shard_grad = self._grad_buffers(layout, dtype)
             shard = nn.Parameter(layout.shard(params))
             shard.grad = shard_grad
             self.shard_params.append(shard)
@@ -102,82 +102,37 @@ class Zero12(ShardedSync):
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # ---------------------------------------------------------------- backward
-    def before_backward(self, *, is_last: bool) -> None:
-        if self.stage == 2 and self._sync:
-            self._launch_ready(force=True)   # a previous microbatch left parameters without grads
-        self._sync = is_last or self.stage == 2
+    def _start_backward(self, *, reduce: bool) -> None:
+        self._sync = reduce
         self._remaining = None
-        self._next, self._ready = 0, set()
+        self._ready = set()
+        self._order.reset(self.buckets)
         for b in self.buckets:
             b.pending = len(b.slots)
-
-    def expect_backwards(self, n: int) -> None:
-        """Pipeline mode: reduce each gradient once, after its ``n``-th backward. (At ZeRO-2 the
-        gradients meanwhile accumulate full-size in ``param.grad``: counted as transient.)"""
-        self.before_backward(is_last=True)
-        self._remaining = {id(p): n for _, p in self.named_params}
-        if self.stage == 2:
-            self._pipeline_bytes = sum(p.numel() * p.element_size() for _, p in self.named_params)
-            self._count(self._pipeline_bytes)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._grad_final(p) or not self._sync:
             return
         buckets = self._buckets_of[id(p)]
-        if self.stage == 2:
-            self._stage_grad(p, buckets)
+        self._take_grad(p, buckets)
         for b in buckets:
             b.pending -= 1
-        self._launch_ready()
+        self._order.launch_ready()
 
-    def _stage_grad(self, p: nn.Parameter, buckets: list[_Bucket]) -> None:
-        """ZeRO-2: copy ``p.grad`` into its buckets' transient buffers, then drop it."""
-        grad = p.grad.reshape(-1)
-        for b in buckets:
-            layout = self.groups[b.group].layout
-            if b.staging is None:
-                b.staging = self._alloc(layout.bucket_numel, self.reduce_dtype or grad.dtype)
-            base = b.index * layout.bucket_numel
-            for s, lo, hi in b.slots:
-                if s.param is p:
-                    b.staging[lo - base : hi - base].copy_(grad[lo - s.start : hi - s.start])
-        p.grad = None
+    def _take_grad(self, p: nn.Parameter, buckets: list[_Bucket]) -> None:
+        """What to do with ``p``'s final gradient before its buckets count it (ZeRO-1: nothing,
+        it already sits in the gradient buffer)."""
 
-    def _launch_ready(self, force: bool = False) -> None:
-        """Launch complete buckets strictly in bucket order (same sequence on every rank)."""
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
-            if b.pending > 0 and not force:
-                return
-            self._launch(b)
-            self._next += 1
-
+    @abstractmethod
     def _launch(self, b: _Bucket) -> None:
-        g = self.groups[b.group]
-        dst = g.shard_grad[b.index]
-        if self.stage == 1:
-            buf = g.layout.bucket(g.grads, b.index)
-            transient = self.reduce_dtype is not None and self.reduce_dtype != buf.dtype
-            if transient:   # reduce in reduce_dtype: a cast copy, then the shard is copied back
-                staged = self._alloc(buf.numel(), self.reduce_dtype)
-                buf = staged.copy_(buf)
-            self._reduce_scatter(buf, dst, accumulate=False, transient=transient)
-        else:
-            buf = b.staging if b.staging is not None else self._alloc(
-                g.layout.bucket_numel, self.reduce_dtype or g.params.dtype)
-            b.staging = None
-            self._reduce_scatter(buf, dst, accumulate=True, transient=True)
+        """Reduce-scatter bucket ``b`` into this rank's gradient shard."""
 
     def finish(self, scale: float) -> None:
         if self._sync:
             self._check_unused()
-            self._launch_ready(force=True)
+            self._order.launch_ready(force=True)
         self._drain()
-        self._live_bytes -= self._pipeline_bytes
-        self._pipeline_bytes = 0
-        if scale != 1.0:
-            for g in self.groups:
-                g.shard_grad.mul_(scale)
+        self._scale(scale)
 
     # ---------------------------------------------------------------- step
     def _after_step(self) -> None:
@@ -188,6 +143,14 @@ class Zero12(ShardedSync):
         for h in handles:
             if h is not None:
                 h.wait()
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grads.zero_()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [g.params for g in self.groups], "grads": [g.grads for g in self.groups],
+                "optimizer": self._optimizer_tensors()}
 
     # ---------------------------------------------------------------- checkpoints
     def _slots(self, gi: int) -> list[Slot]:
@@ -215,11 +178,78 @@ class Zero12(ShardedSync):
     def _after_load(self) -> None:
         self._after_step()
 
-    def zero_grad(self) -> None:
-        for g in self.groups:
-            (g.grads if g.grads is not None else g.shard_grad).zero_()
 
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        grads = [g.grads if g.grads is not None else g.shard_grad for g in self.groups]
-        return {"params": [g.params for g in self.groups], "grads": grads,
-                "optimizer": self._optimizer_tensors()}
+class Zero1(FlatZero):
+    """ZeRO stage 1: optimizer states sharded; full gradients accumulate over microbatches and
+    are reduce-scattered in place during the last backward."""
+
+    stage = 1
+
+    def _grad_buffers(self, layout: FlatLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        grads = layout.new(dtype, self.device)                 # (padded,) every param.grad a view
+        for s in layout.slots:
+            s.param.grad = layout.view(grads, s)
+        return grads, layout.shard(grads)
+
+    def before_backward(self, *, is_last: bool) -> None:
+        self._start_backward(reduce=is_last)
+
+    def _launch(self, b: _Bucket) -> None:
+        g = self.groups[b.group]
+        buf = g.layout.bucket(g.grads, b.index)
+        transient = self.reduce_dtype is not None and self.reduce_dtype != buf.dtype
+        if transient:   # reduce in reduce_dtype: a cast copy, then the shard is copied back
+            buf = self._alloc(buf.numel(), self.reduce_dtype).copy_(buf)
+        self._reduce_scatter(buf, g.shard_grad[b.index], accumulate=False, transient=transient)
+
+
+class Zero2(FlatZero):
+    """ZeRO stage 2: gradients sharded too; reduce-scattered during every microbatch's backward,
+    each rank keeping only its accumulated shard."""
+
+    stage = 2
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
+                 options: SyncOptions | None = None) -> None:
+        super().__init__(named_params, comm, options)
+        self._pipeline_bytes = 0
+
+    def _grad_buffers(self, layout: FlatLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = torch.zeros(layout.n_buckets, layout.chunk, dtype=dtype, device=self.device)
+        return shard, shard
+
+    def before_backward(self, *, is_last: bool) -> None:
+        if self._sync:
+            self._order.launch_ready(force=True)   # a previous microbatch left parameters without grads
+        self._start_backward(reduce=True)
+
+    def expect_backwards(self, n: int) -> None:
+        """(Meanwhile the gradients accumulate full-size in ``param.grad``: counted as transient.)"""
+        super().expect_backwards(n)
+        self._pipeline_bytes = sum(p.numel() * p.element_size() for _, p in self.named_params)
+        self._count(self._pipeline_bytes)
+
+    def _take_grad(self, p: nn.Parameter, buckets: list[_Bucket]) -> None:
+        """Copy ``p.grad`` into its buckets' transient buffers, then drop it."""
+        grad = p.grad.reshape(-1)
+        for b in buckets:
+            layout = self.groups[b.group].layout
+            if b.staging is None:
+                b.staging = self._alloc(layout.bucket_numel, self.reduce_dtype or grad.dtype)
+            base = b.index * layout.bucket_numel
+            for s, lo, hi in b.slots:
+                if s.param is p:
+                    b.staging[lo - base : hi - base].copy_(grad[lo - s.start : hi - s.start])
+        p.grad = None
+
+    def _launch(self, b: _Bucket) -> None:
+        g = self.groups[b.group]
+        buf = b.staging if b.staging is not None else self._alloc(
+            g.layout.bucket_numel, self.reduce_dtype or g.params.dtype)
+        b.staging = None
+        self._reduce_scatter(buf, g.shard_grad[b.index], accumulate=True, transient=True)
+
+    def finish(self, scale: float) -> None:
+        super().finish(scale)
+        self._live_bytes -= self._pipeline_bytes
+        self._pipeline_bytes = 0

@@ -34,7 +34,10 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..comm import Comm, Handle
+from ..compat import in_backward, queue_backward_callback
+from ..step import tensors_in
 from .flat import FlatLayout, Slot
+from .base import SyncOptions
 from .sharded import Groups, ShardedSync
 
 
@@ -117,24 +120,15 @@ def _owner(paths: list[str], units: list[str]) -> str:
     return max((u for u in units if all(inside(p, u) for p in paths)), key=len)
 
 
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in _tensors(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _tensors(v)]
-    return []
-
-
 class Zero3(ShardedSync):
     """ZeRO stage 3 over the mesh's DP axis (any ``nn.Module``; units found automatically)."""
 
     stage = 3
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
-                 module: nn.Module, param_dtype: torch.dtype | None = None, **kwargs) -> None:
-        super().__init__(named_params, comm, **kwargs)
+                 module: nn.Module, param_dtype: torch.dtype | None = None,
+                 options: SyncOptions | None = None) -> None:
+        super().__init__(named_params, comm, options)
         self.module = module
         self.param_dtype = param_dtype
         self.units: list[_Unit] = []
@@ -251,12 +245,8 @@ class Zero3(ShardedSync):
         unit.state = _State.FREE
 
     # ---------------------------------------------------------------- forward hooks
-    @staticmethod
-    def _in_autograd() -> bool:
-        return torch._C._current_graph_task_id() != -1
-
     def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any) -> None:
-        if self._in_autograd():          # recomputation inside backward: keep it for its backward
+        if in_backward():          # recomputation inside backward: keep it for its backward
             self._gather(unit, wait=True)
             return
         i = len(self._fwd)
@@ -267,11 +257,11 @@ class Zero3(ShardedSync):
             self._gather(last[i + 1], wait=False)         # prefetch the next unit
 
     def _post_forward(self, unit: _Unit, module: nn.Module, args: Any, output: Any) -> None:
-        if self._in_autograd():
+        if in_backward():
             return
         self._free(unit)
         self._post.append(unit)
-        outs = [t for t in _tensors(output) if t.requires_grad]
+        outs = [t for t in tensors_in(output) if t.requires_grad]
         if outs and torch.is_grad_enabled():
             register_multi_grad_hook(outs, lambda _: self._pre_backward(unit), mode="any")
 
@@ -280,7 +270,7 @@ class Zero3(ShardedSync):
         if not self._in_bwd:
             self._in_bwd = True
             self._bwd, self._bwd_pos = list(reversed(self._post)), 0
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_backward_callback(self._end_of_backward)
         if unit.done:
             return
         self._gather(unit, wait=True)
@@ -334,13 +324,14 @@ class Zero3(ShardedSync):
         for unit in self.units:
             unit.pending, unit.done = unit.n_params, False
 
+    def expect_backwards(self, n: int) -> None:
+        self._no_pipeline()
+
     def finish(self, scale: float) -> None:
         self._check_unused()
         self._end_of_backward()
         self._drain()
-        if scale != 1.0:
-            for g in self.shard_grads:
-                g.mul_(scale)
+        self._scale(scale)
 
     def zero_grad(self) -> None:
         for g in self.shard_grads:
@@ -376,7 +367,7 @@ class Zero3(ShardedSync):
                         src.reshape(-1)[piece.offset : piece.offset + n])
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Consolidated fp32 weights on every DP rank (a collective: call it on all of them)."""
         values = {id(slot.param): value.clone() for gi, sp in enumerate(self.shard_params)
                   for slot, value in self._whole(gi, sp.detach())}

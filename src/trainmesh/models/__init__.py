@@ -1,4 +1,4 @@
 """Reference models."""
-from .gpt import GPT, GPTConfig, PRESETS
+from .gpt import GPT, PRESETS, GPTConfig, gpt_plan, validate_gpt
 
-__all__ = ["GPT", "GPTConfig", "PRESETS"]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "gpt_plan", "validate_gpt"]

@@ -4,7 +4,13 @@ Module names are part of the interface (tensor-parallel plans, checkpoints and t
 them): ``embed.wte``, ``embed.wpe``, ``blocks.{i}.ln1``, ``blocks.{i}.attn.{q,k,v,proj}``,
 ``blocks.{i}.ln2``, ``blocks.{i}.mlp.{fc,proj}``, ``head.ln_f``, ``head.out``. Attention derives
 its local head count from the width of ``q``, so a column-sharded ``q``/``k``/``v`` simply holds
-fewer heads. ``pipeline_layers()`` is the ordered layer list pipeline parallelism splits.
+fewer heads.
+
+The GPT carries its own parallel hints, so the parallel building blocks stay generic:
+``tp_plan()`` (its Megatron tensor-parallel plan) and ``check_tp()`` (its shapes against a TP
+degree, :func:`validate_gpt`) for tensor parallelism; ``pipeline_layers()`` (the ordered layers a
+pipeline splits) and ``pipeline_output()`` (what ``forward`` returns given the last layer's
+output) for pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -45,6 +51,42 @@ class GPTConfig:
         v, s, d, f, n_layers = self.vocab_size, self.seq_len, self.d_model, self.d_ff, self.n_layers
         block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
         return 2 * v * d + s * d + n_layers * block + 2 * d
+
+
+def validate_gpt(cfg: GPTConfig, tp: int, *, sequence_parallel: bool = False) -> None:
+    """The GPT's shape against tensor-parallel degree ``tp`` (ConfigError naming the flag)."""
+    if tp == 1:
+        return
+    checks = [("d-model", cfg.d_model, "the hidden size"),
+              ("heads", cfg.n_heads, "attention heads (each rank holds whole heads)"),
+              ("ffn", cfg.d_ff, "the MLP width (d_ff)"),
+              ("vocab-size", cfg.vocab_size, "the vocabulary (split across ranks)")]
+    if sequence_parallel:
+        checks.append(("seq-len", cfg.seq_len, "the sequence (split across ranks by --sequence-parallel)"))
+    for field, value, what in checks:
+        if value % tp:
+            raise ConfigError(field, f"{what} must be divisible by --tp {tp}; got {value}")
+
+
+def gpt_plan() -> dict[str, str | tuple[str, ...]]:
+    """The GPT's Megatron tensor-parallel plan (styles: :mod:`trainmesh.tensor_parallel.plan`)."""
+    return {
+        "embed.wte": "vocab_embedding",
+        "embed": "sequence_scatter",            # SP: the (wte + wpe) output is split by sequence
+        "blocks.*.ln1": "sequence_parallel",
+        "blocks.*.attn": "parallel_input",      # one f for q, k, v (whole heads per rank)
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.ln2": "sequence_parallel",
+        "blocks.*.mlp": "parallel_input",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "head.ln_f": "sequence_parallel",
+        "head.out": "vocab_head",               # SP: gathers its input along the sequence
+        "criterion": "vocab_ce",
+    }
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -144,10 +186,22 @@ class GPT(nn.Module):
             x = block(x)
         return x
 
+    # ---------------------------------------------------------------- parallel hints
+    def tp_plan(self) -> dict[str, str | tuple[str, ...]]:
+        return gpt_plan()
+
+    def check_tp(self, tp: int, *, sequence_parallel: bool = False) -> None:
+        validate_gpt(self.cfg, tp, sequence_parallel=sequence_parallel)
+
     def pipeline_layers(self) -> list[nn.Module]:
         """The ordered layers: embedding, each block, then final norm + head."""
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        logits = self.head(self.run_blocks(self.embed(input_ids)))
+    def pipeline_output(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None,
+                        labels: torch.Tensor | None = None):
+        """What ``forward(input_ids, labels)`` returns given the last layer's ``logits``."""
         return logits if labels is None else self.criterion(logits, labels)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = self.head(self.run_blocks(self.embed(input_ids)))   # (b, s, vocab)
+        return self.pipeline_output(logits, input_ids, labels)

@@ -1,44 +1,42 @@
 """The pipeline runtime: one generic runner that executes this rank's action list.
 
-The engine builds a :class:`PipelineExecutor` when ``pp > 1`` and calls :meth:`run` once per
-step with the DP replica's microbatches. The executor keeps only this rank's stages (``module``),
-builds the schedule from the config (``schedule``, ``pp``, ``microbatches``,
-``virtual_stages``) and, for each action of this rank, in order:
+The engine builds a :class:`PipelineExecutor` when ``pp > 1`` (from the model, its ``loss_fn``
+and a :class:`~.schedules.Schedule`) and calls :meth:`run` once per step with the DP replica's
+microbatches and the step's hooks; it implements :class:`trainmesh.step.Executor`, as the
+local executor does. The executor keeps only this rank's stages (``module``) and, for each
+action of this rank, in order:
 
 * ``F(s, i)``: take the input (microbatch ``i``'s inputs on stage 0, else the activation received
   from stage ``s-1``), run the stage's layers, keep input and output for the backward, send the
-  output to stage ``s+1``; the last stage computes the loss instead.
-* ``B(s, i)``: backward from the loss (last stage, scaled by the precision policy) or from the
+  output to stage ``s+1``; the last stage computes the loss instead, with the engine's
+  ``loss_fn`` (:class:`.stage.StageIO`).
+* ``B(s, i)``: backward from the loss (last stage, scaled by ``hooks.scale_loss``) or from the
   output gradient received from stage ``s+1``; send the input gradient to stage ``s-1``; free
   the microbatch's activations.
 
 Sends and receives come from :mod:`.p2p` (deadlock-free for any schedule that simulates). The
-DP strategy reduces each gradient once it has been through all ``m`` backwards
-(``sync.expect_backwards``). Every action's start and end (``perf_counter``) go into
+runtime knows nothing of data parallelism: it tells the step's hooks once that every parameter
+sees ``m`` backward passes (``hooks.expect_backwards``), and the engine's strategy reduces each
+gradient after its last. Every action's start and end (``perf_counter``) go into
 ``last_timeline`` (this rank's row); :func:`.timeline.gather_timeline` assembles the pipeline's.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm import Comm
-from ..config import ParallelConfig
-from ..data_parallel.base import GradSync
 from ..errors import ConfigError
-from ..executor import as_sum_and_count
 from ..mesh import ParallelMesh
-from ..precision import Precision
+from ..step import LossFn, StepHooks
 from .p2p import StageP2P
 from .partition import named_pipeline_layers, partition
-from .schedules import FORWARD, Action, TimedAction, Timeline, build_schedule
-from .stage import ActivationTracker, Chunk, LocalModule, LossProtocol, PipelineLossFn, release_layers
+from .schedules import FORWARD, Action, Schedule, TimedAction, Timeline
+from .stage import ActivationTracker, Chunk, LocalModule, StageIO, release_layers
 
 
 def batch_key(batch: Any) -> tuple:
@@ -53,57 +51,52 @@ def batch_key(batch: Any) -> tuple:
 
 
 class PipelineExecutor:
-    """Runs this rank's share of a pipeline schedule; same contract as ``LocalExecutor``.
+    """Runs this rank's share of a pipeline schedule (a :class:`trainmesh.step.Executor`).
 
     ``cuts`` (optional, also read from ``model.pipeline_cuts``) are explicit stage boundaries:
-    the first layer index of each stage after the first. ``pipeline_loss_fn(output, batch)``
-    scores the last stage's output (see :mod:`.stage` for the bring-your-own-model protocol).
+    the first layer index of each stage after the first. ``loss_fn(model, microbatch)`` is the
+    engine's, run on the last stage (see :mod:`.stage` for the bring-your-own-model protocol).
     """
 
-    def __init__(self, model: nn.Module | Sequence[nn.Module], loss_fn: Callable | None,
-                 mesh: ParallelMesh, comm: Comm, cfg: ParallelConfig, *,
-                 cuts: Sequence[int] | None = None,
-                 pipeline_loss_fn: PipelineLossFn | None = None) -> None:
-        self.mesh, self.comm, self.cfg = mesh, comm, cfg
-        self.loss_fn = loss_fn   # runs the whole model: unused by a pipeline (see .stage)
-        self.rank, self.peers = mesh.index("pp"), mesh.ranks("pp")
-        self.schedule = build_schedule(cfg.schedule, mesh.size("pp"), cfg.microbatches,
-                                       cfg.virtual_stages)
-        if self.schedule.splits_backward:
-            raise ConfigError("schedule", f"{cfg.schedule} splits the backward into I and W; the "
+    def __init__(self, model: nn.Module | Sequence[nn.Module], loss_fn: LossFn,
+                 mesh: ParallelMesh, comm: Comm, schedule: Schedule, *,
+                 cuts: Sequence[int] | None = None) -> None:
+        if schedule.splits_backward:
+            raise ConfigError("schedule", f"{schedule.name} splits the backward into I and W; the "
                                           "runtime runs naive, gpipe, 1f1b and interleaved")
-        layers = named_pipeline_layers(model)
-        stages = partition(layers, self.schedule.num_stages,
+        self.mesh, self.comm, self.schedule = mesh, comm, schedule
+        self.rank, self.peers = mesh.index("pp"), mesh.ranks("pp")
+        stages = partition(named_pipeline_layers(model), schedule.num_stages,
                            cuts if cuts is not None else getattr(model, "pipeline_cuts", None))
         self.stage_layers = [[name for name, _ in st] for st in stages]
-        mine = self.schedule.stages_of_rank(self.rank)
+        mine = schedule.stages_of_rank(self.rank)
         self.chunks = {s: Chunk(s, stages[s]) for s in mine}
         held = [nl for s in mine for nl in stages[s]]
         self.module = LocalModule(held)
-        self._tied = self._setup_ties(stages, mine)
+        self._ties = self._setup_ties(stages, mine)
+        self.tied_parameters = [p for p, _ in self._ties]
         release_layers([layer for s, st in enumerate(stages) if s not in mine for _, layer in st],
                        [layer for _, layer in held])
-        self.holds_loss = any(self.schedule.is_last_stage(s) for s in mine)
-        self.protocol = LossProtocol(model, pipeline_loss_fn)
-        if self.holds_loss:
-            self.protocol.check()
+        self.holds_loss = any(schedule.is_last_stage(s) for s in mine)
+        self.io = StageIO(model, loss_fn)
         params = list(self.module.parameters())
         self.device = params[0].device if params else torch.device("cpu")
-        self.p2p = StageP2P(comm, self.schedule, self.rank, self.peers, self.device)
+        self.p2p = StageP2P(comm, schedule, self.rank, self.peers, self.device)
         self.track_memory = False
         """Book activation bytes per in-flight microbatch (``activation_peak_bytes``)."""
         self.tracker = ActivationTracker()
         self._kept: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (stage, mb) -> (in, out)
         self._loss, self._count = 0.0, 0.0
-        self.last_timeline = Timeline([[] for _ in self.peers], self.schedule.virtual_stages,
-                                      "s", self.schedule.name)
+        self.last_timeline: Timeline | None = Timeline([[] for _ in self.peers],
+                                                       schedule.virtual_stages, "s", schedule.name)
 
     # ---------------------------------------------------------------- tied weights
     def _setup_ties(self, stages: list, mine: list[int]) -> list[tuple[nn.Parameter, Any]]:
         """Parameters shared by stages on different ranks: gradients summed over those ranks.
 
-        Every rank of the world creates the same groups in the same order (``new_group`` is
-        collective). The copies on all but the lowest such rank are marked ``_tm_duplicate``.
+        Every rank of the world creates the same groups in the same order (through the mesh:
+        group creation is collective). The copies on all but the lowest such rank are marked
+        ``_tm_duplicate``.
         """
         owners: dict[int, tuple[nn.Parameter, set[int]]] = {}
         for s, st in enumerate(stages):
@@ -124,25 +117,21 @@ class PipelineExecutor:
                                     "untie them or use dp=1")
         rank_sets = sorted({tuple(sorted({self.schedule.stage_to_rank(s) for s in ss}))
                             for _, ss in shared})
-        groups = {}
-        for rs in rank_sets:
-            for d in range(self.mesh.dp):
-                for t in range(self.mesh.tp):
-                    members = [self.mesh.rank_of(dp=d, pp=k, tp=t) for k in rs]
-                    g = dist.new_group(members, timeout=timedelta(seconds=self.mesh.timeout_s))
-                    if self.mesh.rank in members:
-                        groups[rs] = g
+        mesh = self.mesh
+        groups = mesh.subgroups([[mesh.rank_of(dp=d, pp=k, tp=t) for k in rs]
+                                 for rs in rank_sets for d in range(mesh.dp) for t in range(mesh.tp)])
         out = []
         for p, ss in shared:
             rs = tuple(sorted({self.schedule.stage_to_rank(s) for s in ss}))
             if self.rank in rs:
                 if self.rank != rs[0]:
                     p._tm_duplicate = True  # type: ignore[attr-defined]
-                out.append((p, groups[rs]))
+                members = tuple(mesh.rank_of(dp=mesh.index("dp"), pp=k, tp=mesh.index("tp")) for k in rs)
+                out.append((p, groups[members]))
         return out
 
     def _reduce_ties(self) -> None:
-        for p, group in self._tied:
+        for p, group in self._ties:
             if p.grad is not None:
                 self.comm.all_reduce(p.grad, "pp", group=group)
 
@@ -152,12 +141,12 @@ class PipelineExecutor:
         """Peak activation bytes held for backward during the last step (``track_memory``)."""
         return self.tracker.peak_bytes
 
-    def run(self, microbatches: list, sync: GradSync, precision: Precision) -> tuple[float, float]:
+    def run(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
         """Execute this rank's actions on the step's microbatches; (loss_sum, count) of this rank."""
         if len(microbatches) != self.schedule.microbatches:
             raise ConfigError("microbatches", f"the pipeline schedule expects "
                                               f"{self.schedule.microbatches}; got {len(microbatches)}")
-        sync.expect_backwards(len(microbatches))
+        hooks.expect_backwards(len(microbatches))
         if self.track_memory:
             self.tracker.reset(list(self.module.parameters()))
         self.p2p.begin(batch_key(microbatches[0]))
@@ -166,9 +155,9 @@ class PipelineExecutor:
         row: list[TimedAction] = []
         for action in self.schedule.actions[self.rank]:
             if action.kind == FORWARD:
-                row.append(self._forward(action, microbatches[action.microbatch], precision))
+                row.append(self._forward(action, microbatches[action.microbatch], hooks))
             else:
-                row.append(self._backward(action, precision))
+                row.append(self._backward(action, hooks))
         self.p2p.finish()
         if self._kept:
             raise RuntimeError(f"pipeline rank {self.rank}: activations never freed: {list(self._kept)}")
@@ -178,10 +167,10 @@ class PipelineExecutor:
         self.last_timeline = Timeline(rows, self.schedule.virtual_stages, "s", self.schedule.name)
         return self._loss, self._count
 
-    def _forward(self, a: Action, batch: Any, precision: Precision) -> TimedAction:
+    def _forward(self, a: Action, batch: Any, hooks: StepHooks) -> TimedAction:
         s, i = a.stage, a.microbatch
         if self.schedule.is_first_stage(s):
-            x = self.protocol.input_of(batch)
+            x = self.io.input_of(batch)
         else:
             x = self.p2p.take(("act", s, i))                    # (b, s, d) for the GPT
             x.requires_grad_(x.is_floating_point())
@@ -189,11 +178,11 @@ class PipelineExecutor:
         last = self.schedule.is_last_stage(s)
 
         def compute() -> tuple[Any, torch.Tensor]:
-            with precision.autocast():
+            with hooks.autocast():
                 out = self.chunks[s](x)
                 if not last:
                     return x, out
-                loss_sum, count = as_sum_and_count(self.protocol.loss(out, batch))
+                loss_sum, count = self.io.loss(out, batch)
             self._loss += float(loss_sum.detach())
             self._count += float(count)
             return x, loss_sum
@@ -204,12 +193,12 @@ class PipelineExecutor:
         self._kept[(s, i)] = kept
         return TimedAction(a, start, time.perf_counter())
 
-    def _backward(self, a: Action, precision: Precision) -> TimedAction:
+    def _backward(self, a: Action, hooks: StepHooks) -> TimedAction:
         s, i = a.stage, a.microbatch
         x, out = self._kept.pop((s, i))
         if self.schedule.is_last_stage(s):
             start = time.perf_counter()
-            torch.autograd.backward(precision.scale_loss(out))
+            torch.autograd.backward(hooks.scale_loss(out))
         else:
             grad = self.p2p.take(("grad", s, i))               # d loss / d out, out's shape
             start = time.perf_counter()
@@ -220,4 +209,3 @@ class PipelineExecutor:
         self.tracker.free((s, i))
         del x, out
         return TimedAction(a, start, time.perf_counter())
-

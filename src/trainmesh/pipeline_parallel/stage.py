@@ -1,4 +1,4 @@
-"""What one pipeline rank holds: its stage chunks, the module of its parameters, the loss protocol.
+"""What one pipeline rank holds: its stage chunks, the module of its parameters, the stage I/O.
 
 The bring-your-own-model protocol (docs/PIPELINE.md, "Running a pipeline"):
 
@@ -6,11 +6,12 @@ The bring-your-own-model protocol (docs/PIPELINE.md, "Running a pipeline"):
   a list of modules; each layer takes one tensor and returns one tensor;
 * the first stage's input: ``model.pipeline_input(batch)`` if defined, else ``batch["input_ids"]``
   (dict batch), ``batch[0]`` (tuple/list batch) or the batch itself (a tensor);
-* the loss after the last layer, in order of precedence: the executor's ``pipeline_loss_fn``
-  argument, ``model.pipeline_loss(output, batch)``, or ``model.criterion(output,
-  batch["labels"])`` (the built-in GPT). It returns a mean loss or a ``(loss_sum, count)`` pair,
-  as the engine's ``loss_fn`` does. (The engine's ``loss_fn(model, batch)`` runs the whole
-  model, so a pipeline cannot split it.)
+* the loss: the engine's own ``loss_fn(model, microbatch)``, run on the last stage with a
+  stand-in for the model (:class:`LastStageModel`) whose call returns what the whole model's
+  forward would: ``model.pipeline_output(output, *args, **kwargs)`` when the model defines it
+  (the built-in GPT: the loss when labels are given), else the last layer's output. A
+  ``loss_fn`` that never calls the model, or calls it on tensors that are not the
+  microbatch's, cannot be split into stages and is refused with a ConfigError naming ``pp``.
 """
 from __future__ import annotations
 
@@ -21,10 +22,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..step import LossFn, as_sum_and_count, tensors_in
 from .partition import NamedLayer
-
-PipelineLossFn = Callable[[torch.Tensor, Any], Any]
-"""(last stage's output, microbatch) -> mean loss or (loss_sum, count)."""
 
 
 class Chunk:
@@ -65,7 +64,7 @@ def _attach(root: nn.Module, name: str, layer: nn.Module) -> None:
     *parents, leaf = name.split(".")
     node = root
     for part in parents:
-        child = node._modules.get(part)
+        child = dict(node.named_children()).get(part)
         if child is None:
             child = nn.Module()
             node.add_module(part, child)
@@ -82,21 +81,48 @@ def release_layers(dropped: list[nn.Module], kept: list[nn.Module]) -> None:
     """
     keep = {id(t) for m in kept for t in (*m.parameters(), *m.buffers())}
     for layer in dropped:
-        for mod in layer.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is not None and id(p) not in keep and not p.is_meta:
-                    mod._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-            for name, b in list(mod._buffers.items()):
-                if b is not None and id(b) not in keep and not b.is_meta:
-                    mod._buffers[name] = b.to("meta")
+        for mod in layer.modules():      # setattr on a registered name replaces the entry
+            for name, p in list(mod.named_parameters(recurse=False, remove_duplicate=False)):
+                if id(p) not in keep and not p.is_meta:
+                    setattr(mod, name, nn.Parameter(p.to("meta"), requires_grad=p.requires_grad))
+            for name, b in list(mod.named_buffers(recurse=False, remove_duplicate=False)):
+                if id(b) not in keep and not b.is_meta:
+                    setattr(mod, name, b.to("meta"))
 
 
-class LossProtocol:
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                      and bool(torch.equal(a, b)))
+
+
+class LastStageModel:
+    """The model as ``loss_fn`` sees it on the last stage: calling it on the microbatch returns
+    what the whole model's forward returns (see the module docstring); any other attribute is
+    the model's."""
+
+    def __init__(self, model: Any, output: torch.Tensor, microbatch: Any) -> None:
+        self._model, self._output, self._microbatch = model, output, microbatch
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given, batch = tensors_in([args, kwargs]), tensors_in(self._microbatch)
+        if not any(_same(a, b) for a in given for b in batch):
+            raise ConfigError("pp", "loss_fn called the model on tensors that are not the "
+                                    "microbatch's; under a pipeline the model's output comes from "
+                                    "its stages, so loss_fn must call the model on its batch")
+        self.calls += 1
+        finish = getattr(self._model, "pipeline_output", None)
+        return finish(self._output, *args, **kwargs) if callable(finish) else self._output
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+class StageIO:
     """How the pipeline feeds the first stage and scores the last (see the module docstring)."""
 
-    def __init__(self, model: Any, pipeline_loss_fn: PipelineLossFn | None = None) -> None:
-        self.model = model
-        self.explicit = pipeline_loss_fn
+    def __init__(self, model: Any, loss_fn: LossFn) -> None:
+        self.model, self.loss_fn = model, loss_fn
 
     def input_of(self, batch: Any) -> torch.Tensor:
         """The first stage's input tensor of one microbatch."""
@@ -115,23 +141,14 @@ class LossProtocol:
         raise ConfigError("pp", f"cannot find the first stage's input in a {type(batch).__name__} "
                                 "batch; define model.pipeline_input(batch)")
 
-    def check(self) -> None:
-        """Raise now (at set-up) if no loss can be found."""
-        if (self.explicit is None and not callable(getattr(self.model, "pipeline_loss", None))
-                and not callable(getattr(self.model, "criterion", None))):
-            raise ConfigError("pp", "the last pipeline stage needs a loss: pass pipeline_loss_fn="
-                                    "(output, batch) -> loss, or define model.pipeline_loss(output, "
-                                    "batch) or model.criterion(output, labels)")
-
-    def loss(self, output: torch.Tensor, batch: Any) -> Any:
-        """The last stage's loss on one microbatch: a mean or (loss_sum, count)."""
-        if self.explicit is not None:
-            return self.explicit(output, batch)
-        fn = getattr(self.model, "pipeline_loss", None)
-        if callable(fn):
-            return fn(output, batch)
-        labels = batch["labels"] if isinstance(batch, dict) else batch[1]
-        return self.model.criterion(output, labels)
+    def loss(self, output: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's (loss_sum, count) of one microbatch: ``loss_fn`` on the stand-in."""
+        model = LastStageModel(self.model, output, batch)
+        result = as_sum_and_count(self.loss_fn(model, batch))
+        if model.calls == 0:
+            raise ConfigError("pp", "loss_fn never called the model; under a pipeline the last "
+                                    "stage scores the model's output, so loss_fn must call it")
+        return result
 
 
 class ActivationTracker:

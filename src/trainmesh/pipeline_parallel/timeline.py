@@ -1,9 +1,10 @@
 """The measured timeline of a pipeline step: every rank's actions gathered on rank 0.
 
 Each :class:`~.runtime.PipelineExecutor` keeps its own row of the last step (``perf_counter``
-seconds). :func:`gather_timeline` is a collective over the world (call it on every rank, outside
-any step window): rank 0 receives every rank's row, keeps the pipeline of DP and TP index 0, and
-returns a :class:`~.schedules.Timeline` in seconds relative to the earliest action start.
+seconds). :func:`gather_timeline` is a collective over the world through the communication layer
+(call it on every rank, outside any step window): rank 0 receives every rank's row, keeps the
+pipeline of DP and TP index 0, and returns a :class:`~.schedules.Timeline` in seconds relative to
+the earliest action start.
 """
 from __future__ import annotations
 
@@ -11,32 +12,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from ..mesh import ParallelMesh
+from ..comm import Comm
 from .schedules import Action, TimedAction, Timeline
 
 
-def gather_timeline(executor: Any, mesh: ParallelMesh) -> Timeline | None:
+def gather_timeline(executor: Any, comm: Comm) -> Timeline | None:
     """The last step's per-rank timeline on global rank 0 (``None`` on the others).
 
-    ``executor`` is the engine's executor (a non-pipeline executor contributes nothing). Times
-    are converted to wall-clock before the gather so ranks on different hosts line up (to the
-    precision of their clock synchronisation), then made relative to the earliest start.
+    ``executor`` is the engine's executor (one without a pipeline has no ``last_timeline`` and
+    contributes nothing). Times are converted to wall-clock before the gather so ranks on
+    different hosts line up (to the precision of their clock synchronisation), then made
+    relative to the earliest start.
     """
-    own = getattr(executor, "last_timeline", None)
+    mesh = comm.mesh
+    own: Timeline | None = executor.last_timeline
     row = own.ranks[mesh.index("pp")] if own is not None else []
     offset = time.time() - time.perf_counter()
     mine = (mesh.coords, [(t.action.kind, t.action.stage, t.action.microbatch,
                            t.start + offset, t.end + offset) for t in row])
-    if mesh.world_size > 1:
-        gathered: list[Any] | None = [None] * mesh.world_size if mesh.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-    else:
-        gathered = [mine]
+    gathered = comm.all_gather_object(mine, "world")
     if mesh.rank != 0 or own is None:
         return None
-    assert gathered is not None
     rows: list[list[TimedAction]] = [[] for _ in range(mesh.size("pp"))]
     for coords, entries in gathered:
         if coords["dp"] == 0 and coords["tp"] == 0:
@@ -46,13 +42,13 @@ def gather_timeline(executor: Any, mesh: ParallelMesh) -> Timeline | None:
     return Timeline(rows, virtual_stages=own.virtual_stages, time_unit="s", name=own.name)
 
 
-def write_timeline(executor: Any, mesh: ParallelMesh, path: str | Path, *,
+def write_timeline(executor: Any, comm: Comm, path: str | Path, *,
                    title: str | None = None) -> Path | None:
     """Gather the last step's timeline and draw it to ``path`` (SVG/PNG) on rank 0.
 
     Collective: call on every rank. Returns the path on rank 0, ``None`` elsewhere.
     """
-    timeline = gather_timeline(executor, mesh)
+    timeline = gather_timeline(executor, comm)
     if timeline is None:
         return None
     from .render import draw_timeline

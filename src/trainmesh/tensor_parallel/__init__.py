@@ -10,10 +10,10 @@ from .loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence, scatter_to_region, scatter_to_sequence)
 from .parallelize import parallelize
-from .plan import STYLES, default_plan, gpt_plan, validate_gpt
+from .plan import STYLES, default_plan
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "STYLES", "TPState", "VocabParallelCrossEntropy",
            "VocabParallelEmbedding", "copy_to_region", "default_plan", "gather_from_region",
-           "gather_from_sequence", "gpt_plan", "parallelize", "reduce_from_region",
-           "reduce_scatter_to_sequence", "scatter_to_region", "scatter_to_sequence", "validate_gpt",
+           "gather_from_sequence", "parallelize", "reduce_from_region",
+           "reduce_scatter_to_sequence", "scatter_to_region", "scatter_to_sequence",
            "vocab_parallel_cross_entropy"]

@@ -19,24 +19,25 @@ from ..mesh import ParallelMesh
 from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
 from .loss import VocabParallelCrossEntropy
 from .mappings import gather_from_sequence, scatter_to_sequence
-from .plan import REPLACING, Plan, check_divisible, default_plan, resolve, validate_gpt
+from .plan import REPLACING, Plan, check_divisible, default_plan, resolve
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan | None = None,
                 sequence_parallel: bool = False, axis: str = "tp") -> nn.Module:
     """Shard ``model`` over the mesh's ``axis`` following ``plan``; returns the same model.
 
-    ``plan=None`` takes the model's own plan (the reference GPT's, or ``model.tp_plan()``) and
-    raises ValueError for a model without one. Every check (styles, patterns, module kinds,
-    divisibility: ConfigError naming ``heads``, ``d-model``, ``ffn``, ``vocab-size``,
-    ``seq-len`` or ``tp``) runs before any communication.
+    ``plan=None`` takes the model's own plan (``model.tp_plan()``) and raises ValueError for a
+    model without one. Every check runs before any communication: the model's own shape checks
+    (``model.check_tp(tp, sequence_parallel=...)`` when it has them, e.g. the GPT's ConfigError
+    naming ``heads``, ``d-model``, ``ffn``, ``vocab-size`` or ``seq-len``), then the plan's
+    styles, patterns, module kinds and divisibility (ConfigError naming ``tp``).
     """
-    from ..models.gpt import GPT
     tp = mesh.size(axis)
     if plan is None:
         plan = default_plan(model)
-    if isinstance(model, GPT):
-        validate_gpt(model.cfg, tp, sequence_parallel=sequence_parallel)
+    check = getattr(model, "check_tp", None)
+    if callable(check):
+        check(tp, sequence_parallel=sequence_parallel)
     resolved = resolve(model, plan)
     check_divisible(resolved, tp)
     state = TPState(comm, axis, sequence_parallel)

@@ -1,6 +1,8 @@
 """Tensor-parallel plans: data mapping module-name patterns to styles, and their validation.
 
-A plan is ``{pattern: style}`` (or ``{pattern: (style, style, ...)}``); patterns are
+A plan is data, generic over models: the model may carry its own (``model.tp_plan()``, and
+``model.check_tp(tp, sequence_parallel=...)`` for shape checks that name its flags, as the
+built-in GPT does), or the caller passes one. A plan is ``{pattern: style}`` (or ``{pattern: (style, style, ...)}``); patterns are
 :func:`fnmatch` globs over ``model.named_modules()`` names (``"blocks.*.attn.q"``). Every
 pattern must match at least one module. The styles:
 
@@ -36,39 +38,15 @@ REPLACING = (*LINEAR_STYLES, "vocab_embedding", "vocab_ce")
 Plan = Mapping[str, "str | tuple[str, ...] | list[str]"]
 
 
-def gpt_plan() -> dict[str, str | tuple[str, ...]]:
-    """The Megatron plan of the reference GPT (module names of ``trainmesh.models.gpt``)."""
-    return {
-        "embed.wte": "vocab_embedding",
-        "embed": "sequence_scatter",            # SP: the (wte + wpe) output is split by sequence
-        "blocks.*.ln1": "sequence_parallel",
-        "blocks.*.attn": "parallel_input",      # one f for q, k, v (whole heads per rank)
-        "blocks.*.attn.q": "colwise",
-        "blocks.*.attn.k": "colwise",
-        "blocks.*.attn.v": "colwise",
-        "blocks.*.attn.proj": "rowwise",
-        "blocks.*.ln2": "sequence_parallel",
-        "blocks.*.mlp": "parallel_input",
-        "blocks.*.mlp.fc": "colwise",
-        "blocks.*.mlp.proj": "rowwise",
-        "head.ln_f": "sequence_parallel",
-        "head.out": "vocab_head",               # SP: gathers its input along the sequence
-        "criterion": "vocab_ce",
-    }
-
-
 def default_plan(model: nn.Module) -> dict[str, str | tuple[str, ...]]:
-    """The plan of a model that carries one: the reference GPT, or ``model.tp_plan()``."""
-    from ..models.gpt import GPT
-    if isinstance(model, GPT):
-        return gpt_plan()
+    """The plan the model carries: ``model.tp_plan()`` (the built-in GPT has one)."""
     own = getattr(model, "tp_plan", None)
     if callable(own):
         return dict(own())
     raise ValueError(
         f"tensor parallelism needs a plan for {type(model).__name__}: pass plan={{module-name "
-        f"pattern: style}} (styles: {', '.join(STYLES)}), or give the model a tp_plan() method; "
-        "only the built-in GPT has a default plan")
+        f"pattern: style}} (styles: {', '.join(STYLES)}), or give the model a tp_plan() method "
+        "as the built-in GPT has")
 
 
 def _styles(pattern: str, value: object) -> tuple[str, ...]:
@@ -142,21 +120,3 @@ def check_divisible(resolved: list[tuple[str, nn.Module, tuple[str, ...]]], tp: 
             if style == "vocab_embedding" and module.num_embeddings % tp:
                 raise ConfigError("vocab-size", f"{module.num_embeddings} ({name}) must be "
                                   f"divisible by --tp {tp}")
-
-
-def validate_gpt(cfg, tp: int, *, sequence_parallel: bool = False) -> None:
-    """The reference GPT's shape against ``tp`` (ConfigError naming the flag); CLI preflight.
-
-    ``cfg`` is a :class:`~trainmesh.models.gpt.GPTConfig`.
-    """
-    if tp == 1:
-        return
-    checks = [("d-model", cfg.d_model, "the hidden size"),
-              ("heads", cfg.n_heads, "attention heads (each rank holds whole heads)"),
-              ("ffn", cfg.d_ff, "the MLP width (d_ff)"),
-              ("vocab-size", cfg.vocab_size, "the vocabulary (split across ranks)")]
-    if sequence_parallel:
-        checks.append(("seq-len", cfg.seq_len, "the sequence (split across ranks by --sequence-parallel)"))
-    for field, value, what in checks:
-        if value % tp:
-            raise ConfigError(field, f"{what} must be divisible by --tp {tp}; got {value}")

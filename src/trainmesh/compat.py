@@ -1,0 +1,52 @@
+"""The private torch APIs trainmesh relies on, each behind one small function.
+
+torch offers no public way to do these few things; each function says why it needs the private
+name and what it falls back to. ``tests/test_compat.py`` checks every one against the installed
+torch, so an upgrade that moves or changes one fails there, by name, rather than deep inside a
+training step.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def in_backward() -> bool:
+    """Whether the calling code runs inside autograd's backward pass (e.g. a forward re-run by
+    activation recomputation). ZeRO-3 needs it to keep a unit gathered for its backward;
+    torch exposes the running graph task only as ``torch._C._current_graph_task_id`` (-1 when
+    none runs)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the current backward pass ends (call it from inside a backward hook).
+
+    ZeRO-3 reduces and frees every unit the hooks left at the end of backward; torch's own FSDP
+    uses the same entry point, ``Variable._execution_engine.queue_callback``, for which there is
+    no public alias."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def default_store() -> Any | None:
+    """The key-value store of the default process group, or None (no group, or no such helper).
+
+    Ranks publish their recent op histories there when an op fails (hang diagnosis): the store
+    still answers when a collective does not. torch names it only
+    ``distributed_c10d._get_default_store``."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group, or a torch without the helper
+        return None
+
+
+def set_last_lr(scheduler: Any, lrs: Sequence[float]) -> None:
+    """Make ``scheduler.get_last_lr()`` return ``lrs`` (restoring a checkpoint).
+
+    A checkpoint stores the LRs the schedule last set; ``get_last_lr()`` reads the scheduler's
+    ``_last_lr`` attribute, which has no public setter (``load_state_dict`` would also need the
+    schedule's lambdas, which are not picklable)."""
+    scheduler._last_lr = list(lrs)

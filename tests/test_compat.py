@@ -1,0 +1,74 @@
+"""Each private torch API trainmesh uses (trainmesh.compat) still does what trainmesh needs.
+
+A torch upgrade that renames or changes one of them fails here, naming it, instead of deep
+inside a ZeRO-3 backward or a checkpoint restore. No processes: one in-process group of one.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainmesh import compat
+
+
+def _during_backward(fn) -> list:
+    """Run ``fn()`` from a hook inside a real backward pass; returns what it recorded."""
+    seen: list = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 3
+    y.register_hook(lambda g: seen.append(fn()) or g)
+    y.sum().backward()
+    return seen
+
+
+@pytest.mark.timeout(30)
+def test_in_backward_tells_backward_from_forward():
+    assert hasattr(torch._C, "_current_graph_task_id"), \
+        "torch._C._current_graph_task_id is gone: update trainmesh.compat.in_backward"
+    assert compat.in_backward() is False
+    assert _during_backward(compat.in_backward) == [True]
+    assert compat.in_backward() is False
+
+
+@pytest.mark.timeout(30)
+def test_queued_callback_runs_once_after_the_backward_pass():
+    order: list[str] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 3
+    z = y * 2
+
+    def first_hook(g: torch.Tensor) -> torch.Tensor:     # runs before y's hook
+        compat.queue_backward_callback(lambda: order.append("end"))
+        order.append("z")
+        return g
+
+    z.register_hook(first_hook)
+    y.register_hook(lambda g: order.append("y") or g)
+    z.sum().backward()
+    assert order == ["z", "y", "end"], \
+        f"Variable._execution_engine.queue_callback ran out of order: {order}"
+
+
+@pytest.mark.timeout(30)
+def test_default_store_is_the_groups_store():
+    assert compat.default_store() is None             # no process group yet
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        found = compat.default_store()
+        assert found is not None, "distributed_c10d._get_default_store no longer answers"
+        found.set("trainmesh/compat", "ok")          # what hang diagnosis does with it
+        assert found.check(["trainmesh/compat"]) and found.get("trainmesh/compat") == b"ok"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(30)
+def test_set_last_lr_restores_what_get_last_lr_reports():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    compat.set_last_lr(sched, [0.125])
+    assert sched.get_last_lr() == [0.125], "LRScheduler._last_lr no longer backs get_last_lr()"
+    sched.step()                                       # the schedule goes on from its epoch
+    assert sched.get_last_lr() == [0.5]
