@@ -96,10 +96,10 @@ def preflight(cfg) -> None:
         raise ConfigError("recompute", "not yet supported in this build; valid now: none")
     import torch
 
+    from ..distributed import choose_device, local_world_size, visible_gpus
     from ..precision import Precision
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", "cuda was asked for but no CUDA device is available; valid: auto, cpu")
-    Precision(p, torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"))
+    device, _ = choose_device(cfg.device, local_ranks=local_world_size(p.world_size), gpus=visible_gpus())
+    Precision(p, torch.device(device))
     if cfg.save_dir or cfg.resume:
         if not _has_module("checkpoint"):
             raise ConfigError("save-dir" if cfg.save_dir else "resume",
