@@ -16,24 +16,28 @@ Two kinds of comparison:
   model), and ``FP32_SAFETY`` covers the few layers each adding their own rounding. Being
   independent of the CPU's summation order, this holds on any x86/ARM CPU and any torch >= 2.5.
 
-Planted bugs the suite is known to catch (each watched failing with an assertion):
+Planted bugs the suite is known to catch (each was put back by hand and seen failing with an
+assertion, not a timeout):
 
-================================================  ===============================================
-bug                                               caught by
-================================================  ===============================================
-DDP gradients summed instead of averaged          test_ddp: gradients (float64 ref), equivalence
-one TP all-reduce removed (row-parallel output)   test_tensor_parallel: test_parity_tp2/tp4
-TP backward all-reduce of the column input gone   test_tensor_parallel: input/param grads
-vocab-parallel CE scale wrong                     test_tensor_parallel: vocab_cross_entropy
-ZeRO-3 backward prefetch of the wrong unit        test_mutants: zero3 prefetch order
-warm-up off by one                                test_mutants: warmup_cosine, lr column
-LR scheduler stepping on skipped fp16 steps       test_mutants: fp16 skip keeps the LR
-initial DP broadcast of weights skipped           test_mutants: different seeds per rank
-fp16 loss-scaler state missing from checkpoints   test_mutants: scaler resumes
-DDP bucket with an unused parameter not reduced   test_mutants: unused parameter grads
-clipping with the local instead of global norm    test_mutants: --grad-clip 0.05 at dp2/tp2
-fp16 skip decided per rank                        test_mutants: overflow on one rank only
-================================================  ===============================================
+============================================  ==================================================
+bug                                           caught by
+============================================  ==================================================
+DDP gradients summed instead of averaged      test_ddp: planted scale bug; gradients vs float64
+one TP all-reduce removed (fwd or bwd)        test_tensor_parallel: test_parity_tp2 / tp4
+ZeRO-3 backward prefetches the wrong unit     test_step_semantics: zero3_prefetches_...
+warm-up off by one                            test_step_semantics: warmup_cosine_...;
+                                              test_train_cli: lr_column_...
+lr column read after the scheduler stepped    test_train_cli: lr_column_...
+LR scheduler stepping on skipped fp16 steps   test_step_semantics: fp16_skipped_step_...
+initial DP broadcast of weights skipped       test_step_semantics: dp_replicas_start_...
+fp16 loss-scaler state missing in checkpoint  test_step_semantics: fp16_..._survives_a_checkpoint
+DDP bucket with an unused parameter unreduced test_step_semantics: bucket_with_an_unused_...
+clipping with a rank's local norm             test_step_semantics: clipping_uses_the_global_norm
+fp16 skip decided per rank                    test_precision: overflow_on_one_rank_... (20 s
+                                              collective timeout, reported as an assertion)
+a tensor batch iterated as rows               test_batches: a_tensor_batch_is_one_batch_...
+auto device on fewer GPUs than local ranks    test_device (GPU count monkeypatched)
+============================================  ==================================================
 """
 from __future__ import annotations
 
