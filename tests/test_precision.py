@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tolerances import MIXED_PRECISION_LOSS_ABS
 from trainmesh import ConfigError, Engine, ParallelConfig, ParallelMesh
 from trainmesh.data import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig
@@ -66,7 +67,7 @@ def test_bf16_and_fp16_follow_the_fp32_curve():
                 gap = max(abs(a - r[0]) for a, r in zip(fp32, rows))
                 gaps[zero, precision] = gap
                 # observed here: bf16 <= ~0.01, fp16 <= ~0.003 over 30 steps (loss 4.2 -> 2.2)
-                assert gap < 0.05, f"rank {rank} zero {zero} {precision}: max |loss - fp32| = {gap}"
+                assert gap < MIXED_PRECISION_LOSS_ABS, f"rank {rank} zero {zero} {precision}: max |loss - fp32| = {gap}"
                 assert fp32[-1] < fp32[0] - 1.0 and rows[-1][0] < rows[0][0] - 1.0
             # default fp16 start: the scale search skips a few steps, each halving the scale
             rows = runs[zero, "fp16-default"]["rows"]

@@ -110,3 +110,14 @@ TRAINED_WEIGHTS_LOSS_ABS = 1e-4
 """The loss of weights trained 10 AdamW steps under another layout, evaluated once against the
 reference run's loss on the same batch: AdamW turns reduction-order noise into ~1e-5 of weight
 drift; a misplaced or stale shard moves the loss by > 1e-2."""
+
+TRAINED_WEIGHTS_ABS = 2e-3
+"""Consolidated weights of a sharded run vs the one-process run's weights after 20 AdamW steps:
+AdamW moves each weight by ~lr per step whatever the gradient's size, so reduction-order noise
+that flips a small gradient's sign costs up to ~lr (1e-2) x a few steps on a few elements; kept
+to 2e-3 as observed well below it. A misplaced shard is off by the init scale (0.02-1)."""
+
+MIXED_PRECISION_LOSS_ABS = 0.05
+"""bf16/fp16 loss curves vs fp32 over 30 steps (loss 4.2 -> 2.2): bf16 rounds to 2^-8 relative
+per op (~4e-3), fp16 to 2^-11; observed gaps <= 0.01. A lost loss scale or an unscaled
+gradient diverges by > 0.5."""
