@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tolerances import LOSS_ABS, NORM_REL
+
 # A small but real GPT for end-to-end runs (fast on 2 cores).
 SMALL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
          "--vocab-size", "64", "--global-batch", "8", "--steps", "20", "--warmup-steps", "5"]
@@ -30,7 +32,7 @@ def summary(records: list[dict]) -> dict:
     return next(r for r in records if r["event"] == "summary")
 
 
-def assert_equivalent(ref: list[dict], run: list[dict], *, loss_tol: float = 1e-3, norm_rtol: float = 1e-3) -> None:
+def assert_equivalent(ref: list[dict], run: list[dict], *, loss_tol: float = LOSS_ABS, norm_rtol: float = NORM_REL) -> None:
     """CONTRACT.md: per step, loss within 1e-3 absolute and grad_norm within 1e-3 relative."""
     a, b = steps(ref), steps(run)
     assert len(a) == len(b) and len(a) >= 20, (len(a), len(b))

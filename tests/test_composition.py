@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tolerances import LOSS_ABS, NORM_REL
 from trainmesh import Engine, ParallelConfig, ParallelMesh
 from trainmesh.data import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig
@@ -45,8 +46,8 @@ def _layouts(layouts: list[dict]) -> dict:
 
 def _assert_same(ref, run, what):
     for step, ((a, na), (b, nb)) in enumerate(zip(ref, run), 1):
-        assert abs(a - b) <= 1e-3, f"{what} step {step}: loss {a} vs {b}"
-        assert abs(na - nb) <= 1e-3 * na, f"{what} step {step}: grad_norm {na} vs {nb}"
+        assert abs(a - b) <= LOSS_ABS, f"{what} step {step}: loss {a} vs {b}"
+        assert abs(na - nb) <= NORM_REL * na, f"{what} step {step}: grad_norm {na} vs {nb}"
 
 
 def _check(world: int, layouts: list[dict]) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tolerances import MIXED_PRECISION_LOSS_ABS
 from trainmesh import ConfigError, Engine, ParallelConfig, ParallelMesh
 from trainmesh.data import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig
@@ -66,7 +67,7 @@ def test_bf16_and_fp16_follow_the_fp32_curve():
                 gap = max(abs(a - r[0]) for a, r in zip(fp32, rows))
                 gaps[zero, precision] = gap
                 # observed here: bf16 <= ~0.01, fp16 <= ~0.003 over 30 steps (loss 4.2 -> 2.2)
-                assert gap < 0.05, f"rank {rank} zero {zero} {precision}: max |loss - fp32| = {gap}"
+                assert gap < MIXED_PRECISION_LOSS_ABS, f"rank {rank} zero {zero} {precision}: max |loss - fp32| = {gap}"
                 assert fp32[-1] < fp32[0] - 1.0 and rows[-1][0] < rows[0][0] - 1.0
             # default fp16 start: the scale search skips a few steps, each halving the scale
             rows = runs[zero, "fp16-default"]["rows"]
@@ -84,47 +85,57 @@ def test_bf16_and_fp16_follow_the_fp32_curve():
 
 def _overflow_on_one_rank(zeros: list[int]) -> dict:
     """fp16; at step 5 rank 1 plants an inf in the local gradient of a parameter whose reduced
-    gradient lives (at ZeRO >= 1) only in rank 0's shard."""
-    rank, dp = dist.get_rank(), dist.get_world_size()
-    data = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    gradient lives (at ZeRO >= 1) only in rank 0's shard. Collectives time out after 20 s, and an
+    error is reported (not raised): ranks that disagree on the skip then fail an assertion
+    naming the error instead of waiting for each other until the test's deadline."""
     out = {}
     for zero in zeros:
-        engine = _engine(zero, "fp16", dp)
-        engine.precision.scaler.scale = FP16_START
-        held_by_me = {name for name, _, _ in getattr(engine.grad_sync, "_norm_pieces", [])}
-        names = sorted(n for n, _ in engine.grad_sync.named_params)
-        # ZeRO >= 1: a parameter rank 1 holds no element of; DDP: any
-        name = [n for n in names if n not in held_by_me][0] if zero else names[0]
-        planted = {"step": -1}
-        if rank == 1:
-            param = dict(engine.grad_sync.named_params)[name]
-            param.register_hook(lambda g: g * float("inf") if planted["step"] == 5 else g)
-        finite_flags = []
-        grads_finite = engine.grad_sync.grads_finite
-
-        def record():
-            flag = grads_finite()
-            finite_flags.append(float(flag))
-            return flag
-        engine.grad_sync.grads_finite = record
-        rows = []
-        for step in range(8):
-            planted["step"] = step
-            before = [sp.detach().clone() for sp in getattr(engine.grad_sync, "shard_params", [])] or \
-                     [p.detach().clone() for _, p in engine.grad_sync.named_params]
-            engine.train_step(dp_slice(data.batch(0, step, GLOBAL_BATCH), rank, dp))
-            after = getattr(engine.grad_sync, "shard_params", None) or [p for _, p in engine.grad_sync.named_params]
-            changed = any(not torch.equal(a, b) for a, b in zip(before, after))
-            rows.append((engine.last["skipped"], engine.last["loss_scale"], changed, finite_flags[-1]))
-        out[zero] = {"rows": rows}
+        try:
+            out[zero] = {"rows": _overflow_rows(zero)}
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
+            out[zero] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 
-@pytest.mark.timeout(150)
+def _overflow_rows(zero: int) -> list[tuple]:
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    data = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    engine = _engine(zero, "fp16", dp, timeout_s=20)
+    engine.precision.scaler.scale = FP16_START
+    held_by_me = {name for name, _, _ in getattr(engine.grad_sync, "_norm_pieces", [])}
+    names = sorted(n for n, _ in engine.grad_sync.named_params)
+    # ZeRO >= 1: a parameter rank 1 holds no element of; DDP: any
+    name = [n for n in names if n not in held_by_me][0] if zero else names[0]
+    planted = {"step": -1}
+    if rank == 1:
+        param = dict(engine.grad_sync.named_params)[name]
+        param.register_hook(lambda g: g * float("inf") if planted["step"] == 5 else g)
+    finite_flags = []
+    grads_finite = engine.grad_sync.grads_finite
+
+    def record():
+        flag = grads_finite()
+        finite_flags.append(float(flag))
+        return flag
+    engine.grad_sync.grads_finite = record
+    rows = []
+    for step in range(8):
+        planted["step"] = step
+        before = [sp.detach().clone() for sp in getattr(engine.grad_sync, "shard_params", [])] or \
+                 [p.detach().clone() for _, p in engine.grad_sync.named_params]
+        engine.train_step(dp_slice(data.batch(0, step, GLOBAL_BATCH), rank, dp))
+        after = getattr(engine.grad_sync, "shard_params", None) or [p for _, p in engine.grad_sync.named_params]
+        changed = any(not torch.equal(a, b) for a, b in zip(before, after))
+        rows.append((engine.last["skipped"], engine.last["loss_scale"], changed, finite_flags[-1]))
+    return rows
+
+
+@pytest.mark.timeout(240)
 def test_overflow_on_one_rank_skips_the_step_everywhere():
     res = run_distributed(_overflow_on_one_rank, 2, [0, 1, 2, 3], timeout_s=140)
     for zero in (0, 1, 2, 3):
         for rank in (0, 1):
+            assert "error" not in res[rank][zero], f"zero {zero} rank {rank}: {res[rank][zero]}"
             rows = res[rank][zero]["rows"]
             skipped = [r[0] for r in rows]
             assert skipped == [i == 5 for i in range(8)], f"zero {zero} rank {rank}: {skipped}"

@@ -38,6 +38,26 @@ def test_layout_is_equivalent_to_one_process(reference, layout, tmp_path):
     check_prediction([*SMALL, "--optimizer", optimizer, *LAYOUTS[layout]], summary(run))
 
 
+@pytest.mark.timeout(240)
+def test_lr_column_is_the_lr_each_step_used(reference):
+    """The metrics' ``lr``: linear warm-up to the peak on step --warmup-steps (5 here), then a
+    cosine to 10% of the peak at --steps (catches a warm-up off by one and an lr read after the
+    scheduler stepped)."""
+    import math
+
+    from trainmesh.cli import build_parser
+    from trainmesh.cli.train import collect
+    from trainmesh.train_config import build_train_config
+    optimizer, records = reference
+    cfg = build_train_config(collect(build_parser().parse_args(["train", *SMALL, "--optimizer", optimizer]), True))
+    warm, total = cfg.warmup_steps, cfg.steps
+    want = [cfg.peak_lr * (k / warm if k <= warm else
+                           0.1 + 0.45 * (1 + math.cos(math.pi * (k - 1 - warm) / (total - warm))))
+            for k in range(1, total + 1)]
+    assert (warm, total) == (5, 20)
+    assert [r["lr"] for r in steps(records)] == pytest.approx(want, rel=1e-9)
+
+
 def check_ddp_accounting(s: dict) -> None:
     """CONTRACT.md: dp.all_reduce 4Ψ per step; params 4Ψ, grads 4Ψ, optimizer 8Ψ (AdamW)."""
     psi = s["params"]
@@ -48,7 +68,7 @@ def check_ddp_accounting(s: dict) -> None:
         assert held["grads"] == pytest.approx(4 * psi, rel=0.02)
         assert held["optimizer"] == pytest.approx(8 * psi, rel=0.02)
         assert r["comm_buffer_peak_bytes"] == 0
-        assert r["peak_mem_bytes"] >= r["setup_mem_bytes"] > 0
+        assert r["peak_mem_bytes"] >= r["setup_mem_bytes"] >= r["base_mem_bytes"] > 0
 
 
 @pytest.mark.timeout(120)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,9 +121,35 @@ def dp_slice(batch: Batch, dp_rank: int, dp: int) -> Batch:
     return {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in batch.items()}
 
 
-def split_microbatches(batch: Batch, m: int) -> list[Batch]:
-    """Split along rows into ``m`` equal microbatches."""
-    rows = next(iter(batch.values())).shape[0]
+def _rows(batch: Any) -> int:
+    """Rows (dim 0) of a tensor, a tuple/list of tensors or a dict of tensors."""
+    parts = list(batch.values()) if isinstance(batch, dict) else \
+        list(batch) if isinstance(batch, (tuple, list)) else [batch]
+    tensors = [t for t in parts if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not tensors:
+        raise TypeError(f"a batch is a tensor, a tuple/list of tensors or a dict of tensors; "
+                        f"got {type(batch).__name__} with no tensor of dim >= 1")
+    rows = {t.shape[0] for t in tensors}
+    if len(rows) > 1:
+        raise ValueError(f"the batch's tensors disagree on their rows (dim 0): {sorted(rows)}")
+    return rows.pop()
+
+
+def split_microbatches(batch: Any, m: int) -> list[Any]:
+    """Split a tensor, a tuple/list of tensors or a dict of tensors along dim 0 into ``m`` equal
+    microbatches of the same kind (values that are not tensors are passed to every microbatch)."""
+    rows = _rows(batch)
     if rows % m:
-        raise ConfigError("microbatches", f"must divide the per-rank batch of {rows} rows; got {m}")
-    return [dict(zip(batch, parts)) for parts in zip(*(v.chunk(m) for v in batch.values()))]
+        raise ConfigError("microbatches", f"{m} microbatches must divide this rank's batch of "
+                          f"{rows} rows")
+
+    def part(value: Any, i: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value[i * (rows // m) : (i + 1) * (rows // m)]
+        return value
+
+    if isinstance(batch, dict):
+        return [{k: part(v, i) for k, v in batch.items()} for i in range(m)]
+    if isinstance(batch, (tuple, list)):
+        return [type(batch)(part(v, i) for v in batch) for i in range(m)]
+    return [part(batch, i) for i in range(m)]

@@ -1,16 +1,57 @@
 """Process-group set-up from the torchrun / srun environment."""
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
+
+log = logging.getLogger("trainmesh")
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process can use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_world_size(default: int = 1) -> int:
+    """Ranks of this job on this machine: LOCAL_WORLD_SIZE under torchrun, else ``default``
+    (the workers a local launch is about to start)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def choose_device(device: str, *, local_ranks: int, gpus: int) -> tuple[str, str | None]:
+    """The device type every local rank computes on, and why ``auto`` fell back to the CPU.
+
+    CUDA only when every local rank gets its own GPU (two ranks on one GPU would each call
+    set_device on an ordinal that does not exist, or share a GPU NCCL refuses to share).
+    ``cuda`` with fewer GPUs than local ranks is a :class:`ConfigError` naming both counts.
+    """
+    if device == "cpu":
+        return "cpu", None
+    if device not in ("auto", "cuda"):
+        raise ConfigError("device", f"must be one of auto, cpu, cuda; got {device!r}")
+    if gpus >= local_ranks and gpus > 0:
+        return "cuda", None
+    if device == "cuda":
+        raise ConfigError("device", f"--device cuda needs one GPU per local rank: {local_ranks} local ranks "
+                          f"asked for, {gpus} GPU(s) visible; use --device auto or cpu, or fewer ranks")
+    if gpus == 0:
+        return "cpu", None
+    return "cpu", (f"{local_ranks} local ranks but {gpus} GPU(s) visible: each rank needs its own "
+                   "GPU, so training on the CPU with gloo")
+
 
 def pick_device(device: str = "auto") -> torch.device:
-    """``auto``: this worker's CUDA device when CUDA is present, else the CPU."""
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+    """This worker's device by :func:`choose_device`; the fallback reason logged once, on rank 0."""
+    kind, reason = choose_device(device, local_ranks=local_world_size(), gpus=visible_gpus())
+    if reason and int(os.environ.get("RANK", "0")) == 0:
+        log.warning("trainmesh: --device %s: %s", device, reason)
+    if kind == "cpu":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -25,13 +66,16 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0,
     environment it starts a world of one (a single process needs no launcher). Returns the
     device this worker computes on.
     """
-    dev = pick_device(device)
-    if dist.is_initialized():
-        return dev
     if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
         os.environ["RANK"] = os.environ["SLURM_PROCID"]
         os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        if per_node.isdigit():
+            os.environ.setdefault("LOCAL_WORLD_SIZE", per_node)
+    dev = pick_device(device)
+    if dist.is_initialized():
+        return dev
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

@@ -109,11 +109,15 @@ class Engine:
         return getattr(p, "_tm_tp_sharded", False) or self.mesh.index("tp") == 0
 
     # ---------------------------------------------------------------- one step
-    def train_step(self, batch: Any) -> float:
-        """One optimizer step on this DP rank's ``batch``; returns the global-batch loss."""
+    def train_step(self, batch: Any = None, *, microbatches: list | None = None) -> float:
+        """One optimizer step on this DP rank's ``batch`` (a tensor, a tuple/list of tensors or a
+        dict, split along dim 0 into ``config.microbatches``), or on ``microbatches`` already
+        split by the caller; returns the global-batch loss."""
+        if (batch is None) == (microbatches is None):
+            raise TypeError("train_step takes a batch or microbatches=[...], exactly one of them")
+        if microbatches is None:
+            microbatches = split_microbatches(batch, self.config.microbatches)
         self.comm.ledger.begin_step()
-        microbatches = (split_microbatches(batch, self.config.microbatches)
-                        if isinstance(batch, dict) else batch)
         loss_sum, count = self.executor.run(microbatches, self.hooks)
         holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
         totals = torch.tensor([loss_sum, count] if holds_loss else [0.0, 0.0], dtype=torch.float64)

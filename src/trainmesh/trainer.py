@@ -66,6 +66,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     rank0 = mesh.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(message)s",
                         stream=sys.stdout)
+    base_mem = memory_now(device)   # runtime's own footprint (torch, gloo), before the model
     engine = build_engine(cfg, device, mesh)
     gpt = cfg.gpt_config()
     dataset = make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
@@ -96,7 +97,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     if cfg.timeline_out:   # collective: every rank's measured actions, drawn by rank 0
         from .pipeline_parallel.timeline import write_timeline
         write_timeline(engine.executor, engine.comm, cfg.timeline_out)
-    summary = _summary(cfg, engine, mesh, device, setup_mem, loss)
+    summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem)
     metrics.write(summary)
     if rank0:
         print_summary(summary, first_loss=first_loss)
@@ -133,8 +134,9 @@ def _apply_new_schedule(engine: Engine) -> None:
 
 
 def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch.device,
-             setup_mem: int, final_loss: float) -> dict[str, Any]:
-    mine = {"rank": mesh.rank, "coords": mesh.coords, "setup_mem_bytes": setup_mem,
+             setup_mem: int, final_loss: float, base_mem: int) -> dict[str, Any]:
+    mine = {"rank": mesh.rank, "coords": mesh.coords, "base_mem_bytes": base_mem,
+            "setup_mem_bytes": setup_mem,
             "peak_mem_bytes": memory_peak(device), "model_state_bytes": engine.state_bytes,
             "comm_buffer_peak_bytes": engine.grad_sync.comm_buffer_peak_bytes,
             "comm_bytes_per_step": engine.comm.ledger.bytes_per_step()}

@@ -195,5 +195,5 @@ def _print_prediction(prediction: Any) -> None:
     console.print(table)
     tol = prediction.tolerance
     console.print(f"[dim]tolerances: model states and traffic {tol['model_state_bytes']:.0%}, "
-                  f"peak memory {tol['peak_mem_bytes']:.0%} (CPU: process RSS incl. ~320 MiB "
-                  "runtime)[/dim]", highlight=False)
+                  f"peak memory {tol['peak_mem_bytes']:.0%} (CPU: process RSS on this "
+                  "machine's measured base)[/dim]", highlight=False)

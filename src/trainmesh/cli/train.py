@@ -57,20 +57,6 @@ def collect(args: argparse.Namespace, argv_given: bool) -> dict[str, Any]:
     return values
 
 
-def _cuda_devices(cfg, local_ranks: int) -> int | None:
-    """CUDA devices the run computes on (None: CPU), by CONTRACT.md's --device rule."""
-    import torch
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.device == "cuda":
-        if count == 0:
-            raise ConfigError("--device", "cuda was asked for but no CUDA device is available; "
-                              "valid: auto, cpu")
-        return count
-    if cfg.device == "auto" and count >= local_ranks:
-        return count
-    return None
-
-
 def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     """Refuse, before any worker starts, what this machine or build cannot run.
 
@@ -82,18 +68,16 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     p = cfg.parallel
     if p.offload != "none":
         raise ConfigError("--offload", f"{p.offload} is planned but not yet supported; valid now: none")
-    cuda = _cuda_devices(cfg, local_ranks)
     import torch
 
+    from ..distributed import choose_device, visible_gpus
     from ..precision import Precision
-    Precision(p, torch.device("cuda" if cuda else "cpu"))
-    if cfg.device == "cuda" and local_ranks > cuda:  # CONTRACT.md: one GPU per local rank
-        raise ConfigError("--device", f"cuda: the {local_ranks} local ranks need a GPU each; this "
-                          f"machine has {cuda}; valid: auto (CPU then), cpu, or fewer ranks")
+    device, _ = choose_device(cfg.device, local_ranks=local_ranks, gpus=visible_gpus())
+    Precision(p, torch.device(device))
     if launching and not cfg.force:
         check_processes(local_ranks)
     if not cfg.force:
-        check_memory(cfg, local_ranks=local_ranks, cuda=cuda is not None)
+        check_memory(cfg, local_ranks=local_ranks, cuda=device == "cuda")
     for flag, path in (("--save-dir", cfg.save_dir), ("--offload-dir", p.offload_dir)):
         if path is not None:
             check_output_dir(flag, path)

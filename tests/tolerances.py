@@ -1,0 +1,125 @@
+"""Every numerical tolerance of the suite, each derived from the arithmetic it allows for.
+
+Two kinds of comparison:
+
+* **Training runs** (Engine or ``trainmesh train``, many steps): CONTRACT.md's promise, loss within
+  ``LOSS_ABS`` and grad norm within ``NORM_REL``. Reduction-order noise (~1e-7 relative per step)
+  grows through AdamW's normalisation to ~1e-5 over 20 steps; every planted bug below moves a loss
+  or a norm by more than 1e-2 within a few steps.
+* **One computation against a float64 reference** (layer parity, one step's gradients): the
+  float32 result may carry the rounding of its reductions and nothing more. A float32 sum of n
+  terms of magnitude <= s errs by about sqrt(n) * eps * s (random-walk rounding; n * eps * s worst
+  case, Higham, "Accuracy and Stability of Numerical Algorithms", sec. 4.2). The result itself is
+  no measure of s: a gradient that cancels to ~0 (a key bias, a bias summed over b*s tokens of both
+  signs) still carries the rounding of its large terms. So the scale is the largest magnitude of
+  that kind of quantity in the computation (the largest output, the largest gradient of the
+  model), and ``FP32_SAFETY`` covers the few layers each adding their own rounding. Being
+  independent of the CPU's summation order, this holds on any x86/ARM CPU and any torch >= 2.5.
+
+Planted bugs the suite is known to catch (each was put back by hand and seen failing with an
+assertion, not a timeout):
+
+============================================  ==================================================
+bug                                           caught by
+============================================  ==================================================
+DDP gradients summed instead of averaged      test_ddp: planted scale bug; gradients vs float64
+one TP all-reduce removed (fwd or bwd)        test_tensor_parallel: test_parity_tp2 / tp4
+ZeRO-3 backward prefetches the wrong unit     test_step_semantics: zero3_prefetches_...
+warm-up off by one                            test_step_semantics: warmup_cosine_...;
+                                              test_train_cli: lr_column_...
+lr column read after the scheduler stepped    test_train_cli: lr_column_...
+LR scheduler stepping on skipped fp16 steps   test_step_semantics: fp16_skipped_step_...
+initial DP broadcast of weights skipped       test_step_semantics: dp_replicas_start_...
+fp16 loss-scaler state missing in checkpoint  test_step_semantics: fp16_..._survives_a_checkpoint
+DDP bucket with an unused parameter unreduced test_step_semantics: bucket_with_an_unused_...
+clipping with a rank's local norm             test_step_semantics: clipping_uses_the_global_norm
+fp16 skip decided per rank                    test_precision: overflow_on_one_rank_... (20 s
+                                              collective timeout, reported as an assertion)
+a tensor batch iterated as rows               test_batches: a_tensor_batch_is_one_batch_...
+auto device on fewer GPUs than local ranks    test_device (GPU count monkeypatched)
+============================================  ==================================================
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOSS_ABS = 1e-3
+"""CONTRACT.md: per-step loss of a layout vs one process (absolute). Catches a DP sum instead of a
+mean (the loss drifts by > 1e-2 within 5 AdamW steps), a missing all-reduce, a wrong LR."""
+
+NORM_REL = 1e-3
+"""CONTRACT.md: per-step grad norm vs one process (relative). A sum instead of a mean is x dp;
+a TP-replicated parameter counted twice moves it by > 1e-2."""
+
+FP32_EPS = torch.finfo(torch.float32).eps
+"""2**-23: one float32 rounding, relative."""
+
+FP32_SAFETY = 16.0
+"""Layers each adding their rounding (forward, backward, a loss): a tiny model has <= ~8 such
+stages in a chain; x2 margin. The budget is then 16 * eps * sqrt(n) = 2e-5 .. 8e-5 of the scale
+for n = 100 .. 1500 terms. A removed all-reduce or a wrong factor errs by the tensor's own
+magnitude, >= 1e-3 of the scale for every gradient here that is not zero by symmetry: >= 12x
+above the budget. Headroom for other CPUs: the TP parity checks also pass with a safety of 1."""
+
+
+def fp32_atol(scale: float, terms: int) -> float:
+    """Absolute rounding budget of a float32 result built from sums of ``terms`` values of
+    magnitude <= ``scale``."""
+    return FP32_SAFETY * FP32_EPS * math.sqrt(max(terms, 1)) * float(scale)
+
+
+def scale_of(tensors) -> float:
+    """The largest magnitude among ``tensors`` (float64): the scale of their summands."""
+    return max(float(t.detach().abs().max()) for t in tensors if t is not None and t.numel())
+
+
+def assert_fp32_close(got: torch.Tensor, want: torch.Tensor, *, scale: float, terms: int,
+                      what: str = "") -> None:
+    """``got`` (float32, any summation order) equals ``want`` (a float64 reference) up to the
+    rounding of sums of ``terms`` values of magnitude <= ``scale``."""
+    atol = fp32_atol(scale, terms)
+    err = float((got.detach().double() - want.detach().double()).abs().max()) if got.numel() else 0.0
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    assert err <= atol, f"{what}: max error {err:.3e} > {atol:.3e} (scale {scale:.3e}, {terms} terms)"
+
+
+LOSS_ONE_STEP_REL = 64 * FP32_EPS
+"""A loss over one batch (no training yet) computed in another order/partition: a mean of
+cross-entropies is a sum over the tokens of values of the loss's own magnitude; for the <= 1024
+tokens here sqrt(n) * eps * 16 <= 512 eps covers it; in practice 64 eps with a loss of ~4 is
+3e-5, and a wrong microbatch weighting or a missing stage moves it by > 1e-2."""
+
+
+def loss_one_step_atol(loss: float, tokens: int) -> float:
+    """Budget of one step's mean loss over ``tokens`` tokens, of magnitude ``loss``."""
+    return fp32_atol(abs(loss), tokens)
+
+
+SAME_KERNELS_ABS = 1e-6
+"""Two runs that execute the same kernels on the same inputs in the same order (recomputation
+replays the forward; a pipeline of one model vs an nn.Sequential of it) are bit-identical on any
+CPU; 1e-6 only admits a library choosing another kernel for a recomputed shape. A recompute bug
+(a stale input, a skipped layer) moves the loss by > 1e-3 in one step."""
+
+SHORT_RUN_REL = 1e-5
+"""A few (<= 3) SGD steps of a small model under another microbatch split, relative to the loss
+(or norm): ~1e-7 of rounding per reduction, amplified at most ~10x per step by the update. A lost
+or doubled microbatch moves the loss by > 10%."""
+
+TRAINED_WEIGHTS_LOSS_ABS = 1e-4
+"""The loss of weights trained 10 AdamW steps under another layout, evaluated once against the
+reference run's loss on the same batch: AdamW turns reduction-order noise into ~1e-5 of weight
+drift; a misplaced or stale shard moves the loss by > 1e-2."""
+
+TRAINED_WEIGHTS_ABS = 2e-3
+"""Consolidated weights of a sharded run vs the one-process run's weights after 20 AdamW steps:
+AdamW moves each weight by ~lr per step whatever the gradient's size, so reduction-order noise
+that flips a small gradient's sign costs up to ~lr (1e-2) x a few steps on a few elements; kept
+to 2e-3 as observed well below it. A misplaced shard is off by the init scale (0.02-1)."""
+
+MIXED_PRECISION_LOSS_ABS = 0.05
+"""bf16/fp16 loss curves vs fp32 over 30 steps (loss 4.2 -> 2.2): bf16 rounds to 2^-8 relative
+per op (~4e-3), fp16 to 2^-11; observed gaps <= 0.01. A lost loss scale or an unscaled
+gradient diverges by > 0.5."""
