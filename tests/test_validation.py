@@ -196,7 +196,9 @@ def test_memory_counts_every_local_rank(capsys, machine, monkeypatch):
     from trainmesh.train_config import build_train_config
     args = [*T, "--dp", "16", "--global-batch", "16"]
     cfg = build_train_config(given(args))
-    need = sum(r.peak_mem_bytes for r in predict_run(cfg, base_bytes=fit.BASE_RSS_BYTES).ranks)
+    base = 300 * 2**20   # the worker's footprint before the model, pinned for the check
+    monkeypatch.setattr(fit, "measured_base_bytes", lambda: base)
+    need = sum(r.peak_mem_bytes for r in predict_run(cfg, base_bytes=base).ranks)
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: need - 1)
     refused(capsys, ["train", *args], "memory")
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: need)
@@ -212,7 +214,7 @@ def test_cuda_needs_a_gpu_per_local_rank(capsys, machine, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     line = refused(capsys, ["train", *T, "--device", "cuda", "--dp", "2"], "--device")
-    assert "2 local ranks" in line and "has 1" in line
+    assert "2 local ranks" in line and "1 GPU" in line
 
 
 # ---------------------------------------------------------------- E. consolidate output paths

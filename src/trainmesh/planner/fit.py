@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .predict import predict_run
+from .predict import measured_base_bytes, predict_run
 from .units import fmt_bytes
 
 PROCS_PER_CORE = 8
@@ -65,7 +65,7 @@ def check_processes(nproc: int) -> None:
 
 def check_memory(cfg: Any, *, local_ranks: int, cuda: bool) -> None:
     """Refuse a run whose predicted memory exceeds what this machine has (ConfigError)."""
-    ranks = predict_run(cfg, base_bytes=0 if cuda else None).ranks  # None: measured here
+    ranks = predict_run(cfg, base_bytes=0 if cuda else measured_base_bytes()).ranks
     if cuda:
         need, have = max(r.peak_mem_bytes for r in ranks), gpu_memory_bytes(local_ranks)
         if need > have:
