@@ -15,6 +15,9 @@ SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full", "selective")
 OFFLOAD = ("none", "cpu", "nvme")
+STRATEGIES = ("mesh", "ps")
+PS_MODES = ("sync", "async")
+ALLREDUCE = ("native", "ring", "tree", "naive")
 
 
 def _positive(field: str, value: int) -> None:
@@ -67,6 +70,17 @@ class ParallelConfig:
     """Every collective's timeout in seconds."""
     find_unused_parameters: bool = False
     """Reduce gradients of parameters that received none instead of raising an error."""
+    # -- parameter server and all-reduce algorithms
+    strategy: str = "mesh"
+    """mesh (dp x pp x tp) or ps: an RPC parameter server with dp trainers and ps_servers servers."""
+    ps_servers: int = 1
+    """Parameter-server processes (strategy ps); parameters are sharded across them by bytes."""
+    ps_mode: str = "sync"
+    """sync (every server averages all trainers' gradients of a step) or async (Hogwild-style)."""
+    ps_staleness: int | None = None
+    """async: most steps a trainer may run ahead of the slowest; None = unbounded, 0 = sync."""
+    allreduce: str = "native"
+    """DDP's bucket reduction: native (the backend's), ring, tree or naive (comm/algorithms.py)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "microbatches", "virtual_stages", "recompute_segment"):
@@ -91,10 +105,30 @@ class ParallelConfig:
                               "use --zero 1 or 2 with pipelines")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError("virtual-stages", "> 1 needs --schedule interleaved")
+        self._check_ps()
+
+    def _check_ps(self) -> None:
+        """The parameter-server and all-reduce-algorithm fields."""
+        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("allreduce", self.allreduce, ALLREDUCE)
+        _choice("ps-mode", self.ps_mode, PS_MODES)
+        _positive("ps-servers", self.ps_servers)
+        if self.ps_staleness is not None and (isinstance(self.ps_staleness, bool)
+                                              or not isinstance(self.ps_staleness, int) or self.ps_staleness < 0):
+            raise ConfigError("ps-staleness", f"must be an integer >= 0; got {self.ps_staleness!r}")
+        if self.allreduce != "native" and (self.zero > 0 or self.strategy == "ps"):
+            raise ConfigError("allreduce", f"{self.allreduce} reduces DDP's buckets; needs --zero 0 and "
+                              "--strategy mesh (valid otherwise: native)")
+        if self.strategy == "ps":
+            for name, value in (("tp", self.tp - 1), ("pp", self.pp - 1), ("zero", self.zero)):
+                if value > 0:
+                    raise ConfigError(name, "must stay at its default with --strategy ps "
+                                      "(the parameter server holds whole parameters; --dp sets trainers)")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        """Processes of the job: dp*pp*tp, or dp trainers + ps_servers servers with strategy ps."""
+        return self.dp * self.pp * self.tp + (self.ps_servers if self.strategy == "ps" else 0)
 
     def layout(self) -> dict[str, Any]:
         """The layout record of the metrics summary (CONTRACT.md)."""

@@ -48,6 +48,12 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "--timeline-out": (str, "SVG/PNG of the measured per-rank timeline (pipeline runs)"),
     "--device": (str, "auto, cpu or cuda"),
     "--timeout": (float, "collective timeout in seconds"),
+    # parameter server and all-reduce algorithms
+    "--strategy": (str, "mesh (dp x pp x tp) or ps (RPC parameter server, --dp trainers)"),
+    "--ps-servers": (int, "parameter-server processes (strategy ps)"),
+    "--ps-mode": (str, "sync or async (strategy ps)"),
+    "--ps-staleness": (int, "async: most steps a trainer runs ahead of the slowest"),
+    "--allreduce": (str, "DDP's bucket reduction: native, ring, tree, naive"),
 }
 BOOL_FLAGS = {"--sequence-parallel": "Megatron sequence parallelism inside TP groups",
               "--resume": "continue from the newest checkpoint in --save-dir"}

@@ -29,7 +29,7 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     common = dict(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
                   reduce_dtype=reduce_dtype)
     if cfg.zero == 0:
-        return DDP(named_params, comm, **common)
+        return DDP(named_params, comm, allreduce=cfg.allreduce, **common)
     if cfg.zero in (1, 2):
         return Zero12(named_params, comm, stage=cfg.zero, **common)
     if cfg.zero == 3:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Handle
+from ..comm.algorithms import all_reduce
 from .base import CountsFn, GradSync, OptimizerFactory, group_parameters
 
 
@@ -38,8 +39,9 @@ class DDP(GradSync):
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
                  bucket_mb: float = 25.0, find_unused_parameters: bool = False,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, allreduce: str = "native") -> None:
         super().__init__(named_params, comm)
+        self.allreduce = allreduce   # comm/algorithms.py; the hand-built ones run synchronously
         self.find_unused = find_unused_parameters
         self.reduce_dtype = reduce_dtype   # mixed precision: reduce buckets in this dtype
         params = [p for _, p in named_params]
@@ -99,7 +101,7 @@ class DDP(GradSync):
                 live = sum(x.staging.numel() * x.staging.element_size() for x in self.buckets
                            if x.staging is not None)
                 self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, live)
-            b.handle = self.comm.all_reduce(grads, "dp", async_op=True)
+            b.handle = all_reduce(self.comm, grads, "dp", algorithm=self.allreduce, async_op=True)
             self._next += 1
 
     def finish(self, scale: float) -> None:
