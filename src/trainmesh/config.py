@@ -119,11 +119,17 @@ class ParallelConfig:
         if self.allreduce != "native" and (self.zero > 0 or self.strategy == "ps"):
             raise ConfigError("allreduce", f"{self.allreduce} reduces DDP's buckets; needs --zero 0 and "
                               "--strategy mesh (valid otherwise: native)")
+        if self.strategy != "ps" and (self.ps_servers != 1 or self.ps_mode != "sync"):
+            raise ConfigError("ps-servers" if self.ps_servers != 1 else "ps-mode", "needs --strategy ps")
+        if self.ps_staleness is not None and (self.strategy != "ps" or self.ps_mode != "async"):
+            raise ConfigError("ps-staleness", "bounds async training; needs --strategy ps --ps-mode async")
         if self.strategy == "ps":
-            for name, value in (("tp", self.tp - 1), ("pp", self.pp - 1), ("zero", self.zero)):
-                if value > 0:
+            for name, changed in (("tp", self.tp > 1), ("pp", self.pp > 1), ("zero", self.zero > 0),
+                                  ("precision", self.precision != "fp32"),
+                                  ("recompute", self.recompute != "none")):
+                if changed:
                     raise ConfigError(name, "must stay at its default with --strategy ps "
-                                      "(the parameter server holds whole parameters; --dp sets trainers)")
+                                      "(fp32 replicas of whole parameters; --dp sets the trainers)")
 
     @property
     def world_size(self) -> int:

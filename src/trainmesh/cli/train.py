@@ -110,6 +110,8 @@ def preflight(cfg) -> None:
         if not _has_module("checkpoint"):
             raise ConfigError("save-dir" if cfg.save_dir else "resume",
                               "checkpointing is not yet supported in this build")
+    if p.strategy == "ps" and (cfg.save_dir or cfg.timeline_out):   # parameter server: no checkpoints yet
+        raise ConfigError("save-dir" if cfg.save_dir else "timeline-out", "is not supported with --strategy ps")
     if cfg.resume and not cfg.save_dir:
         raise ConfigError("resume", "needs --save-dir")
     if cfg.timeline_out and p.pp == 1:
