@@ -44,6 +44,17 @@ def test_sync_is_data_parallel(optimizer, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_async_with_one_trainer_is_the_single_process(tmp_path):
+    """No other trainer, no staleness: async's clipping, scaling and LR schedule are the engine's."""
+    proc, ref = run_train(SMALL, tmp_path, name="ref")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, run = run_train([*SMALL, "--strategy", "ps", "--dp", "1", "--ps-servers", "2",
+                           "--ps-mode", "async"], tmp_path, name="async1", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_equivalent(ref, run)
+
+
+@pytest.mark.timeout(300)
 def test_async_learns_within_staleness(tmp_path):
     """The default model, 2 trainers, 2 servers, at most 1 step ahead of the slowest."""
     proc, run = run_train(["--strategy", "ps", "--dp", "2", "--ps-servers", "2", "--ps-mode", "async",
