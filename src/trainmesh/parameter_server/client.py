@@ -58,7 +58,7 @@ class PSClient:
         return out
 
     def _flat_grads(self, s: int, scale: float = 1.0) -> torch.Tensor:
-        flat = torch.cat([p.grad.reshape(-1) for p in self.shards[s]]).float()   # (Ψ_s,)
+        flat = torch.cat([p.grad.reshape(-1) for p in self.shards[s]]).float().cpu()   # (Ψ_s,) on CPU
         return flat.mul_(scale) if scale != 1.0 else flat
 
     @torch.no_grad()
@@ -66,14 +66,14 @@ class PSClient:
         self._book("pull", flat)
         offset = 0
         for p in self.shards[s]:
-            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            p.copy_(flat[offset: offset + p.numel()].view_as(p))   # to the trainer's device
             offset += p.numel()
 
     # ---------------------------------------------------------------- protocol
     def load_servers(self) -> None:
         """Trainer 0: hand each server its shard's initial values (set-up traffic)."""
         futures = [rpc.rpc_async(r.owner(), ParameterServer.load,
-                                 args=(r, [(n, p.detach()) for n, p in zip(names, shard)]))
+                                 args=(r, [(n, p.detach().cpu()) for n, p in zip(names, shard)]))
                    for r, names, shard in zip(self.rrefs, self.names, self.shards)]
         self._wait(futures)
 
