@@ -68,6 +68,10 @@ def test_algorithms_match_native_and_theory(n):
         if numel > 100:   # chunks of ring differ by one element: within 2% only for real sizes
             theory = theory_sent_bytes(algorithm, size, n)
             assert max(r["sent"]) == pytest.approx(theory, rel=0.02), f"{where}: {r['sent']} vs {theory}"
+            if algorithm == "ring":   # every rank alike
+                assert min(r["sent"]) == pytest.approx(theory, rel=0.02), f"{where}: {r['sent']}"
+            if algorithm == "naive":  # everyone but the root sends its tensor once
+                assert r["sent"][1:] == [size] * (n - 1), f"{where}: {r['sent']}"
 
 
 def test_theory_of_tree_and_naive():
