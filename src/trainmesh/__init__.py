@@ -13,7 +13,8 @@ from .distributed import init_distributed, shutdown
 from .engine import Engine
 from .errors import CommTimeout, ConfigError
 from .mesh import ParallelMesh
+from .parameter_server import PSEngine
 
 __version__ = "0.1.0"
 __all__ = ["Comm", "CommTimeout", "ConfigError", "Engine", "Ledger", "ParallelConfig",
-           "ParallelMesh", "init_distributed", "shutdown"]
+           "PSEngine", "ParallelMesh", "init_distributed", "shutdown"]

@@ -23,6 +23,9 @@ OFFLOAD = ("none", "cpu", "nvme")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest collective timeout accepted: a week (torch's timedelta-based timeouts overflow far
 beyond; no collective legitimately waits longer)."""
+STRATEGIES = ("mesh", "ps")
+PS_MODES = ("sync", "async")
+ALLREDUCE = ("native", "ring", "tree", "naive")
 
 
 @dataclass
@@ -55,6 +58,17 @@ class ParallelConfig:
                                gt=0, le=MAX_TIMEOUT_S)
     find_unused_parameters: bool = setting(False)
     """Reduce gradients of parameters that received none instead of raising an error (API only)."""
+    # -- parameter server and all-reduce algorithms
+    strategy: str = setting("mesh", "mesh (dp x pp x tp) or ps (RPC parameter server: --dp trainers, "
+                                    "--ps-servers servers)", choices=STRATEGIES)
+    ps_servers: int = setting(1, "parameter-server processes (strategy ps); parameters are sharded "
+                                 "across them by bytes", ge=1)
+    ps_mode: str = setting("sync", "sync (servers average every trainer's gradients of a step) or "
+                                   "async (Hogwild-style; strategy ps)", choices=PS_MODES)
+    ps_staleness: int | None = setting(None, "async: most steps a trainer may run ahead of the "
+                                             "slowest (0 = sync; default unbounded)", ge=0)
+    allreduce: str = setting("native", "DDP's bucket reduction: native (the backend's), ring, tree "
+                                       "or naive", choices=ALLREDUCE)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -75,10 +89,30 @@ class ParallelConfig:
                               "use --zero 1 or 2 with pipelines")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError("--virtual-stages", "> 1 needs --schedule interleaved")
+        self._check_ps()
+
+    def _check_ps(self) -> None:
+        """The parameter-server and all-reduce-algorithm rules between fields."""
+        if self.allreduce != "native" and (self.zero > 0 or self.strategy == "ps"):
+            raise ConfigError("--allreduce", f"{self.allreduce} reduces DDP's buckets; needs --zero 0 "
+                              "and --strategy mesh (valid otherwise: native)")
+        if self.strategy != "ps" and (self.ps_servers != 1 or self.ps_mode != "sync"):
+            raise ConfigError("--ps-servers" if self.ps_servers != 1 else "--ps-mode",
+                              "needs --strategy ps")
+        if self.ps_staleness is not None and (self.strategy != "ps" or self.ps_mode != "async"):
+            raise ConfigError("--ps-staleness", "bounds async training; needs --strategy ps --ps-mode async")
+        if self.strategy == "ps":
+            for name, changed in (("tp", self.tp > 1), ("pp", self.pp > 1), ("zero", self.zero > 0),
+                                  ("precision", self.precision != "fp32"),
+                                  ("recompute", self.recompute != "none")):
+                if changed:
+                    raise ConfigError(f"--{name}", "must stay at its default with --strategy ps "
+                                      "(fp32 replicas of whole parameters; --dp sets the trainers)")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        """Processes of the job: dp*pp*tp, or dp trainers + ps_servers servers with strategy ps."""
+        return self.dp * self.pp * self.tp + (self.ps_servers if self.strategy == "ps" else 0)
 
     def layout(self) -> dict[str, Any]:
         """The layout record of the metrics summary (CONTRACT.md)."""

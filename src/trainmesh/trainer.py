@@ -52,7 +52,11 @@ def worker_main(cfg: TrainConfig) -> int:
     torch.set_num_threads(threads)
     device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device)
     try:
-        code = _train(cfg, device)
+        if cfg.parallel.strategy == "ps":   # a parameter-server job: trainers and servers
+            from .ps_trainer import train_ps
+            code = train_ps(cfg, device)
+        else:
+            code = _train(cfg, device)
     except BaseException:
         shutdown(barrier=False)  # peers learn of the failure from the launcher, not a barrier
         raise

@@ -84,6 +84,9 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     for flag, path in (("--metrics-out", cfg.metrics_out), ("--timeline-out", cfg.timeline_out)):
         if path is not None:
             check_output_file(flag, path)
+    if p.strategy == "ps" and (cfg.save_dir or cfg.timeline_out):   # parameter server: no checkpoints yet
+        raise ConfigError("--save-dir" if cfg.save_dir else "--timeline-out",
+                          "is not supported with --strategy ps")
     if cfg.resume:
         from ..resume import check_resume
         check_resume(cfg)  # errors only; the worker that resumes prints the notice

@@ -26,7 +26,7 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     options = SyncOptions(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
                           reduce_dtype=getattr(precision, "reduce_dtype", None))
     if cfg.zero == 0:
-        return DDP(named_params, comm, options)
+        return DDP(named_params, comm, options, allreduce=cfg.allreduce)
     if cfg.zero == 1:
         return Zero1(named_params, comm, options)
     if cfg.zero == 2:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Handle
+from ..comm.algorithms import all_reduce
 from .base import BucketOrder, CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 
 
@@ -37,8 +38,9 @@ class DDP(GradSync):
     """Plain data parallel with bucketed, overlapped gradient all-reduce."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
-                 options: SyncOptions | None = None) -> None:
+                 options: SyncOptions | None = None, *, allreduce: str = "native") -> None:
         super().__init__(named_params, comm, options)
+        self.allreduce = allreduce   # comm/algorithms.py; the hand-built ones run synchronously
         params = [p for _, p in named_params]
         dtype = params[0].dtype if params else torch.float32
         device = params[0].device if params else torch.device("cpu")
@@ -88,7 +90,7 @@ class DDP(GradSync):
             live = sum(x.staging.numel() * x.staging.element_size() for x in self.buckets
                        if x.staging is not None)
             self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, live)
-        b.handle = self.comm.all_reduce(grads, "dp", async_op=True)
+        b.handle = all_reduce(self.comm, grads, "dp", algorithm=self.allreduce, async_op=True)
 
     def finish(self, scale: float) -> None:
         if self._sync:
