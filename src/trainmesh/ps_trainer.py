@@ -12,6 +12,7 @@ import torch.distributed as dist
 from .data import dp_slice, make_dataset
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
+from .optimizers import no_decay, optimizer_factory
 from .parameter_server import PSEngine
 from .progress import Progress, print_summary
 from .schedule_lr import warmup_cosine
@@ -22,7 +23,6 @@ log = logging.getLogger("trainmesh")
 
 def train_ps(cfg: TrainConfig, device: torch.device) -> int:
     """Ranks 0..dp-1 train, the rest serve; rank 0 writes the metrics."""
-    from .trainer import no_decay, optimizer_factory
     p = cfg.parallel
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",

@@ -16,25 +16,13 @@ from .engine import Engine
 from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
+from .optimizers import no_decay, optimizer_factory
 from .progress import Progress, print_summary
 from .resume import check_resume, run_record, schedule_changed
 from .schedule_lr import warmup_cosine
 from .train_config import TrainConfig
 
 log = logging.getLogger("trainmesh")
-
-
-def no_decay(name: str) -> dict[str, float]:
-    """Parameter groups: no weight decay on biases, norms and embeddings."""
-    skip = name.endswith("bias") or ".ln" in name or "embed." in name
-    return {"weight_decay": 0.0 if skip else 0.1}
-
-
-def optimizer_factory(cfg: TrainConfig):
-    lr = cfg.peak_lr
-    if cfg.optimizer == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=lr)
-    return lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))
 
 
 def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> Engine:
