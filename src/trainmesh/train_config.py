@@ -55,12 +55,16 @@ class TrainConfig:
     max_restarts: int = 0
     timeline_out: str | None = None
     device: str = "auto"
+    on_nonfinite: str = "stop"
+    """A non-finite loss or gradient norm: stop (exit 1) or skip the step (stop after a bound)."""
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
             raise ConfigError("model", f"must be one of {', '.join(PRESETS)}; got {self.model!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError("on-nonfinite", f"must be one of stop, skip; got {self.on_nonfinite!r}")
         if self.device not in DEVICES:
             raise ConfigError("device", f"must be one of {', '.join(DEVICES)}; got {self.device!r}")
         for name in ("global_batch", "steps"):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 from ..errors import ConfigError
@@ -48,6 +47,7 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "--timeline-out": (str, "SVG/PNG of the measured per-rank timeline (pipeline runs)"),
     "--device": (str, "auto, cpu or cuda"),
     "--timeout": (float, "collective timeout in seconds"),
+    "--on-nonfinite": (str, "stop (exit 1) or skip (bounded) on a non-finite loss or gradient norm"),
 }
 BOOL_FLAGS = {"--sequence-parallel": "Megatron sequence parallelism inside TP groups",
               "--resume": "continue from the newest checkpoint in --save-dir"}
@@ -121,7 +121,6 @@ def _has_module(name: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from ..train_config import build_train_config
-    argv = list(getattr(args, "argv", sys.argv[1:]))[1:]  # the flags after "train"
     given = any(getattr(args, f[2:].replace("-", "_")) is not None for f in [*FLAGS, *BOOL_FLAGS]) \
         or args.config is not None
     cfg = build_train_config(collect(args, given))
@@ -130,4 +129,4 @@ def run(args: argparse.Namespace) -> int:
         from ..trainer import worker_main
         return worker_main(cfg)
     from ..launch import launch_local
-    return launch_local(argv, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts)
+    return launch_local(cfg, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts)
