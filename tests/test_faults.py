@@ -40,11 +40,20 @@ def workers(launcher: int) -> list[int]:
     for task in Path(f"/proc/{launcher}/task").iterdir():
         for child in (task / "children").read_text().split():
             try:
-                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
                     pids.append(int(child))
             except OSError:
                 pass
     return sorted(pids)
+
+
+def kill_all(proc: subprocess.Popen, pids: list[int]) -> None:
+    """Clean-up after a failed check: the launcher's group and its workers, stopped or not."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:
@@ -65,6 +74,15 @@ def wait_for_steps(proc: subprocess.Popen, metrics: Path, n: int, deadline_s: fl
             return pids
         time.sleep(0.2)
     raise AssertionError(f"no {n} steps within {deadline_s}s")
+
+
+def finish(proc: subprocess.Popen, within_s: float) -> str:
+    """Wait for the run to end; its stderr. Not ending in time is a failed assertion."""
+    try:
+        return proc.communicate(timeout=within_s)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the run did not end within {within_s}s") from None
 
 
 def headline(err: str) -> str:
@@ -95,15 +113,15 @@ def in_threads(*jobs) -> None:
 def _stall(victim: int, tmp: Path) -> None:
     """SIGSTOP rank ``victim`` with --timeout 10: exit 1 within 40 s naming it, no worker left."""
     proc = start(["--steps", "100000", "--timeout", "10"], tmp / f"stall{victim}.jsonl")
+    pids: list[int] = []
     try:
         pids = wait_for_steps(proc, tmp / f"stall{victim}.jsonl", 2)
         os.kill(pids[victim], signal.SIGSTOP)
         stopped = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        err = finish(proc, 60)
         took = time.monotonic() - stopped
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(proc, pids)
     assert proc.returncode == 1, err[-3000:]
     assert took < 40, f"rank {victim} stalled: the job took {took:.0f}s to end"
     line = headline(err)
@@ -122,7 +140,9 @@ def _launcher_killed(tmp: Path) -> None:
     pids = wait_for_steps(proc, tmp / "kill.jsonl", 2)
     proc.kill()
     proc.wait(timeout=30)
-    time.sleep(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.2)
     left = [pid for pid in pids if alive(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
@@ -132,16 +152,16 @@ def _launcher_killed(tmp: Path) -> None:
 def _signalled(sig: signal.Signals, tmp: Path) -> None:
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM."""
     proc = start(["--steps", "100000"], tmp / f"{sig.name}.jsonl")
+    pids: list[int] = []
     try:
         pids = wait_for_steps(proc, tmp / f"{sig.name}.jsonl", 2)
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
+        err = finish(proc, 60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(proc, pids)
     assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     assert headline(err) == f"trainmesh train: stopped by {sig.name}; workers stopped"
@@ -164,7 +184,7 @@ def _diverge_and_stop(tmp: Path) -> None:
     from trainmesh.checkpoint import _Reader, latest
     ck = tmp / "ck"
     proc = start(["--steps", "40", "--lr", "1e6", "--save-dir", str(ck), "--save-every", "1"], tmp / "nan.jsonl")
-    _, err = proc.communicate(timeout=120)
+    err = finish(proc, 120)
     assert proc.returncode == 1, err[-3000:]
     line = headline(err)
     match = re.search(r"step (\d+): non-finite (loss|grad_norm) (nan|inf|-inf)", line)
@@ -182,11 +202,11 @@ def _diverge_and_stop(tmp: Path) -> None:
 
 def _fp16_skip_is_bounded(tmp: Path) -> None:
     """fp16 --on-nonfinite skip: skipped steps, then a stop after the bound, exit 1."""
-    from trainmesh.trainer import MAX_NONFINITE_SKIPS
     proc = start(["--steps", "200", "--lr", "1e4", "--precision", "fp16", "--on-nonfinite", "skip"],
                  tmp / "fp16.jsonl")
-    _, err = proc.communicate(timeout=120)
+    err = finish(proc, 120)
     assert proc.returncode == 1, err[-3000:]
+    from trainmesh.trainer import MAX_NONFINITE_SKIPS
     line = headline(err)
     assert re.search(rf"step \d+: non-finite .*--on-nonfinite skip, {MAX_NONFINITE_SKIPS} in a row", line), line
     steps = [r for r in _records(tmp / "fp16.jsonl") if r["event"] == "step"]
@@ -221,14 +241,18 @@ def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path):
     (ck / ".step-00000003.tmp" / "rank00000.safetensors").write_text("partial")
     first = start(["--steps", "40", "--save-dir", str(ck), "--save-every", "10"], tmp_path / "a.jsonl")
     try:
-        wait_for_steps(first, tmp_path / "a.jsonl", 1)
-        assert not (ck / ".step-00000003.tmp").exists(), "stale temporary checkpoint left in place"
+        pids = wait_for_steps(first, tmp_path / "a.jsonl", 1)
+        stale_left = (ck / ".step-00000003.tmp").exists()
+        for pid in pids:              # hold the first run mid-way, however fast this machine is
+            os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
         second = subprocess.run([sys.executable, "-m", "trainmesh", "train", *T, "--steps", "40",
                                  "--save-dir", str(ck)], capture_output=True, text=True, env=ENV,
                                 timeout=60)
         took = time.monotonic() - t0
-        _, err = first.communicate(timeout=120)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        err = finish(first, 120)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
@@ -238,5 +262,6 @@ def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path):
         f"trainmesh train: error: save-dir: {str(ck)!r} is in use by another run (pid {first.pid}); "
         "wait for it to end or choose another directory"], second.stderr
     assert first.returncode == 0, err[-3000:]
+    assert not stale_left, "an interrupted save's temporary directory was left in place"
     assert sorted(p.name for p in ck.glob("step-*")) == [f"step-{s:08d}" for s in (10, 20, 30, 40)]
     assert [r["step"] for r in _records(tmp_path / "a.jsonl") if r["event"] == "step"] == list(range(1, 41))

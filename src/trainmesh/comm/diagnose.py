@@ -6,8 +6,8 @@ where: e.g. ``rank 2 diverged at op #3: it ran broadcast@dp(6,) while ranks 0, 1
 all_reduce@dp(6,)``. A rank that never reports (dead, stopped, or stuck outside the comm layer)
 is named as silent: it is the suspect when the others merely timed out waiting.
 
-The exchange is bounded whatever the peers do: every store call carries a short timeout and
-the whole exchange at most ``wait_s``. Local runs use a store hosted by the launcher
+The exchange is bounded whatever the peers do: every store call carries a short timeout, and
+the exchange runs in a thread that is abandoned after ``wait_s`` plus a little. Local runs use a store hosted by the launcher
 (``TRAINMESH_DIAG_STORE=host:port``), so a stalled worker cannot block it; under torchrun it is
 the default group's store (torchrun's agent hosts it unless sharing is disabled).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import Counter
 from datetime import timedelta
@@ -59,13 +60,25 @@ def exchange(rank: int, world: int, history: History, wait_s: float) -> dict[int
     """Publish this rank's history; collect the others' for up to ``wait_s`` seconds.
 
     Returns the histories found ({rank: history}); ranks missing from it never reported (or the
-    store stopped answering)."""
+    store stopped answering). The store is used from a daemon thread that is abandoned when it
+    overruns: a TCPStore client does not always honour its timeout against a host that accepts
+    connections but never answers (a stopped process)."""
     found = {rank: history}
-    store = _store() if world > 1 else None
-    if store is None:
+    if world == 1:
         return found
+    worker = threading.Thread(target=_collect, args=(found, rank, world, history, wait_s),
+                              daemon=True, name="trainmesh-diagnosis")
+    worker.start()
+    worker.join(wait_s + 2 * CALL_TIMEOUT_S)
+    return dict(found)
+
+
+def _collect(found: dict[int, History], rank: int, world: int, history: History, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     try:
+        store = _store()
+        if store is None:
+            return
         store.set(_key(rank), json.dumps(history))
         while len(found) < world and time.monotonic() < deadline:
             for r in range(world):
@@ -74,7 +87,6 @@ def exchange(rank: int, world: int, history: History, wait_s: float) -> dict[int
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store timed out or went away: report what we have
         pass
-    return found
 
 
 def silent_ranks(histories: dict[int, History], world: int) -> list[int]:
