@@ -59,13 +59,14 @@ def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        store = _diagnosis_store()   # serves while referenced
-        os.environ[STORE_ENV] = f"127.0.0.1:{store.port}"
+        diag_store = _diagnosis_store()   # serves while referenced
+        os.environ[STORE_ENV] = f"127.0.0.1:{diag_store.port}"
+        grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}   # where torch has it; else 30 s on signals
+                 if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc,
             rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", run_id=f"trainmesh-{uuid.uuid4().hex[:8]}",
-            max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
-            shutdown_timeout=SHUTDOWN_GRACE_S)
+            max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn", **grace)
         try:
             elastic_launch(config, worker_entry)(cfg, os.getpid())
         except ChildFailedError as exc:
