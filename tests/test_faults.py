@@ -265,3 +265,15 @@ def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path):
     assert not stale_left, "an interrupted save's temporary directory was left in place"
     assert sorted(p.name for p in ck.glob("step-*")) == [f"step-{s:08d}" for s in (10, 20, 30, 40)]
     assert [r["step"] for r in _records(tmp_path / "a.jsonl") if r["event"] == "step"] == list(range(1, 41))
+
+
+def test_save_dir_lock_is_exclusive_and_released(tmp_path):
+    from trainmesh.errors import ConfigError
+    from trainmesh.savedir import SaveDirLock
+    ck = tmp_path / "ck"
+    with SaveDirLock(ck):
+        assert (ck / ".lock").read_text().strip() == str(os.getpid())
+        with pytest.raises(ConfigError, match=rf"save-dir: .*ck' is in use by another run \(pid {os.getpid()}\)"):
+            SaveDirLock(ck).__enter__()
+    with SaveDirLock(ck):      # released on exit: the next run takes it
+        pass
