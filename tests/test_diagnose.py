@@ -37,3 +37,41 @@ def test_verdict_names_minority_and_silent_ranks():
     text = verdict({0: a, 1: a, 2: b}, 4)
     assert "ranks 3 sent no history" in text
     assert "rank 2 diverged at op #2: rank 2 ran broadcast@dp(6,) while ranks 0, 1 ran all_reduce@dp(6,)" in text
+
+
+def test_exchange_is_bounded_when_the_store_stops_answering(monkeypatch):
+    """A store whose host is stalled (it accepts connections, never answers): the exchange
+    gives up within its bounds and reports only this rank, so the peers are the suspects."""
+    import socket
+    import threading
+    import time
+
+    from trainmesh.comm.diagnose import CALL_TIMEOUT_S, STORE_ENV, exchange, silent_ranks
+    mine = [(1, "all_reduce", "dp", (6,))]
+    with socket.socket() as stalled:
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen()
+        monkeypatch.setenv(STORE_ENV, f"127.0.0.1:{stalled.getsockname()[1]}")
+        result: dict = {}
+        t0 = time.monotonic()
+        worker = threading.Thread(target=lambda: result.update(exchange(1, 3, mine, wait_s=2.0)), daemon=True)
+        worker.start()
+        worker.join(timeout=2.0 + 3 * CALL_TIMEOUT_S + 5)
+        took = time.monotonic() - t0
+    assert not worker.is_alive(), f"the exchange still waits after {took:.0f}s"
+    assert result == {1: mine}
+    assert silent_ranks(result, 3) == [0, 2]
+
+
+def test_exchange_through_the_launchers_store(monkeypatch):
+    """Ranks publish and collect through a store hosted outside the workers."""
+    from datetime import timedelta
+
+    from trainmesh.comm.diagnose import STORE_ENV, exchange
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    monkeypatch.setenv(STORE_ENV, f"127.0.0.1:{store.port}")
+    a = [(1, "all_reduce", "dp", (6,))]
+    b = [(1, "broadcast", "dp", (6,))]
+    assert exchange(0, 2, a, wait_s=0.2) == {0: a}          # rank 1 has not reported yet
+    assert exchange(1, 2, b, wait_s=5.0) == {0: a, 1: b}

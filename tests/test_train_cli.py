@@ -131,9 +131,11 @@ def test_toml_config_and_flags_win(tmp_path):
 
 
 def _children(pid: int) -> list[int]:
+    """The launcher's workers (not multiprocessing's resource tracker)."""
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
+        out += [int(c) for c in (task / "children").read_text().split()
+                if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
     return out
 
 

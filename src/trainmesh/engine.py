@@ -127,6 +127,8 @@ class Engine:
         self.state_bytes = self.measure_state()
         skip = self.precision.should_skip(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
         norm = 0.0 if skip else self.grad_norm()
+        nonfinite = self._nonfinite(global_loss, norm)   # never applied; the caller's policy decides
+        skip = skip or nonfinite is not None
         if not skip:
             if self.config.grad_clip > 0 and norm > self.config.grad_clip:
                 self.grad_sync.clip(self.config.grad_clip / (norm + 1e-6))
@@ -138,7 +140,17 @@ class Engine:
         self.comm.ledger.end_step()
         self.step_count += 1
         self.last = {"loss": global_loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}
+        if nonfinite:
+            self.last["nonfinite"] = nonfinite
         return global_loss
+
+    def _nonfinite(self, loss: float, norm: float) -> str | None:
+        """What makes this step non-finite (the same on every rank: all inputs are reduced)."""
+        if not math.isfinite(loss):
+            return f"loss {loss}"
+        if not math.isfinite(norm):
+            return f"grad_norm {norm}"
+        return self.precision.nonfinite()
 
     def _all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
         self.comm.all_reduce(t, "world", op=dist.ReduceOp.MIN)

@@ -11,7 +11,9 @@ fp32 weights are always the masters; low precision is how the step computes:
 
 fp16 has a narrow range, so the loss is multiplied by a dynamic scale (start 2^16, x2 after
 ``growth_interval`` good steps in a row, x0.5 and the step skipped when any gradient element on
-any rank is inf/NaN: every rank skips the same step). bf16 has fp32's range and needs none.
+any rank is inf/NaN: every rank skips the same step). An overflow at the minimum scale (1, as
+DeepSpeed's default) cannot be cured by backing off: it is reported as non-finite (``nonfinite()``)
+and the trainer's ``--on-nonfinite`` policy decides. bf16 has fp32's range and needs none.
 """
 from __future__ import annotations
 
@@ -37,10 +39,12 @@ class LossScaler:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     good_steps: int = 0
+    min_scale: float = 1.0
+    """The scale never backs off below this; an overflow at it is a non-finite step."""
 
     def update(self, finite: bool) -> None:
         if not finite:
-            self.scale *= self.backoff_factor
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.good_steps = 0
             return
         self.good_steps += 1
@@ -126,6 +130,12 @@ class Precision:
         self.scaler.update(finite)
         self.skipped = not finite
         return self.skipped
+
+    def nonfinite(self) -> str | None:
+        """fp16: why this step's overflow is a failure (it happened at the minimum scale)."""
+        if self.scaler is None or not self.skipped or self._step_scale > self.scaler.min_scale:
+            return None
+        return f"gradients overflow fp16 at the minimum loss scale {self._step_scale:g}"
 
     def state_dict(self) -> dict:
         """Checkpointing: the loss scaler's state (fp16), else {}."""

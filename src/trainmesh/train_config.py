@@ -60,6 +60,9 @@ class TrainConfig:
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
                                              "(pipeline runs)", path=True)
     device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES)
+    on_nonfinite: str = setting("stop", "a non-finite loss or gradient norm: stop (exit 1, nothing "
+                                        "non-finite saved) or skip the step (stop after a bound)",
+                                choices=("stop", "skip"))
     force: bool = setting(False, "start even when the planner predicts the run will not fit "
                                  "this machine")
 

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,10 +22,17 @@ from .models.gpt import GPT
 from .optimizers import no_decay, optimizer_factory
 from .progress import Progress, print_summary
 from .resume import check_resume, run_record, schedule_changed
+from .savedir import SaveDirLock, remove_stale_tmp
 from .schedule_lr import warmup_cosine
 from .train_config import TrainConfig
 
 log = logging.getLogger("trainmesh")
+MAX_NONFINITE_SKIPS = 10
+"""--on-nonfinite skip: this many non-finite steps in a row end the run as with stop."""
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss, gradient norm or model state: the run stops, nothing of it is saved."""
 
 
 def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> Engine:
@@ -35,21 +45,33 @@ def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> 
 
 
 @record
-def worker_main(cfg: TrainConfig) -> int:
+def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
+    """One worker: join the job, train, leave. ``lock_save_dir``: rank 0 takes the --save-dir
+    lock itself (torchrun/srun; a local launcher already holds it)."""
+    _exit_quietly_on_signals()
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     torch.set_num_threads(threads)
-    device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device)
-    try:
-        if cfg.parallel.strategy == "ps":   # a parameter-server job: trainers and servers
-            from .ps_trainer import train_ps
-            code = train_ps(cfg, device)
-        else:
-            code = _train(cfg, device)
-    except BaseException:
-        shutdown(barrier=False)  # peers learn of the failure from the launcher, not a barrier
-        raise
-    shutdown()
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    with SaveDirLock(cfg.save_dir) if lock_save_dir and cfg.save_dir and rank == 0 else nullcontext():
+        device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device)
+        try:
+            if cfg.parallel.strategy == "ps":   # a parameter-server job: trainers and servers
+                from .ps_trainer import train_ps
+                code = train_ps(cfg, device)
+            else:
+                code = _train(cfg, device)
+        except BaseException:
+            shutdown(barrier=False)  # peers learn of the failure from the launcher, not a barrier
+            raise
+        shutdown()
     return code
+
+
+def _exit_quietly_on_signals() -> None:
+    """SIGINT/SIGTERM (from the launcher, or Ctrl-C on the terminal's process group) end the
+    worker at once with 128 + signal, without a traceback per rank."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: os._exit(128 + signum))
 
 
 def _train(cfg: TrainConfig, device: torch.device) -> int:
@@ -70,6 +92,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     log.info("trainmesh: %s params, world %d %s, %d steps", f"{gpt.num_params():,}", mesh.world_size,
              {k: v for k, v in p.layout().items()}, cfg.steps)
     first_loss = loss = float("nan")
+    nonfinite_run = 0   # non-finite steps in a row
     with Progress(total=last, enabled=rank0, start=start - 1) as bar:
         for step in range(start, last + 1):
             batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
@@ -84,8 +107,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                    **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
             metrics.write(row)
             bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
+            nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
-                engine.save(cfg.save_dir, {"run": run_record(cfg)})
+                _save(cfg, engine, step)
     if cfg.timeline_out:   # collective: every rank's measured actions, drawn by rank 0
         from .pipeline_parallel.timeline import write_timeline
         write_timeline(engine.executor, engine.comm, cfg.timeline_out)
@@ -96,10 +120,41 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     return 0
 
 
+def _check_finite(cfg: TrainConfig, engine: Engine, step: int, run: int) -> int:
+    """Apply --on-nonfinite to this step (the engine did not apply a non-finite one); returns
+    the count of non-finite steps in a row. Raises NonFiniteError to stop."""
+    what = engine.last.get("nonfinite")
+    if what is None:
+        return 0
+    run += 1
+    if cfg.on_nonfinite == "skip" and run < MAX_NONFINITE_SKIPS:
+        log.warning("trainmesh: step %d skipped: non-finite %s (--on-nonfinite skip, %d in a row)",
+                    step, what, run)
+        return run
+    bound = f", {run} in a row" if cfg.on_nonfinite == "skip" else ""
+    raise NonFiniteError(f"step {step}: non-finite {what} (--on-nonfinite {cfg.on_nonfinite}{bound}); "
+                         "the run stops, the newest checkpoint is from before it")
+
+
+def _save(cfg: TrainConfig, engine: Engine, step: int) -> None:
+    """Checkpoint, unless some rank's weights or optimizer states are not all finite."""
+    held = engine.grad_sync.held_tensors()
+    finite = all(bool(torch.isfinite(t).all()) for k in ("params", "optimizer") for t in held[k])
+    flag = torch.tensor([1.0 if finite else 0.0])
+    engine.comm.all_reduce(flag, "world", op=torch.distributed.ReduceOp.MIN)
+    if flag.item() < 1.0:
+        raise NonFiniteError(f"step {step}: non-finite weights or optimizer states; not saved, "
+                             "the newest checkpoint is from before it")
+    engine.save(cfg.save_dir, {"run": run_record(cfg)})
+
+
 def _resume(cfg: TrainConfig, engine: Engine) -> int:
     """The last step already done: from the newest checkpoint when resuming (asked for with
     --resume, or implied by an elastic restart), else 0."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if cfg.save_dir and engine.mesh.rank == 0:   # this run holds the --save-dir lock
+        for path in remove_stale_tmp(Path(cfg.save_dir)):
+            log.info("trainmesh: removed %s, left by an interrupted save", path)
     if not cfg.save_dir or not (cfg.resume or restarted):
         return 0
     from .checkpoint import latest

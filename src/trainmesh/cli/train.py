@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 from ..errors import ConfigError
@@ -98,7 +97,6 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..train_config import build_train_config
-    argv = list(getattr(args, "argv", sys.argv[1:]))[1:]  # the flags after "train"
     given = bool(given_flags(args)) or args.config is not None
     cfg = build_train_config(collect(args, given))
     if "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ):
@@ -108,4 +106,4 @@ def run(args: argparse.Namespace) -> int:
         return worker_main(cfg)
     preflight(cfg, local_ranks=cfg.parallel.world_size, launching=True)
     from ..launch import launch_local
-    return launch_local(argv, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts)
+    return launch_local(cfg, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts)

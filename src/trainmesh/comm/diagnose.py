@@ -1,27 +1,53 @@
 """Hang diagnosis: when an op fails or times out, ranks compare their recent op histories.
 
-Each failing rank publishes its last ops (sequence number, op, axis, shape) in the job's store,
-waits briefly for the others, and names the rank(s) whose history departs from the majority
-and where: e.g. ``rank 2 diverged at op #3: it ran broadcast@dp(6,) while ranks 0, 1 ran
-all_reduce@dp(6,)``. A rank that never reports (dead, or stuck outside the comm layer) is named
-as silent.
+Each failing rank publishes its last ops (sequence number, op, axis, shape) in a store, waits
+briefly for the others, and names the rank(s) whose history departs from the majority and
+where: e.g. ``rank 2 diverged at op #3: it ran broadcast@dp(6,) while ranks 0, 1 ran
+all_reduce@dp(6,)``. A rank that never reports (dead, stopped, or stuck outside the comm layer)
+is named as silent: it is the suspect when the others merely timed out waiting.
+
+The exchange is bounded whatever the peers do: every store call carries a short timeout, and
+the exchange runs in a thread that is abandoned after ``wait_s`` plus a little. Local runs use a store hosted by the launcher
+(``TRAINMESH_DIAG_STORE=host:port``), so a stalled worker cannot block it; under torchrun it is
+the default group's store (torchrun's agent hosts it unless sharing is disabled).
 """
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from collections import Counter
+from datetime import timedelta
+from typing import Any
 
-import torch.distributed as dist
+from ..compat import default_store
 
 History = list[tuple[int, str, str, tuple[int, ...]]]
-KEY = "trainmesh/diag/{}"
+STORE_ENV = "TRAINMESH_DIAG_STORE"
+CALL_TIMEOUT_S = 2.0   # one store call; a store that does not answer within it is unreachable
 
 
-def _store():
+def _key(rank: int) -> str:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")   # restarts reuse the store
+    return f"trainmesh/diag/{attempt}/{rank}"
+
+
+def _store() -> Any | None:
+    """A store every rank reaches, with short call timeouts; None without one."""
+    timeout = timedelta(seconds=CALL_TIMEOUT_S)
+    address = os.environ.get(STORE_ENV)
     try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # no default group, or a torch without the helper
+        if address:
+            import torch.distributed as dist
+            host, port = address.rsplit(":", 1)
+            return dist.TCPStore(host, int(port), is_master=False, timeout=timeout,
+                                 wait_for_workers=False)
+        store = default_store()
+        if store is not None:
+            store.set_timeout(timeout)
+        return store
+    except Exception:  # noqa: BLE001 - an unreachable store: no exchange, the verdict says so
         return None
 
 
@@ -31,27 +57,49 @@ def _fmt(entry) -> str:
 
 
 def exchange(rank: int, world: int, history: History, wait_s: float) -> dict[int, History]:
-    """Publish this rank's history; collect the others' for up to ``wait_s`` seconds."""
-    store = _store()
-    if store is None or world == 1:
-        return {rank: history}
-    store.set(KEY.format(rank), json.dumps(history))
+    """Publish this rank's history; collect the others' for up to ``wait_s`` seconds.
+
+    Returns the histories found ({rank: history}); ranks missing from it never reported (or the
+    store stopped answering). The store is used from a daemon thread that is abandoned when it
+    overruns: a TCPStore client does not always honour its timeout against a host that accepts
+    connections but never answers (a stopped process)."""
     found = {rank: history}
+    if world == 1:
+        return found
+    worker = threading.Thread(target=_collect, args=(found, rank, world, history, wait_s),
+                              daemon=True, name="trainmesh-diagnosis")
+    worker.start()
+    worker.join(wait_s + 2 * CALL_TIMEOUT_S)
+    return dict(found)
+
+
+def _collect(found: dict[int, History], rank: int, world: int, history: History, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
-    while len(found) < world and time.monotonic() < deadline:
-        for r in range(world):
-            if r not in found and store.check([KEY.format(r)]):
-                found[r] = [tuple(e[:3]) + (tuple(e[3]),) for e in json.loads(store.get(KEY.format(r)))]
-        time.sleep(0.05)
-    return found
+    try:
+        store = _store()
+        if store is None:
+            return
+        store.set(_key(rank), json.dumps(history))
+        while len(found) < world and time.monotonic() < deadline:
+            for r in range(world):
+                if r not in found and store.check([_key(r)]):
+                    found[r] = [tuple(e[:3]) + (tuple(e[3]),) for e in json.loads(store.get(_key(r)))]
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store timed out or went away: report what we have
+        pass
+
+
+def silent_ranks(histories: dict[int, History], world: int) -> list[int]:
+    """Ranks that sent no history: the suspects of a timeout."""
+    return sorted(set(range(world)) - set(histories))
 
 
 def verdict(histories: dict[int, History], world: int) -> str:
     """Name the rank(s) whose op sequence departs from the majority, and where."""
-    silent = sorted(set(range(world)) - set(histories))
+    silent = silent_ranks(histories, world)
     parts = []
     if silent:
-        parts.append(f"ranks {', '.join(map(str, silent))} sent no history (dead or stuck outside trainmesh)")
+        parts.append(f"ranks {', '.join(map(str, silent))} sent no history (dead, stopped or stuck outside trainmesh)")
     by_seq = {r: {e[0]: e for e in h} for r, h in histories.items()}
     seqs = sorted({s for h in by_seq.values() for s in h})
     for seq in seqs:

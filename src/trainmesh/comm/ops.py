@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..errors import CommTimeout
 from ..mesh import ParallelMesh
-from .diagnose import exchange, verdict
+from .diagnose import exchange, silent_ranks, verdict
 from .ledger import Ledger, canonical_axis
 
 ReduceOp = dist.ReduceOp
@@ -51,7 +51,7 @@ class Handle:
         except RuntimeError as exc:
             raise self._comm.failure(self.op, self.axis, exc) from exc
         if ok is False:
-            raise CommTimeout(f"{self.op} on {self.axis} timed out after {self._comm.timeout_s}s")
+            raise self._comm.failure(self.op, self.axis, TimeoutError(f"timed out after {self._comm.timeout_s}s"))
         self._comm.ledger.add_seconds(self.axis, self.op, time.perf_counter() - t0)
         self.done = True
 
@@ -78,12 +78,19 @@ class Comm:
         return self.mesh.size(canonical_axis(axis))
 
     def failure(self, op: str, axis: str, exc: BaseException) -> Exception:
-        """An error naming this rank, the op, and which rank diverged where (hang diagnosis)."""
+        """An error naming the suspect, this rank, the op, and who diverged where (hang diagnosis).
+
+        The message starts with the rank that stopped answering when some rank sent no history
+        (the launcher prints its first line as the headline), else with this rank."""
         history = [(s, o, a, tuple(shape)) for s, o, a, shape in self.recent]
-        seen = exchange(self.mesh.rank, self.mesh.world_size, history, wait_s=min(10.0, self.timeout_s))
+        world = self.mesh.world_size
+        seen = exchange(self.mesh.rank, world, history, wait_s=min(5.0, self.timeout_s / 2))
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return CommTimeout(f"rank {self.mesh.rank}: {op} on {axis} failed (op #{self.seq}): "
-                           f"{first_line[:300]}; diagnosis: {verdict(seen, self.mesh.world_size)}")
+        silent = silent_ranks(seen, world)
+        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+        head = f"{who} stopped answering: " if silent else ""
+        return CommTimeout(f"{head}rank {self.mesh.rank}: {op} on {axis} failed (op #{self.seq}): "
+                           f"{first_line[:300]}; diagnosis: {verdict(seen, world)}")
 
     def _run(self, op: str, axis: str, payload: int, fn, shape: tuple[int, ...],
              async_op: bool) -> Handle | None:
