@@ -60,6 +60,8 @@ class TrainConfig:
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
                                              "(pipeline runs)", path=True)
     device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES)
+    peak_tflops: float | None = setting(None, "one device's peak TFLOP/s for MFU (default: a table "
+                                              "of known GPUs; none on CPU)", gt=0)
     force: bool = setting(False, "start even when the planner predicts the run will not fit "
                                  "this machine")
 

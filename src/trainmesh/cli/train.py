@@ -87,6 +87,9 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
 
     from ..precision import Precision
     Precision(p, torch.device("cuda" if cuda else "cpu"))
+    if p.compile:
+        from ..compile import check_compile
+        check_compile("cuda" if cuda else "cpu")
     if cfg.device == "cuda" and local_ranks > cuda:  # CONTRACT.md: one GPU per local rank
         raise ConfigError("--device", f"cuda: the {local_ranks} local ranks need a GPU each; this "
                           f"machine has {cuda}; valid: auto (CPU then), cpu, or fewer ranks")
