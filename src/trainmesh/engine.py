@@ -48,6 +48,8 @@ class Engine:
                  broadcast_init: bool = True, flops_per_token: float | None = None) -> None:
         self.config = cfg = config or ParallelConfig()
         self.flops_per_token = model_flops_per_token(model, flops_per_token)
+        """Training FLOPs per token of the whole model (MFU): given, the model's own
+        ``flops_per_token()``, or None (:mod:`trainmesh.flops`)."""
         self.mesh = mesh or ParallelMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, timeout_s=cfg.timeout_s)
         self.comm = Comm(self.mesh)
         self.device = next(model.parameters()).device
@@ -74,7 +76,8 @@ class Engine:
 
     # ---------------------------------------------------------------- set-up
     def _split_layers(self, model: nn.Module, tp_plan: dict[str, str] | None) -> nn.Module:
-        """Tensor parallelism (the model's own plan unless ``tp_plan``) and recomputation, in place."""
+        """Tensor parallelism (the model's own plan unless ``tp_plan``), recomputation and
+        compilation, in place."""
         cfg = self.config
         if cfg.tp > 1:
             from .tensor_parallel import parallelize
