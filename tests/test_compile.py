@@ -68,7 +68,7 @@ def test_compiled_layouts_match_one_process(eager, tmp_path):
 @pytest.mark.parametrize("args, field", [
     (["--peak-tflops", "0"], "peak-tflops"),
     (["--peak-tflops", "-989"], "peak-tflops"),
-    (["--compile"], "compile"),
+    (["--compile", *SMALL, "--steps", "1"], "compile"),
 ])
 def test_bad_input_exits_2_naming_the_field(args, field, capsys, monkeypatch):
     monkeypatch.setenv("CXX", "/no/such/c++")   # no C++ compiler for inductor
@@ -82,3 +82,11 @@ def test_compile_on_cuda_needs_triton(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="triton"):
         check_compile("cuda")
+
+
+def test_a_model_without_layers_is_refused():
+    """--compile compiles layer by layer, never the whole model (hooks would be traced into it)."""
+    import torch
+    from trainmesh.compile import compile_layers
+    with pytest.raises(ConfigError, match="--compile"):
+        compile_layers(torch.nn.Linear(4, 4), "cpu")
