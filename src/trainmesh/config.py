@@ -56,6 +56,8 @@ class ParallelConfig:
                                     "measured)", ge=0)
     timeout_s: float = setting(300.0, "every collective's timeout in seconds", flag="--timeout",
                                gt=0, le=MAX_TIMEOUT_S)
+    compile: bool = setting(False, "torch.compile each transformer block / pipeline layer "
+                                   "(collectives stay outside the graphs)")
     find_unused_parameters: bool = setting(False)
     """Reduce gradients of parameters that received none instead of raising an error (API only)."""
     # -- parameter server and all-reduce algorithms

@@ -30,6 +30,7 @@ from .data_parallel import make_grad_sync, unique_named_parameters
 from .data_parallel.base import OptimizerFactory
 from .errors import ConfigError
 from .executor import LocalExecutor
+from .flops import model_flops_per_token
 from .mesh import ParallelMesh
 from .metrics import storage_bytes
 from .precision import Precision
@@ -44,8 +45,11 @@ class Engine:
                  lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  param_groups: Callable[[str], dict] | None = None,
                  mesh: ParallelMesh | None = None, tp_plan: dict[str, str] | None = None,
-                 broadcast_init: bool = True) -> None:
+                 broadcast_init: bool = True, flops_per_token: float | None = None) -> None:
         self.config = cfg = config or ParallelConfig()
+        self.flops_per_token = model_flops_per_token(model, flops_per_token)
+        """Training FLOPs per token of the whole model (MFU): given, the model's own
+        ``flops_per_token()``, or None (:mod:`trainmesh.flops`)."""
         self.mesh = mesh or ParallelMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, timeout_s=cfg.timeout_s)
         self.comm = Comm(self.mesh)
         self.device = next(model.parameters()).device
@@ -72,7 +76,8 @@ class Engine:
 
     # ---------------------------------------------------------------- set-up
     def _split_layers(self, model: nn.Module, tp_plan: dict[str, str] | None) -> nn.Module:
-        """Tensor parallelism (the model's own plan unless ``tp_plan``) and recomputation, in place."""
+        """Tensor parallelism (the model's own plan unless ``tp_plan``), recomputation and
+        compilation, in place."""
         cfg = self.config
         if cfg.tp > 1:
             from .tensor_parallel import parallelize
@@ -81,6 +86,9 @@ class Engine:
         if cfg.recompute != "none":
             from .recompute import apply_recompute
             apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
+        if cfg.compile:   # last: compiles the layers as TP and recomputation left them
+            from .compile import compile_layers
+            compile_layers(model, self.device.type)
         return model
 
     def _build_executor(self, model: nn.Module, loss_fn: LossFn) -> Executor:

@@ -27,7 +27,7 @@ def train_ps(cfg: TrainConfig, device: torch.device) -> int:
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
                         stream=sys.stdout)
-    engine = PSEngine(GPT(cfg.gpt_config(), seed=cfg.seed, device=device), optimizer_factory(cfg),
+    engine = PSEngine(GPT(cfg.gpt_config(), seed=cfg.seed, device=device), optimizer_factory(cfg, device),
                       lambda m, batch: m(**batch), p, param_groups=no_decay,
                       lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps,
                                                              total_steps=cfg.steps))

@@ -63,6 +63,8 @@ class TrainConfig:
     on_nonfinite: str = setting("stop", "a non-finite loss or gradient norm: stop (exit 1, nothing "
                                         "non-finite saved) or skip the step (stop after a bound)",
                                 choices=("stop", "skip"))
+    peak_tflops: float | None = setting(None, "one device's peak TFLOP/s for MFU (default: a table "
+                                              "of known GPUs; none on CPU)", gt=0)
     force: bool = setting(False, "start even when the planner predicts the run will not fit "
                                  "this machine")
 

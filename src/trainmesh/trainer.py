@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .data import dp_slice, make_dataset
 from .distributed import init_distributed, shutdown
 from .engine import Engine
+from .flops import device_peak_tflops, mfu
 from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
@@ -38,7 +39,7 @@ class NonFiniteError(RuntimeError):
 def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> Engine:
     model = GPT(cfg.gpt_config(), seed=cfg.seed, device=device)
     return Engine(
-        model, optimizer_factory(cfg), lambda m, batch: m(**batch), cfg.parallel, mesh=mesh,
+        model, optimizer_factory(cfg, device), lambda m, batch: m(**batch), cfg.parallel, mesh=mesh,
         param_groups=no_decay,
         lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps),
         broadcast_init=False)  # the GPT's init is a function of (seed, name): already identical
@@ -91,8 +92,10 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     last = cfg.exit_after or cfg.steps
     log.info("trainmesh: %s params, world %d %s, %d steps", f"{gpt.num_params():,}", mesh.world_size,
              {k: v for k, v in p.layout().items()}, cfg.steps)
+    peak = device_peak_tflops(device, p.precision, cfg.peak_tflops)
     first_loss = loss = float("nan")
     nonfinite_run = 0   # non-finite steps in a row
+    timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
     with Progress(total=last, enabled=rank0, start=start - 1) as bar:
         for step in range(start, last + 1):
             batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
@@ -101,9 +104,11 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             loss = engine.train_step(batch)
             dt = time.perf_counter() - t0
             first_loss = loss if step == 1 else first_loss
+            timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
+            tps = tokens / dt if dt > 0 else 0.0
             row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
-                   "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt,
-                   "tokens_per_s": tokens / dt if dt > 0 else 0.0,
+                   "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
+                   "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
                    **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
             metrics.write(row)
             bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
@@ -114,6 +119,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         from .pipeline_parallel.timeline import write_timeline
         write_timeline(engine.executor, engine.comm, cfg.timeline_out)
     summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem)
+    tps = timed[0] / timed[1] if timed[1] > 0 else 0.0
+    summary.update(tokens_per_s=tps, mfu=mfu(tps, engine.flops_per_token, peak, mesh.world_size))
     metrics.write(summary)
     if rank0:
         print_summary(summary, first_loss=first_loss)

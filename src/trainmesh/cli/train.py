@@ -73,6 +73,9 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     from ..precision import Precision
     device, _ = choose_device(cfg.device, local_ranks=local_ranks, gpus=visible_gpus())
     Precision(p, torch.device(device))
+    if p.compile:
+        from ..compile import check_compile
+        check_compile(device)
     if launching and not cfg.force:
         check_processes(local_ranks)
     if not cfg.force:

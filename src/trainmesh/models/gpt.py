@@ -52,6 +52,11 @@ class GPTConfig:
         block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
         return 2 * v * d + s * d + n_layers * block + 2 * d
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, forward + backward: ``6N + 12·L·s·d`` (:mod:`trainmesh.flops`)."""
+        from ..flops import transformer_flops_per_token
+        return transformer_flops_per_token(self.num_params(), self.n_layers, self.seq_len, self.d_model)
+
 
 def validate_gpt(cfg: GPTConfig, tp: int, *, sequence_parallel: bool = False) -> None:
     """The GPT's shape against tensor-parallel degree ``tp`` (ConfigError naming the flag)."""
@@ -192,6 +197,10 @@ class GPT(nn.Module):
 
     def check_tp(self, tp: int, *, sequence_parallel: bool = False) -> None:
         validate_gpt(self.cfg, tp, sequence_parallel=sequence_parallel)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token of the whole model (MFU)."""
+        return self.cfg.flops_per_token()
 
     def pipeline_layers(self) -> list[nn.Module]:
         """The ordered layers: embedding, each block, then final norm + head."""

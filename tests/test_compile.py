@@ -1,0 +1,92 @@
+"""``--compile`` and MFU end to end: compiled layouts match the eager single-process run; MFU
+follows its formula; bad input exits 2.
+
+Compiling is slow on a loaded CPU: the model is the tiny SMALL GPT for 10 steps, and inductor's
+default on-disk cache (shared across runs and ranks) is kept so that DP ranks and later runs
+reuse each other's kernels instead of compiling the same graph again.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers import SMALL, assert_equivalent, run_train, steps, summary
+from trainmesh.cli import main
+from trainmesh.compile import check_compile
+from trainmesh.errors import ConfigError
+
+STEPS = 10
+ARGS = [*SMALL, "--steps", str(STEPS)]
+SHAPE = {"layers": 2, "seq_len": 16, "d_model": 32}  # SMALL's, for the FLOPs formula
+PEAK = 0.002  # TFLOP/s per device: a made-up CPU peak, so MFU is defined
+COMPILED = {"dp2-zero0": ["--dp", "2", "--zero", "0"], "dp2-zero3": ["--dp", "2", "--zero", "3"],
+            "tp2": ["--tp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    """The uncompiled single-process run (MFU against PEAK)."""
+    proc, records = run_train([*ARGS, "--peak-tflops", str(PEAK)], tmp_path_factory.mktemp("eager"))
+    assert proc.returncode == 0, proc.stderr
+    return records
+
+
+def hand_mfu(tokens_per_s: float, params: int, world: int) -> float:
+    """tokens/s x (6N + 12·L·s·d) / (world x peak)."""
+    per_token = 6 * params + 12 * SHAPE["layers"] * SHAPE["seq_len"] * SHAPE["d_model"]
+    return tokens_per_s * per_token / (world * PEAK * 1e12)
+
+
+def check_mfu(records: list[dict], world: int) -> None:
+    s = summary(records)
+    for r in steps(records):
+        assert r["mfu"] == pytest.approx(hand_mfu(r["tokens_per_s"], s["params"], world), rel=1e-9)
+    rows = steps(records)
+    run_tps = sum(r["tokens"] for r in rows) / sum(r["step_time_s"] for r in rows)
+    assert s["tokens_per_s"] == pytest.approx(run_tps, rel=1e-9)
+    assert s["mfu"] == pytest.approx(hand_mfu(run_tps, s["params"], world), rel=1e-9)
+
+
+def test_mfu_follows_the_formula(eager):
+    check_mfu(eager, world=1)
+
+
+@pytest.mark.timeout(900)
+def test_compiled_layouts_match_one_process(eager, tmp_path):
+    """DP (bucket hooks), ZeRO-3 (gather/free hooks around compiled units) and TP (collectives
+    outside the graphs), each compiled, against the eager single-process run."""
+    for name, layout in COMPILED.items():
+        peak = ["--peak-tflops", str(PEAK)] if name == "dp2-zero0" else []
+        proc, run = run_train([*ARGS, "--compile", *layout, *peak], tmp_path, name=name, timeout=600)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+        assert_equivalent(eager, run, min_steps=STEPS)
+        if peak:
+            check_mfu(run, world=2)
+        else:   # no peak known on CPU: null
+            assert all(r["mfu"] is None for r in steps(run)) and summary(run)["mfu"] is None
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--peak-tflops", "0"], "peak-tflops"),
+    (["--peak-tflops", "-989"], "peak-tflops"),
+    (["--compile", *SMALL, "--steps", "1"], "compile"),
+])
+def test_bad_input_exits_2_naming_the_field(args, field, capsys, monkeypatch):
+    monkeypatch.setenv("CXX", "/no/such/c++")   # no C++ compiler for inductor
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and "Traceback" not in err[0], err
+
+
+def test_compile_on_cuda_needs_triton(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="triton"):
+        check_compile("cuda")
+
+
+def test_a_model_without_layers_is_refused():
+    """--compile compiles layer by layer, never the whole model (hooks would be traced into it)."""
+    import torch
+    from trainmesh.compile import compile_layers
+    with pytest.raises(ConfigError, match="--compile"):
+        compile_layers(torch.nn.Linear(4, 4), "cpu")
