@@ -53,3 +53,17 @@ def check_prediction(args: list[str], measured: dict) -> None:
     cfg = build_train_config(collect(build_parser().parse_args(["train", *args]), True))
     problems = compare(predict_run(cfg), measured)
     assert not problems, problems
+
+
+def worker_pids(launcher: int) -> list[int]:
+    """A local launcher's worker processes, by local rank (started in rank order, so by pid;
+    their RANK is set after spawn, so /proc's environ does not show it). Linux only."""
+    pids = []
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                    pids.append(int(child))
+            except OSError:
+                pass
+    return sorted(pids)

@@ -22,6 +22,8 @@ import torch
 from trainmesh.precision import Precision
 from trainmesh.config import ParallelConfig
 
+from helpers import worker_pids
+
 T = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
      "--global-batch", "8"]
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -32,19 +34,6 @@ def start(args: list[str], metrics: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "trainmesh", "train", "--dp", "2", *T, *args,
                              "--metrics-out", str(metrics)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
-
-
-def workers(launcher: int) -> list[int]:
-    """The launcher's worker processes, by local rank (started in rank order, so by pid)."""
-    pids = []
-    for task in Path(f"/proc/{launcher}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
-                    pids.append(int(child))
-            except OSError:
-                pass
-    return sorted(pids)
 
 
 def kill_all(proc: subprocess.Popen, pids: list[int]) -> None:
@@ -69,7 +58,7 @@ def wait_for_steps(proc: subprocess.Popen, metrics: Path, n: int, deadline_s: fl
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         if metrics.exists() and metrics.read_text().count("\n") >= n:
-            pids = workers(proc.pid)
+            pids = worker_pids(proc.pid)
             assert len(pids) == 2, pids
             return pids
         time.sleep(0.2)

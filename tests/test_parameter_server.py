@@ -2,17 +2,15 @@
 bound, traffic is pull + push of the parameters, bad input and a dead server end cleanly."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers import SMALL, assert_equivalent, run_train, steps, summary
+from helpers import SMALL, assert_equivalent, run_train, steps, summary, worker_pids
 from trainmesh.cli import main
 from trainmesh.parameter_server import shard_by_bytes
 
@@ -107,21 +105,6 @@ def test_bad_input(args, field, capsys):
     assert f"{field}:" in err and len(err.strip().splitlines()) == 1, err
 
 
-def _worker_pid(launcher: int, rank: int) -> int | None:
-    """The pid of the worker of ``rank`` among the launcher's children (Linux /proc)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher and f"RANK={rank}".encode() in env:
-            return int(entry.name)
-    return None
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
 @pytest.mark.timeout(300)
 def test_killed_server_ends_the_job(tmp_path):
@@ -136,8 +119,9 @@ def test_killed_server_ends_the_job(tmp_path):
         while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
             assert proc.poll() is None, proc.communicate()[1][-2000:]
             time.sleep(0.5)
-        pid = _worker_pid(proc.pid, 3)
-        assert pid is not None, "no worker with RANK=3"
+        pids = worker_pids(proc.pid)
+        assert len(pids) == 4, pids
+        pid = pids[3]   # RANK 3: the second server
         os.kill(pid, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)
     finally:
