@@ -20,11 +20,14 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     3 -> :class:`Zero3`.
 
     ``precision`` (a :class:`~trainmesh.precision.Precision`) gives the dtype gradients are
-    reduced in and, at ZeRO-3, the dtype parameters are gathered in; ``module`` is the model
+    reduced in and the dtype parameters are held in (ZeRO 0-2, fp32 masters with the
+    optimizer) or gathered in (ZeRO-3, fp32 shards); ``module`` is the model
     ZeRO-3 cuts into units. ``cfg`` was validated when built (stage 0-3, never 3 with pp > 1).
     """
+    mixed = precision is not None and getattr(precision, "mixed", False)
     options = SyncOptions(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
-                          reduce_dtype=getattr(precision, "reduce_dtype", None))
+                          reduce_dtype=getattr(precision, "reduce_dtype", None),
+                          param_dtype=precision.compute_dtype if mixed and cfg.zero < 3 else None)
     if cfg.zero == 0:
         return DDP(named_params, comm, options)
     if cfg.zero == 1:
@@ -33,7 +36,6 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
         return Zero2(named_params, comm, options)
     if module is None:
         raise ValueError("ZeRO-3 needs the module (make_grad_sync(..., module=model))")
-    mixed = precision is not None and getattr(precision, "mixed", False)
     return Zero3(named_params, comm, module=module,
                  param_dtype=precision.compute_dtype if mixed else None, options=options)
 

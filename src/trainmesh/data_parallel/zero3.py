@@ -176,6 +176,7 @@ class Zero3(ShardedSync):
             sp = nn.Parameter(shard)
             sp.grad = torch.zeros_like(shard)
             self.shard_params.append(sp)
+            self.grad_shards.append(sp.grad)
         for unit in self.units:
             self._shard_unit(unit)
         for _, p in self.named_params:
