@@ -85,7 +85,10 @@ def _coords(rank: int, layout: ParallelConfig) -> dict[str, int]:
 
 
 def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str, int]:
-    st = model_states(held.params, dp=layout.dp, zero=layout.zero, precision=layout.precision,
+    # ZeRO 0-2 hold the paper's mixed-precision bytes; trainmesh's ZeRO-3 keeps fp32 shards as
+    # the parameters (FSDP2 style): fp32's 4 + 4 + 8 over N, the paper's 16Psi/N in total.
+    precision = "fp32" if layout.zero >= 3 else layout.precision
+    st = model_states(held.params, dp=layout.dp, zero=layout.zero, precision=precision,
                       optimizer=optimizer, offload=layout.offload)
     optim = st.optimizer
     if optimizer == "adamw" and layout.offload == "none":  # AdamW's step counters
