@@ -46,6 +46,9 @@ class SyncOptions:
     param_dtype: torch.dtype | None = None
     """Mixed precision at ZeRO 0-2: the dtype the model holds its parameters and gradients in,
     fp32 masters kept with the optimizer (:mod:`.master`); None: the parameters are the masters."""
+    device: torch.device | None = None
+    """Where the strategy's buffers live; None: the parameters' device (sharded init: ZeRO-3
+    meets parameters still on the meta device)."""
 
 
 class _Pending(Protocol):

@@ -65,7 +65,8 @@ class ShardedSync(GradSync):
         super().__init__(named_params, comm, options)
         self.bucket_bytes = int(self.options.bucket_mb * 2**20)
         self.reduce_dtype = self.options.reduce_dtype
-        self.device = named_params[0][1].device if named_params else torch.device("cpu")
+        self.device = self.options.device or (named_params[0][1].device if named_params
+                                              else torch.device("cpu"))
         self.rank_in_dp = comm.mesh.index("dp")
         self.shard_params: list[nn.Parameter] = []      # one per optimizer group
         self.grad_shards: list[torch.Tensor] = []       # its reduced gradient (its .grad unless mixed)
