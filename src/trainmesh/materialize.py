@@ -13,7 +13,9 @@ only its flat shard.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import ctypes
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -84,3 +86,25 @@ def check_safetensors(path: str, model: nn.Module) -> None:
         if shapes[name] != tuple(p.shape):
             raise ConfigError("--init-from", f"{path}: {name} has shape {shapes[name]}, the model's "
                               f"is {tuple(p.shape)} (another --layers/--d-model/--vocab-size?)")
+
+
+M_MMAP_THRESHOLD = -3     # glibc mallopt parameter
+
+
+@contextlib.contextmanager
+def returning_freed_memory(during: int = 1 << 20, after: int = 32 << 20) -> Iterator[None]:
+    """Set-up on CPU: glibc keeps freed heap memory (ZeRO-3 builds and frees one unit after
+    another), so a rank's resident peak would grow by units it no longer holds. Inside, blocks
+    of ``during`` bytes and more are mmapped and go back to the system when freed; afterwards
+    the threshold is ``after``, the maximum glibc's own dynamic threshold settles at. No-op
+    without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, during)
+    except (OSError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, after)

@@ -48,17 +48,16 @@ class DDP(GradSync):
         device = params[0].device if params else torch.device("cpu")
         masters = self._to_low_precision(params)
         dtype = self.options.param_dtype if masters else dtype
-        total = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(total, dtype=dtype, device=device)   # (Ψ,) every gradient
+        self._numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(0, dtype=dtype, device=device)   # (Ψ,) every gradient, once allocated
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
-        cap = max(1, int(self.options.bucket_mb * 2**20) // self.buffer.element_size())
+        cap = max(1, int(self.options.bucket_mb * 2**20) // dtype.itemsize)
         offset, current = 0, None
         for name, p in reversed(named_params):
             if current is None or offset - current.start >= cap:
                 current = Bucket(len(self.buckets), offset, offset, [])
                 self.buckets.append(current)
-            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             current.end = offset
             current.params.append(p)
@@ -68,8 +67,22 @@ class DDP(GradSync):
         self._sync = False
         self._order = BucketOrder(self._launch)
         if masters:
-            self.master = MasterWeights(masters, [p.data for p in params], [p.grad for p in params])
+            self.master = MasterWeights(masters, [p.data for p in params], [])
         self._master_of = dict(zip(map(id, params), masters))
+
+    def _allocate_grads(self) -> None:
+        """The gradient buffer and every ``param.grad`` view into it, at the first backward:
+        set-up holds the model alone (the peak that sharded initialisation bounds)."""
+        if self.buffer.numel() == self._numel:
+            return
+        self.buffer = torch.zeros(self._numel, dtype=self.buffer.dtype, device=self.buffer.device)
+        for b in self.buckets:
+            offset = b.start
+            for p in b.params:
+                p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        if self.master is not None:
+            self.master.grads = [p.grad for _, p in self.named_params]
 
     @torch.no_grad()
     def _to_low_precision(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -88,6 +101,7 @@ class DDP(GradSync):
 
     # ---------------------------------------------------------------- backward
     def before_backward(self, *, is_last: bool) -> None:
+        self._allocate_grads()
         self._sync = is_last and self.dp > 1
         self._remaining = None
         self._ready = set()
