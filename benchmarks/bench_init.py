@@ -31,7 +31,7 @@ def main() -> None:
     print(f"params {res['one'][2]:,} ({full / 1e6:.0f} MB fp32); base {base / 1e6:.0f} MB; "
           f"bound {(base + 0.75 * full) / 1e6:.0f} MB")
     print("| run | init_peak_mem_bytes per rank (MB) | loss |\n|---|---|---|")
-    for name, (peaks, losses, _) in res.items():
+    for name, (peaks, losses, *_) in res.items():
         print(f"| {name} | {', '.join(f'{p / 1e6:.0f}' for p in peaks)} | {losses[0]:.6f} |")
     t.check_init_peaks(res)
     print(f"passed in {time.perf_counter() - t0:.0f} s")

@@ -104,20 +104,28 @@ MODEL = ["--d-model", "512", "--heads", "8", "--seq-len", "16", "--vocab-size", 
 LAYERS = 8
 
 
+RUNS = {"base": ["--layers", "1"], "one": [], "zero3": ["--dp", "4", "--zero", "3"],
+        "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
+
+
 def init_peaks(tmp_path) -> dict:
-    """{name: (init_peak_mem_bytes per rank, losses)} of a 1-layer one-process run (the base
-    footprint), the whole model in one process, and dp 4 zero 3, tp 2, pp 2."""
-    runs = {"base": ["--layers", "1"], "one": ["--layers", str(LAYERS)],
-            "zero3": ["--layers", str(LAYERS), "--dp", "4", "--zero", "3"],
-            "tp2": ["--layers", str(LAYERS), "--tp", "2"],
-            "pp2": ["--layers", str(LAYERS), "--pp", "2"]}
+    """{name: (init_peak_mem_bytes per rank, losses, params, planner's problems with the set-up
+    peak)} of a 1-layer one-process run (the base footprint), the whole model in one process,
+    and dp 4 zero 3, tp 2, pp 2."""
+    from trainmesh.cli import build_parser
+    from trainmesh.cli.train import collect
+    from trainmesh.planner.predict import compare, predict_run
+    from trainmesh.train_config import build_train_config
     out = {}
-    for name, extra in runs.items():
-        proc, records = run_train([*MODEL, *extra], tmp_path, name=name, timeout=170)
+    for name, extra in RUNS.items():
+        args = [*MODEL, "--layers", str(LAYERS), *extra]
+        proc, records = run_train(args, tmp_path, name=name, timeout=170)
         assert proc.returncode == 0, proc.stderr
         s = summary(records)
+        cfg = build_train_config(collect(build_parser().parse_args(["train", *args]), True))
+        planned = [p for p in compare(predict_run(cfg), s) if "init_peak" in p]
         out[name] = ([r["init_peak_mem_bytes"] for r in s["ranks"]], [x["loss"] for x in steps(records)],
-                     s["params"])
+                     s["params"], planned)
     return out
 
 
@@ -128,8 +136,10 @@ def check_init_peaks(res: dict) -> None:
     full_model = 4 * res["one"][2]
     print({k: [f"{p / 1e6:.0f} MB" for p in v[0]] for k, v in res.items()})
     assert res["one"][0][0] >= base + 0.75 * full_model, "the unsharded run exceeds the bound"
+    for name, (*_, planned) in res.items():
+        assert not planned, planned     # `trainmesh plan` predicted each set-up peak (20%)
     for name in ("zero3", "tp2", "pp2"):
-        peaks, losses, _ = res[name]
+        peaks, losses, *_ = res[name]
         for rank, peak in enumerate(peaks):
             assert peak < base + 0.75 * full_model, \
                 f"{name} rank {rank}: set-up peak {peak / 1e6:.0f} MB >= base {base / 1e6:.0f} MB " \
