@@ -183,6 +183,18 @@ def test_prediction_zero_stages(capsys, zero, m, params, grads, optim, rs, ag):
                           "all_gather": pytest.approx(ag * PSI, rel=1e-3)}
 
 
+@pytest.mark.parametrize("zero,params,grads,optim", [
+    (0, 2, 2, 12), (1, 2, 2, 12 / 2), (2, 2, 2 / 2, 12 / 2), (3, 4 / 2, 4 / 2, 8 / 2)])
+def test_prediction_mixed_precision_holds_the_zero_paper_bytes(capsys, zero, params, grads, optim):
+    """bf16 AdamW at dp 2: 16-bit params and grads, fp32 masters with the optimizer (ZeRO 0-2);
+    fp32 shards at ZeRO-3. Parameters are all-gathered in 16 bits."""
+    states, comm = rank0(predict(capsys, "--dp", "2", "--zero", str(zero), "--precision", "bf16"))
+    for kind, per_param in (("params", params), ("grads", grads), ("optimizer", optim)):
+        assert states[kind] == pytest.approx(per_param * PSI, rel=1e-3), kind
+    if zero in (1, 2):
+        assert comm["dp"]["all_gather"] == pytest.approx(2 * PSI, rel=1e-3)
+
+
 def test_prediction_sgd_has_no_optimizer_state(capsys):
     states, _ = rank0(predict(capsys, "--dp", "2", "--optimizer", "sgd"))
     assert states["optimizer"] == 0 and states["params"] == 4 * PSI

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from .errors import ConfigError
 from .executor import LocalExecutor
 from .flops import model_flops_per_token
 from .mesh import ParallelMesh
+from .materialize import InitFn, materialize
 from .metrics import storage_bytes
 from .precision import Precision
 from .step import Executor, LossFn, StepHooks
@@ -45,26 +47,31 @@ class Engine:
                  lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  param_groups: Callable[[str], dict] | None = None,
                  mesh: ParallelMesh | None = None, tp_plan: dict[str, str] | None = None,
-                 broadcast_init: bool = True, flops_per_token: float | None = None) -> None:
+                 broadcast_init: bool = True, flops_per_token: float | None = None,
+                 init_fn: InitFn | None = None, device: torch.device | str | None = None) -> None:
         self.config = cfg = config or ParallelConfig()
         self.flops_per_token = model_flops_per_token(model, flops_per_token)
         """Training FLOPs per token of the whole model (MFU): given, the model's own
         ``flops_per_token()``, or None (:mod:`trainmesh.flops`)."""
         self.mesh = mesh or ParallelMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, timeout_s=cfg.timeout_s)
         self.comm = Comm(self.mesh)
-        self.device = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if self.device.type == "meta":
+            self.device = torch.device("cpu")
         self.precision = Precision(cfg, self.device)
         self.model = self._split_layers(model, tp_plan)
         self.executor: Executor = self._build_executor(self.model, loss_fn)
         self.module: nn.Module = self.executor.module
         named = unique_named_parameters(self.module)
-        if broadcast_init:
+        fill = self._sharded_init(named, init_fn or getattr(model, "init_parameter", None))
+        if broadcast_init and fill is None:
             self._broadcast_from_dp_root(named)
         if self.executor.tied_parameters and cfg.zero >= 2:
             raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
                               "(their gradients are summed over stages before sharding)")
         self.grad_sync = make_grad_sync(cfg, named, self.comm, module=self.module,
-                                        precision=self.precision)
+                                        precision=self.precision, materialize=fill,
+                                        device=self.device)
         self.hooks = StepHooks(autocast=self.precision.autocast, scale_loss=self.precision.scale_loss,
                                before_backward=self.grad_sync.before_backward,
                                expect_backwards=self.grad_sync.expect_backwards)
@@ -99,7 +106,22 @@ class Engine:
         from .pipeline_parallel.runtime import PipelineExecutor
         from .pipeline_parallel.schedules import build_schedule
         schedule = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
-        return PipelineExecutor(model, loss_fn, self.mesh, self.comm, schedule)
+        return PipelineExecutor(model, loss_fn, self.mesh, self.comm, schedule, device=self.device)
+
+    def _sharded_init(self, named: list[tuple[str, nn.Parameter]], init: InitFn | None
+                      ) -> Callable[[list[tuple[str, nn.Parameter]]], None] | None:
+        """A model on the meta device: give this rank's parameters (after the tensor and pipeline
+        split) their values from ``init``, or leave that to ZeRO-3, unit by unit (returns the
+        function it calls). None when the model is already materialised."""
+        if not any(p.is_meta for _, p in named):
+            return None
+        if init is None:
+            raise ConfigError("model", "parameters on the meta device need an init function "
+                              "(Engine(init_fn=...) or a model.init_parameter(name, shape, index))")
+        fill = partial(materialize, init=init, device=self.device)
+        if self.config.zero < 3:
+            fill(named)
+        return fill
 
     @torch.no_grad()
     def _broadcast_from_dp_root(self, named: list[tuple[str, nn.Parameter]]) -> None:

@@ -1,10 +1,11 @@
 """Precision policy: compute dtype, the dtype gradients are reduced in, and fp16 loss scaling.
 
-fp32 weights are always the masters; low precision is how the step computes:
+fp32 weights are always the masters; forward and backward run under ``torch.autocast`` in
+the compute dtype:
 
-- DDP and ZeRO-1/2 (torch.amp style): parameters stay fp32; forward and backward run under
-  ``torch.autocast`` in the compute dtype (matmuls and attention in bf16/fp16), gradients land
-  in fp32 and each bucket is cast to ``reduce_dtype`` for its reduction.
+- DDP and ZeRO-1/2 (the ZeRO paper's bytes): the model holds 16-bit parameters and gradients;
+  the fp32 masters live with the optimizer state (:mod:`trainmesh.data_parallel.master`), and
+  gradients are reduced in ``reduce_dtype``.
 - ZeRO-3 (FSDP2 style): the fp32 shards are the masters; a unit's parameters are all-gathered
   in the compute dtype (half the bytes), their gradients come out in it and are reduce-scattered
   in ``reduce_dtype`` into fp32 gradient shards.

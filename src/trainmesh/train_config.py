@@ -51,6 +51,9 @@ class TrainConfig:
     warmup_steps: int = setting(20, "linear warm-up steps before cosine decay", ge=0)
     steps: int = setting(200, "total optimizer steps", ge=1)
     seed: int = setting(0, "seed of weights and data", ge=0)
+    init_from: str | None = setting(None, "start from pretrained weights: a safetensors file with "
+                                          "the GPT's parameter names and shapes (e.g. `trainmesh "
+                                          "checkpoint consolidate` output)", path=True)
     metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True)
     save_dir: str | None = setting(None, "checkpoint directory", path=True)
     save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0)

@@ -17,6 +17,7 @@ from .data import dp_slice, make_dataset
 from .distributed import init_distributed, shutdown
 from .engine import Engine
 from .flops import device_peak_tflops, mfu
+from .materialize import returning_freed_memory
 from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
@@ -37,12 +38,18 @@ class NonFiniteError(RuntimeError):
 
 
 def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> Engine:
-    model = GPT(cfg.gpt_config(), seed=cfg.seed, device=device)
+    # Built on meta: each rank materialises only what it holds (sharded initialisation), from
+    # the GPT's seeded init (a function of seed, name and row) or the --init-from file.
+    model = GPT(cfg.gpt_config(), seed=cfg.seed, device="meta")
+    init_fn = None
+    if cfg.init_from:
+        from .materialize import safetensors_init
+        init_fn = safetensors_init(cfg.init_from)
     return Engine(
         model, optimizer_factory(cfg, device), lambda m, batch: m(**batch), cfg.parallel, mesh=mesh,
         param_groups=no_decay,
         lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps),
-        broadcast_init=False)  # the GPT's init is a function of (seed, name): already identical
+        init_fn=init_fn, device=device)
 
 
 @record
@@ -82,7 +89,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(message)s",
                         stream=sys.stdout)
     base_mem = memory_now(device)   # runtime's own footprint (torch, gloo), before the model
-    engine = build_engine(cfg, device, mesh)
+    with returning_freed_memory():
+        engine = build_engine(cfg, device, mesh)
+    init_peak = memory_peak(device)   # process start to model built, sharded, optimizer made
     gpt = cfg.gpt_config()
     dataset = make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
     start = _resume(cfg, engine) + 1
@@ -118,7 +127,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     if cfg.timeline_out:   # collective: every rank's measured actions, drawn by rank 0
         from .pipeline_parallel.timeline import write_timeline
         write_timeline(engine.executor, engine.comm, cfg.timeline_out)
-    summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem)
+    summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem, init_peak)
     tps = timed[0] / timed[1] if timed[1] > 0 else 0.0
     summary.update(tokens_per_s=tps, mfu=mfu(tps, engine.flops_per_token, peak, mesh.world_size))
     metrics.write(summary)
@@ -188,8 +197,9 @@ def _apply_new_schedule(engine: Engine) -> None:
 
 
 def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch.device,
-             setup_mem: int, final_loss: float, base_mem: int) -> dict[str, Any]:
+             setup_mem: int, final_loss: float, base_mem: int, init_peak: int) -> dict[str, Any]:
     mine = {"rank": mesh.rank, "coords": mesh.coords, "base_mem_bytes": base_mem,
+            "init_peak_mem_bytes": init_peak,
             "setup_mem_bytes": setup_mem,
             "peak_mem_bytes": memory_peak(device), "model_state_bytes": engine.state_bytes,
             "comm_buffer_peak_bytes": engine.grad_sync.comm_buffer_peak_bytes,

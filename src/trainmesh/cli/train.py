@@ -92,6 +92,10 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     if cfg.resume:
         from ..resume import check_resume
         check_resume(cfg)  # errors only; the worker that resumes prints the notice
+    if cfg.init_from:   # every parameter of the GPT in the file, with its shape
+        from ..materialize import check_safetensors
+        from ..models.gpt import GPT
+        check_safetensors(cfg.init_from, GPT(cfg.gpt_config(), device="meta"))
     if cfg.data != "synthetic":
         from ..data import make_dataset
         gpt = cfg.gpt_config()

@@ -1,6 +1,7 @@
 """Data parallelism over the mesh's DP axis: DDP and the ZeRO stages, behind :class:`GradSync`."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -15,16 +16,23 @@ from .zero3 import Zero3, find_units
 
 
 def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
-                   comm: Comm, *, module: nn.Module | None = None, precision: Any = None) -> GradSync:
+                   comm: Comm, *, module: nn.Module | None = None, precision: Any = None,
+                   materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None = None,
+                   device: Any = None) -> GradSync:
     """The strategy for ``cfg.zero``: 0 -> DDP, 1 -> :class:`Zero1`, 2 -> :class:`Zero2`,
     3 -> :class:`Zero3`.
 
     ``precision`` (a :class:`~trainmesh.precision.Precision`) gives the dtype gradients are
-    reduced in and, at ZeRO-3, the dtype parameters are gathered in; ``module`` is the model
-    ZeRO-3 cuts into units. ``cfg`` was validated when built (stage 0-3, never 3 with pp > 1).
+    reduced in and the dtype parameters are held in (ZeRO 0-2, fp32 masters with the
+    optimizer) or gathered in (ZeRO-3, fp32 shards); ``module`` is the model
+    ZeRO-3 cuts into units; ``materialize`` (sharded init, ZeRO-3) gives a
+    unit's meta parameters their values just before the unit is sharded. ``cfg`` was validated when built (stage 0-3, never 3 with pp > 1).
     """
+    mixed = precision is not None and getattr(precision, "mixed", False)
     options = SyncOptions(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
-                          reduce_dtype=getattr(precision, "reduce_dtype", None))
+                          reduce_dtype=getattr(precision, "reduce_dtype", None),
+                          param_dtype=precision.compute_dtype if mixed and cfg.zero < 3 else None,
+                          device=device)
     if cfg.zero == 0:
         return DDP(named_params, comm, options, allreduce=cfg.allreduce)
     if cfg.zero == 1:
@@ -33,9 +41,9 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
         return Zero2(named_params, comm, options)
     if module is None:
         raise ValueError("ZeRO-3 needs the module (make_grad_sync(..., module=model))")
-    mixed = precision is not None and getattr(precision, "mixed", False)
     return Zero3(named_params, comm, module=module,
-                 param_dtype=precision.compute_dtype if mixed else None, options=options)
+                 param_dtype=precision.compute_dtype if mixed else None, options=options,
+                 materialize=materialize)
 
 
 __all__ = ["DDP", "ELEMENTWISE_OPTIMIZERS", "GradSync", "SyncOptions", "Zero1", "Zero2", "Zero3",

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..errors import ConfigError
+from .master import MasterWeights
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # (name, parameter) -> does this rank count it in the global gradient norm? (TP duplicates: once)
@@ -42,6 +43,12 @@ class SyncOptions:
     """Reduce the gradients of parameters that received none instead of raising an error."""
     reduce_dtype: torch.dtype | None = None
     """dtype the gradients are reduced in (mixed precision); None: the gradients' own."""
+    param_dtype: torch.dtype | None = None
+    """Mixed precision at ZeRO 0-2: the dtype the model holds its parameters and gradients in,
+    fp32 masters kept with the optimizer (:mod:`.master`); None: the parameters are the masters."""
+    device: torch.device | None = None
+    """Where the strategy's buffers live; None: the parameters' device (sharded init: ZeRO-3
+    meets parameters still on the meta device)."""
 
 
 class _Pending(Protocol):
@@ -108,6 +115,7 @@ class GradSync(ABC):
         self.dp = comm.mesh.size("dp")
         self.optimizer: torch.optim.Optimizer | None = None
         self.comm_buffer_peak_bytes = 0
+        self.master: MasterWeights | None = None         # mixed precision at ZeRO 0-2
         self._ready: set[int] = set()                   # params whose gradient is final
         self._remaining: dict[int, int] | None = None   # pipeline mode: backwards left per param
 
@@ -159,11 +167,25 @@ class GradSync(ABC):
     def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         """Sum of squares of the gradient entries this rank contributes to the global norm."""
 
+    def _pending_sq(self) -> float:
+        """What a sum of squares of the held gradients is multiplied by (the deferred scale)."""
+        return self.master.scale ** 2 if self.master is not None else 1.0
+
+    def _optimizer_step(self) -> None:
+        assert self.optimizer is not None, "build_optimizer first"
+        if self.master is not None:
+            self.master.step(self.optimizer)
+        else:
+            self.optimizer.step()
+
     @abstractmethod
     def reduced_grads(self) -> list[torch.Tensor]:
         """The tensors holding this rank's reduced gradient (what the optimizer reads)."""
 
     def _scale(self, factor: float) -> None:
+        if self.master is not None:     # applied in fp32, when unscaled into the masters
+            self.master.scale *= factor
+            return
         if factor != 1.0:
             for g in self.reduced_grads():
                 g.mul_(factor)

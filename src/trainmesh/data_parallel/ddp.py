@@ -6,6 +6,9 @@ of about ``bucket_mb``. A post-accumulate-grad hook counts down each bucket; whe
 last gradient lands, its all-reduce is launched asynchronously — in bucket order, so every
 rank issues the same sequence — and overlaps the rest of backward. With gradient accumulation
 only the last microbatch's backward reduces. Gradients are summed, then scaled once.
+
+Mixed precision (``options.param_dtype``): parameters and the gradient buffer are 16-bit, the
+optimizer updates fp32 masters (:mod:`.master`): 2Ψ + 2Ψ + 12Ψ bytes with AdamW.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from torch import nn
 from ..comm import Comm, Handle
 from ..comm.algorithms import all_reduce
 from .base import BucketOrder, CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
+from .master import MasterWeights
 
 
 @dataclass
@@ -44,17 +48,18 @@ class DDP(GradSync):
         params = [p for _, p in named_params]
         dtype = params[0].dtype if params else torch.float32
         device = params[0].device if params else torch.device("cpu")
-        total = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(total, dtype=dtype, device=device)   # (Ψ,) every gradient
+        masters = self._to_low_precision(params)
+        dtype = self.options.param_dtype if masters else dtype
+        self._numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(0, dtype=dtype, device=device)   # (Ψ,) every gradient, once allocated
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
-        cap = max(1, int(self.options.bucket_mb * 2**20) // self.buffer.element_size())
+        cap = max(1, int(self.options.bucket_mb * 2**20) // dtype.itemsize)
         offset, current = 0, None
         for name, p in reversed(named_params):
             if current is None or offset - current.start >= cap:
                 current = Bucket(len(self.buckets), offset, offset, [])
                 self.buckets.append(current)
-            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             current.end = offset
             current.params.append(p)
@@ -63,9 +68,42 @@ class DDP(GradSync):
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = False
         self._order = BucketOrder(self._launch)
+        if masters:
+            self.master = MasterWeights(masters, [p.data for p in params], [])
+        self._master_of = dict(zip(map(id, params), masters))
+
+    def _allocate_grads(self) -> None:
+        """The gradient buffer and every ``param.grad`` view into it, at the first backward:
+        set-up holds the model alone (the peak that sharded initialisation bounds)."""
+        if self.buffer.numel() == self._numel:
+            return
+        self.buffer = torch.zeros(self._numel, dtype=self.buffer.dtype, device=self.buffer.device)
+        for b in self.buckets:
+            offset = b.start
+            for p in b.params:
+                p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        if self.master is not None:
+            self.master.grads = [p.grad for _, p in self.named_params]
+
+    @torch.no_grad()
+    def _to_low_precision(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Mixed precision: fp32 master copies of ``params``, which become 16-bit; else []."""
+        low = self.options.param_dtype
+        if low is None or not params or all(p.dtype == low for p in params):
+            return []
+        masters = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
+        for p in params:
+            p.data = p.data.to(low)
+        return masters
+
+    def _opt_param(self, p: nn.Parameter) -> nn.Parameter:
+        """What the optimizer updates for ``p``: its fp32 master (mixed precision) or ``p``."""
+        return self._master_of.get(id(p), p)
 
     # ---------------------------------------------------------------- backward
     def before_backward(self, *, is_last: bool) -> None:
+        self._allocate_grads()
         self._sync = is_last and self.dp > 1
         self._remaining = None
         self._ready = set()
@@ -108,9 +146,10 @@ class DDP(GradSync):
     def build_optimizer(self, factory: OptimizerFactory, options=None) -> torch.optim.Optimizer:
         groups = group_parameters(self.named_params, options)
         if len(groups) == 1 and not groups[0][0]:
-            self.optimizer = factory([p for _, p in groups[0][1]])
+            self.optimizer = factory([self._opt_param(p) for _, p in groups[0][1]])
         else:
-            self.optimizer = factory([{**opts, "params": [p for _, p in ps]} for opts, ps in groups])
+            self.optimizer = factory([{**opts, "params": [self._opt_param(p) for _, p in ps]}
+                                      for opts, ps in groups])
         return self.optimizer
 
     def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
@@ -121,38 +160,43 @@ class DDP(GradSync):
         params = [p for name, p in self.named_params if counted(name, p)]
         if len(params) == len(self.named_params):   # everything counts: one pass over the buffer
             flat = self.buffer.float()
-            return torch.dot(flat, flat)
+            return torch.dot(flat, flat) * self._pending_sq()
         for p in params:
             total += p.grad.float().pow(2).sum()
-        return total
+        return total * self._pending_sq()
 
     def reduced_grads(self) -> list[torch.Tensor]:
         return [self.buffer]
 
     def step(self) -> None:
-        assert self.optimizer is not None, "build_optimizer first"
-        self.optimizer.step()
+        self._optimizer_step()
 
     def zero_grad(self) -> None:
         self.buffer.zero_()
+        if self.master is not None:
+            self.master.scale = 1.0
 
     def logical_state(self):
         assert self.optimizer is not None
-        params = {n: p.detach() for n, p in self.named_params}
-        optim = {n: {k: v for k, v in self.optimizer.state.get(p, {}).items() if torch.is_tensor(v)}
-                 for n, p in self.named_params}
+        params = {n: self._opt_param(p).detach() for n, p in self.named_params}
+        optim = {n: {k: v for k, v in self.optimizer.state.get(self._opt_param(p), {}).items()
+                     if torch.is_tensor(v)} for n, p in self.named_params}
         return params, optim
 
     @torch.no_grad()
     def load_logical_state(self, params, optim) -> None:
         assert self.optimizer is not None
         for n, p in self.named_params:
+            p = self._opt_param(p)
             p.copy_(params[n])
             if optim.get(n):
                 self.optimizer.state[p] = {k: v.clone().to(p.device) if v.dim() else v.clone()
                                            for k, v in optim[n].items()}
+        if self.master is not None:
+            self.master.copy_to_params()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         opt = self.optimizer.state.values() if self.optimizer else []
+        masters = self.master.masters if self.master is not None else []
         return {"params": [p for _, p in self.named_params], "grads": [self.buffer],
-                "optimizer": [t for st in opt for t in st.values() if torch.is_tensor(t)]}
+                "optimizer": [*masters, *(t for st in opt for t in st.values() if torch.is_tensor(t))]}

@@ -95,6 +95,14 @@ class FlatLayout:
             for s in self.slots:
                 flat[s.start : s.end].copy_(s.param.reshape(-1))
 
+    def fill_shard(self, shard: torch.Tensor) -> None:
+        """Copy this rank's elements of each parameter's current value into ``shard``,
+        (n_buckets, chunk), without building the whole flat buffer."""
+        with torch.no_grad():
+            for pc in self.shard_pieces():
+                n = pc.hi - pc.lo
+                shard[pc.bucket, pc.lo : pc.hi].copy_(pc.slot.param.reshape(-1)[pc.offset : pc.offset + n])
+
     # ---------------------------------------------------------------- geometry
     def slots_in(self, b: int) -> list[tuple[Slot, int, int]]:
         """(slot, lo, hi): the slots overlapping bucket ``b``, as flat element ranges."""

@@ -65,9 +65,11 @@ class ShardedSync(GradSync):
         super().__init__(named_params, comm, options)
         self.bucket_bytes = int(self.options.bucket_mb * 2**20)
         self.reduce_dtype = self.options.reduce_dtype
-        self.device = named_params[0][1].device if named_params else torch.device("cpu")
+        self.device = self.options.device or (named_params[0][1].device if named_params
+                                              else torch.device("cpu"))
         self.rank_in_dp = comm.mesh.index("dp")
         self.shard_params: list[nn.Parameter] = []      # one per optimizer group
+        self.grad_shards: list[torch.Tensor] = []       # its reduced gradient (its .grad unless mixed)
         self._norm_pieces: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         self._inflight: list[Flight] = []
         self._live_bytes = 0
@@ -75,8 +77,8 @@ class ShardedSync(GradSync):
     # ---------------------------------------------------------------- set-up
     @abstractmethod
     def _setup(self, groups: Groups) -> None:
-        """Build the flat buffers and, per group, ``self.shard_params`` (with ``.grad``) and
-        ``self._norm_pieces``: (name, parameter, view of the gradient shard)."""
+        """Build the flat buffers and, per group, ``self.shard_params``, ``self.grad_shards``
+        and ``self._norm_pieces``: (name, parameter, view of the gradient shard)."""
 
     def build_optimizer(self, factory: OptimizerFactory,
                         options: Callable[[str], dict] | None = None) -> torch.optim.Optimizer:
@@ -133,7 +135,7 @@ class ShardedSync(GradSync):
     # ---------------------------------------------------------------- step
     @property
     def shard_grads(self) -> list[torch.Tensor]:
-        return [sp.grad for sp in self.shard_params]
+        return self.grad_shards
 
     def reduced_grads(self) -> list[torch.Tensor]:
         return self.shard_grads
@@ -145,11 +147,11 @@ class ShardedSync(GradSync):
             parts = [g.float().pow(2).sum() for g in self.shard_grads]
         else:
             parts = [v.float().pow(2).sum() for (_, _, v), f in zip(self._norm_pieces, flags) if f]
-        return torch.stack(parts).sum() if parts else torch.zeros((), device=self.device)
+        total = torch.stack(parts).sum() if parts else torch.zeros((), device=self.device)
+        return total * self._pending_sq()
 
     def step(self) -> None:
-        assert self.optimizer is not None, "build_optimizer first"
-        self.optimizer.step()
+        self._optimizer_step()
         self._after_step()
 
     def _after_step(self) -> None:
@@ -215,5 +217,7 @@ class ShardedSync(GradSync):
         """Make the model's parameters whole again after a load (ZeRO-1/2)."""
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """Optimizer states, and the fp32 master shards where the parameters are 16-bit."""
         opt = self.optimizer.state.values() if self.optimizer else []
-        return [t for st in opt for t in st.values() if torch.is_tensor(t)]
+        masters = self.master.masters if self.master is not None else []
+        return [*masters, *(t for st in opt for t in st.values() if torch.is_tensor(t))]

@@ -25,6 +25,7 @@ dp.all_gather 2m·Ψ·(compute bytes), dp.reduce_scatter m·Ψ·(reduce bytes).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -127,10 +128,13 @@ class Zero3(ShardedSync):
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
                  module: nn.Module, param_dtype: torch.dtype | None = None,
-                 options: SyncOptions | None = None) -> None:
+                 options: SyncOptions | None = None,
+                 materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None = None) -> None:
         super().__init__(named_params, comm, options)
         self.module = module
         self.param_dtype = param_dtype
+        self.materialize = materialize
+        """Sharded init: gives a unit's meta parameters their values before it is sharded."""
         self.units: list[_Unit] = []
         self.group_shards: list[torch.Tensor] = []
         self._unit_of: dict[int, _Unit] = {}
@@ -176,6 +180,7 @@ class Zero3(ShardedSync):
             sp = nn.Parameter(shard)
             sp.grad = torch.zeros_like(shard)
             self.shard_params.append(sp)
+            self.grad_shards.append(sp.grad)
         for unit in self.units:
             self._shard_unit(unit)
         for _, p in self.named_params:
@@ -189,6 +194,8 @@ class Zero3(ShardedSync):
         dtype = self.param_dtype or self.group_shards[unit.pieces[0].group].dtype
         unit.full = torch.zeros(sum(pc.layout.padded for pc in unit.pieces), dtype=dtype, device=self.device)
         for pi, pc in enumerate(unit.pieces):
+            if self.materialize is not None:   # one unit in flight: built, sharded, freed below
+                self.materialize([(s.name, s.param) for s in pc.layout.slots])
             flat = pc.layout.new(self.group_shards[pc.group].dtype, self.device)
             pc.layout.fill(flat)
             self._chunk(pc).copy_(pc.layout.chunk_of(flat, 0))

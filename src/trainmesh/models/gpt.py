@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .init import init_module
+from .init import init_module, init_value
 
 
 @dataclass
@@ -176,6 +176,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
         super().__init__()
         self.cfg = cfg
+        self.seed = seed
         with torch.device("meta"):
             self.embed = Embedding(cfg)
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -185,6 +186,11 @@ class GPT(nn.Module):
         if device != "meta":
             init_module(self, seed=seed, n_layers=cfg.n_layers)
             self.to(device)
+
+    def init_parameter(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+        """Sharded init: ``full[index]`` of parameter ``name``'s initial value, built alone (a
+        ``GPT(..., device="meta")`` handed to the engine is materialised slice by slice)."""
+        return init_value(name, shape, seed=self.seed, n_layers=self.cfg.n_layers, index=index)
 
     def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

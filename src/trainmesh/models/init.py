@@ -1,34 +1,55 @@
-"""Initial weights as a function of (seed, parameter name) alone.
+"""Initial weights as a function of (seed, parameter name, row) alone.
 
-Whatever the layout, a parameter's full initial value is the same tensor: a rank that holds a
-shard builds the full value and slices it (or builds only its layers), so every layout starts
-from the same logical model.
+Whatever the layout, a parameter's full initial value is the same tensor, and any slice of it
+can be built without the rest: row ``i`` of a parameter (viewed as ``(shape[0], -1)``) is
+drawn from a generator seeded by ``(seed, name, i)``. So a tensor-parallel rank builds only
+its rows or columns, a pipeline stage only its layers, a ZeRO-3 rank one unit at a time, and
+every layout starts from the slices of the one-process model.
 """
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+def _generator(seed: int, name: str, row: int) -> torch.Generator:
+    key = zlib.crc32(f"{name}#{row}".encode())
+    return torch.Generator().manual_seed((seed * 1_000_003 + key) % 2**63)
 
 
-def init_value(name: str, shape: tuple[int, ...], *, seed: int, n_layers: int,
-               std: float = 0.02) -> torch.Tensor:
-    """The full fp32 initial value of parameter ``name`` (GPT-2 style rules, by name)."""
+def full_index(index: Sequence[slice] | None, shape: tuple[int, ...]) -> tuple[range, ...]:
+    """``index`` (slices, missing trailing dims whole) as one ``range`` per dimension."""
+    index = tuple(index or ())
+    index += (slice(None),) * (len(shape) - len(index))
+    return tuple(range(*s.indices(n)) for s, n in zip(index, shape))
+
+
+def init_value(name: str, shape: tuple[int, ...], *, seed: int, n_layers: int, std: float = 0.02,
+               index: Sequence[slice] | None = None) -> torch.Tensor:
+    """fp32 ``full[index]`` of parameter ``name``'s initial value (GPT-2 style rules, by name);
+    ``index=None``: the whole. Costs the slice's rows, never the whole parameter."""
+    ranges = full_index(index, shape)
+    out_shape = tuple(len(r) for r in ranges)
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if owner.startswith("ln") or "norm" in owner:
-        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+        return torch.ones(out_shape) if leaf == "weight" else torch.zeros(out_shape)
     if leaf == "bias":
-        return torch.zeros(shape)
+        return torch.zeros(out_shape)
     if name.endswith("proj.weight"):  # residual projections, scaled by depth
         std = std / math.sqrt(2 * n_layers)
-    return torch.randn(shape, generator=_generator(seed, name)) * std
+    if not shape:
+        return torch.randn((), generator=_generator(seed, name, 0)) * std
+    rest = shape[1:]
+    cols = tuple(slice(r.start, r.stop, r.step) for r in ranges[1:])
+    out = torch.empty(out_shape)
+    for j, i in enumerate(ranges[0]):                      # one row at a time: (rest,) -> slice
+        out[j] = torch.randn(rest, generator=_generator(seed, name, i))[cols]
+    return out.mul_(std)
 
 
 @torch.no_grad()

@@ -60,7 +60,7 @@ class PipelineExecutor:
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], loss_fn: LossFn,
                  mesh: ParallelMesh, comm: Comm, schedule: Schedule, *,
-                 cuts: Sequence[int] | None = None) -> None:
+                 cuts: Sequence[int] | None = None, device: torch.device | None = None) -> None:
         if schedule.splits_backward:
             raise ConfigError("schedule", f"{schedule.name} splits the backward into I and W; the "
                                           "runtime runs naive, gpipe, 1f1b and interleaved")
@@ -80,7 +80,8 @@ class PipelineExecutor:
         self.holds_loss = any(schedule.is_last_stage(s) for s in mine)
         self.io = StageIO(model, loss_fn)
         params = list(self.module.parameters())
-        self.device = params[0].device if params else torch.device("cpu")
+        # (``device`` given: the parameters may still be on the meta device, sharded init)
+        self.device = device or (params[0].device if params else torch.device("cpu"))
         self.p2p = StageP2P(comm, schedule, self.rank, self.peers, self.device)
         self.track_memory = False
         """Book activation bytes per in-flight microbatch (``activation_peak_bytes``)."""

@@ -68,6 +68,8 @@ class TPState:
         p = nn.Parameter(piece, requires_grad=full.requires_grad)
         p._tm_tp_sharded = True  # type: ignore[attr-defined]
         p._tm_tp_dim = dim       # type: ignore[attr-defined]
+        p._tm_full_shape = tuple(full.shape)    # type: ignore[attr-defined]  # sharded init:
+        p._tm_tp_start = self.rank * width      # type: ignore[attr-defined]  # full[.., start:+w]
         return p
 
 
