@@ -5,6 +5,7 @@ It implements :class:`~trainmesh.step.Executor`, as the pipeline runtime does; s
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .step import Executor, LossFn, StepHooks, as_sum_and_count
@@ -32,5 +33,16 @@ class LocalExecutor:
                 loss_sum, count = as_sum_and_count(self.loss_fn(self.module, mb))
             hooks.scale_loss(loss_sum).backward()
             loss_total += float(loss_sum.detach())
+            count_total += float(count)
+        return loss_total, count_total
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
+        """Forward only over every microbatch; (loss_sum, count) of this rank."""
+        loss_total, count_total = 0.0, 0.0
+        for mb in microbatches:
+            with hooks.autocast():
+                loss_sum, count = as_sum_and_count(self.loss_fn(self.module, mb))
+            loss_total += float(loss_sum)
             count_total += float(count)
         return loss_total, count_total

@@ -80,3 +80,8 @@ class Executor(Protocol):
     def run(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
         """Forward and backward over every microbatch; (loss_sum, token_count) of this rank."""
         ...
+
+    def evaluate(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
+        """Forward only (no gradients, no hooks of the DP strategy's backward) over every
+        microbatch; (loss_sum, token_count) of this rank, zeros where it holds no loss."""
+        ...

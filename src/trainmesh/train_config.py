@@ -59,6 +59,10 @@ class TrainConfig:
     max_restarts: int = setting(0, "restarts of failed workers (local runs)", ge=0)
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
                                              "(pipeline runs)", path=True)
+    eval_every: int | None = setting(None, "validation loss on the held-out split (the last 5 percent "
+                                           "of --data, or a disjoint synthetic stream) every N "
+                                           "steps", ge=1)
+    eval_batches: int = setting(4, "global batches per evaluation (--eval-every)", ge=1)
     device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES)
     force: bool = setting(False, "start even when the planner predicts the run will not fit "
                                  "this machine")

@@ -10,9 +10,10 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .data import dp_slice, make_dataset
+from .data import dp_slice, make_datasets
 from .distributed import init_distributed, shutdown
 from .engine import Engine
+from .evaluation import make_evaluator
 from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
@@ -68,7 +69,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                         stream=sys.stdout)
     engine = build_engine(cfg, device, mesh)
     gpt = cfg.gpt_config()
-    dataset = make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
+    dataset, held_out = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
+                                      held_out=cfg.eval_every is not None)
+    evaluator = make_evaluator(engine, held_out, cfg)
     start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)
     metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start)
@@ -91,6 +94,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                    **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
             metrics.write(row)
             bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
+            if evaluator is not None and evaluator.due(step):
+                metrics.write(evaluator.run(step))
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
                 engine.save(cfg.save_dir, {"run": run_record(cfg)})
     if cfg.timeline_out:   # collective: every rank's measured actions, drawn by rank 0

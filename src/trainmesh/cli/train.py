@@ -104,9 +104,10 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         from ..resume import check_resume
         check_resume(cfg)  # errors only; the worker that resumes prints the notice
     if cfg.data != "synthetic":
-        from ..data import make_dataset
+        from ..data import make_datasets
         gpt = cfg.gpt_config()
-        make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
+        make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
+                      held_out=cfg.eval_every is not None)
 
 
 def run(args: argparse.Namespace) -> int:

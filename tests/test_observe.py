@@ -1,0 +1,89 @@
+"""Seeing a run: validation loss under every layout (one launch per layout, shared by checks)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import SMALL, assert_equivalent, run_train
+from trainmesh.config import ParallelConfig
+from trainmesh.data import _EVAL_STREAM, SyntheticCorpus, make_datasets
+from trainmesh.engine import Engine
+from trainmesh.mesh import ParallelMesh
+from trainmesh.models.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+EVAL = ["--eval-every", "5", "--eval-batches", "2", "--microbatches", "2"]
+LAYOUTS = {"one": [], "dp2": ["--dp", "2"], "zero3": ["--dp", "2", "--zero", "3"],
+           "tp2": ["--tp", "2"], "dp2pp2": ["--dp", "2", "--pp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each layout trained once with every observation switched on; its metrics records."""
+    out = {}
+    for name, layout in LAYOUTS.items():
+        tmp = tmp_path_factory.mktemp(name)
+        proc, records = run_train([*SMALL, *EVAL, *layout], tmp, timeout=240)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
+        out[name] = records
+    return out
+
+
+def evals(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["event"] == "eval"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "one"])
+def test_eval_loss_is_the_same_under_every_layout(runs, layout):
+    ref, run = runs["one"], runs[layout]
+    assert_equivalent(ref, run)   # evaluating between steps leaves training untouched
+    a, b = evals(ref), evals(run)
+    assert [r["step"] for r in a] == [5, 10, 15, 20] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert x["tokens"] == y["tokens"] == 2 * 8 * 16
+        assert abs(x["loss"] - y["loss"]) <= 1e-3, (layout, x, y)
+
+
+def _reference_loss(model: torch.nn.Module, batches: list[dict]) -> float:
+    """float64 mean next-token loss over every token of ``batches``."""
+    model = copy.deepcopy(model).double()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            loss_sum, n = model(**b)
+            total, count = total + float(loss_sum), count + int(n)
+    return total / count
+
+
+@pytest.mark.timeout(60)
+def test_evaluate_is_forward_only_and_exact():
+    """Engine.evaluate: the mean loss over every token of the batches (a float64 reference);
+    gradients and weights unchanged."""
+    engine = Engine(GPT(CFG, seed=0), lambda ps: torch.optim.SGD(ps, lr=0.1), lambda m, b: m(**b),
+                    ParallelConfig(microbatches=2), mesh=ParallelMesh(local=True))
+    data = SyntheticCorpus(64, 16)
+    engine.train_step(data.batch(0, 1, 8))
+    held = [SyntheticCorpus(64, 16, stream=_EVAL_STREAM).batch(0, k, 8) for k in (1, 2)]
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    grads = [None if p.grad is None else p.grad.clone() for p in engine.module.parameters()]
+    loss = engine.evaluate(held)
+    assert loss == pytest.approx(_reference_loss(engine.module, held), abs=1e-5)
+    after = [p.grad for p in engine.module.parameters()]
+    assert all(a is None if g is None else torch.equal(a, g) for g, a in zip(grads, after))
+    assert all(torch.equal(v, engine.module.state_dict()[k]) for k, v in before.items())
+
+
+def test_held_out_split_is_disjoint(tmp_path):
+    """The last 5% of a token file is held out; the synthetic eval stream differs from training."""
+    path = tmp_path / "t.npy"
+    np.save(path, np.arange(1000, dtype=np.int64) % 50)
+    train, val = make_datasets(str(path), vocab_size=64, seq_len=8, held_out=True)
+    assert len(train.tokens) == 950 and len(val.tokens) == 50
+    assert np.array_equal(val.tokens, np.arange(950, 1000) % 50)
+    syn, syn_val = make_datasets("synthetic", vocab_size=64, seq_len=8, held_out=True)
+    assert not torch.equal(syn.batch(0, 1, 4)["input_ids"], syn_val.batch(0, 1, 4)["input_ids"])
+    assert torch.equal(syn.successors, syn_val.successors)   # the same language
