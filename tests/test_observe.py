@@ -1,7 +1,10 @@
-"""Seeing a run: validation loss under every layout (one launch per layout, shared by checks)."""
+"""Seeing a run: validation loss and the trace under every layout (one launch per layout,
+shared by every check)."""
 from __future__ import annotations
 
 import copy
+import json
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -22,13 +25,16 @@ LAYOUTS = {"one": [], "dp2": ["--dp", "2"], "zero3": ["--dp", "2", "--zero", "3"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """Each layout trained once with every observation switched on; its metrics records."""
+    """Each layout trained once with every observation switched on: its metrics records."""
     out = {}
     for name, layout in LAYOUTS.items():
         tmp = tmp_path_factory.mktemp(name)
-        proc, records = run_train([*SMALL, *EVAL, *layout], tmp, timeout=240)
+        trace = tmp / "trace.json"
+        proc, records = run_train([*SMALL, *EVAL, *layout, "--trace-out", str(trace)], tmp,
+                                  timeout=240)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
         out[name] = records
+        out[name + ".trace"] = json.loads(trace.read_text())
     return out
 
 
@@ -87,3 +93,42 @@ def test_held_out_split_is_disjoint(tmp_path):
     syn, syn_val = make_datasets("synthetic", vocab_size=64, seq_len=8, held_out=True)
     assert not torch.equal(syn.batch(0, 1, 4)["input_ids"], syn_val.batch(0, 1, 4)["input_ids"])
     assert torch.equal(syn.successors, syn_val.successors)   # the same language
+
+
+def spans(trace: dict, **match) -> list[dict]:
+    return [e for e in trace["traceEvents"] if e["ph"] == "X"
+            and all(e.get(k) == v or e["args"].get(k) == v for k, v in match.items())]
+
+
+@pytest.mark.timeout(900)
+def test_trace_of_dp2_pp2_is_valid_and_books_every_byte(runs):
+    trace = runs["dp2pp2.trace"]
+    assert isinstance(trace["traceEvents"], list)
+    xs = spans(trace)
+    for e in xs:
+        assert isinstance(e["name"], str) and e["dur"] >= 0 and e["ts"] >= 0
+        assert all(isinstance(e[k], (int, float)) for k in ("ts", "dur", "pid", "tid"))
+    assert {e["pid"] for e in xs} == {0, 1, 2, 3}          # one process per rank
+    names = {e["pid"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {0, 1, 2, 3}
+    assert {e["args"]["step"] for e in xs} == {19, 20}      # the last --trace-steps (2) steps
+    comm = defaultdict(int)
+    for e in spans(trace, cat="comm"):
+        comm[e["pid"]] += e["args"]["bytes"]
+    assert all(comm[r] > 0 for r in range(4))
+    assert {str(r): b for r, b in comm.items()} == trace["otherData"]["ledger_bytes"]
+    for r in range(4):   # forward and backward of both microbatches, both steps, every rank
+        assert len(spans(trace, pid=r, cat="forward")) == len(spans(trace, pid=r, cat="backward")) == 4
+
+
+@pytest.mark.timeout(900)
+def test_trace_of_ddp_shows_all_reduce_overlapping_backward(runs):
+    trace, summary = runs["dp2.trace"], runs["dp2"][-1]
+    for rank in (0, 1):
+        reduces = spans(trace, pid=rank, cat="comm", axis="dp", name="all_reduce")
+        per_step = summary["ranks"][rank]["comm_bytes_per_step"]["dp"]["all_reduce"]
+        assert sum(e["args"]["bytes"] for e in reduces) == pytest.approx(2 * per_step)
+        overlapped = [r for r in reduces
+                      if r["ts"] < max(b["ts"] + b["dur"] for b in spans(
+                          trace, pid=rank, cat="backward", step=r["args"]["step"]))]
+        assert overlapped, "no gradient all-reduce starts before the backward ends"

@@ -63,6 +63,9 @@ class TrainConfig:
                                            "of --data, or a disjoint synthetic stream) every N "
                                            "steps", ge=1)
     eval_batches: int = setting(4, "global batches per evaluation (--eval-every)", ge=1)
+    trace_out: str | None = setting(None, "Chrome/Perfetto trace JSON of the last --trace-steps "
+                                          "steps, every rank in one file", path=True)
+    trace_steps: int = setting(2, "steps in the --trace-out trace (the run's last)", ge=1)
     device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES)
     force: bool = setting(False, "start even when the planner predicts the run will not fit "
                                  "this machine")

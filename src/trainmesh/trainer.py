@@ -14,6 +14,7 @@ from .data import dp_slice, make_datasets
 from .distributed import init_distributed, shutdown
 from .engine import Engine
 from .evaluation import make_evaluator
+from .trace import make_tracer
 from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
@@ -77,6 +78,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start)
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
+    tracer = make_tracer(engine, cfg, start, last)
     log.info("trainmesh: %s params, world %d %s, %d steps", f"{gpt.num_params():,}", mesh.world_size,
              {k: v for k, v in p.layout().items()}, cfg.steps)
     first_loss = loss = float("nan")
@@ -84,9 +86,13 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         for step in range(start, last + 1):
             batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
             batch = {k: v.to(device) for k, v in batch.items()}
+            if tracer is not None:
+                tracer.before_step(step)
             t0 = time.perf_counter()
             loss = engine.train_step(batch)
             dt = time.perf_counter() - t0
+            if tracer is not None:
+                tracer.after_step(step, t0, t0 + dt)
             first_loss = loss if step == 1 else first_loss
             row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
                    "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt,
@@ -98,6 +104,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                 metrics.write(evaluator.run(step))
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
                 engine.save(cfg.save_dir, {"run": run_record(cfg)})
+    if tracer is not None:   # collective: every rank's spans, written by rank 0
+        tracer.write()
     if cfg.timeline_out:   # collective: every rank's measured actions, drawn by rank 0
         from .pipeline_parallel.timeline import write_timeline
         write_timeline(engine.executor, engine.comm, cfg.timeline_out)

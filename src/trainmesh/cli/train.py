@@ -97,7 +97,8 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     for flag, path in (("--save-dir", cfg.save_dir), ("--offload-dir", p.offload_dir)):
         if path is not None:
             check_output_dir(flag, path)
-    for flag, path in (("--metrics-out", cfg.metrics_out), ("--timeline-out", cfg.timeline_out)):
+    for flag, path in (("--metrics-out", cfg.metrics_out), ("--timeline-out", cfg.timeline_out),
+                       ("--trace-out", cfg.trace_out)):
         if path is not None:
             check_output_file(flag, path)
     if cfg.resume:
