@@ -3,14 +3,20 @@ shared by every check)."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from helpers import SMALL, assert_equivalent, run_train
+from trainmesh.cli import main
 from trainmesh.config import ParallelConfig
 from trainmesh.data import _EVAL_STREAM, SyntheticCorpus, make_datasets
 from trainmesh.engine import Engine
@@ -21,6 +27,7 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
 EVAL = ["--eval-every", "5", "--eval-batches", "2", "--microbatches", "2"]
 LAYOUTS = {"one": [], "dp2": ["--dp", "2"], "zero3": ["--dp", "2", "--zero", "3"],
            "tp2": ["--tp", "2"], "dp2pp2": ["--dp", "2", "--pp", "2"]}
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +37,13 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     for name, layout in LAYOUTS.items():
         tmp = tmp_path_factory.mktemp(name)
         trace = tmp / "trace.json"
-        proc, records = run_train([*SMALL, *EVAL, *layout, "--trace-out", str(trace)], tmp,
-                                  timeout=240)
+        board = ["--tensorboard", str(tmp / "tb")] if HAS_TENSORBOARD and name == "dp2pp2" else []
+        proc, records = run_train([*SMALL, *EVAL, *layout, "--trace-out", str(trace), *board],
+                                  tmp, timeout=240)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
         out[name] = records
         out[name + ".trace"] = json.loads(trace.read_text())
+        out[name + ".tb"] = str(tmp / "tb")
     return out
 
 
@@ -132,3 +141,50 @@ def test_trace_of_ddp_shows_all_reduce_overlapping_backward(runs):
                       if r["ts"] < max(b["ts"] + b["dur"] for b in spans(
                           trace, pid=rank, cat="backward", step=r["args"]["step"]))]
         assert overlapped, "no gradient all-reduce starts before the backward ends"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="the tensorboard package (extra [tensorboard])")
+def test_tensorboard_scalars_match_the_metrics_file(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(runs["dp2pp2.tb"], size_guidance={"scalars": 0})
+    acc.Reload()
+    jsonl = [r for r in runs["dp2pp2"] if r["event"] == "step"]
+    for key in ("loss", "grad_norm", "lr"):
+        logged = [(e.step, e.value) for e in acc.Scalars(key)]
+        assert [s for s, _ in logged] == [r["step"] for r in jsonl], key
+        for (_, v), r in zip(logged, jsonl):   # event files hold float32
+            assert v == pytest.approx(r[key], rel=1e-6, abs=1e-12), (key, r["step"])
+    assert [e.value for e in acc.Scalars("eval/loss")] == pytest.approx(
+        [r["loss"] for r in evals(runs["dp2pp2"])], rel=1e-6)
+    tags = acc.Tags()["scalars"]
+    assert {"tokens_per_s", "memory/rank0_bytes", "comm_bytes/dp", "comm_bytes/pp"} <= set(tags)
+    assert {f"memory/peak_bytes/rank{r}" for r in range(4)} <= set(tags)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--eval-every", "0"], "--eval-every"),
+    (["--eval-batches", "0"], "--eval-batches"),
+    (["--trace-steps", "0"], "--trace-steps"),
+    (["--trace-out", "/dev/null/trace.json"], "--trace-out"),
+    (["--trace-out", "/tmp"], "--trace-out"),
+    (["--tensorboard", "/dev/null/tb"], "--tensorboard"),
+])
+def test_bad_observation_input_exits_2_naming_the_flag(args, field, capsys):
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and "Traceback" not in err[0], err
+
+
+@pytest.mark.timeout(60)
+def test_tensorboard_missing_exits_2_naming_the_flag(tmp_path):
+    """Without the tensorboard package, --tensorboard is refused before any worker starts."""
+    shim = tmp_path / "shim" / "tensorboard"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('no tensorboard here')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), *sys.path])}
+    proc = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--tensorboard",
+                           str(tmp_path / "tb")], capture_output=True, text=True, timeout=50, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tensorboard" in lines[0] and "tensorboard" in lines[0][14:], lines

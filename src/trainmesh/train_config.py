@@ -66,6 +66,8 @@ class TrainConfig:
     trace_out: str | None = setting(None, "Chrome/Perfetto trace JSON of the last --trace-steps "
                                           "steps, every rank in one file", path=True)
     trace_steps: int = setting(2, "steps in the --trace-out trace (the run's last)", ge=1)
+    tensorboard: str | None = setting(None, "directory for TensorBoard event files (needs the "
+                                            "tensorboard package)", path=True)
     device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES)
     force: bool = setting(False, "start even when the planner predicts the run will not fit "
                                  "this machine")

@@ -14,13 +14,14 @@ from .data import dp_slice, make_datasets
 from .distributed import init_distributed, shutdown
 from .engine import Engine
 from .evaluation import make_evaluator
-from .trace import make_tracer
 from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
 from .progress import Progress, print_summary
 from .resume import check_resume, run_record, schedule_changed
 from .schedule_lr import warmup_cosine
+from .tensorboard_log import TensorBoardLog
+from .trace import make_tracer
 from .train_config import TrainConfig
 
 log = logging.getLogger("trainmesh")
@@ -76,6 +77,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)
     metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start)
+    board = TensorBoardLog(cfg.tensorboard if rank0 else None)
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
     tracer = make_tracer(engine, cfg, start, last)
@@ -99,9 +101,12 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                    "tokens_per_s": tokens / dt if dt > 0 else 0.0,
                    **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
             metrics.write(row)
+            board.step(row, engine.comm.ledger.steps[-1], memory_now(device))
             bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
             if evaluator is not None and evaluator.due(step):
-                metrics.write(evaluator.run(step))
+                record = evaluator.run(step)
+                metrics.write(record)
+                board.eval(record)
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
                 engine.save(cfg.save_dir, {"run": run_record(cfg)})
     if tracer is not None:   # collective: every rank's spans, written by rank 0
@@ -111,6 +116,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         write_timeline(engine.executor, engine.comm, cfg.timeline_out)
     summary = _summary(cfg, engine, mesh, device, setup_mem, loss)
     metrics.write(summary)
+    board.close(summary)
     if rank0:
         print_summary(summary, first_loss=first_loss)
     return 0

@@ -94,7 +94,11 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         check_processes(local_ranks)
     if not cfg.force:
         check_memory(cfg, local_ranks=local_ranks, cuda=cuda is not None)
-    for flag, path in (("--save-dir", cfg.save_dir), ("--offload-dir", p.offload_dir)):
+    if cfg.tensorboard is not None:
+        from ..tensorboard_log import require_tensorboard
+        require_tensorboard()
+    for flag, path in (("--save-dir", cfg.save_dir), ("--offload-dir", p.offload_dir),
+                       ("--tensorboard", cfg.tensorboard)):
         if path is not None:
             check_output_dir(flag, path)
     for flag, path in (("--metrics-out", cfg.metrics_out), ("--timeline-out", cfg.timeline_out),
