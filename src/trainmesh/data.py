@@ -78,11 +78,17 @@ class TokenStream:
         return {"input_ids": rows_t[:, :-1].contiguous(), "labels": rows_t[:, 1:].contiguous()}
 
 
-def load_tokens(path: str) -> np.ndarray:
-    """Token file (.npy, or .bin as uint16 like nanoGPT) or a text file read as bytes (vocab 256)."""
+def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
+    """Token file (.npy, or .bin as uint16 like nanoGPT) or a text file read as bytes (vocab 256)
+    or tokenised by ``tokenizer`` (:mod:`trainmesh.tokenizer`)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError("--data", f"no such file {path!r}; use 'synthetic' or a text/token file")
+    if tokenizer != "bytes":
+        if p.suffix in (".npy", ".bin"):
+            raise ConfigError("--tokenizer", f"tokenises text files; {path!r} holds token ids already")
+        from .tokenizer import bpe_tokens, bpe_vocab
+        return bpe_tokens(path, bpe_vocab(tokenizer))  # type: ignore[arg-type]
     try:
         if p.suffix == ".npy":
             return np.load(p, mmap_mode="r", allow_pickle=False)
@@ -132,13 +138,14 @@ def split_tokens(tokens: np.ndarray, path: str, seq_len: int) -> tuple[np.ndarra
     return tokens[: len(tokens) - held], tokens[len(tokens) - held :]
 
 
-def make_datasets(data: str, *, vocab_size: int, seq_len: int, held_out: bool):
+def make_datasets(data: str, *, vocab_size: int, seq_len: int, held_out: bool,
+                  tokenizer: str = "bytes"):
     """(training set, evaluation set or None): with ``held_out``, a deterministic split that
     every rank and layout computes alike (see :func:`split_tokens`)."""
     if data == "synthetic":
         train = SyntheticCorpus(vocab_size, seq_len)
         return train, (SyntheticCorpus(vocab_size, seq_len, stream=_EVAL_STREAM) if held_out else None)
-    tokens = load_tokens(data)
+    tokens = load_tokens(data, tokenizer)
     check_tokens(tokens, data, vocab_size=vocab_size, seq_len=seq_len)
     if not held_out:
         return TokenStream(tokens, seq_len), None

@@ -44,6 +44,9 @@ class TrainConfig:
     vocab_size: int | None = setting(None, "override the preset's vocabulary size", ge=1)
     data: str = setting("synthetic", "'synthetic', or a text file (bytes) / token file (.npy, "
                                      ".bin uint16)", path=True)
+    tokenizer: str = setting("bytes", "text --data as 'bytes' (vocab 256) or 'bpe:VOCAB' (a "
+                                      "byte-level BPE trained on the file, cached beside it; "
+                                      "sets --vocab-size)")
     global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
                                     "microbatches", ge=1)
     optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS)
@@ -76,6 +79,14 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelConfig):
             raise TypeError("TrainConfig.parallel must be a ParallelConfig")
         check_fields(self)
+        from .tokenizer import bpe_vocab
+        bpe = bpe_vocab(self.tokenizer)
+        if bpe is not None:
+            if self.data == "synthetic":
+                raise ConfigError("--tokenizer", "bpe tokenises a text --data file; the synthetic "
+                                  "corpus has its own vocabulary")
+            if self.vocab_size is None:
+                self.vocab_size = bpe
         if self.exit_after is not None and self.exit_after > self.steps:
             raise ConfigError("--exit-after", f"must be a step in 1..--steps ({self.steps}); "
                               f"got {self.exit_after}")

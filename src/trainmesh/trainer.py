@@ -72,7 +72,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     engine = build_engine(cfg, device, mesh)
     gpt = cfg.gpt_config()
     dataset, held_out = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
-                                      held_out=cfg.eval_every is not None)
+                                      held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
     evaluator = make_evaluator(engine, held_out, cfg)
     start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)

@@ -112,7 +112,7 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         from ..data import make_datasets
         gpt = cfg.gpt_config()
         make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
-                      held_out=cfg.eval_every is not None)
+                      held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
 
 
 def run(args: argparse.Namespace) -> int:
