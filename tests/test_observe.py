@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -20,7 +20,8 @@ NO_VOCAB = [a for i, a in enumerate(SMALL) if "--vocab-size" not in SMALL[max(i 
 def text(tmp_path_factory) -> Path:
     """The project's own docs as a real text file (in a fresh directory: the cache goes beside)."""
     path = tmp_path_factory.mktemp("text") / "docs.txt"
-    path.write_text("\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]))
+    sources = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    path.write_text("\n".join(p.read_text() for p in sources))
     return path
 
 

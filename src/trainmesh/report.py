@@ -48,7 +48,8 @@ def _curve(title: str, series: list[tuple[str, list[int], list[float], str]], yl
     return _svg(fig)
 
 
-def _bars(title: str, labels: list[str], groups: dict[str, list[float]], gid: str, ylabel: str) -> str:
+def _bars(title: str, labels: list[str], groups: dict[str, list[float]], gid: str,
+          ylabel: str) -> str:
     """Grouped bars: one bar per label and group; each bar's id is ``{gid}-{group}-{label}``
     (the first group's ``{gid}-{label}``)."""
     import matplotlib.pyplot as plt
@@ -77,21 +78,28 @@ def charts(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
         xs = [r["step"] for r in steps]
         loss = [("train", xs, [r["loss"] for r in steps], "loss-curve")]
         if evals:
-            loss.append(("eval", [r["step"] for r in evals], [r["loss"] for r in evals], "eval-curve"))
+            loss.append(("eval", [r["step"] for r in evals], [r["loss"] for r in evals],
+                         "eval-curve"))
         out.append(("Loss", _curve("loss", loss, "nats/token")))
-        out.append(("Gradient norm", _curve("gradient norm", [("grad norm", xs, [r["grad_norm"] for r in steps], "grad-norm-curve")], "L2")))
-        out.append(("Throughput", _curve("tokens/s", [("tokens/s", xs, [r["tokens_per_s"] for r in steps], "tokens-curve")], "tokens/s")))
+        norms = [r["grad_norm"] for r in steps]
+        speed = [r["tokens_per_s"] for r in steps]
+        out.append(("Gradient norm", _curve("gradient norm",
+                                            [("grad norm", xs, norms, "grad-norm-curve")], "L2")))
+        out.append(("Throughput", _curve("tokens/s", [("tokens/s", xs, speed, "tokens-curve")],
+                                         "tokens/s")))
     if summary and summary.get("ranks"):
         ranks = summary["ranks"]
         labels = [f"rank{r['rank']}" for r in ranks]
         mem = {"peak measured": [r["peak_mem_bytes"] / 2**20 for r in ranks]}
         if all("predicted_mem_bytes" in r for r in ranks):
             mem["planner prediction"] = [r["predicted_mem_bytes"] / 2**20 for r in ranks]
-        out.append(("Memory per rank", _bars("peak memory per rank", labels, mem, "memory-bar", "MiB")))
+        out.append(("Memory per rank",
+                    _bars("peak memory per rank", labels, mem, "memory-bar", "MiB")))
         axes = sorted({a for r in ranks for a in r["comm_bytes_per_step"]})
-        traffic = {"bytes/step": [sum(sum(r["comm_bytes_per_step"].get(a, {}).values()) for r in ranks) / 2**20
-                                  for a in axes]}
-        out.append(("Traffic per axis", _bars("bytes per step, all ranks", axes, traffic, "traffic-bar", "MiB")))
+        per_axis = [sum(sum(r["comm_bytes_per_step"].get(a, {}).values()) for r in ranks) / 2**20
+                    for a in axes]
+        out.append(("Traffic per axis", _bars("bytes per step, all ranks", axes,
+                                              {"bytes/step": per_axis}, "traffic-bar", "MiB")))
     return out
 
 
@@ -101,11 +109,14 @@ def write_report(run: str, out: str) -> Path:
     if not any(r.get("event") == "step" for r in records):
         raise ConfigError("RUN.jsonl", f"{run!r} has no step records (a --metrics-out file?)")
     summary = next((r for r in records if r.get("event") == "summary"), {})
-    facts = {k: summary[k] for k in ("world_size", "layout", "params", "final_loss", "steps") if k in summary}
-    sections = "\n".join(f"<section><h2>{html.escape(h)}</h2>\n{svg}\n</section>" for h, svg in charts(records))
+    facts = {k: summary[k] for k in ("world_size", "layout", "params", "final_loss", "steps")
+             if k in summary}
+    sections = "\n".join(f"<section><h2>{html.escape(h)}</h2>\n{svg}\n</section>"
+                         for h, svg in charts(records))
     page = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>trainmesh run {html.escape(Path(run).name)}</title>"
-            "<style>body{font-family:sans-serif;max-width:60em;margin:auto}svg{max-width:100%;height:auto}</style>"
+            "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
+            "svg{max-width:100%;height:auto}</style>"
             f"</head><body><h1>trainmesh run: {html.escape(Path(run).name)}</h1>"
             f"<pre>{html.escape(json.dumps(facts, indent=1))}</pre>\n{sections}\n</body></html>\n")
     path = Path(out)

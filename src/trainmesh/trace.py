@@ -115,7 +115,8 @@ def _comm_events(spans: list[tuple], pid: int, us, first_step: int) -> list[dict
             ends[lane] = b
         if (axis, lane) not in tids:
             tids[(axis, lane)] = tid = len(tids) + 1
-            events.append(_meta("thread_name", pid, tid, f"comm {axis}" + (f" #{lane + 1}" if lane else "")))
+            name = f"comm {axis}" + (f" #{lane + 1}" if lane else "")
+            events.append(_meta("thread_name", pid, tid, name))
         events.append({"name": op, "cat": "comm", "ph": "X", "pid": pid, "tid": tids[(axis, lane)],
                        "ts": us(a), "dur": us(b) - us(a),
                        "args": {"axis": axis, "bytes": nbytes, "step": first_step + k,
