@@ -1,7 +1,9 @@
 """Training data: a learnable synthetic language, text files and token files.
 
 The global batch of step k is a function of (seed, k) only, whatever the layout; each DP rank
-takes its contiguous slice of rows (:func:`dp_slice`). A batch is a dict with ``input_ids`` and
+takes its contiguous slice of rows (:func:`dp_slice`). Evaluation reads a held-out split
+(:func:`make_datasets`): the last 5% of a token stream, or a disjoint seed stream of the
+synthetic language. A batch is a dict with ``input_ids`` and
 ``labels`` (the next tokens), both (batch, seq) int64.
 """
 from __future__ import annotations
@@ -18,8 +20,15 @@ from .errors import ConfigError
 Batch = dict[str, torch.Tensor]
 
 
-def _generator(seed: int, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)  # any int64 seed
+HELD_OUT_FRACTION = 0.05
+"""The share of a token stream held out for evaluation (its end)."""
+_EVAL_STREAM = 0x9E3779B9
+"""Added to the synthetic corpus' generator seeds for evaluation: disjoint from training's
+(steps below 2.6e9). The CPU generator keeps a seed's low 32 bits, hence an offset below 2**32."""
+
+
+def _generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + step + stream) % 2**63)  # any int64 seed
 
 
 @dataclass
@@ -35,6 +44,8 @@ class SyntheticCorpus:
     seq_len: int
     branching: int = 4
     language_seed: int = 1234
+    stream: int = 0
+    """Offset of the sample seeds: 0 trains, ``_EVAL_STREAM`` evaluates (same language)."""
 
     def __post_init__(self) -> None:
         g = torch.Generator().manual_seed(self.language_seed)
@@ -43,7 +54,7 @@ class SyntheticCorpus:
         self.probs = probs / probs.sum()
 
     def batch(self, seed: int, step: int, batch_size: int) -> Batch:
-        g = _generator(seed, step)
+        g = _generator(seed, step, self.stream)
         tokens = torch.empty(batch_size, self.seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(0, self.vocab_size, (batch_size,), generator=g)
         choice = torch.multinomial(self.probs, batch_size * self.seq_len, replacement=True,
@@ -68,11 +79,17 @@ class TokenStream:
         return {"input_ids": rows_t[:, :-1].contiguous(), "labels": rows_t[:, 1:].contiguous()}
 
 
-def load_tokens(path: str) -> np.ndarray:
-    """Token file (.npy, or .bin as uint16 like nanoGPT) or a text file read as bytes (vocab 256)."""
+def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
+    """Token file (.npy, or .bin as uint16 like nanoGPT) or a text file read as bytes (vocab 256)
+    or tokenised by ``tokenizer`` (:mod:`trainmesh.tokenizer`)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError("--data", f"no such file {path!r}; use 'synthetic' or a text/token file")
+    if tokenizer != "bytes":
+        if p.suffix in (".npy", ".bin"):
+            raise ConfigError("--tokenizer", f"tokenises text files; {path!r} holds token ids already")
+        from .tokenizer import bpe_tokens, bpe_vocab
+        return bpe_tokens(path, bpe_vocab(tokenizer))  # type: ignore[arg-type]
     try:
         if p.suffix == ".npy":
             return np.load(p, mmap_mode="r", allow_pickle=False)
@@ -110,6 +127,31 @@ def make_dataset(data: str, *, vocab_size: int, seq_len: int):
     tokens = load_tokens(data)
     check_tokens(tokens, data, vocab_size=vocab_size, seq_len=seq_len)
     return TokenStream(tokens, seq_len)
+
+
+def split_tokens(tokens: np.ndarray, path: str, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens): the held-out split is the stream's last 5%, at least
+    one window of ``seq_len + 2`` tokens."""
+    held = max(int(len(tokens) * HELD_OUT_FRACTION), seq_len + 2)
+    if len(tokens) - held < seq_len + 2:
+        raise ConfigError("--eval-every", f"needs --data long enough to hold out {held} tokens "
+                          f"and train on {seq_len + 2}; {path!r} has {len(tokens)}")
+    return tokens[: len(tokens) - held], tokens[len(tokens) - held :]
+
+
+def make_datasets(data: str, *, vocab_size: int, seq_len: int, held_out: bool,
+                  tokenizer: str = "bytes"):
+    """(training set, evaluation set or None): with ``held_out``, a deterministic split that
+    every rank and layout computes alike (see :func:`split_tokens`)."""
+    if data == "synthetic":
+        train = SyntheticCorpus(vocab_size, seq_len)
+        return train, (SyntheticCorpus(vocab_size, seq_len, stream=_EVAL_STREAM) if held_out else None)
+    tokens = load_tokens(data, tokenizer)
+    check_tokens(tokens, data, vocab_size=vocab_size, seq_len=seq_len)
+    if not held_out:
+        return TokenStream(tokens, seq_len), None
+    train, val = split_tokens(tokens, data, seq_len)
+    return TokenStream(train, seq_len), TokenStream(val, seq_len)
 
 
 def dp_slice(batch: Batch, dp_rank: int, dp: int) -> Batch:

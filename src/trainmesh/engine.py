@@ -182,6 +182,20 @@ class Engine:
             return f"grad_norm {norm}"
         return self.precision.nonfinite()
 
+    def evaluate(self, batches: list[Any]) -> float:
+        """Mean loss over every token of this DP rank's ``batches`` and the other ranks': forward
+        only, through the executor (a pipeline runs its forward-only schedule); no gradients,
+        no optimizer state touched. Collective over the world."""
+        loss_sum, count = 0.0, 0.0
+        for batch in batches:
+            microbatches = split_microbatches(batch, self.config.microbatches)
+            s, n = self.executor.evaluate(microbatches, self.hooks)
+            loss_sum, count = loss_sum + s, count + n
+        holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
+        totals = torch.tensor([loss_sum, count] if holds_loss else [0.0, 0.0], dtype=torch.float64)
+        self.comm.all_reduce(totals, "world")
+        return (totals[0] / totals[1]).item()
+
     def _all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
         self.comm.all_reduce(t, "world", op=dist.ReduceOp.MIN)
         return t

@@ -75,8 +75,14 @@ class Executor(Protocol):
     tied_parameters: list[nn.Parameter]
     """Parameters also held by another pipeline rank, their gradients summed over those ranks."""
     last_timeline: Timeline | None
-    """The measured actions of the last step (pipelines), else None."""
+    """The measured actions of the last step (this rank's row is its pipeline index; without a
+    pipeline, one row of F and B per microbatch), else None."""
 
     def run(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
         """Forward and backward over every microbatch; (loss_sum, token_count) of this rank."""
+        ...
+
+    def evaluate(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
+        """Forward only (no gradients, no hooks of the DP strategy's backward) over every
+        microbatch; (loss_sum, token_count) of this rank, zeros where it holds no loss."""
         ...

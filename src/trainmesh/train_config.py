@@ -44,6 +44,9 @@ class TrainConfig:
     vocab_size: int | None = setting(None, "override the preset's vocabulary size", ge=1)
     data: str = setting("synthetic", "'synthetic', or a text file (bytes) / token file (.npy, "
                                      ".bin uint16)", path=True)
+    tokenizer: str = setting("bytes", "text --data as 'bytes' (vocab 256) or 'bpe:VOCAB' (a "
+                                      "byte-level BPE trained on the file, cached beside it; "
+                                      "sets --vocab-size)")
     global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
                                     "microbatches", ge=1)
     optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS)
@@ -62,6 +65,15 @@ class TrainConfig:
     max_restarts: int = setting(0, "restarts of failed workers (local runs)", ge=0)
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
                                              "(pipeline runs)", path=True)
+    eval_every: int | None = setting(None, "validation loss on the held-out split (the last 5 percent "
+                                           "of --data, or a disjoint synthetic stream) every N "
+                                           "steps", ge=1)
+    eval_batches: int = setting(4, "global batches per evaluation (--eval-every)", ge=1)
+    trace_out: str | None = setting(None, "Chrome/Perfetto trace JSON of the last --trace-steps "
+                                          "steps, every rank in one file", path=True)
+    trace_steps: int = setting(2, "steps in the --trace-out trace (the run's last)", ge=1)
+    tensorboard: str | None = setting(None, "directory for TensorBoard event files (needs the "
+                                            "tensorboard package)", path=True)
     device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES)
     on_nonfinite: str = setting("stop", "a non-finite loss or gradient norm: stop (exit 1, nothing "
                                         "non-finite saved) or skip the step (stop after a bound)",
@@ -75,6 +87,14 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelConfig):
             raise TypeError("TrainConfig.parallel must be a ParallelConfig")
         check_fields(self)
+        from .tokenizer import bpe_vocab
+        bpe = bpe_vocab(self.tokenizer)
+        if bpe is not None:
+            if self.data == "synthetic":
+                raise ConfigError("--tokenizer", "bpe tokenises a text --data file; the synthetic "
+                                  "corpus has its own vocabulary")
+            if self.vocab_size is None:
+                self.vocab_size = bpe
         if self.exit_after is not None and self.exit_after > self.steps:
             raise ConfigError("--exit-after", f"must be a step in 1..--steps ({self.steps}); "
                               f"got {self.exit_after}")

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .data import dp_slice, make_dataset
+from .data import dp_slice, make_datasets
 from .distributed import init_distributed, shutdown
 from .engine import Engine
+from .evaluation import make_evaluator
 from .flops import device_peak_tflops, mfu
 from .materialize import returning_freed_memory
 from .mesh import ParallelMesh
@@ -26,6 +27,8 @@ from .progress import Progress, print_summary
 from .resume import check_resume, run_record, schedule_changed
 from .savedir import SaveDirLock, remove_stale_tmp
 from .schedule_lr import warmup_cosine
+from .tensorboard_log import TensorBoardLog
+from .trace import make_tracer
 from .train_config import TrainConfig
 
 log = logging.getLogger("trainmesh")
@@ -93,12 +96,16 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         engine = build_engine(cfg, device, mesh)
     init_peak = memory_peak(device)   # process start to model built, sharded, optimizer made
     gpt = cfg.gpt_config()
-    dataset = make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
+    dataset, held_out = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
+                                      held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
+    evaluator = make_evaluator(engine, held_out, cfg)
     start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)
     metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start)
+    board = TensorBoardLog(cfg.tensorboard if rank0 else None)
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
+    tracer = make_tracer(engine, cfg, start, last)
     log.info("trainmesh: %s params, world %d %s, %d steps", f"{gpt.num_params():,}", mesh.world_size,
              {k: v for k, v in p.layout().items()}, cfg.steps)
     peak = device_peak_tflops(device, p.precision, cfg.peak_tflops)
@@ -109,9 +116,13 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         for step in range(start, last + 1):
             batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
             batch = {k: v.to(device) for k, v in batch.items()}
+            if tracer is not None:
+                tracer.before_step(step)
             t0 = time.perf_counter()
             loss = engine.train_step(batch)
             dt = time.perf_counter() - t0
+            if tracer is not None:
+                tracer.after_step(step, t0, t0 + dt)
             first_loss = loss if step == 1 else first_loss
             timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
             tps = tokens / dt if dt > 0 else 0.0
@@ -119,21 +130,42 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                    "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
                    "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
                    **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
-            metrics.write(row)
             bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
+            _publish(row, engine, device, metrics, board, evaluator)
             nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
                 _save(cfg, engine, step)
-    if cfg.timeline_out:   # collective: every rank's measured actions, drawn by rank 0
-        from .pipeline_parallel.timeline import write_timeline
-        write_timeline(engine.executor, engine.comm, cfg.timeline_out)
+    _draw(cfg, engine, tracer)
     summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem, init_peak)
     tps = timed[0] / timed[1] if timed[1] > 0 else 0.0
     summary.update(tokens_per_s=tps, mfu=mfu(tps, engine.flops_per_token, peak, mesh.world_size))
     metrics.write(summary)
+    board.close(summary)
     if rank0:
         print_summary(summary, first_loss=first_loss)
     return 0
+
+
+def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics: MetricsWriter,
+             board: TensorBoardLog, evaluator: Any) -> None:
+    """A step's record to the metrics file and TensorBoard; the held-out loss when it is due
+    (collective)."""
+    metrics.write(row)
+    board.step(row, engine.comm.ledger.steps[-1], memory_now(device))
+    if evaluator is not None and evaluator.due(row["step"]):
+        scored = evaluator.run(row["step"])
+        metrics.write(scored)
+        board.eval(scored)
+
+
+def _draw(cfg: TrainConfig, engine: Engine, tracer: Any) -> None:
+    """The trace and the pipeline timeline (collectives: every rank's spans and actions,
+    written by rank 0)."""
+    if tracer is not None:
+        tracer.write()
+    if cfg.timeline_out:
+        from .pipeline_parallel.timeline import write_timeline
+        write_timeline(engine.executor, engine.comm, cfg.timeline_out)
 
 
 def _check_finite(cfg: TrainConfig, engine: Engine, step: int, run: int) -> int:

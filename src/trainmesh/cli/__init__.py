@@ -19,6 +19,7 @@ COMMANDS = {
     "bench": ".bench",
     "checkpoint": ".checkpoint",
     "launch": ".launch",
+    "report": ".report",
 }
 
 

@@ -80,10 +80,15 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         check_processes(local_ranks)
     if not cfg.force:
         check_memory(cfg, local_ranks=local_ranks, cuda=device == "cuda")
-    for flag, path in (("--save-dir", cfg.save_dir), ("--offload-dir", p.offload_dir)):
+    if cfg.tensorboard is not None:
+        from ..tensorboard_log import require_tensorboard
+        require_tensorboard()
+    for flag, path in (("--save-dir", cfg.save_dir), ("--offload-dir", p.offload_dir),
+                       ("--tensorboard", cfg.tensorboard)):
         if path is not None:
             check_output_dir(flag, path)
-    for flag, path in (("--metrics-out", cfg.metrics_out), ("--timeline-out", cfg.timeline_out)):
+    for flag, path in (("--metrics-out", cfg.metrics_out), ("--timeline-out", cfg.timeline_out),
+                       ("--trace-out", cfg.trace_out)):
         if path is not None:
             check_output_file(flag, path)
     if p.strategy == "ps" and (cfg.save_dir or cfg.timeline_out):   # parameter server: no checkpoints yet
@@ -97,9 +102,10 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         from ..models.gpt import GPT
         check_safetensors(cfg.init_from, GPT(cfg.gpt_config(), device="meta"))
     if cfg.data != "synthetic":
-        from ..data import make_dataset
+        from ..data import make_datasets
         gpt = cfg.gpt_config()
-        make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
+        make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
+                      held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,9 @@ groups spanning several axes): :meth:`Ledger.bytes_per_step` reports it under th
 
 Traffic is attributed to the open step window; traffic outside any window (set-up, e.g. an
 initial broadcast) is kept apart, so per-step averages describe training only.
+
+While ``tracing`` (``--trace-out``), every op of a step window also leaves a :class:`Span`
+(issue to completion, ``perf_counter`` seconds) in ``spans``; off, it costs one test per op.
 """
 from __future__ import annotations
 
@@ -38,6 +41,19 @@ class OpStats:
         self.seconds += seconds
 
 
+@dataclass
+class Span:
+    """One op as this rank saw it: issued at ``start``, complete at ``end`` (None: in flight)."""
+
+    step: int
+    """Index of the step window (0-based, as in ``Ledger.steps``)."""
+    axis: str
+    op: str
+    nbytes: int
+    start: float
+    end: float | None = None
+
+
 def _stats_table() -> defaultdict[str, defaultdict[str, OpStats]]:
     return defaultdict(lambda: defaultdict(OpStats))
 
@@ -49,6 +65,20 @@ class Ledger:
     steps: list[dict[str, dict[str, OpStats]]] = field(default_factory=list)
     setup: defaultdict[str, defaultdict[str, OpStats]] = field(default_factory=_stats_table)
     _window: defaultdict[str, defaultdict[str, OpStats]] | None = None
+    tracing: bool = False
+    spans: list[Span] = field(default_factory=list)
+
+    def open_span(self, axis: str, op: str, nbytes: int, start: float) -> Span | None:
+        """A span for an op issued at ``start`` inside a step window, while tracing; else None."""
+        if not self.tracing or self._window is None:
+            return None
+        span = Span(len(self.steps), canonical_axis(axis), op, nbytes, start)
+        self.spans.append(span)
+        return span
+
+    def step_bytes(self, step: int) -> int:
+        """Payload bytes of step window ``step`` over every axis and op."""
+        return sum(s.bytes for ops in self.steps[step].values() for s in ops.values())
 
     def record(self, axis: str, op: str, nbytes: int, seconds: float = 0.0) -> None:
         table = self._window if self._window is not None else self.setup

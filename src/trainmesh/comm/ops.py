@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..errors import CommTimeout
 from ..mesh import ParallelMesh
 from .diagnose import exchange, silent_ranks, verdict
-from .ledger import Ledger, canonical_axis
+from .ledger import Ledger, Span, canonical_axis
 
 ReduceOp = dist.ReduceOp
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -34,13 +34,18 @@ def nbytes(t: torch.Tensor) -> int:
 class Handle:
     """An async op in flight; ``wait()`` blocks (with the timeout) and books the waiting time."""
 
-    def __init__(self, comm: "Comm", work: Any, axis: str, op: str, started: float) -> None:
+    def __init__(self, comm: "Comm", work: Any, axis: str, op: str, started: float,
+                 span: Span | None = None) -> None:
         self._comm, self._work, self.axis, self.op, self._started = comm, work, axis, op, started
         self.done = work is None
+        self._span = span
 
     def is_completed(self) -> bool:
         """Whether the op has finished (without waiting)."""
-        return self.done or self._work is None or bool(self._work.is_completed())
+        finished = self.done or self._work is None or bool(self._work.is_completed())
+        if finished and self._span is not None and self._span.end is None:
+            self._span.end = time.perf_counter()
+        return finished
 
     def wait(self) -> None:
         if self.done:
@@ -52,7 +57,10 @@ class Handle:
             raise self._comm.failure(self.op, self.axis, exc) from exc
         if ok is False:
             raise self._comm.failure(self.op, self.axis, TimeoutError(f"timed out after {self._comm.timeout_s}s"))
-        self._comm.ledger.add_seconds(self.axis, self.op, time.perf_counter() - t0)
+        now = time.perf_counter()
+        self._comm.ledger.add_seconds(self.axis, self.op, now - t0)
+        if self._span is not None and self._span.end is None:
+            self._span.end = now
         self.done = True
 
 
@@ -98,12 +106,13 @@ class Comm:
         self.recent.append((self.seq, op, axis, shape))
         self.ledger.record(axis, op, payload)
         started = time.perf_counter()
+        span = self.ledger.open_span(axis, op, payload, started)
         try:
             work = fn(async_op)
         except RuntimeError as exc:
             raise self.failure(op, axis, exc) from exc
         self.ledger.add_seconds(axis, op, time.perf_counter() - started)
-        handle = Handle(self, work, axis, op, started)
+        handle = Handle(self, work, axis, op, started, span)
         if async_op:
             return handle
         handle.wait()
@@ -244,8 +253,10 @@ class Comm:
             self.recent.append((self.seq, kind, axis, tuple(t.shape)))
             self.ledger.record(axis, kind, nbytes(t))
         started = time.perf_counter()
+        spans = [self.ledger.open_span(axis, kind, nbytes(t), started) for kind, t, _ in ops]
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as exc:
             raise self.failure("batch_p2p", axis, exc) from exc
-        return [Handle(self, w, axis, kind, started) for w, (kind, _, _) in zip(works, ops)]
+        return [Handle(self, w, axis, kind, started, span)
+                for w, (kind, _, _), span in zip(works, ops, spans)]

@@ -14,6 +14,9 @@ action of this rank, in order:
   output gradient received from stage ``s+1``; send the input gradient to stage ``s-1``; free
   the microbatch's activations.
 
+:meth:`evaluate` runs the forward-only schedule (:func:`.schedules.forward_only`: the same
+``F`` actions, no backward) without gradients, over its own message plan.
+
 Sends and receives come from :mod:`.p2p` (deadlock-free for any schedule that simulates). The
 runtime knows nothing of data parallelism: it tells the step's hooks once that every parameter
 sees ``m`` backward passes (``hooks.expect_backwards``), and the engine's strategy reduces each
@@ -35,7 +38,7 @@ from ..mesh import ParallelMesh
 from ..step import LossFn, StepHooks
 from .p2p import StageP2P
 from .partition import named_pipeline_layers, partition
-from .schedules import FORWARD, Action, Schedule, TimedAction, Timeline
+from .schedules import FORWARD, Action, Schedule, TimedAction, Timeline, forward_only
 from .stage import ActivationTracker, Chunk, LocalModule, StageIO, release_layers
 
 
@@ -83,6 +86,7 @@ class PipelineExecutor:
         # (``device`` given: the parameters may still be on the meta device, sharded init)
         self.device = device or (params[0].device if params else torch.device("cpu"))
         self.p2p = StageP2P(comm, schedule, self.rank, self.peers, self.device)
+        self._eval_p2p: StageP2P | None = None   # the forward-only schedule's, built on first use
         self.track_memory = False
         """Book activation bytes per in-flight microbatch (``activation_peak_bytes``)."""
         self.tracker = ActivationTracker()
@@ -167,6 +171,32 @@ class PipelineExecutor:
         rows[self.rank] = row
         self.last_timeline = Timeline(rows, self.schedule.virtual_stages, "s", self.schedule.name)
         return self._loss, self._count
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
+        """Forward-only schedule over the microbatches; (loss_sum, count) of this rank."""
+        if len(microbatches) != self.schedule.microbatches:
+            raise ConfigError("microbatches", f"the pipeline schedule expects "
+                                              f"{self.schedule.microbatches}; got {len(microbatches)}")
+        if self._eval_p2p is None:
+            self._eval_p2p = StageP2P(self.comm, forward_only(self.schedule), self.rank,
+                                      self.peers, self.device)
+        p2p = self._eval_p2p
+        p2p.begin(batch_key(microbatches[0]))
+        loss, count = 0.0, 0.0
+        for a in p2p.schedule.actions[self.rank]:
+            s, batch = a.stage, microbatches[a.microbatch]
+            first, last = self.schedule.is_first_stage(s), self.schedule.is_last_stage(s)
+            x = self.io.input_of(batch) if first else p2p.take(("act", s, a.microbatch))
+            with hooks.autocast():
+                out = self.chunks[s](x)                    # (b, s, d) for the GPT
+                if last:
+                    loss_sum, n = self.io.loss(out, batch)
+                    loss, count = loss + float(loss_sum), count + float(n)
+            if not last:
+                p2p.send(("act", s + 1, a.microbatch), out)
+        p2p.finish()
+        return loss, count
 
     def _forward(self, a: Action, batch: Any, hooks: StepHooks) -> TimedAction:
         s, i = a.stage, a.microbatch

@@ -222,6 +222,14 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
     return Schedule(name, pp, microbatches, virtual_stages, actions)
 
 
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards alone, in each rank's order: an evaluation pass. It cannot
+    deadlock where the schedule does not: its dependencies are a subset of the schedule's."""
+    actions = [[a for a in acts if a.kind == FORWARD] for acts in schedule.actions]
+    return Schedule(f"{schedule.name}-forward", schedule.pp, schedule.microbatches,
+                    schedule.virtual_stages, actions)
+
+
 def _check_args(name: str, pp: int, microbatches: int, virtual_stages: int) -> None:
     if name not in SCHEDULES:
         raise ConfigError("schedule", f"must be one of {', '.join(SCHEDULES)}; got {name!r}")

@@ -1,0 +1,26 @@
+"""``trainmesh report RUN.jsonl -o report.html``: one self-contained HTML page of a run."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .paths import check_output_file
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``report`` sub-command."""
+    parser = subparsers.add_parser(
+        "report", help="an HTML page of a run's metrics file (curves, memory, traffic)",
+        description="Draw a --metrics-out file as one self-contained HTML page (inline SVG).")
+    parser.add_argument("metrics", metavar="RUN.jsonl", help="the metrics file of a run")
+    parser.add_argument("-o", "--out", default="report.html", help="the HTML file (report.html)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..report import write_report
+    check_output_file("--out", args.out)
+    path = write_report(args.metrics, args.out)
+    print(f"trainmesh report: wrote {path}")
+    return 0
