@@ -141,17 +141,10 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- the public operators
-_eager = torch.compiler.disable
-"""Every operator runs outside ``torch.compile`` graphs (``--compile``): its collective goes
-through the Comm (ledger, timeouts), which dynamo cannot trace; a compiled block breaks its graph
-at each one (docs/COMPILE.md)."""
-
-
 def _trivial(comm: Comm, axis: str) -> bool:
     return comm.mesh.size(axis) == 1
 
 
-@_eager
 def copy_to_region(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.Tensor:
     """f: fwd identity, bwd all-reduce of the gradient. (b, s, h) -> (b, s, h).
 
@@ -161,25 +154,21 @@ def copy_to_region(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.Tenso
     return x if _trivial(comm, axis) else _CopyToRegion.apply(x, comm, axis)
 
 
-@_eager
 def reduce_from_region(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.Tensor:
     """g: fwd all-reduce (sum of partial outputs), bwd identity. (b, s, h) -> (b, s, h)."""
     return x if _trivial(comm, axis) else _ReduceFromRegion.apply(x, comm, axis)
 
 
-@_eager
 def scatter_to_region(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.Tensor:
     """fwd keep own chunk of the last dim, bwd all-gather. (..., h) -> (..., h/n)."""
     return x if _trivial(comm, axis) else _Split.apply(x, -1, comm, axis)
 
 
-@_eager
 def gather_from_region(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.Tensor:
     """fwd all-gather along the last dim, bwd keep own chunk. (..., h/n) -> (..., h)."""
     return x if _trivial(comm, axis) else _Gather.apply(x, -1, comm, axis, False)
 
 
-@_eager
 def scatter_to_sequence(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.Tensor:
     """fwd keep own chunk of the sequence, bwd all-gather. (b, s, h) -> (b, s/n, h).
 
@@ -188,7 +177,6 @@ def scatter_to_sequence(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.
     return x if _trivial(comm, axis) else _Split.apply(x, SEQ_DIM, comm, axis)
 
 
-@_eager
 def gather_from_sequence(x: torch.Tensor, comm: Comm, axis: str = "tp", *,
                          partial_grad: bool = True) -> torch.Tensor:
     """fwd all-gather along the sequence, bwd reduce-scatter. (b, s/n, h) -> (b, s, h).
@@ -202,7 +190,6 @@ def gather_from_sequence(x: torch.Tensor, comm: Comm, axis: str = "tp", *,
     return _Gather.apply(x, SEQ_DIM, comm, axis, partial_grad)
 
 
-@_eager
 def reduce_scatter_to_sequence(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.Tensor:
     """The sequence-parallel g: fwd reduce-scatter along the sequence, bwd all-gather.
 
