@@ -193,7 +193,7 @@ def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
             ranks.append(RankPrediction(rank, _coords(rank, layout), dict(states),
                                         {k: dict(v) for k, v in comm.items()}, int(acts), peak,
                                         int(base_bytes),
-                                        _init_peak(held, layout, gpt, states, base_bytes)))
+                                        _init_peak(held, layout, gpt, states, base_bytes + runtime_bytes)))
     return RunPrediction(layout.layout(), gpt.num_params(), ranks)
 
 
