@@ -14,7 +14,10 @@ from .engine import Engine
 from .errors import CommTimeout, ConfigError
 from .mesh import ParallelMesh
 from .parameter_server import PSEngine
+from .pretrained import causal_lm_loss, from_pretrained
+from .tensor_parallel.hf import hf_tp_plan
 
 __version__ = "0.1.0"
 __all__ = ["Comm", "CommTimeout", "ConfigError", "Engine", "Ledger", "ParallelConfig",
-           "PSEngine", "ParallelMesh", "init_distributed", "shutdown"]
+           "PSEngine", "ParallelMesh", "causal_lm_loss", "from_pretrained", "hf_tp_plan",
+           "init_distributed", "shutdown"]

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from .comm import Comm
 from .data_parallel.base import GradSync
-from .tensor_parallel.state import full_tensor, shard_dim, shard_of
+from .tensor_parallel.state import full_tensor, shard_dim, shard_of, shard_parts
 
 MANIFEST = "manifest.json"
 FORMAT = "trainmesh-checkpoint-1"
@@ -69,7 +69,7 @@ def _sha256(path: Path) -> str:
 def _tp_slice(comm: Comm, p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """This rank's tp slice of ``full``, sharded as ``p`` is."""
     dim = shard_dim(p) if full.dim() else None
-    return shard_of(full, dim, comm.mesh.index("tp"), comm.mesh.size("tp")).contiguous()
+    return shard_of(full, dim, comm.mesh.index("tp"), comm.mesh.size("tp"), shard_parts(p)).contiguous()
 
 
 def _writer(key: str, comm: Comm) -> int:

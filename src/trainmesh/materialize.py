@@ -7,7 +7,8 @@ An *init function* ``init(name, shape, index) -> tensor`` returns ``full[index]`
 dimension): the GPT's seeded init (:func:`trainmesh.models.init.init_value`), pretrained
 weights read slice by slice from a safetensors file (:func:`safetensors_init`), or the user's.
 A tensor-parallel shard knows which slice it is (``_tm_full_shape``, ``_tm_tp_dim``,
-``_tm_tp_start``); anything else is whole. The engine materialises after the tensor and
+``_tm_tp_start``, and ``_tm_tp_parts`` for a slice of each block of a fused projection, built
+from one init call per block); anything else is whole. The engine materialises after the tensor and
 pipeline split (so a stage or a TP rank builds only its own), and ZeRO-3 unit by unit, keeping
 only its flat shard.
 """
@@ -27,13 +28,28 @@ InitFn = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
 
 
 def slice_of(p: nn.Parameter) -> tuple[tuple[int, ...], tuple[slice, ...]]:
-    """(full shape, index) of the part of its logical parameter ``p`` holds."""
+    """(full shape, index) of the part of its logical parameter ``p`` holds (one plain slice)."""
+    shape, pieces = pieces_of(p)
+    if len(pieces) != 1:
+        raise ValueError("a shard of a fused projection is several slices: use pieces_of")
+    return shape, pieces[0]
+
+
+def pieces_of(p: nn.Parameter) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
+    """(full shape, indices): ``p`` holds the concatenation of ``full[index]`` over the indices
+    along its TP dimension — one index, or one per block of a fused projection."""
     shape = tuple(getattr(p, "_tm_full_shape", p.shape))
-    index = [slice(0, n) for n in shape]
-    if getattr(p, "_tm_tp_sharded", False):
-        dim, start = p._tm_tp_dim, p._tm_tp_start   # type: ignore[attr-defined]
-        index[dim] = slice(start, start + p.shape[dim])
-    return shape, tuple(index)
+    if not getattr(p, "_tm_tp_sharded", False):
+        return shape, [tuple(slice(0, n) for n in shape)]
+    dim, start = p._tm_tp_dim, p._tm_tp_start   # type: ignore[attr-defined]
+    parts = getattr(p, "_tm_tp_parts", 1)
+    block, width = shape[dim] // parts, p.shape[dim] // parts
+    pieces = []
+    for j in range(parts):
+        index = [slice(0, n) for n in shape]
+        index[dim] = slice(j * block + start, j * block + start + width)
+        pieces.append(tuple(index))
+    return shape, pieces
 
 
 @torch.no_grad()
@@ -42,49 +58,50 @@ def materialize(named: list[tuple[str, nn.Parameter]], init: InitFn, device: tor
     for name, p in named:
         if not p.is_meta:
             continue
-        shape, index = slice_of(p)
-        value = init(name, shape, index)
+        shape, pieces = pieces_of(p)
+        values = [init(name, shape, index) for index in pieces]
+        value = values[0] if len(values) == 1 else torch.cat(values, p._tm_tp_dim)  # type: ignore[attr-defined]
         if tuple(value.shape) != tuple(p.shape):
-            raise ValueError(f"init of {name}{list(index)} gave shape {tuple(value.shape)}, "
+            raise ValueError(f"init of {name}{pieces} gave shape {tuple(value.shape)}, "
                              f"expected {tuple(p.shape)}")
         real = nn.Parameter(value.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
         real.__dict__.update(p.__dict__)      # attributes (``_tm_*``) travel with the swap
         torch.utils.swap_tensors(p, real)     # same object: hooks and references stay valid
 
 
-def safetensors_init(path: str) -> InitFn:
+def safetensors_init(path: str, *, field: str = "--init-from") -> InitFn:
     """Pretrained weights from a safetensors file (``trainmesh checkpoint consolidate`` output or
     a Hugging Face-style ``model.safetensors`` with the model's parameter names); each call reads
-    only the slice asked for. A missing name or another shape: ConfigError naming --init-from."""
+    only the slice asked for. A missing name or another shape: ConfigError naming ``field``."""
     from safetensors import safe_open
     handle = safe_open(path, framework="pt")
 
     def init(name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
         if name not in handle.keys():
-            raise ConfigError("--init-from", f"{path} has no tensor {name!r}")
+            raise ConfigError(field, f"{path} has no tensor {name!r}")
         part = handle.get_slice(name)
         if tuple(part.get_shape()) != tuple(shape):
-            raise ConfigError("--init-from", f"{path}: {name} has shape {tuple(part.get_shape())}, "
+            raise ConfigError(field, f"{path}: {name} has shape {tuple(part.get_shape())}, "
                               f"the model's is {tuple(shape)}")
         return part[index].to(torch.float32)
     return init
 
 
-def check_safetensors(path: str, model: nn.Module) -> None:
+def check_safetensors(path: str, model: nn.Module, *, field: str = "--init-from") -> None:
     """Every parameter of ``model`` (on meta is fine) is in the file with its shape, or
-    ConfigError naming --init-from: checked before any worker starts."""
+    ConfigError naming ``field``: checked before any worker starts."""
     from safetensors import safe_open
     try:
         with safe_open(path, framework="pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as exc:   # OSError, or safetensors' own SafetensorError
-        raise ConfigError("--init-from", f"cannot read {path} as safetensors: {exc}") from exc
+        raise ConfigError(field, f"cannot read {path} as safetensors: {exc}") from exc
     for name, p in model.named_parameters():
         if name not in shapes:
-            raise ConfigError("--init-from", f"{path} has no tensor {name!r} (valid: a file with "
+            raise ConfigError(field, f"{path} has no tensor {name!r} (valid: a file with "
                               "the model's parameter names, e.g. `trainmesh checkpoint consolidate`)")
         if shapes[name] != tuple(p.shape):
-            raise ConfigError("--init-from", f"{path}: {name} has shape {shapes[name]}, the model's "
+            raise ConfigError(field, f"{path}: {name} has shape {shapes[name]}, the model's "
                               f"is {tuple(p.shape)} (another --layers/--d-model/--vocab-size?)")
 
 

@@ -6,6 +6,7 @@ loss (:mod:`.loss`) and the differentiable collectives (:mod:`.mappings`) are us
 See docs/TENSOR_PARALLEL.md.
 """
 from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
+from .hf import hf_tp_plan
 from .loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence, scatter_to_region, scatter_to_sequence)
@@ -14,6 +15,6 @@ from .plan import STYLES, default_plan
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "STYLES", "TPState", "VocabParallelCrossEntropy",
            "VocabParallelEmbedding", "copy_to_region", "default_plan", "gather_from_region",
-           "gather_from_sequence", "parallelize", "reduce_from_region",
+           "gather_from_sequence", "hf_tp_plan", "parallelize", "reduce_from_region",
            "reduce_scatter_to_sequence", "scatter_to_region", "scatter_to_sequence",
            "vocab_parallel_cross_entropy"]

@@ -6,6 +6,12 @@ gradient norm on every TP rank) and ``_tm_tp_dim``, the dimension of the full te
 replicated ones (the row-parallel bias) carry neither. Parameter attribute names stay ``weight``
 and ``bias``, so a model's parameter names do not change.
 
+The linear layers take an ``nn.Linear`` (weight ``(out, in)``) or a Hugging Face ``Conv1D``
+(GPT-2: weight ``(in, out)``, ``y = x W + b``), whose layout they keep (``transposed``), so the
+sharded parameters stay slices of the model's own tensors. A fused projection (``parts`` > 1,
+e.g. GPT-2's ``c_attn`` = [q | k | v]) splits each of its equal output blocks, so every rank holds
+whole heads of q, of k and of v; its shard carries ``_tm_tp_parts``.
+
 What each layer communicates (n = TP degree; SP = sequence parallel):
 
 - :class:`ColumnParallelLinear`: enters the region on its input (f: fwd identity, bwd all-reduce;
@@ -26,6 +32,7 @@ from torch import nn
 from ..comm import Comm
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence, scatter_to_region)
+from .state import shard_of
 
 
 @dataclass
@@ -61,16 +68,44 @@ class TPState:
             return reduce_scatter_to_sequence(y, self.comm, self.axis)  # (b, s, h) -> (b, s/n, h)
         return reduce_from_region(y, self.comm, self.axis)
 
-    def shard(self, full: torch.Tensor, dim: int) -> nn.Parameter:
-        """This rank's slice of ``full`` along ``dim``, as a fresh (1/n-sized) sharded parameter."""
-        width = full.shape[dim] // self.size
-        piece = full.detach().narrow(dim, self.rank * width, width).clone()
+    def shard(self, full: torch.Tensor, dim: int, parts: int = 1) -> nn.Parameter:
+        """This rank's slice of ``full`` along ``dim``, as a fresh (1/n-sized) sharded parameter;
+        with ``parts`` > 1, its slice of each of ``parts`` equal blocks along ``dim``, concatenated."""
+        width = full.shape[dim] // (parts * self.size)
+        piece = shard_of(full.detach(), dim, self.rank, self.size, parts).clone()
         p = nn.Parameter(piece, requires_grad=full.requires_grad)
         p._tm_tp_sharded = True  # type: ignore[attr-defined]
         p._tm_tp_dim = dim       # type: ignore[attr-defined]
         p._tm_full_shape = tuple(full.shape)    # type: ignore[attr-defined]  # sharded init:
         p._tm_tp_start = self.rank * width      # type: ignore[attr-defined]  # full[.., start:+w]
+        if parts > 1:                           # ... of each block of full.shape[dim] / parts
+            p._tm_tp_parts = parts              # type: ignore[attr-defined]
         return p
+
+
+def _weight_of(layer: nn.Module) -> tuple[nn.Parameter, bool]:
+    """(weight, transposed): an ``nn.Linear``'s ``(out, in)`` weight, or a Hugging Face
+    ``Conv1D``'s ``(in, out)`` one (transposed)."""
+    if type(layer) is nn.Linear:
+        return layer.weight, False
+    if is_conv1d(layer):
+        return layer.weight, True
+    raise TypeError(f"{type(layer).__name__} is neither an nn.Linear nor a Hugging Face Conv1D")
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """A Hugging Face ``Conv1D`` (GPT-2's linear layer, weight ``(in, out)``), recognised without
+    importing transformers."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor)
+            and tuple(weight.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+
+
+def features(layer: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an ``nn.Linear`` or a ``Conv1D``."""
+    weight, transposed = _weight_of(layer)
+    out, inp = weight.shape[::-1] if transposed else weight.shape
+    return inp, out
 
 
 def _check_divisible(what: str, value: int, state: TPState) -> None:
@@ -83,27 +118,33 @@ class ColumnParallelLinear(nn.Module):
 
     fwd: f on the input (see module docstring), local matmul; with ``gather_output``, also an
     all-gather along the last dim (bwd: keep own chunk). Shapes: (b, s, in) -> (b, s, out/n), or
-    (b, s, out) gathered. Under SP the input is (b, s/n, in).
+    (b, s, out) gathered. Under SP the input is (b, s/n, in). ``transposed``: the weight is
+    ``(in, out/n)`` (built from a Conv1D).
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: TPState, *,
-                 gather_output: bool = False) -> None:
+                 gather_output: bool = False, transposed: bool = False) -> None:
         super().__init__()
-        self.state, self.gather_output = state, gather_output
+        self.state, self.gather_output, self.transposed = state, gather_output, transposed
         self.weight, self.bias = weight, bias                       # (out/n, in), (out/n,)
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = weight.shape[::-1] if transposed else weight.shape
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, state: TPState, *,
-                    gather_output: bool = False) -> "ColumnParallelLinear":
-        _check_divisible("out_features", linear.out_features, state)
-        bias = state.shard(linear.bias, 0) if linear.bias is not None else None
-        return cls(state.shard(linear.weight, 0), bias, state, gather_output=gather_output)
+    def from_linear(cls, linear: nn.Module, state: TPState, *, gather_output: bool = False,
+                    parts: int = 1) -> "ColumnParallelLinear":
+        """From an ``nn.Linear`` or ``Conv1D``; ``parts`` > 1: a fused projection of that many
+        equal output blocks, each split (every rank keeps its slice of each)."""
+        weight, transposed = _weight_of(linear)
+        _check_divisible("out_features / parts", features(linear)[1] // parts, state)
+        bias = state.shard(linear.bias, 0, parts) if linear.bias is not None else None
+        return cls(state.shard(weight, 1 if transposed else 0, parts), bias, state,
+                   gather_output=gather_output, transposed=transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.state.inside_region:
             x = self.state.enter(x)                                 # (b, s, in)
-        y = F.linear(x, self.weight, self.bias)                     # (b, s, out/n)
+        weight = self.weight.t() if self.transposed else self.weight
+        y = F.linear(x, weight, self.bias)                          # (b, s, out/n)
         if self.gather_output:
             y = gather_from_region(y, self.state.comm, self.state.axis)  # (b, s, out)
         return y
@@ -119,29 +160,34 @@ class RowParallelLinear(nn.Module):
     fwd: local matmul (partial sums), then g (all-reduce; SP: reduce-scatter along the
     sequence), then + bias — once, after the reduction; bwd: identity (SP: all-gather). With
     ``input_is_parallel=False`` a full input is first split along its last dim (bwd all-gather).
-    Shapes: (b, s, in/n) -> (b, s, out); under SP -> (b, s/n, out).
+    Shapes: (b, s, in/n) -> (b, s, out); under SP -> (b, s/n, out). ``transposed``: the
+    weight is ``(in/n, out)`` (built from a Conv1D).
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: TPState, *,
-                 input_is_parallel: bool = True) -> None:
+                 input_is_parallel: bool = True, transposed: bool = False) -> None:
         super().__init__()
-        self.state, self.input_is_parallel = state, input_is_parallel
+        self.state, self.input_is_parallel, self.transposed = state, input_is_parallel, transposed
         self.weight, self.bias = weight, bias                       # (out, in/n), (out,) replicated
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = weight.shape[::-1] if transposed else weight.shape
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, state: TPState, *,
+    def from_linear(cls, linear: nn.Module, state: TPState, *,
                     input_is_parallel: bool = True) -> "RowParallelLinear":
-        _check_divisible("in_features", linear.in_features, state)
+        """From an ``nn.Linear`` or a ``Conv1D``."""
+        weight, transposed = _weight_of(linear)
+        _check_divisible("in_features", features(linear)[0], state)
         bias = None
         if linear.bias is not None:
             bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-        return cls(state.shard(linear.weight, 1), bias, state, input_is_parallel=input_is_parallel)
+        return cls(state.shard(weight, 0 if transposed else 1), bias, state,
+                   input_is_parallel=input_is_parallel, transposed=transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.state.comm, self.state.axis)  # (b, s, in/n)
-        y = self.state.leave(F.linear(x, self.weight))              # (b, s, out) or (b, s/n, out)
+        weight = self.weight.t() if self.transposed else self.weight
+        y = self.state.leave(F.linear(x, weight))                   # (b, s, out) or (b, s/n, out)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -9,6 +9,7 @@ gradients and the engine needs to know nothing of it.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ from ..mesh import ParallelMesh
 from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
 from .loss import VocabParallelCrossEntropy
 from .mappings import gather_from_sequence, scatter_to_sequence
-from .plan import REPLACING, Plan, check_divisible, default_plan, resolve
+from .hf import check_hf_tp, hf_model_type
+from .plan import HEAD_ATTRS, REPLACING, Plan, check_divisible, default_plan, resolve
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan | None = None,
@@ -38,6 +40,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
     check = getattr(model, "check_tp", None)
     if callable(check):
         check(tp, sequence_parallel=sequence_parallel)
+    elif hf_model_type(model):
+        check_hf_tp(model, tp, sequence_parallel=sequence_parallel)
     resolved = resolve(model, plan)
     check_divisible(resolved, tp)
     state = TPState(comm, axis, sequence_parallel)
@@ -59,9 +63,9 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TPState) -> nn.Module:
     """Apply one style to the module at ``name``; returns the module now at that name."""
     sp = state.sequence_parallel
-    if style in ("colwise", "vocab_head", "colwise_gather"):
-        new = ColumnParallelLinear.from_linear(module, state,  # type: ignore[arg-type]
-                                               gather_output=style == "colwise_gather")
+    if style in ("colwise", "vocab_head", "colwise_gather", "colwise_qkv"):
+        new = ColumnParallelLinear.from_linear(module, state, gather_output=style == "colwise_gather",
+                                               parts=3 if style == "colwise_qkv" else 1)
         return _replace(model, name, new)
     if style == "rowwise":
         new = RowParallelLinear.from_linear(module, state)  # type: ignore[arg-type]
@@ -75,6 +79,11 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TP
         return _replace(model, name, VocabParallelCrossEntropy(state, ignore_index=ignore))
     if style == "parallel_input":
         _enter_on_input(module, state)
+    elif style == "local_heads":
+        for attr in HEAD_ATTRS:
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(module, attr, value // state.size)     # this rank's heads (checked: divides)
     elif style == "sequence_parallel" and sp:
         for p in module.parameters():
             if not getattr(p, "_tm_tp_sharded", False):
@@ -89,20 +98,27 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TP
 
 
 def _enter_on_input(module: nn.Module, state: TPState) -> None:
-    """The module's first positional input enters the region once; column layers inside skip f."""
+    """The module's activation — its forward's first argument, given by position or by keyword
+    (Hugging Face calls ``self_attn(hidden_states=...)``) — enters the region once; column
+    layers inside skip f."""
+    first = next(iter(inspect.signature(module.forward).parameters), None)
 
-    def pre(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        if not args or not torch.is_tensor(args[0]):
-            raise TypeError(f"parallel_input: {type(_m).__name__} must get its activation as the "
-                            "first positional argument")
-        entered = args[0] if state.inside_region else state.enter(args[0])  # (b, s, h)
+    def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        by_keyword = not args and first in kwargs
+        x = kwargs[first] if by_keyword else (args[0] if args else None)
+        if not torch.is_tensor(x):
+            raise TypeError(f"parallel_input: {type(m).__name__} must get its activation as its "
+                            f"first argument ({first!r}, by position or keyword)")
+        entered = x if state.inside_region else state.enter(x)   # (b, s, h)
         state.inside_region += 1
-        return (entered, *args[1:])
+        if by_keyword:
+            return args, {**kwargs, first: entered}
+        return (entered, *args[1:]), kwargs
 
     def post(_m: nn.Module, _args: tuple[Any, ...], _out: Any) -> None:
         state.inside_region -= 1
 
-    module.register_forward_pre_hook(pre)
+    module.register_forward_pre_hook(pre, with_kwargs=True)
     module.register_forward_hook(post, always_call=True)
 
 

@@ -8,12 +8,19 @@ pattern must match at least one module. The styles:
 
 ``colwise``           nn.Linear -> ColumnParallelLinear (output features split, output stays split)
 ``colwise_gather``    the same, output all-gathered along the last dim (replicated)
+``colwise_qkv``       a fused [q | k | v] projection (three equal output blocks): each block split,
+                      so every rank holds whole heads of q, of k and of v (GPT-2's ``c_attn``)
 ``rowwise``           nn.Linear -> RowParallelLinear (input features split, output reduced)
 ``vocab_embedding``   nn.Embedding -> VocabParallelEmbedding (vocab rows split)
 ``vocab_head``        nn.Linear -> ColumnParallelLinear whose vocab-split logits feed ``vocab_ce``
 ``vocab_ce``          a ``(logits, labels) -> (loss_sum, count)`` criterion -> VocabParallelCrossEntropy
-``parallel_input``    any module: its input enters the TP region once, for every column-parallel
-                      layer inside it (Attention: one f for q, k and v; SP: one all-gather)
+``parallel_input``    any module: its input (first argument, positional or by keyword) enters the
+                      TP region once, for every column-parallel layer inside it (Attention: one f
+                      for q, k and v; SP: one all-gather)
+``local_heads``       an attention module that keeps head counts: those it has (``num_heads``,
+                      ``num_key_value_heads``, ``split_size``, ``embed_dim``, ``hidden_size``)
+                      become this rank's share (/ tp); its head counts (and its ``config``'s
+                      ``num_attention_heads``, ``num_key_value_heads``) must divide by tp
 ``sequence_parallel`` any module with replicated parameters that runs on sequence shards under SP
                       (norms): their partial gradients are all-reduced over tp; no-op without SP
 ``sequence_scatter``  any module: under SP its (b, s, h) output is split along the sequence
@@ -29,20 +36,28 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from ..errors import ConfigError
+from .hf import head_counts, hf_model_type, hf_tp_plan
+from .layers import features, is_conv1d
 
-STYLES = ("colwise", "colwise_gather", "rowwise", "vocab_embedding", "vocab_head", "vocab_ce",
-          "parallel_input", "sequence_parallel", "sequence_scatter", "sequence_gather")
-LINEAR_STYLES = ("colwise", "colwise_gather", "rowwise", "vocab_head")
+STYLES = ("colwise", "colwise_gather", "colwise_qkv", "rowwise", "vocab_embedding", "vocab_head",
+          "vocab_ce", "parallel_input", "local_heads", "sequence_parallel", "sequence_scatter",
+          "sequence_gather")
+LINEAR_STYLES = ("colwise", "colwise_gather", "colwise_qkv", "rowwise", "vocab_head")
+HEAD_ATTRS = ("num_heads", "num_key_value_heads", "split_size", "embed_dim", "hidden_size")
+"""What ``local_heads`` divides by tp, where the module has it: head counts and head widths."""
 REPLACING = (*LINEAR_STYLES, "vocab_embedding", "vocab_ce")
 
 Plan = Mapping[str, "str | tuple[str, ...] | list[str]"]
 
 
 def default_plan(model: nn.Module) -> dict[str, str | tuple[str, ...]]:
-    """The plan the model carries: ``model.tp_plan()`` (the built-in GPT has one)."""
+    """The plan the model carries: ``model.tp_plan()`` (the built-in GPT has one), or the
+    Hugging Face GPT-2 / Llama plan (:mod:`.hf`) for those models."""
     own = getattr(model, "tp_plan", None)
     if callable(own):
         return dict(own())
+    if hf_model_type(model):
+        return hf_tp_plan(model)
     raise ValueError(
         f"tensor parallelism needs a plan for {type(model).__name__}: pass plan={{module-name "
         f"pattern: style}} (styles: {', '.join(STYLES)}), or give the model a tp_plan() method "
@@ -96,9 +111,13 @@ def resolve(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, tuple[st
 
 def _check_kind(name: str, module: nn.Module, styles: tuple[str, ...]) -> None:
     for style in styles:
-        if style in LINEAR_STYLES and type(module) is not nn.Linear:
+        if style in LINEAR_STYLES and type(module) is not nn.Linear and not is_conv1d(module):
             raise ValueError(f"tensor-parallel plan: {name} is a {type(module).__name__}; "
-                             f"style {style!r} needs an nn.Linear")
+                             f"style {style!r} needs an nn.Linear or a Hugging Face Conv1D")
+        if style == "local_heads" and not head_counts(module):
+            raise ValueError(f"tensor-parallel plan: {name} is a {type(module).__name__} without "
+                             "head counts; style 'local_heads' needs an attention module with "
+                             "num_heads (or a config with num_attention_heads)")
         if style == "vocab_embedding" and type(module) is not nn.Embedding:
             raise ValueError(f"tensor-parallel plan: {name} is a {type(module).__name__}; "
                              "style 'vocab_embedding' needs an nn.Embedding")
@@ -108,14 +127,24 @@ def check_divisible(resolved: list[tuple[str, nn.Module, tuple[str, ...]]], tp: 
     """Every split dimension of the resolved plan must divide by ``tp`` (ConfigError)."""
     for name, module, styles in resolved:
         for style in styles:
-            if style in ("colwise", "colwise_gather") and module.out_features % tp:
-                raise ConfigError("tp", f"{name} has {module.out_features} output features, "
+            if style in LINEAR_STYLES:
+                in_f, out_f = features(module)
+            if style in ("colwise", "colwise_gather") and out_f % tp:
+                raise ConfigError("tp", f"{name} has {out_f} output features, "
                                   f"not divisible by --tp {tp}")
-            if style == "rowwise" and module.in_features % tp:
-                raise ConfigError("tp", f"{name} has {module.in_features} input features, "
+            if style == "colwise_qkv" and out_f % (3 * tp):
+                raise ConfigError("tp", f"{name} has {out_f} output features (q, k, v of "
+                                  f"{out_f // 3} each, not {out_f / 3}), not divisible by 3 x --tp {tp}")
+            if style == "rowwise" and in_f % tp:
+                raise ConfigError("tp", f"{name} has {in_f} input features, "
                                   f"not divisible by --tp {tp}")
-            if style == "vocab_head" and module.out_features % tp:
-                raise ConfigError("vocab-size", f"{module.out_features} ({name}) must be divisible "
+            if style == "local_heads":
+                for attr, count in head_counts(module).items():
+                    if count % tp:
+                        raise ConfigError("tp", f"{name} has {attr} = {count}, not divisible by "
+                                          f"--tp {tp} (each rank holds whole heads)")
+            if style == "vocab_head" and out_f % tp:
+                raise ConfigError("vocab-size", f"{out_f} ({name}) must be divisible "
                                   f"by --tp {tp}")
             if style == "vocab_embedding" and module.num_embeddings % tp:
                 raise ConfigError("vocab-size", f"{module.num_embeddings} ({name}) must be "

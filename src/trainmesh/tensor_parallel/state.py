@@ -1,7 +1,9 @@
 """Between shards and full tensors: what a checkpoint or a parity check needs of a TP model.
 
 A sharded parameter carries ``_tm_tp_dim``, the dimension of the full tensor it is the
-``rank``-th of ``n`` equal slices of; anything else is replicated over tp.
+``rank``-th of ``n`` equal slices of; anything else is replicated over tp. A fused projection's
+shard also carries ``_tm_tp_parts`` = P: the full dimension is P equal blocks (GPT-2's [q | k | v]),
+and the shard is the ``rank``-th slice of each block, concatenated.
 """
 from __future__ import annotations
 
@@ -17,10 +19,18 @@ def shard_dim(t: torch.Tensor) -> int | None:
     return getattr(t, "_tm_tp_dim", None) if getattr(t, "_tm_tp_sharded", False) else None
 
 
-def shard_of(full: torch.Tensor, dim: int | None, rank: int, n: int) -> torch.Tensor:
-    """Rank ``rank``'s slice of ``full`` along ``dim`` (the whole tensor when ``dim`` is None)."""
+def shard_parts(t: torch.Tensor) -> int:
+    """How many equal blocks the sharded dimension of ``t`` is split in (1: one plain slice)."""
+    return getattr(t, "_tm_tp_parts", 1)
+
+
+def shard_of(full: torch.Tensor, dim: int | None, rank: int, n: int, parts: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` along ``dim`` (the whole tensor when ``dim`` is None);
+    ``parts`` > 1: its slice of each of ``parts`` equal blocks along ``dim``, concatenated."""
     if dim is None:
         return full
+    if parts > 1:   # (.., P·L, ..) -> P blocks (.., L, ..) -> (.., P·L/n, ..)
+        return torch.cat([shard_of(b, dim, rank, n) for b in full.chunk(parts, dim)], dim)
     width = full.shape[dim] // n
     return full.narrow(dim, rank * width, width)
 
@@ -33,7 +43,12 @@ def full_tensor(p: torch.Tensor, comm: Comm, axis: str = "tp", *,
     dim = shard_dim(p if like is None else like)
     if dim is None or p.dim() == 0:
         return p.detach().clone()
-    return _gather(p.detach().contiguous(), dim, comm, axis)
+    gathered = _gather(p.detach().contiguous(), dim, comm, axis)      # rank-major
+    parts = shard_parts(p if like is None else like)
+    if parts == 1:
+        return gathered
+    ranks = [r.chunk(parts, dim) for r in gathered.chunk(comm.mesh.size(axis), dim)]
+    return torch.cat([torch.cat([r[j] for r in ranks], dim) for j in range(parts)], dim)  # block-major
 
 
 def full_state_dict(module: nn.Module, comm: Comm, axis: str = "tp") -> dict[str, torch.Tensor]:

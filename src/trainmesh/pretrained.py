@@ -1,0 +1,124 @@
+"""Hugging Face causal LMs from a local model directory, built so each rank holds only its part.
+
+A model directory is what ``save_pretrained`` writes: ``config.json`` and ``model.safetensors``.
+:func:`from_pretrained` builds the model from its config with every parameter on the meta
+device (buffers, such as Llama's rotary frequencies, are built for real: they are small and
+derived from the config) and gives it ``init_parameter`` reading the weights slice by slice
+(:func:`~trainmesh.materialize.safetensors_init`). The engine then materialises each rank's part
+after the tensor-parallel split — a column shard of a GPT-2 ``Conv1D`` is a slice of its
+``(in, out)`` weight, a shard of the fused ``c_attn`` one slice of each of q, k and v — so no
+rank ever holds the whole model::
+
+    model = tm.from_pretrained("path/to/dir")
+    engine = tm.Engine(model, optimizer, tm.causal_lm_loss, config=tm.ParallelConfig(tp=2))
+
+transformers is an optional dependency (``pip install 'trainmesh[hf]'``), imported only here and
+only when a model is built. :func:`check_model_dir` reads ``config.json`` alone (no
+transformers) so ``trainmesh train --model-dir`` refuses a bad directory before any worker starts.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ConfigError
+from .materialize import safetensors_init
+
+WEIGHTS = "model.safetensors"
+MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+"""config.json ``model_type`` -> the causal-LM class built for it."""
+FIELD = "--model-dir"
+
+
+def read_model_config(path: str, field: str = FIELD) -> dict[str, Any]:
+    """``config.json`` of a model directory as a dict; ConfigError naming ``field`` when the
+    directory, the file or a supported ``model_type`` is missing."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ConfigError(field, f"no such directory {path!r}; valid: a Hugging Face model "
+                          "directory (config.json + model.safetensors, as save_pretrained writes)")
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(field, f"{path!r} has no config.json; valid: a Hugging Face model "
+                          "directory (config.json + model.safetensors)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(field, f"cannot read {directory / 'config.json'}: {exc}") from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind not in MODEL_TYPES:
+        raise ConfigError(field, f"{path!r}: model_type {kind!r} is not supported; valid: "
+                          f"{', '.join(MODEL_TYPES)}")
+    return config
+
+
+def max_positions(config: dict[str, Any]) -> int | None:
+    """The longest sequence the model's positions cover."""
+    return config.get("n_positions") or config.get("max_position_embeddings")
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Inside, every parameter a module registers moves to the meta device (no storage);
+    buffers stay real. Each layer's weight exists on the CPU only while it is being created."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _transformers(field: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(field, "needs the transformers package: pip install 'trainmesh[hf]'") from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
+    """The causal LM of model directory ``path`` (GPT-2 or Llama), parameters on the meta
+    device, with ``init_parameter(name, shape, index)`` reading its weights slice by slice
+    (the engine calls it for what each rank holds)."""
+    read_model_config(path, field)
+    weights = Path(path) / WEIGHTS
+    if not weights.is_file():
+        raise ConfigError(field, f"{path!r} has no {WEIGHTS} (valid: save_pretrained output "
+                          "with safetensors weights)")
+    transformers = _transformers(field)
+    config = transformers.AutoConfig.from_pretrained(path)
+    with params_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.init_parameter = safetensors_init(str(weights), field=field)
+    return model
+
+
+def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD) -> None:
+    """Every parameter of the model (built from ``path`` on meta unless given) is in
+    ``model.safetensors`` with its shape: checked before any worker starts."""
+    from .materialize import check_safetensors
+    model = model if model is not None else from_pretrained(path, field=field)
+    check_safetensors(str(Path(path) / WEIGHTS), model, field=field)
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """``(loss_sum, tokens)`` of a Hugging Face causal LM on a batch whose ``labels`` are the
+    next tokens already (trainmesh's data): cross-entropy over every token, as the built-in GPT."""
+    logits = model(input_ids=batch["input_ids"]).logits                  # (b, s, vocab)
+    labels = batch["labels"]                                             # (b, s)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    return loss, labels.numel()
