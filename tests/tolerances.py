@@ -37,6 +37,11 @@ fp16 skip decided per rank                    test_precision: overflow_on_one_ra
                                               collective timeout, reported as an assertion)
 a tensor batch iterated as rows               test_batches: a_tensor_batch_is_one_batch_...
 auto device on fewer GPUs than local ranks    test_device (GPU count monkeypatched)
+GPT-2 c_attn split as one column chunk        test_hf_tp: grad_norm at step 1
+attention head count left global under tp     test_hf_tp: the GPT-2 run reports its failure
+parallel_input reading positional args only   test_hf_tp: the Llama run reports its TypeError
+fused qkv shard read as one slice / gathered  test_hf_tp: loaded first loss / consolidated
+  in rank order                               weights vs the saved ones
 ============================================  ==================================================
 """
 from __future__ import annotations
