@@ -178,3 +178,46 @@ def test_plans_refuse_indivisible_heads_and_sequence_parallel():
     assert hf_tp_plan(llama)["model.layers.*.self_attn"] == ("parallel_input", "local_heads")
     with pytest.raises(ValueError, match="no Hugging Face tensor-parallel plan"):
         hf_tp_plan(torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------- trainmesh train --model-dir
+LAUNCHED = 99
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Validation only: no worker ever starts; the process is a launcher, not a worker."""
+    import trainmesh.launch
+    monkeypatch.setattr(trainmesh.launch, "launch_local", lambda *a, **k: LAUNCHED)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_model_dir_bad_input_exits_2_naming_the_flag(references, no_launch, tmp_path, capsys):
+    import shutil
+
+    from trainmesh.cli import main
+    llama = references["dirs"]["llama"]
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(llama, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    (tmp_path / "empty").mkdir()
+    base = ["train", "--seq-len", "16", "--global-batch", "8", "--steps", "2"]
+    cases = [(["--model-dir", str(tmp_path / "absent")], "--model-dir", "no such directory"),
+             (["--model-dir", str(tmp_path / "empty")], "--model-dir", "no config.json"),
+             (["--model-dir", str(no_weights)], "--model-dir", "model.safetensors"),
+             (["--model-dir", llama, "--pp", "2"], "--pp", "not supported"),
+             (["--model-dir", llama, "--tp", "4"], "--tp", "2 key/value heads"),
+             (["--model-dir", llama, "--seq-len", "32"], "--seq-len", "16 positions"),
+             (["--model-dir", llama, "--layers", "2"], "--layers", "set by --model-dir")]
+    for args, flag, words in cases:
+        code = main([*base, *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, (args, code, err)
+        assert f"error: {flag}:" in err[0], (args, err)
+        assert words in err[0] and "Traceback" not in err[0], (args, err)
+    assert main([*base, "--model-dir", llama, "--tp", "2"]) == LAUNCHED   # a valid one passes
+    from trainmesh.cli import build_parser
+    from trainmesh.cli.train import collect
+    from trainmesh.train_config import build_train_config
+    cfg = build_train_config(collect(build_parser().parse_args([*base, "--model-dir", llama]), True))
+    assert cfg.vocab_size == VOCAB and cfg.num_params() == sum(p.numel() for p in hf_model("llama").parameters())

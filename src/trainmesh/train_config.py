@@ -57,6 +57,10 @@ class TrainConfig:
     init_from: str | None = setting(None, "start from pretrained weights: a safetensors file with "
                                           "the GPT's parameter names and shapes (e.g. `trainmesh "
                                           "checkpoint consolidate` output)", path=True)
+    model_dir: str | None = setting(None, "train the Hugging Face causal LM (GPT-2 or Llama) of "
+                                          "this directory instead of the built-in GPT: config.json "
+                                          "+ model.safetensors, as save_pretrained writes (needs "
+                                          "transformers); dp and tp, not pp", path=True)
     metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True)
     save_dir: str | None = setting(None, "checkpoint directory", path=True)
     save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0)
@@ -111,6 +115,10 @@ class TrainConfig:
             raise ConfigError("--global-batch", f"must be divisible by dp x microbatches = {p.dp} x "
                               f"{p.microbatches} = {per}; got {self.global_batch}")
         gpt = self.gpt_config()  # the shape's own rules (heads divide d-model)
+        if self.model_dir is not None:   # its config.json sets the shape: other rules
+            from .pretrained import check_model_config
+            self.vocab_size = check_model_config(self)
+            return
         if p.pp * p.virtual_stages > gpt.n_layers:
             raise ConfigError("--pp", f"pp x virtual-stages = {p.pp * p.virtual_stages} exceeds the "
                               f"model's {gpt.n_layers} layers")
@@ -128,6 +136,13 @@ class TrainConfig:
                      if getattr(self, mine) is not None})
         base["d_ff"] = 0  # 4 x d_model of the final width
         return GPTConfig(**base)
+
+    def num_params(self) -> int:
+        """Logical parameter count of the model trained (tied weights once)."""
+        if self.model_dir is not None:
+            from .pretrained import count_params
+            return count_params(self.model_dir)
+        return self.gpt_config().num_params()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

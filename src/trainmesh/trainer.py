@@ -18,7 +18,7 @@ from .distributed import init_distributed, shutdown
 from .engine import Engine
 from .evaluation import make_evaluator
 from .flops import device_peak_tflops, mfu
-from .materialize import returning_freed_memory
+from .materialize import InitFn, returning_freed_memory
 from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
@@ -27,6 +27,7 @@ from .progress import Progress, print_summary
 from .resume import check_resume, run_record, schedule_changed
 from .savedir import SaveDirLock, remove_stale_tmp
 from .schedule_lr import warmup_cosine
+from .step import LossFn
 from .tensorboard_log import TensorBoardLog
 from .trace import make_tracer
 from .train_config import TrainConfig
@@ -40,16 +41,26 @@ class NonFiniteError(RuntimeError):
     """A non-finite loss, gradient norm or model state: the run stops, nothing of it is saved."""
 
 
-def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> Engine:
-    # Built on meta: each rank materialises only what it holds (sharded initialisation), from
-    # the GPT's seeded init (a function of seed, name and row) or the --init-from file.
+def build_model(cfg: TrainConfig) -> tuple[torch.nn.Module, LossFn, InitFn | None]:
+    """(model on the meta device, loss_fn, init_fn): the built-in GPT, or the Hugging Face causal
+    LM of --model-dir. Each rank then materialises only what it holds (sharded initialisation),
+    from the GPT's seeded init (a function of seed, name and row), the --init-from file or the
+    model directory's weights."""
+    if cfg.model_dir:
+        from .pretrained import causal_lm_loss, from_pretrained
+        return from_pretrained(cfg.model_dir), causal_lm_loss, None
     model = GPT(cfg.gpt_config(), seed=cfg.seed, device="meta")
     init_fn = None
     if cfg.init_from:
         from .materialize import safetensors_init
         init_fn = safetensors_init(cfg.init_from)
+    return model, lambda m, batch: m(**batch), init_fn
+
+
+def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> Engine:
+    model, loss_fn, init_fn = build_model(cfg)
     return Engine(
-        model, optimizer_factory(cfg, device), lambda m, batch: m(**batch), cfg.parallel, mesh=mesh,
+        model, optimizer_factory(cfg, device), loss_fn, cfg.parallel, mesh=mesh,
         param_groups=no_decay,
         lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps),
         init_fn=init_fn, device=device)
@@ -106,7 +117,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
     tracer = make_tracer(engine, cfg, start, last)
-    log.info("trainmesh: %s params, world %d %s, %d steps", f"{gpt.num_params():,}", mesh.world_size,
+    log.info("trainmesh: %s params, world %d %s, %d steps", f"{cfg.num_params():,}", mesh.world_size,
              {k: v for k, v in p.layout().items()}, cfg.steps)
     peak = device_peak_tflops(device, p.precision, cfg.peak_tflops)
     first_loss = loss = float("nan")
@@ -238,5 +249,5 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
             "comm_bytes_per_step": engine.comm.ledger.bytes_per_step()}
     ranks = engine.comm.all_gather_object(mine)
     return {"event": "summary", "world_size": mesh.world_size, "layout": cfg.parallel.layout(),
-            "params": cfg.gpt_config().num_params(), "final_loss": final_loss,
+            "params": cfg.num_params(), "final_loss": final_loss,
             "steps": engine.step_count, "ranks": ranks}

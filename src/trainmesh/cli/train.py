@@ -32,7 +32,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model under a parallel layout",
-                       description="Train the built-in GPT under a dp x pp x tp layout.")
+                       description="Train the built-in GPT (or a Hugging Face model, --model-dir) "
+                                   "under a dp x pp x tp layout.")
     p.add_argument("--config", help="TOML file setting any of these flags (keys: the flag names "
                                     "without '--'); flags win")
     add_train_flags(p)
@@ -101,6 +102,9 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         from ..materialize import check_safetensors
         from ..models.gpt import GPT
         check_safetensors(cfg.init_from, GPT(cfg.gpt_config(), device="meta"))
+    if cfg.model_dir:   # transformers present, every parameter in model.safetensors
+        from ..pretrained import check_model_dir
+        check_model_dir(cfg.model_dir)
     if cfg.data != "synthetic":
         from ..data import make_datasets
         gpt = cfg.gpt_config()
