@@ -8,7 +8,7 @@ builds the model on the meta device and each rank reads only its slices of
 ``model.safetensors``: half of q/k/v/o (whole heads, key/value heads split too) and of the MLP.
 The same run from the command line: ``trainmesh train --model-dir DIR --tp 2``.
 """
-import os
+import shutil
 import sys
 import tempfile
 
@@ -35,7 +35,8 @@ def tiny_llama_dir() -> str:
 
 def main() -> None:
     tm.init_distributed()
-    directory = sys.argv[1] if len(sys.argv) > 1 else tiny_llama_dir()
+    given = len(sys.argv) > 1
+    directory = sys.argv[1] if given else tiny_llama_dir()
     model = tm.from_pretrained(directory)                   # on meta, reads its slices later
     engine = tm.Engine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
                        loss_fn=tm.causal_lm_loss,
@@ -45,6 +46,8 @@ def main() -> None:
         loss = engine.train_step(data.batch(0, step, 8))
         if engine.mesh.rank == 0:
             print(f"step {step + 1}: loss {loss:.4f}")
+    if not given and dist.get_rank() == 0:
+        shutil.rmtree(directory)                             # the weights are in memory now
     tm.shutdown()
 
 
