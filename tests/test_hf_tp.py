@@ -12,7 +12,7 @@ Checked: 10 AdamW steps under the automatic plan (``tm.hf_tp_plan``: GPT-2's fus
 one-process losses within 1e-3 and gradient norms within 1e-3 relative; a model saved with
 ``save_pretrained`` loads into tp 2 (and dp 2 x tp 2 ZeRO-3) through ``tm.from_pretrained``, each
 rank reading only its slices, and gives the unsharded model's first loss, its consolidated
-weights the saved ones exactly. Plans refuse indivisible head counts and sequence parallelism;
+weights (and a tp 2 checkpoint of them, consolidated or reloaded) the saved ones exactly. Plans refuse indivisible head counts and sequence parallelism;
 ``--model-dir`` refuses a missing directory or config.json before any worker starts.
 """
 from __future__ import annotations
@@ -73,18 +73,29 @@ def _train(model: torch.nn.Module, layout: dict, mesh=None) -> dict[str, list[fl
 
 def _load(directory: str, layout: dict) -> dict[str, Any]:
     """A saved model built on meta, each rank filled with its slices: its first loss and, at
-    zero 0, the largest difference of its consolidated weights from the saved ones."""
+    zero 0, the largest difference from the saved weights of its consolidated weights, and of
+    them again after a step and a reload of a checkpoint written before it (``DIR-ckpt``)."""
     from safetensors.torch import load_file
 
     import trainmesh as tm
     engine = tm.Engine(tm.from_pretrained(directory), _adamw, tm.causal_lm_loss,
                        tm.ParallelConfig(**layout))
     out: dict[str, Any] = {}
-    if layout.get("zero", 0) == 0:
-        full, saved = engine.full_state_dict(), load_file(f"{directory}/model.safetensors")
+    saved = load_file(f"{directory}/model.safetensors")
+
+    def diff() -> float:
+        full = engine.full_state_dict()
         out["missing"] = sorted(set(saved) - set(full) - {"lm_head.weight"})   # tied to wte
-        out["weights_diff"] = max(float((full[k] - v).abs().max()) for k, v in saved.items() if k in full)
+        return max(float((full[k] - v).abs().max()) for k, v in saved.items() if k in full)
+
+    at_zero0 = layout.get("zero", 0) == 0
+    if at_zero0:
+        out["weights_diff"] = diff()
+        engine.save(f"{directory}-ckpt")
     out["first_loss"] = engine.train_step(_batch(0, engine.mesh.index("dp"), engine.mesh.size("dp")))
+    if at_zero0:
+        engine.load(f"{directory}-ckpt")
+        out["reloaded_diff"] = diff()
     return out
 
 
@@ -142,12 +153,22 @@ def _assert_matches(results: dict[int, dict], ref: dict[str, Any], layouts: dict
                 assert load["missing"] == [], f"rank {rank} {kind}: not in the model {load['missing']}"
                 assert load["weights_diff"] == 0.0, \
                     f"rank {rank} {kind}: consolidated weights differ from the saved by {load['weights_diff']}"
+                assert load["reloaded_diff"] == 0.0, \
+                    f"rank {rank} {kind}: reloaded weights differ from the saved by {load['reloaded_diff']}"
 
 
 @pytest.mark.timeout(300)
 def test_hf_models_under_tp2(references):
+    from safetensors.torch import load_file
+
+    from trainmesh.checkpoint import consolidate
     results = run_distributed(_rank, 2, TP2, references["dirs"], timeout_s=120)
     _assert_matches(results, references, TP2)
+    for kind, directory in references["dirs"].items():   # the checkpoint holds the saved weights
+        whole = load_file(consolidate(f"{directory}-ckpt", f"{directory}-whole.safetensors"))
+        for name, value in load_file(f"{directory}/model.safetensors").items():
+            if name in whole or name != "lm_head.weight":                # GPT-2's is wte's
+                assert torch.equal(whole[name], value), f"{kind} checkpoint: {name}"
 
 
 @pytest.mark.timeout(300)

@@ -41,7 +41,7 @@ GPT-2 c_attn split as one column chunk        test_hf_tp: grad_norm at step 1
 attention head count left global under tp     test_hf_tp: the GPT-2 run reports its failure
 parallel_input reading positional args only   test_hf_tp: the Llama run reports its TypeError
 fused qkv shard read as one slice / gathered  test_hf_tp: loaded first loss / consolidated
-  in rank order                               weights vs the saved ones
+  in rank order / checkpoint sliced as one    weights / reloaded checkpoint vs the saved ones
 ============================================  ==================================================
 """
 from __future__ import annotations
