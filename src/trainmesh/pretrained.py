@@ -127,8 +127,8 @@ def _transformers(field: str) -> Any:
 
 
 def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
-    """The causal LM of model directory ``path`` (GPT-2 or Llama), parameters on the meta
-    device, with ``init_parameter(name, shape, index)`` reading its weights slice by slice
+    """The causal LM of model directory ``path`` (GPT-2 or Llama), float32 parameters on the
+    meta device, with ``init_parameter(name, shape, index)`` reading its weights slice by slice
     (the engine calls it for what each rank holds)."""
     read_model_config(path, field)
     weights = Path(path) / WEIGHTS
@@ -139,6 +139,7 @@ def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
     config = transformers.AutoConfig.from_pretrained(path)
     with params_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config)
+    model.float()   # fp32 parameters whatever config.json's dtype: --precision sets the compute's
     model.init_parameter = safetensors_init(str(weights), field=field)
     return model
 
@@ -154,7 +155,7 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """``(loss_sum, tokens)`` of a Hugging Face causal LM on a batch whose ``labels`` are the
     next tokens already (trainmesh's data): cross-entropy over every token, as the built-in GPT."""
-    logits = model(input_ids=batch["input_ids"]).logits                  # (b, s, vocab)
+    logits = model(input_ids=batch["input_ids"], use_cache=False).logits  # (b, s, vocab)
     labels = batch["labels"]                                             # (b, s)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
     return loss, labels.numel()
