@@ -133,8 +133,8 @@ def check_divisible(resolved: list[tuple[str, nn.Module, tuple[str, ...]]], tp: 
                 raise ConfigError("tp", f"{name} has {out_f} output features, "
                                   f"not divisible by --tp {tp}")
             if style == "colwise_qkv" and out_f % (3 * tp):
-                raise ConfigError("tp", f"{name} has {out_f} output features (q, k, v of "
-                                  f"{out_f // 3} each, not {out_f / 3}), not divisible by 3 x --tp {tp}")
+                raise ConfigError("tp", f"{name} has {out_f} output features: not three equal "
+                                  f"blocks (q, k, v) each divisible by --tp {tp}")
             if style == "rowwise" and in_f % tp:
                 raise ConfigError("tp", f"{name} has {in_f} input features, "
                                   f"not divisible by --tp {tp}")
