@@ -11,7 +11,8 @@ Checked: 10 AdamW steps under the automatic plan (``tm.hf_tp_plan``: GPT-2's fus
 ``LlamaAttention``, which Hugging Face calls with ``hidden_states=`` by keyword) follow the
 one-process losses within 1e-3 and gradient norms within 1e-3 relative; a model saved with
 ``save_pretrained`` loads into tp 2 (and dp 2 x tp 2 ZeRO-3) through ``tm.from_pretrained``, each
-rank reading only its slices, and gives the unsharded model's first loss, its consolidated
+rank reading only its slices (at dp 2 x tp 2 built as ``trainmesh train --model-dir`` builds
+it), and gives the unsharded model's first loss, its consolidated
 weights (and a tp 2 checkpoint of them, consolidated or reloaded) the saved ones exactly. Plans refuse indivisible head counts and sequence parallelism;
 ``--model-dir`` refuses a missing directory or config.json before any worker starts.
 """
@@ -78,8 +79,16 @@ def _load(directory: str, layout: dict) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     import trainmesh as tm
-    engine = tm.Engine(tm.from_pretrained(directory), _adamw, tm.causal_lm_loss,
-                       tm.ParallelConfig(**layout))
+    if layout.get("zero", 0):    # as `trainmesh train --model-dir` builds it
+        from trainmesh.train_config import build_train_config
+        from trainmesh.trainer import build_model
+        cfg = build_train_config({"model_dir": directory, "seq_len": SEQ, "global_batch": GLOBAL_BATCH,
+                                  **layout})
+        model, loss_fn, init_fn = build_model(cfg)
+        engine = tm.Engine(model, _adamw, loss_fn, cfg.parallel, init_fn=init_fn)
+    else:
+        engine = tm.Engine(tm.from_pretrained(directory), _adamw, tm.causal_lm_loss,
+                           tm.ParallelConfig(**layout))
     out: dict[str, Any] = {}
     saved = load_file(f"{directory}/model.safetensors")
 
