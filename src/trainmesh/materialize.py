@@ -60,7 +60,8 @@ def materialize(named: list[tuple[str, nn.Parameter]], init: InitFn, device: tor
             continue
         shape, pieces = pieces_of(p)
         values = [init(name, shape, index) for index in pieces]
-        value = values[0] if len(values) == 1 else torch.cat(values, p._tm_tp_dim)  # type: ignore[attr-defined]
+        dim = getattr(p, "_tm_tp_dim", 0)
+        value = values[0] if len(values) == 1 else torch.cat(values, dim)   # a fused shard
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(f"init of {name}{pieces} gave shape {tuple(value.shape)}, "
                              f"expected {tuple(p.shape)}")
