@@ -13,6 +13,7 @@ worker under torchrun before loading.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from .checkpoint import MANIFEST, latest
@@ -28,17 +29,17 @@ MAY_DIFFER = {"seed": "--seed", "global_batch": "--global-batch", "lr": "--lr",
 
 def run_record(cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint records about the run writing it: model shape, optimizer, seed, global
-    batch and LR schedule (the resolved values, preset defaults filled in)."""
+    batch and LR schedule (the resolved values, preset defaults filled in), and the elastic job
+    (:func:`elastic_job`)."""
     gpt = cfg.gpt_config()
     record: dict[str, Any] = {mine: getattr(gpt, theirs) for mine, theirs in SHAPE.items()}
     record.update(optimizer=cfg.optimizer, seed=cfg.seed, global_batch=cfg.global_batch,
-                  lr=cfg.peak_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps)
+                  lr=cfg.peak_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps, job=elastic_job())
     return record
 
 
-def saved_run(save_dir: str) -> tuple[str, dict[str, Any]] | None:
-    """(checkpoint directory, its run record) of the newest checkpoint, or None when there is
-    none or it predates run records."""
+def _newest_manifest(save_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """(checkpoint directory, its manifest) of the newest checkpoint, or None."""
     directory = latest(save_dir)
     if directory is None:
         return None
@@ -46,8 +47,35 @@ def saved_run(save_dir: str) -> tuple[str, dict[str, Any]] | None:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError("--save-dir", f"{directory}: unreadable manifest: {exc}") from None
-    run = manifest.get("trainer", {}).get("run") if isinstance(manifest, dict) else None
-    return (str(directory), run) if isinstance(run, dict) else None
+    return (str(directory), manifest) if isinstance(manifest, dict) else None
+
+
+def saved_run(save_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """(checkpoint directory, its run record) of the newest checkpoint, or None when there is
+    none or it predates run records."""
+    found = _newest_manifest(save_dir)
+    run = found[1].get("trainer", {}).get("run") if found else None
+    return (found[0], run) if isinstance(run, dict) else None
+
+
+def saved_layout(save_dir: str) -> dict[str, Any] | None:
+    """The layout (``ParallelConfig.layout()``) the newest checkpoint was written under."""
+    found = _newest_manifest(save_dir)
+    layout = found[1].get("layout") if found else None
+    return layout if isinstance(layout, dict) else None
+
+
+def elastic_job() -> str | None:
+    """The elastic job this worker belongs to (the agent's run id, ``--rdzv-id``), or None."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return job if job not in ("", "none") else None
+
+
+def same_job(save_dir: str) -> bool:
+    """Whether the newest checkpoint was written by this elastic job: its workers were restarted
+    (a lost or returning node restarts them all), so they continue from it."""
+    found = saved_run(save_dir)
+    return found is not None and elastic_job() is not None and found[1].get("job") == elastic_job()
 
 
 def check_resume(cfg: TrainConfig) -> str | None:

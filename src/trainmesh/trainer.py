@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from . import elastic
 from .data import dp_slice, make_datasets
 from .distributed import init_distributed, shutdown
 from .engine import Engine
@@ -24,7 +25,7 @@ from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
 from .optimizers import no_decay, optimizer_factory
 from .progress import Progress, print_summary
-from .resume import check_resume, run_record, schedule_changed
+from .resume import check_resume, run_record, same_job, schedule_changed
 from .savedir import SaveDirLock, remove_stale_tmp
 from .schedule_lr import warmup_cosine
 from .tensorboard_log import TensorBoardLog
@@ -63,6 +64,9 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     torch.set_num_threads(threads)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    cfg = _elastic_layout(cfg, rank)
+    if cfg is None:
+        return 0
     with SaveDirLock(cfg.save_dir) if lock_save_dir and cfg.save_dir and rank == 0 else nullcontext():
         device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device)
         try:
@@ -76,6 +80,21 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
             raise
         shutdown()
     return code
+
+
+def _elastic_layout(cfg: TrainConfig, rank: int) -> TrainConfig | None:
+    """``cfg`` fitted to this attempt's world size (elastic resize, --min-dp); None for a rank the
+    layout leaves out. No layout left: one line naming the reason, exit 1."""
+    world = int(os.environ.get("WORLD_SIZE", cfg.parallel.world_size))
+    try:
+        fitted = elastic.join(cfg, rank=rank, world=world)
+    except elastic.ResizeError as exc:
+        sys.stderr.write(f"trainmesh train: rank {rank}: {exc}\n")
+        raise SystemExit(1) from None
+    if fitted is None:
+        print(f"trainmesh: rank {rank} idle: the layout uses {cfg.parallel.world_size} of {world} "
+              "processes", flush=True)
+    return fitted
 
 
 def _exit_quietly_on_signals() -> None:
@@ -101,7 +120,15 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     evaluator = make_evaluator(engine, held_out, cfg)
     start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)
-    metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start)
+    elastic_run = p.min_dp is not None   # metrics: every attempt appended, world size per step
+    metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start,
+                            append=elastic_run and start > 1)
+    resized = elastic.resize_record(cfg, step=start, world=mesh.world_size)
+    if resized is not None:
+        metrics.write(resized)
+        log.info("trainmesh: resized to world %d: dp %d, microbatches %d (were %s, %s) from step %d",
+                 mesh.world_size, p.dp, p.microbatches, resized["from"]["dp"],
+                 resized["from"]["microbatches"], start)
     board = TensorBoardLog(cfg.tensorboard if rank0 else None)
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
@@ -130,6 +157,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                    "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
                    "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
                    **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
+            if elastic_run:
+                row.update(world_size=mesh.world_size, dp=p.dp)
             bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
             _publish(row, engine, device, metrics, board, evaluator)
             nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
@@ -198,8 +227,10 @@ def _save(cfg: TrainConfig, engine: Engine, step: int) -> None:
 
 def _resume(cfg: TrainConfig, engine: Engine) -> int:
     """The last step already done: from the newest checkpoint when resuming (asked for with
-    --resume, or implied by an elastic restart), else 0."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    --resume, or implied by an elastic restart: a failed worker, or a node lost or joining,
+    restarts every worker of the job), else 0."""
+    restarted = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+                 or bool(cfg.save_dir and same_job(cfg.save_dir)))   # a node lost or joined
     if cfg.save_dir and engine.mesh.rank == 0:   # this run holds the --save-dir lock
         for path in remove_stale_tmp(Path(cfg.save_dir)):
             log.info("trainmesh: removed %s, left by an interrupted save", path)
