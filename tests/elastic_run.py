@@ -18,13 +18,25 @@ from pathlib import Path
 
 from helpers import SMALL
 
-STEPS = 240
+STEPS = 60
 ARGS = [*SMALL[:-4], "--steps", str(STEPS), "--warmup-steps", "5"]
 """The run: the small GPT, global batch 8 (dp 4 x 1 microbatch of 2, or dp 2 x 2)."""
 RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
 """A lone agent waits 3 s for more nodes before starting without them; a node that stops
 heart-beating (every 1 s) is dropped after 3 missed beats; a node that never comes ends the
 wait after 120 s."""
+
+
+AGENT = """
+import pathlib, sys, time
+import torch.distributed.run as torchrun
+go = pathlib.Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.02)
+torchrun.main(sys.argv[2:])
+"""
+"""A "node": torchrun, imported ahead, joining the job once the file argv[1] exists (a machine
+that boots while the job shrinks, and joins when the trial says)."""
 
 
 @dataclass
@@ -38,7 +50,7 @@ class Trial:
     """start (to step kill_after at world 4), shrink (kill to the first world-2 step), grow
     (agent started again to the first world-4 step after), total."""
     steps_at: dict[int, int] = field(default_factory=dict)
-    """{world size: steps first recorded at it}."""
+    """{world size: steps whose newest record ran at it}."""
 
 
 def _free_port() -> int:
@@ -122,26 +134,29 @@ def run_trial(tmp: Path, *, kill_after: int = 10, deadline_s: float = 240) -> Tr
     metrics = tmp / "elastic.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+    cmd = ["--nnodes", "1:2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
            "--rdzv-conf", RDZV_CONF, "--max-restarts", "3", "--local-addr", "127.0.0.1",
            "-m", "trainmesh", "train", *ARGS, "--dp", "4", "--min-dp", "2", "--timeout", "30",
            "--save-dir", str(tmp / "ck"), "--save-every", "1", "--metrics-out", str(metrics)]
 
-    def start(i: int) -> subprocess.Popen:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, text=True,
-                                stderr=(tmp / f"agent{i}.err").open("a"))
+    def start(i: int, go: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", AGENT, str(go), *cmd], env=env, text=True,
+                                stdout=subprocess.DEVNULL, stderr=(tmp / f"agent{i}.err").open("a"))
 
-    agents = [start(0)]   # the first agent hosts the rendezvous store: it is the one that stays
+    go, rejoin = tmp / "go", tmp / "rejoin"
+    go.touch()
+    agents = [start(0, go)]   # the first agent hosts the rendezvous store: it is the one that stays
     watch, seconds, t0 = _Watch(metrics, agents, time.time() + deadline_s), {}, time.time()
     try:
         watch.wait("rendezvous store", lambda: _listening(port))
-        agents.append(start(1))
+        agents.append(start(1, go))
         seconds["start"] = watch.wait(f"step {kill_after} at world 4",
                                       lambda: watch.last_step(4) >= kill_after)
         kill_tree(agents[1])
+        agents[1] = start(1, rejoin)   # booted while the job shrinks; joins once told
         seconds["shrink"] = watch.wait("a step at world 2", lambda: watch.last_step(2) > 0)
-        agents[1] = start(1)
+        rejoin.touch()
         seconds["grow"] = watch.wait("a step at world 4 after the shrink",
                                      lambda: watch.last_step(4) > watch.last_step(2))
         codes = [a.wait(timeout=max(1.0, watch.deadline - time.time())) for a in agents]
@@ -151,8 +166,10 @@ def run_trial(tmp: Path, *, kill_after: int = 10, deadline_s: float = 240) -> Tr
     finally:
         for a in agents:
             kill_tree(a)
-    steps_at = {w: sum(1 for _, ww in watch.seen if ww == w) for w in (2, 4)}
-    return Trial(codes, read_records(metrics), _errors(tmp), seconds, steps_at)
+    records = read_records(metrics)
+    steps_at = {w: sum(1 for r in last_per_step(records).values() if r["world_size"] == w)
+                for w in (2, 4)}
+    return Trial(codes, records, _errors(tmp), seconds, steps_at)
 
 
 def _errors(tmp: Path) -> str:

@@ -29,12 +29,11 @@ MAY_DIFFER = {"seed": "--seed", "global_batch": "--global-batch", "lr": "--lr",
 
 def run_record(cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint records about the run writing it: model shape, optimizer, seed, global
-    batch and LR schedule (the resolved values, preset defaults filled in), and the elastic job
-    (:func:`elastic_job`)."""
+    batch and LR schedule (the resolved values, preset defaults filled in)."""
     gpt = cfg.gpt_config()
     record: dict[str, Any] = {mine: getattr(gpt, theirs) for mine, theirs in SHAPE.items()}
     record.update(optimizer=cfg.optimizer, seed=cfg.seed, global_batch=cfg.global_batch,
-                  lr=cfg.peak_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps, job=elastic_job())
+                  lr=cfg.peak_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps)
     return record
 
 
@@ -72,10 +71,12 @@ def elastic_job() -> str | None:
 
 
 def same_job(save_dir: str) -> bool:
-    """Whether the newest checkpoint was written by this elastic job: its workers were restarted
-    (a lost or returning node restarts them all), so they continue from it."""
-    found = saved_run(save_dir)
-    return found is not None and elastic_job() is not None and found[1].get("job") == elastic_job()
+    """Whether the newest checkpoint was written by this elastic job (the trainer state's
+    ``job``, :func:`elastic_job` of the writer): its workers were restarted (a lost or returning
+    node restarts them all), so they continue from it."""
+    found = _newest_manifest(save_dir)
+    job = found[1].get("trainer", {}).get("job") if found else None
+    return job is not None and job == elastic_job()
 
 
 def check_resume(cfg: TrainConfig) -> str | None:

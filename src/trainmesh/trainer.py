@@ -25,7 +25,7 @@ from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
 from .optimizers import no_decay, optimizer_factory
 from .progress import Progress, print_summary
-from .resume import check_resume, run_record, same_job, schedule_changed
+from .resume import check_resume, elastic_job, run_record, same_job, schedule_changed
 from .savedir import SaveDirLock, remove_stale_tmp
 from .schedule_lr import warmup_cosine
 from .tensorboard_log import TensorBoardLog
@@ -222,7 +222,7 @@ def _save(cfg: TrainConfig, engine: Engine, step: int) -> None:
     if flag.item() < 1.0:
         raise NonFiniteError(f"step {step}: non-finite weights or optimizer states; not saved, "
                              "the newest checkpoint is from before it")
-    engine.save(cfg.save_dir, {"run": run_record(cfg)})
+    engine.save(cfg.save_dir, {"run": run_record(cfg), "job": elastic_job()})
 
 
 def _resume(cfg: TrainConfig, engine: Engine) -> int:
