@@ -120,15 +120,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     evaluator = make_evaluator(engine, held_out, cfg)
     start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)
-    elastic_run = p.min_dp is not None   # metrics: every attempt appended, world size per step
-    metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start,
-                            append=elastic_run and start > 1)
-    resized = elastic.resize_record(cfg, step=start, world=mesh.world_size)
-    if resized is not None:
-        metrics.write(resized)
-        log.info("trainmesh: resized to world %d: dp %d, microbatches %d (were %s, %s) from step %d",
-                 mesh.world_size, p.dp, p.microbatches, resized["from"]["dp"],
-                 resized["from"]["microbatches"], start)
+    metrics = _open_metrics(cfg, start, mesh.world_size, rank0)
+    elastic_run = p.min_dp is not None   # the world size can change: recorded per step
     board = TensorBoardLog(cfg.tensorboard if rank0 else None)
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
@@ -173,6 +166,21 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     if rank0:
         print_summary(summary, first_loss=first_loss)
     return 0
+
+
+def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> MetricsWriter:
+    """The metrics file of a run starting at ``start`` (appended to by an elastic job's every
+    attempt), with the ``resize`` record when the layout changed since the checkpoint."""
+    p = cfg.parallel
+    metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start,
+                            append=p.min_dp is not None and start > 1)
+    resized = elastic.resize_record(cfg, step=start, world=world) if rank0 else None
+    if resized is not None:
+        metrics.write(resized)
+        log.info("trainmesh: resized to world %d: dp %d, microbatches %d (were %s, %s) from step %d",
+                 world, p.dp, p.microbatches, resized["from"]["dp"], resized["from"]["microbatches"],
+                 start)
+    return metrics
 
 
 def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics: MetricsWriter,
