@@ -1,7 +1,7 @@
 """One elastic-resize trial: two torchrun agents ("nodes" of 2 ranks each) share a c10d
 rendezvous and train a dp 4 job with --min-dp 2; the second agent is killed (its whole process
-tree, like a lost machine) once step ``kill_after`` is recorded at world 4, and started again
-once the job runs at world 2. Used by tests/test_elastic.py and benchmarks/soak_elastic.py.
+tree, like a lost machine) once step ``kill_after`` is recorded at world 4, and joins again
+once the job has recorded a few steps at world 2. Used by tests/test_elastic.py and benchmarks/soak_elastic.py.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ heart-beating (every 1 s) is dropped after 3 missed beats; a node that never com
 wait after 120 s."""
 
 
+AT_WORLD_2 = 3
+"""Steps the shrunk job records before the lost node is told to join again."""
 AGENT = """
 import pathlib, sys, time
 import torch.distributed.run as torchrun
@@ -114,6 +116,10 @@ class _Watch:
     def last_step(self, world: int) -> int:
         return max((s for s, w in self.seen if w == world), default=0)
 
+    def count(self, world: int) -> int:
+        """Steps recorded at ``world`` so far."""
+        return sum(1 for _, w in self.seen if w == world)
+
     def wait(self, what: str, until) -> float:
         """Seconds until ``until()`` holds; raises on the deadline or when every agent ended."""
         t0 = time.time()
@@ -155,7 +161,8 @@ def run_trial(tmp: Path, *, kill_after: int = 10, deadline_s: float = 240) -> Tr
                                       lambda: watch.last_step(4) >= kill_after)
         kill_tree(agents[1])
         agents[1] = start(1, rejoin)   # booted while the job shrinks; joins once told
-        seconds["shrink"] = watch.wait("a step at world 2", lambda: watch.last_step(2) > 0)
+        seconds["shrink"] = watch.wait("a step at world 2", lambda: watch.count(2) > 0)
+        watch.wait(f"{AT_WORLD_2} steps at world 2", lambda: watch.count(2) >= AT_WORLD_2)
         rejoin.touch()
         seconds["grow"] = watch.wait("a step at world 4 after the shrink",
                                      lambda: watch.last_step(4) > watch.last_step(2))

@@ -111,7 +111,8 @@ def test_lose_a_node_then_get_it_back(tmp_path):
     assert sorted(done) == list(range(1, STEPS + 1))
     for r in steps(trial.records):
         want = ref_at[r["step"]]
-        assert abs(r["loss"] - want["loss"]) <= LOSS_ABS, (r["step"], r["world_size"], r["loss"], want["loss"])
+        assert abs(r["loss"] - want["loss"]) <= LOSS_ABS, \
+            (r["step"], r["world_size"], r["loss"], want["loss"])
         assert abs(r["grad_norm"] - want["grad_norm"]) <= NORM_REL * want["grad_norm"], r["step"]
     worlds = [done[s]["world_size"] for s in sorted(done)]
     phases = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]

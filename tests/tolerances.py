@@ -37,6 +37,10 @@ fp16 skip decided per rank                    test_precision: overflow_on_one_ra
                                               collective timeout, reported as an assertion)
 a tensor batch iterated as rows               test_batches: a_tensor_batch_is_one_batch_...
 auto device on fewer GPUs than local ranks    test_device (GPU count monkeypatched)
+elastic dp that breaks the global batch,      test_elastic: resize_picks_... / fit_world_...
+or microbatches not raised on a shrink
+a returning node's workers start from step 1  test_elastic: lose_a_node_then_get_it_back (loss)
+an elastic restart rewrites the metrics file  test_elastic: lose_a_node_... (resize records)
 ============================================  ==================================================
 """
 from __future__ import annotations

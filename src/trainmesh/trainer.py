@@ -94,6 +94,10 @@ def _elastic_layout(cfg: TrainConfig, rank: int) -> TrainConfig | None:
     if fitted is None:
         print(f"trainmesh: rank {rank} idle: the layout uses {cfg.parallel.world_size} of {world} "
               "processes", flush=True)
+    elif (rank == 0 and cfg.parallel.min_dp is not None
+          and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0"):
+        print("trainmesh: note: --min-dp with --max-restarts 0: a lost node ends the job (the agent "
+              "may not restart the workers); a returning node is still admitted", flush=True)
     return fitted
 
 
