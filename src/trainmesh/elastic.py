@@ -88,17 +88,18 @@ def layout_change(saved: dict[str, Any] | None, now: dict[str, Any], *, step: in
             "to": {"dp": now["dp"], "microbatches": now["microbatches"]}}
 
 
-def join(cfg: TrainConfig, *, rank: int, world: int) -> TrainConfig | None:
-    """This worker's config at world size ``world`` (:func:`fit_world`), or None for a rank the
-    layout leaves out (it ends at once). In an elastic job ``WORLD_SIZE`` becomes the processes
-    the layout uses, so the process group holds exactly the mesh. Raises :class:`ResizeError`."""
+def join(cfg: TrainConfig, *, rank: int, world: int) -> tuple[TrainConfig, bool]:
+    """(this worker's config at world size ``world`` (:func:`fit_world`), whether this rank
+    takes part): ranks beyond the layout's ``dp x pp x tp`` end at once. In an elastic job
+    ``WORLD_SIZE`` becomes the processes the layout uses, so the process group holds exactly
+    the mesh. Raises :class:`ResizeError`."""
     if cfg.parallel.min_dp is None:
-        return cfg
+        return cfg, True
     cfg = fit_world(cfg, world)
     if rank >= cfg.parallel.world_size:
-        return None
+        return cfg, False
     os.environ["WORLD_SIZE"] = str(cfg.parallel.world_size)
-    return cfg
+    return cfg, True
 
 
 def resize_record(cfg: TrainConfig, *, step: int, world: int) -> dict[str, Any] | None:

@@ -87,14 +87,15 @@ def _elastic_layout(cfg: TrainConfig, rank: int) -> TrainConfig | None:
     layout leaves out. No layout left: one line naming the reason, exit 1."""
     world = int(os.environ.get("WORLD_SIZE", cfg.parallel.world_size))
     try:
-        fitted = elastic.join(cfg, rank=rank, world=world)
+        fitted, takes_part = elastic.join(cfg, rank=rank, world=world)
     except elastic.ResizeError as exc:
         sys.stderr.write(f"trainmesh train: rank {rank}: {exc}\n")
         raise SystemExit(1) from None
-    if fitted is None:
-        print(f"trainmesh: rank {rank} idle: the layout uses {cfg.parallel.world_size} of {world} "
-              "processes", flush=True)
-    elif (rank == 0 and cfg.parallel.min_dp is not None
+    if not takes_part:
+        print(f"trainmesh: rank {rank} idle: the layout (dp {fitted.parallel.dp}) uses "
+              f"{fitted.parallel.world_size} of {world} processes", flush=True)
+        return None
+    if (rank == 0 and cfg.parallel.min_dp is not None
           and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0"):
         print("trainmesh: note: --min-dp with --max-restarts 0: a lost node ends the job (the agent "
               "may not restart the workers); a returning node is still admitted", flush=True)
