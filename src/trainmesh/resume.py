@@ -5,7 +5,9 @@ trainer state as ``run``). Before resuming, :func:`check_resume` compares it wit
 for: a different model shape or optimizer cannot continue (the tensors or the optimizer states
 would not match) and is refused naming the flag and both values; a different seed, global batch
 or LR schedule is allowed (the weights fit) and reported as one notice each. The layout may
-differ freely: checkpoints reshard.
+differ freely: checkpoints reshard. The trainer state also names the elastic job that wrote it
+(``job``: torchrun's ``--rdzv-id``): workers the agent restarted within that job, after a failure
+or when a node left or joined, continue from it without ``--resume`` (:func:`same_job`).
 
 Pure reads of the manifest, cheap: the launcher calls it before any worker starts (exit 2), a
 worker under torchrun before loading.
