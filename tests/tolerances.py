@@ -42,6 +42,10 @@ attention head count left global under tp     test_hf_tp: the GPT-2 run reports 
 parallel_input reading positional args only   test_hf_tp: the Llama run reports its TypeError
 fused qkv shard read as one slice / gathered  test_hf_tp: loaded first loss / consolidated
   in rank order / checkpoint sliced as one    weights / reloaded checkpoint vs the saved ones
+elastic dp that breaks the global batch,      test_elastic: resize_picks_... / fit_world_...
+or microbatches not raised on a shrink
+a returning node's workers start from step 1  test_elastic: lose_a_node_then_get_it_back (loss)
+an elastic restart rewrites the metrics file  test_elastic: lose_a_node_... (resize records)
 ============================================  ==================================================
 """
 from __future__ import annotations

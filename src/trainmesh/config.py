@@ -38,6 +38,8 @@ class ParallelConfig:
     zero: int = setting(0, "ZeRO stage over the DP axis: 0 (DDP), 1 (optimizer states), "
                            "2 (+ gradients), 3 (+ parameters)", choices=(0, 1, 2, 3))
     microbatches: int = setting(1, "gradient accumulation (pp=1) or pipeline microbatches (pp>1)", ge=1)
+    min_dp: int | None = setting(None, "elastic resize: the smallest dp the job may shrink to when "
+                                       "it loses processes (default --dp: no resize)", ge=1)
     schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
     virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)", ge=1)
     sequence_parallel: bool = setting(False, "Megatron sequence parallelism inside TP groups")
@@ -89,6 +91,9 @@ class ParallelConfig:
             raise ConfigError("--zero", "3 with --pp > 1 is refused: ZeRO-3 re-gathers every layer "
                               "for each of the pipeline's microbatches (traffic x microbatches); "
                               "use --zero 1 or 2 with pipelines")
+        if self.min_dp is not None and self.min_dp > self.dp:
+            raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
+                              f"--min-dp the smallest it may shrink to); got {self.min_dp}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError("--virtual-stages", "> 1 needs --schedule interleaved")
         self._check_ps()
@@ -106,7 +111,8 @@ class ParallelConfig:
         if self.strategy == "ps":
             for name, changed in (("tp", self.tp > 1), ("pp", self.pp > 1), ("zero", self.zero > 0),
                                   ("precision", self.precision != "fp32"),
-                                  ("recompute", self.recompute != "none")):
+                                  ("recompute", self.recompute != "none"),
+                                  ("min-dp", self.min_dp is not None)):
                 if changed:
                     raise ConfigError(f"--{name}", "must stay at its default with --strategy ps "
                                       "(fp32 replicas of whole parameters; --dp sets the trainers)")

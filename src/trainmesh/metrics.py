@@ -67,11 +67,15 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
 class MetricsWriter:
     """Appends one JSON object per line (rank 0 writes; other ranks pass path=None)."""
 
-    def __init__(self, path: str | None, *, keep_steps_before: int = 1) -> None:
-        """A fresh file; when resuming at step k, the step records before k are kept."""
+    def __init__(self, path: str | None, *, keep_steps_before: int = 1, append: bool = False) -> None:
+        """A fresh file; when resuming at step k, the step records before k are kept. ``append``
+        keeps every record (an elastic job's attempts: steps recomputed after a restart then
+        appear again, the last record of a step is the newest)."""
         self.path = Path(path) if path else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if append:
+                return
             kept = []
             if keep_steps_before > 1 and self.path.exists():
                 for line in self.path.read_text().splitlines():

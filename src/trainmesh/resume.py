@@ -5,7 +5,9 @@ trainer state as ``run``). Before resuming, :func:`check_resume` compares it wit
 for: a different model shape or optimizer cannot continue (the tensors or the optimizer states
 would not match) and is refused naming the flag and both values; a different seed, global batch
 or LR schedule is allowed (the weights fit) and reported as one notice each. The layout may
-differ freely: checkpoints reshard.
+differ freely: checkpoints reshard. The trainer state also names the elastic job that wrote it
+(``job``: torchrun's ``--rdzv-id``): workers the agent restarted within that job, after a failure
+or when a node left or joined, continue from it without ``--resume`` (:func:`same_job`).
 
 Pure reads of the manifest, cheap: the launcher calls it before any worker starts (exit 2), a
 worker under torchrun before loading.
@@ -13,6 +15,7 @@ worker under torchrun before loading.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from .checkpoint import MANIFEST, latest
@@ -36,9 +39,8 @@ def run_record(cfg: TrainConfig) -> dict[str, Any]:
     return record
 
 
-def saved_run(save_dir: str) -> tuple[str, dict[str, Any]] | None:
-    """(checkpoint directory, its run record) of the newest checkpoint, or None when there is
-    none or it predates run records."""
+def _newest_manifest(save_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """(checkpoint directory, its manifest) of the newest checkpoint, or None."""
     directory = latest(save_dir)
     if directory is None:
         return None
@@ -46,8 +48,37 @@ def saved_run(save_dir: str) -> tuple[str, dict[str, Any]] | None:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError("--save-dir", f"{directory}: unreadable manifest: {exc}") from None
-    run = manifest.get("trainer", {}).get("run") if isinstance(manifest, dict) else None
-    return (str(directory), run) if isinstance(run, dict) else None
+    return (str(directory), manifest) if isinstance(manifest, dict) else None
+
+
+def saved_run(save_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """(checkpoint directory, its run record) of the newest checkpoint, or None when there is
+    none or it predates run records."""
+    found = _newest_manifest(save_dir)
+    run = found[1].get("trainer", {}).get("run") if found else None
+    return (found[0], run) if isinstance(run, dict) else None
+
+
+def saved_layout(save_dir: str) -> dict[str, Any] | None:
+    """The layout (``ParallelConfig.layout()``) the newest checkpoint was written under."""
+    found = _newest_manifest(save_dir)
+    layout = found[1].get("layout") if found else None
+    return layout if isinstance(layout, dict) else None
+
+
+def elastic_job() -> str | None:
+    """The elastic job this worker belongs to (the agent's run id, ``--rdzv-id``), or None."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return job if job not in ("", "none") else None
+
+
+def same_job(save_dir: str) -> bool:
+    """Whether the newest checkpoint was written by this elastic job (the trainer state's
+    ``job``, :func:`elastic_job` of the writer): its workers were restarted (a lost or returning
+    node restarts them all), so they continue from it."""
+    found = _newest_manifest(save_dir)
+    job = found[1].get("trainer", {}).get("job") if found else None
+    return job is not None and job == elastic_job()
 
 
 def check_resume(cfg: TrainConfig) -> str | None:

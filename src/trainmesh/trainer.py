@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from . import elastic
 from .data import dp_slice, make_datasets
 from .distributed import init_distributed, shutdown
 from .engine import Engine
@@ -24,7 +25,7 @@ from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
 from .optimizers import no_decay, optimizer_factory
 from .progress import Progress, print_summary
-from .resume import check_resume, run_record, schedule_changed
+from .resume import check_resume, elastic_job, run_record, same_job, schedule_changed
 from .savedir import SaveDirLock, remove_stale_tmp
 from .schedule_lr import warmup_cosine
 from .step import LossFn
@@ -74,6 +75,9 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     torch.set_num_threads(threads)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    cfg = _elastic_layout(cfg, rank)
+    if cfg is None:
+        return 0
     with SaveDirLock(cfg.save_dir) if lock_save_dir and cfg.save_dir and rank == 0 else nullcontext():
         device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device)
         try:
@@ -87,6 +91,26 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
             raise
         shutdown()
     return code
+
+
+def _elastic_layout(cfg: TrainConfig, rank: int) -> TrainConfig | None:
+    """``cfg`` fitted to this attempt's world size (elastic resize, --min-dp); None for a rank the
+    layout leaves out. No layout left: one line naming the reason, exit 1."""
+    world = int(os.environ.get("WORLD_SIZE", cfg.parallel.world_size))
+    try:
+        fitted, takes_part = elastic.join(cfg, rank=rank, world=world)
+    except elastic.ResizeError as exc:
+        sys.stderr.write(f"trainmesh train: rank {rank}: {exc}\n")
+        raise SystemExit(1) from None
+    if not takes_part:
+        print(f"trainmesh: rank {rank} idle: the layout (dp {fitted.parallel.dp}) uses "
+              f"{fitted.parallel.world_size} of {world} processes", flush=True)
+        return None
+    if (rank == 0 and cfg.parallel.min_dp is not None
+          and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0"):
+        print("trainmesh: note: --min-dp with --max-restarts 0: a lost node ends the job (the agent "
+              "may not restart the workers); a returning node is still admitted", flush=True)
+    return fitted
 
 
 def _exit_quietly_on_signals() -> None:
@@ -112,7 +136,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     evaluator = make_evaluator(engine, held_out, cfg)
     start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)
-    metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start)
+    metrics = _open_metrics(cfg, start, mesh.world_size, rank0)
+    elastic_run = p.min_dp is not None   # the world size can change: recorded per step
     board = TensorBoardLog(cfg.tensorboard if rank0 else None)
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
@@ -141,6 +166,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                    "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
                    "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
                    **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
+            if elastic_run:
+                row.update(world_size=mesh.world_size, dp=p.dp)
             bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
             _publish(row, engine, device, metrics, board, evaluator)
             nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
@@ -155,6 +182,21 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     if rank0:
         print_summary(summary, first_loss=first_loss)
     return 0
+
+
+def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> MetricsWriter:
+    """The metrics file of a run starting at ``start`` (appended to by an elastic job's every
+    attempt), with the ``resize`` record when the layout changed since the checkpoint."""
+    p = cfg.parallel
+    metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start,
+                            append=p.min_dp is not None and start > 1)
+    resized = elastic.resize_record(cfg, step=start, world=world) if rank0 else None
+    if resized is not None:
+        metrics.write(resized)
+        log.info("trainmesh: resized to world %d: dp %d, microbatches %d (were %s, %s) from step %d",
+                 world, p.dp, p.microbatches, resized["from"]["dp"], resized["from"]["microbatches"],
+                 start)
+    return metrics
 
 
 def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics: MetricsWriter,
@@ -204,13 +246,15 @@ def _save(cfg: TrainConfig, engine: Engine, step: int) -> None:
     if flag.item() < 1.0:
         raise NonFiniteError(f"step {step}: non-finite weights or optimizer states; not saved, "
                              "the newest checkpoint is from before it")
-    engine.save(cfg.save_dir, {"run": run_record(cfg)})
+    engine.save(cfg.save_dir, {"run": run_record(cfg), "job": elastic_job()})
 
 
 def _resume(cfg: TrainConfig, engine: Engine) -> int:
     """The last step already done: from the newest checkpoint when resuming (asked for with
-    --resume, or implied by an elastic restart), else 0."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    --resume, or implied by an elastic restart: a failed worker, or a node lost or joining,
+    restarts every worker of the job), else 0."""
+    restarted = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+                 or bool(cfg.save_dir and same_job(cfg.save_dir)))   # a node lost or joined
     if cfg.save_dir and engine.mesh.rank == 0:   # this run holds the --save-dir lock
         for path in remove_stale_tmp(Path(cfg.save_dir)):
             log.info("trainmesh: removed %s, left by an interrupted save", path)

@@ -119,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     if "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")))
         preflight(cfg, local_ranks=local, launching=False)
+        if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun: die with its agent
+            from ..launch import die_with_parent
+            die_with_parent(os.getppid())
         from ..trainer import worker_main
         return worker_main(cfg)
     preflight(cfg, local_ranks=cfg.parallel.world_size, launching=True)

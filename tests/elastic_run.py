@@ -1,0 +1,184 @@
+"""One elastic-resize trial: two torchrun agents ("nodes" of 2 ranks each) share a c10d
+rendezvous and train a dp 4 job with --min-dp 2; the second agent is killed (its whole process
+tree, like a lost machine) once step ``kill_after`` is recorded at world 4, and joins again
+once the job has recorded a few steps at world 2. Used by tests/test_elastic.py and benchmarks/soak_elastic.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers import SMALL
+
+STEPS = 60
+ARGS = [*SMALL[:-4], "--steps", str(STEPS), "--warmup-steps", "5"]
+"""The run: the small GPT, global batch 8 (dp 4 x 1 microbatch of 2, or dp 2 x 2)."""
+RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
+"""A lone agent waits 3 s for more nodes before starting without them; a node that stops
+heart-beating (every 1 s) is dropped after 3 missed beats; a node that never comes ends the
+wait after 120 s."""
+
+
+AT_WORLD_2 = 3
+"""Steps the shrunk job records before the lost node is told to join again."""
+AGENT = """
+import pathlib, sys, time
+import torch.distributed.run as torchrun
+go = pathlib.Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.02)
+torchrun.main(sys.argv[2:])
+"""
+"""A "node": torchrun, imported ahead, joining the job once the file argv[1] exists (a machine
+that boots while the job shrinks, and joins when the trial says)."""
+
+
+@dataclass
+class Trial:
+    """What one trial saw: exit codes, every metrics record, each transition's duration."""
+
+    codes: list[int | None]
+    records: list[dict]
+    errors: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    """start (to step kill_after at world 4), shrink (kill to the first world-2 step), grow
+    (agent started again to the first world-4 step after), total."""
+    steps_at: dict[int, int] = field(default_factory=dict)
+    """{world size: steps whose newest record ran at it}."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every descendant (Linux /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL an agent and all its workers at once (workers run in sessions of their own)."""
+    for pid in _tree(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]   # the last may be partial
+
+
+def last_per_step(records: list[dict]) -> dict[int, dict]:
+    """{step: its newest record}: steps recomputed after a restart appear again."""
+    return {r["step"]: r for r in records if r["event"] == "step"}
+
+
+class _Watch:
+    """Polls the metrics file; remembers when each (step, world) record first appeared."""
+
+    def __init__(self, path: Path, agents: list[subprocess.Popen], deadline: float) -> None:
+        self.path, self.agents, self.deadline = path, agents, deadline
+        self.seen: dict[tuple[int, int], float] = {}
+
+    def poll(self) -> None:
+        for r in read_records(self.path):
+            if r["event"] == "step":
+                self.seen.setdefault((r["step"], r["world_size"]), time.time())
+
+    def last_step(self, world: int) -> int:
+        return max((s for s, w in self.seen if w == world), default=0)
+
+    def count(self, world: int) -> int:
+        """Steps recorded at ``world`` so far."""
+        return sum(1 for _, w in self.seen if w == world)
+
+    def wait(self, what: str, until) -> float:
+        """Seconds until ``until()`` holds; raises on the deadline or when every agent ended."""
+        t0 = time.time()
+        while True:
+            self.poll()
+            if until():
+                return time.time() - t0
+            if time.time() > self.deadline:
+                raise TimeoutError(f"trial: no {what} before the deadline")
+            if all(a.poll() is not None for a in self.agents):
+                raise RuntimeError(f"trial: every agent ended while waiting for {what}")
+            time.sleep(0.05)
+
+
+def run_trial(tmp: Path, *, kill_after: int = 10, deadline_s: float = 240) -> Trial:
+    """Start, shrink, grow; every process is killed on the way out, whatever happens."""
+    port, job = _free_port(), uuid.uuid4().hex[:8]
+    metrics = tmp / "elastic.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    cmd = ["--nnodes", "1:2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
+           "--rdzv-conf", RDZV_CONF, "--max-restarts", "3", "--local-addr", "127.0.0.1",
+           "-m", "trainmesh", "train", *ARGS, "--dp", "4", "--min-dp", "2", "--timeout", "30",
+           "--save-dir", str(tmp / "ck"), "--save-every", "1", "--metrics-out", str(metrics)]
+
+    def start(i: int, go: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", AGENT, str(go), *cmd], env=env, text=True,
+                                stdout=subprocess.DEVNULL, stderr=(tmp / f"agent{i}.err").open("a"))
+
+    go, rejoin = tmp / "go", tmp / "rejoin"
+    go.touch()
+    agents = [start(0, go)]   # the first agent hosts the rendezvous store: it is the one that stays
+    watch, seconds, t0 = _Watch(metrics, agents, time.time() + deadline_s), {}, time.time()
+    try:
+        watch.wait("rendezvous store", lambda: _listening(port))
+        agents.append(start(1, go))
+        seconds["start"] = watch.wait(f"step {kill_after} at world 4",
+                                      lambda: watch.last_step(4) >= kill_after)
+        kill_tree(agents[1])
+        agents[1] = start(1, rejoin)   # booted while the job shrinks; joins once told
+        seconds["shrink"] = watch.wait("a step at world 2", lambda: watch.count(2) > 0)
+        watch.wait(f"{AT_WORLD_2} steps at world 2", lambda: watch.count(2) >= AT_WORLD_2)
+        rejoin.touch()
+        seconds["grow"] = watch.wait("a step at world 4 after the shrink",
+                                     lambda: watch.last_step(4) > watch.last_step(2))
+        codes = [a.wait(timeout=max(1.0, watch.deadline - time.time())) for a in agents]
+        seconds["total"] = time.time() - t0
+    except (TimeoutError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        codes, seconds["error"] = [a.poll() for a in agents], str(exc)
+    finally:
+        for a in agents:
+            kill_tree(a)
+    records = read_records(metrics)
+    steps_at = {w: sum(1 for r in last_per_step(records).values() if r["world_size"] == w)
+                for w in (2, 4)}
+    return Trial(codes, records, _errors(tmp), seconds, steps_at)
+
+
+def _errors(tmp: Path) -> str:
+    return "\n".join(f"--- agent{i}\n" + (tmp / f"agent{i}.err").read_text()[-3000:]
+                     for i in range(2) if (tmp / f"agent{i}.err").exists())
