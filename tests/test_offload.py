@@ -228,3 +228,25 @@ def test_planner_prices_offload_and_frees_the_device():
     assert got["cpu"].memory.optimizer == got["nvme"].memory.optimizer == 0
     times = {o: c.time.total for o, c in got.items()}
     assert times["none"] < times["cpu"] < times["nvme"], times
+
+
+def test_host_adamw_steps_strided_shards_right():
+    """Under offload the trainer's AdamW is the fused CPU kernel, which miscomputes strided
+    parameters (a ZeRO-1/2 shard of several buckets): those get the foreach kernel."""
+    from trainmesh.optimizers import optimizer_factory
+    from trainmesh.train_config import build_train_config
+    cfg = build_train_config({"zero": 1, "offload": "cpu"})
+    make = optimizer_factory(cfg, torch.device("cpu"))
+    flat = torch.randn(3, 2, 5)                                # (n_buckets, world, chunk)
+    for shard in (flat[:, 1], flat[:, 1].contiguous()):        # strided view; contiguous copy
+        p = torch.nn.Parameter(shard)
+        q = torch.nn.Parameter(shard.detach().clone())
+        ours = make([{"params": [p], "weight_decay": 0.1}])
+        ref = torch.optim.AdamW([q], lr=cfg.peak_lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+        for k in range(3):
+            p.grad = torch.full_like(q, 0.1 * (k + 1))
+            q.grad = p.grad.clone()
+            ours.step()
+            ref.step()
+        assert (p.detach() - q.detach()).abs().max() <= 1e-6, p.is_contiguous()
+    assert make([torch.nn.Parameter(torch.zeros(4))]).defaults["fused"], "the fast kernel where it is right"
