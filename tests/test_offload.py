@@ -1,10 +1,12 @@
 """ZeRO-Offload (--offload cpu / nvme, --offload-params) in real processes: the same training run
 as one process (CONTRACT.md, fp32, 20 steps, AdamW and SGD), the bytes each rank keeps off the
 device (measured from its tensors and files) and none on it, the NVMe files on disk and gone
-after, resume between offloaded and resident layouts, a full disk mid-run, and bad input
-refused before any worker starts."""
+after, a full disk mid-run (the job ends naming the rank, its last checkpoint resumes), resume
+between offloaded and resident layouts both ways, and bad input refused before any worker
+starts."""
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from helpers import SMALL, run_train, steps
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_ABS
 from test_zero import CFG, PSI, SMALL_BUCKET, _train, loss_fn, no_decay, optimizer
 from trainmesh import Engine, ParallelConfig, ParallelMesh
+from trainmesh.checkpoint import latest
 from trainmesh.cli import main
 from trainmesh.models.gpt import GPT
 from trainmesh.testing import run_distributed
@@ -134,13 +137,23 @@ def _assert_continues(ref: list[dict], records: list[dict], what: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_resume_between_nvme_offload_and_resident_layouts(reference, tmp_path):
+def test_full_disk_keeps_the_checkpoint_and_resume_crosses_offload(reference, tmp_path, monkeypatch):
+    from trainmesh.data_parallel.nvme import FAULT_ENV
     ref, ref_ck = reference
-    # saved under dp 2 ZeRO-2 with the states in NVMe files -> one process, resident
-    ck = tmp_path / "from-nvme"
-    proc, _ = run_train([*RESUME, "--dp", "2", "--zero", "2", "--offload", "nvme", "--save-dir", str(ck),
-                         "--save-every", "10", "--exit-after", "10"], tmp_path, name="a")
-    assert proc.returncode == 0, proc.stderr
+    # dp 2 ZeRO-2 with the states in NVMe files; the disk is full from step 11 on: per rank 4
+    # writes per step (2 parameter groups x 2 AdamW moments) and 4 for the save of step 10.
+    ck, states = tmp_path / "from-nvme", tmp_path / "states-a"
+    with monkeypatch.context() as env:
+        env.setenv(FAULT_ENV, "44")
+        proc, records = run_train([*RESUME, "--dp", "2", "--zero", "2", "--offload", "nvme", "--offload-dir",
+                                   str(states), "--save-dir", str(ck), "--save-every", "10"], tmp_path, name="a")
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.search(r"rank \d", last) and "No space left" in last and "checkpoint" in last, last
+    assert [r["step"] for r in steps(records)] == list(range(1, 11))
+    assert latest(ck).name == "step-00000010"
+    assert not list(states.iterdir()), "state files removed when the run ended"
+    # ... its checkpoint is whole: one process, resident states, resumes it exactly
     proc, records = run_train([*RESUME, "--save-dir", str(ck), "--resume"], tmp_path, name="b")
     assert proc.returncode == 0, proc.stderr
     _assert_continues(ref, records, "nvme dp2-zero2 -> one process")
@@ -149,30 +162,11 @@ def test_resume_between_nvme_offload_and_resident_layouts(reference, tmp_path):
     shutil.copytree(ref_ck, ck)
     shutil.rmtree(ck / "step-00000020")
     proc, records = run_train([*RESUME, "--dp", "2", "--zero", "3", "--offload", "nvme", "--offload-params",
-                               "--offload-dir", str(tmp_path / "states"), "--save-dir", str(ck), "--resume"],
+                               "--offload-dir", str(tmp_path / "states-c"), "--save-dir", str(ck), "--resume"],
                               tmp_path, name="c")
     assert proc.returncode == 0, proc.stderr
     _assert_continues(ref, records, "one process -> nvme dp2-zero3")
-    assert not list((tmp_path / "states").iterdir()), "state files removed at exit"
-
-
-@pytest.mark.timeout(120)
-def test_full_disk_mid_run_names_the_rank_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    from trainmesh.checkpoint import consolidate, latest
-    from trainmesh.data_parallel.nvme import FAULT_ENV
-    # fp32 AdamW, 2 parameter groups x 2 states: 4 writes per step and per save; the 17th write
-    # (step 4) finds the disk full, after the checkpoint of step 2.
-    monkeypatch.setenv(FAULT_ENV, "16")
-    ck, states = tmp_path / "ck", tmp_path / "states"
-    proc, records = run_train([*SMALL, "--zero", "1", "--offload", "nvme", "--offload-dir", str(states),
-                               "--save-dir", str(ck), "--save-every", "2"], tmp_path)
-    assert proc.returncode == 1, proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert "rank 0" in last and "No space left" in last and "checkpoint" in last, last
-    assert [r["step"] for r in steps(records)] == [1, 2, 3]
-    assert latest(ck).name == "step-00000002"
-    consolidate(ck, tmp_path / "w.safetensors")       # every piece there, its hash verified
-    assert not list(states.iterdir()), "state files removed when the run ended"
+    assert not list((tmp_path / "states-c").iterdir()), "state files removed at exit"
 
 
 @pytest.mark.parametrize("args, field", [
