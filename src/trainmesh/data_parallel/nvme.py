@@ -128,9 +128,10 @@ class NvmeStore:
         self.out.update(k for k, _ in out)
         return out
 
-    def _keys(self, groups: list[dict], optimizer: torch.optim.Optimizer) -> list[Key]:
-        keys = [k for k in self.out if any(k[0] == id(p) for g in groups for p in g["params"])]
-        return sorted(keys, key=lambda k: self.slots[k].offset)
+    def _keys(self, groups: list[dict]) -> list[Key]:
+        """What of ``groups`` lives only in the file, in file order (sequential reads)."""
+        ids = {id(p) for g in groups for p in g["params"]}
+        return sorted((k for k in self.out if k[0] in ids), key=lambda k: self.slots[k].offset)
 
     def _put(self, loaded: list[tuple[Key, torch.Tensor]], groups: list[dict],
              optimizer: torch.optim.Optimizer) -> None:
@@ -188,14 +189,14 @@ class NvmeStore:
     def step(self, optimizer: torch.optim.Optimizer, before_group: Any, after_group: Any) -> None:
         """Step the optimizer group by group, the next group read while this one updates."""
         groups = list(optimizer.param_groups)
-        reading = self._io.submit(self._read, self._keys(groups[:1], optimizer))
+        reading = self._io.submit(self._read, self._keys(groups[:1]))
         writes: list[Future] = []
         try:
             for i, group in enumerate(groups):
                 self._put(reading.result(), [group], optimizer)
                 before_group(group)
                 if i + 1 < len(groups):
-                    reading = self._io.submit(self._read, self._keys(groups[i + 1 : i + 2], optimizer))
+                    reading = self._io.submit(self._read, self._keys(groups[i + 1 : i + 2]))
                 optimizer.param_groups = [group]
                 try:
                     optimizer.step()
@@ -210,7 +211,7 @@ class NvmeStore:
     @contextmanager
     def resident(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         groups = list(optimizer.param_groups)
-        self._put(self._read(self._keys(groups, optimizer)), groups, optimizer)
+        self._put(self._read(self._keys(groups)), groups, optimizer)
         try:
             yield
         finally:
