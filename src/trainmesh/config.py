@@ -50,8 +50,13 @@ class ParallelConfig:
     recompute: str = setting("none", "activation recomputation: none, full (keep layer inputs) or "
                                      "selective (attention internals)", choices=RECOMPUTE)
     recompute_segment: int = setting(1, "with full: recompute K layers from every K-th layer's input", ge=1)
-    offload: str = setting("none", "optimizer states off the device: none, cpu or nvme", choices=OFFLOAD)
-    offload_dir: str | None = setting(None, "directory for nvme offload", path=True)
+    offload: str = setting("none", "ZeRO >= 1: fp32 masters and optimizer states off the device, "
+                                   "stepped on the CPU: none, cpu (host memory) or nvme (files)",
+                           choices=OFFLOAD)
+    offload_dir: str | None = setting(None, "directory for nvme offload files (default: a fresh "
+                                            "one under the system temp dir, removed at exit)", path=True)
+    offload_params: bool = setting(False, "ZeRO-3 with offload: parameter shards in host memory "
+                                          "too, gathered to the device per unit")
     bucket_mb: float = setting(25.0, "gradient bucket size in MiB (DDP all-reduce, ZeRO "
                                      "reduce-scatter)", gt=0)
     grad_clip: float = setting(0.0, "global gradient-norm clip (0 = off; the norm is still "
@@ -94,9 +99,20 @@ class ParallelConfig:
         if self.min_dp is not None and self.min_dp > self.dp:
             raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
                               f"--min-dp the smallest it may shrink to); got {self.min_dp}")
+        self._check_offload()
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError("--virtual-stages", "> 1 needs --schedule interleaved")
         self._check_ps()
+
+    def _check_offload(self) -> None:
+        """Offload moves a ZeRO shard's optimizer: it needs one."""
+        if self.offload != "none" and self.zero == 0:
+            raise ConfigError("--offload", f"{self.offload} moves the optimizer shard of ZeRO off the "
+                              "device; needs --zero 1, 2 or 3 (got --zero 0; valid with it: none)")
+        if self.offload_params and (self.zero != 3 or self.offload == "none"):
+            raise ConfigError("--offload-params", "needs --zero 3 and --offload cpu or nvme")
+        if self.offload_dir is not None and self.offload != "nvme":
+            raise ConfigError("--offload-dir", "is where --offload nvme writes; needs --offload nvme")
 
     def _check_ps(self) -> None:
         """The parameter-server and all-reduce-algorithm rules between fields."""

@@ -80,6 +80,8 @@ class Engine:
         self.step_count = 0
         self.last: dict[str, Any] = {}
         self.state_bytes = {"params": 0, "grads": 0, "optimizer": 0}
+        self.offloaded_bytes = {"cpu": 0, "nvme": 0}
+        """Model-state bytes kept off the compute device (--offload), measured with state_bytes."""
 
     # ---------------------------------------------------------------- set-up
     def _split_layers(self, model: nn.Module, tp_plan: dict[str, str] | None) -> nn.Module:
@@ -155,6 +157,7 @@ class Engine:
         global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
         self.grad_sync.finish(1.0 / (global_count * self.precision.loss_scale))
         self.state_bytes = self.measure_state()
+        self.offloaded_bytes = self.grad_sync.offloaded_bytes()
         skip = self.precision.should_skip(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
         norm = 0.0 if skip else self.grad_norm()
         nonfinite = self._nonfinite(global_loss, norm)   # never applied; the caller's policy decides

@@ -51,11 +51,18 @@ def print_summary(summary: dict[str, Any], *, first_loss: float) -> None:
     from rich.table import Table
     table = Table(title=f"trainmesh: {summary['params']:,} params, world {summary['world_size']}, "
                         f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}")
-    for col in ("rank", "dp/pp/tp", "params MiB", "grads MiB", "optim MiB", "peak MiB", "comm MiB/step"):
+    offload = summary["layout"].get("offload", "none")
+    cols = ["rank", "dp/pp/tp", "params MiB", "grads MiB", "optim MiB", "peak MiB", "comm MiB/step"]
+    if offload != "none":
+        cols.insert(5, f"{offload} MiB")
+    for col in cols:
         table.add_column(col, justify="right")
     for r in summary["ranks"]:
         c, s = r["coords"], r["model_state_bytes"]
         comm = sum(b for ops in r["comm_bytes_per_step"].values() for b in ops.values())
-        table.add_row(str(r["rank"]), f"{c['dp']}/{c['pp']}/{c['tp']}", _mib(s["params"]), _mib(s["grads"]),
-                      _mib(s["optimizer"]), _mib(r["peak_mem_bytes"]), _mib(comm))
+        row = [str(r["rank"]), f"{c['dp']}/{c['pp']}/{c['tp']}", _mib(s["params"]), _mib(s["grads"]),
+               _mib(s["optimizer"]), _mib(r["peak_mem_bytes"]), _mib(comm)]
+        if offload != "none":
+            row.insert(5, _mib(sum(r.get("offloaded_bytes", {}).values())))
+        table.add_row(*row)
     Console(file=sys.stdout).print(table)

@@ -289,6 +289,7 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
             "init_peak_mem_bytes": init_peak,
             "setup_mem_bytes": setup_mem,
             "peak_mem_bytes": memory_peak(device), "model_state_bytes": engine.state_bytes,
+            "offloaded_bytes": engine.offloaded_bytes,
             "comm_buffer_peak_bytes": engine.grad_sync.comm_buffer_peak_bytes,
             "comm_bytes_per_step": engine.comm.ledger.bytes_per_step()}
     ranks = engine.comm.all_gather_object(mine)

@@ -149,10 +149,29 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str) -> None:
                   f"sequence-parallel={'on' if rec.sequence_parallel else 'off'} "
                   f"microbatches={rec.microbatches}")
     console.print(f"[bold]Why:[/bold] {result.why}", highlight=False)
+    _print_offload(result, model, cluster, console)
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]", highlight=False)
     console.print(f"[dim]{len(result.candidates)} layouts considered, best {len(shown)} shown; "
                   "memory per GPU includes framework overhead; --json lists all[/dim]")
+
+
+def _print_offload(result: Any, model: Any, cluster: Any, console: Console) -> None:
+    """What offloading the recommended layout's optimizer (ZeRO >= 1) to host memory or NVMe
+    would free per GPU and cost per step."""
+    from dataclasses import replace
+
+    from ..planner.candidate import evaluate
+    rec = result.recommended
+    if rec.layout.offload != "none":
+        return
+    base = replace(rec.layout, zero=max(rec.layout.zero, 1))
+    parts = []
+    for kind in ("cpu", "nvme"):
+        c = evaluate(replace(base, offload=kind, offload_params=base.zero == 3), model, cluster)
+        parts.append(f"{kind} frees {fmt_bytes(rec.memory.total - c.memory.total)} per GPU for "
+                     f"{fmt_seconds(c.time.total - rec.time.total)} more per step")
+    console.print(f"[bold]Offload (ZeRO-{base.zero}):[/bold] {'; '.join(parts)}", highlight=False)
 
 
 # ---------------------------------------------------------------- prediction

@@ -66,8 +66,6 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     from ..planner.fit import check_memory, check_processes
     from .paths import check_output_dir, check_output_file
     p = cfg.parallel
-    if p.offload != "none":
-        raise ConfigError("--offload", f"{p.offload} is planned but not yet supported; valid now: none")
     import torch
 
     from ..distributed import choose_device, visible_gpus
@@ -88,6 +86,8 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
                        ("--tensorboard", cfg.tensorboard)):
         if path is not None:
             check_output_dir(flag, path)
+    if p.offload == "nvme":
+        _check_nvme_space(cfg, local_ranks)
     for flag, path in (("--metrics-out", cfg.metrics_out), ("--timeline-out", cfg.timeline_out),
                        ("--trace-out", cfg.trace_out)):
         if path is not None:
@@ -110,6 +110,17 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         gpt = cfg.gpt_config()
         make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
                       held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
+
+
+def _check_nvme_space(cfg, local_ranks: int) -> None:
+    """Room under --offload-dir for what this machine's ranks write: the optimizer bytes per
+    parameter (the planner's table: masters and states) times their share of the parameters."""
+    from ..data_parallel.nvme import check_space
+    from ..planner.memory import bytes_per_param
+    p = cfg.parallel
+    per_param = bytes_per_param(p.precision, cfg.optimizer)[2]
+    share = min(1.0, local_ranks / (p.dp * p.pp * p.tp))
+    check_space(p.offload_dir, int(per_param * cfg.gpt_config().num_params() * share))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,7 +32,8 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     options = SyncOptions(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
                           reduce_dtype=getattr(precision, "reduce_dtype", None),
                           param_dtype=precision.compute_dtype if mixed and cfg.zero < 3 else None,
-                          device=device)
+                          device=device, offload=cfg.offload, offload_dir=cfg.offload_dir,
+                          offload_params=cfg.offload_params)
     if cfg.zero == 0:
         return DDP(named_params, comm, options, allreduce=cfg.allreduce)
     if cfg.zero == 1:

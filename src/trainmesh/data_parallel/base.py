@@ -49,6 +49,13 @@ class SyncOptions:
     device: torch.device | None = None
     """Where the strategy's buffers live; None: the parameters' device (sharded init: ZeRO-3
     meets parameters still on the meta device)."""
+    offload: str = "none"
+    """ZeRO >= 1: ``cpu`` or ``nvme`` keeps the fp32 masters and optimizer states of this rank's
+    shard off the device and steps them on the CPU (:mod:`.offload`)."""
+    offload_dir: str | None = None
+    """``nvme``: the directory of the state files (None: a fresh one under the temp dir)."""
+    offload_params: bool = False
+    """ZeRO-3 with offload: the parameter shards live in host memory too."""
 
 
 class _Pending(Protocol):
@@ -222,6 +229,10 @@ class GradSync(ABC):
                            optim: dict[str, dict[str, torch.Tensor]]) -> None:
         """Checkpointing: take whole-along-DP parameters and optimizer states by name (each
         rank keeps its shard)."""
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Model-state bytes this rank keeps off the compute device: {"cpu", "nvme"}."""
+        return {"cpu": 0, "nvme": 0}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The consolidated weights, where the strategy shards the parameters themselves

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from ..comm import Comm, Handle
 from ..errors import ConfigError
 from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 from .flat import Slot
+from .offload import HostMaster, make_store
 
 # Optimizers whose update of an element depends only on that element's own history: they can
 # update any flat piece of a parameter. Anything else (LBFGS, Adafactor, Muon, ...) cannot.
@@ -73,6 +76,7 @@ class ShardedSync(GradSync):
         self._norm_pieces: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         self._inflight: list[Flight] = []
         self._live_bytes = 0
+        self.offloaded: HostMaster | None = None         # --offload cpu / nvme
 
     # ---------------------------------------------------------------- set-up
     @abstractmethod
@@ -88,6 +92,8 @@ class ShardedSync(GradSync):
             if len(dtypes) > 1:
                 raise ConfigError("model", f"ZeRO needs one dtype per parameter group; got {sorted(map(str, dtypes))}")
         self._setup(groups)
+        if self.options.offload != "none":
+            self._offload()
         if len(groups) == 1 and not groups[0][0]:
             optimizer = factory([self.shard_params[0]])
         else:
@@ -95,6 +101,37 @@ class ShardedSync(GradSync):
         check_elementwise(optimizer, self.stage)
         self.optimizer = optimizer
         return optimizer
+
+    def _offload(self) -> None:
+        """The optimizer's parameters become host fp32 masters of the shards (:mod:`.offload`)."""
+        lows = self.master.lows if self.master is not None else [sp.data for sp in self.shard_params]
+        store = make_store(self.options.offload, directory=self.options.offload_dir,
+                           rank=self.comm.mesh.rank)
+        self.offloaded = HostMaster(self.shard_params, lows, self.grad_shards, store=store,
+                                    device=self.device)
+        self.master = self.offloaded
+        self.shard_params = self.offloaded.masters
+
+    def _resident(self) -> Any:
+        """Offloaded states in host memory for the duration (checkpoints)."""
+        return self.offloaded.resident(self.optimizer) if self.offloaded is not None else nullcontext()
+
+    def _reset_master(self) -> None:
+        """After a step (or a skipped one): no deferred gradient factor, no host gradients."""
+        if self.master is not None:
+            self.master.scale = 1.0
+        if self.offloaded is not None:
+            self.offloaded.discard_grads()
+
+    def _scale(self, factor: float) -> None:
+        if self.offloaded is not None:   # the reductions are done: start the copies to the host
+            self.offloaded.prefetch_grads()
+        super()._scale(factor)
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        if self.offloaded is None:
+            return super().offloaded_bytes()
+        return self.offloaded.offloaded_bytes(self.optimizer)
 
     # ---------------------------------------------------------------- reductions
     def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -173,6 +210,12 @@ class ShardedSync(GradSync):
         assert self.optimizer is not None, "build_optimizer first"
         params: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, torch.Tensor]] = {}
+        with self._resident():
+            self._logical_state(params, optim)
+        return params, optim
+
+    def _logical_state(self, params: dict[str, torch.Tensor],
+                       optim: dict[str, dict[str, torch.Tensor]]) -> None:
         for gi, sp in enumerate(self.shard_params):
             for slot, value in self._whole(gi, sp.detach()):
                 params[slot.name] = value.clone()
@@ -183,13 +226,20 @@ class ShardedSync(GradSync):
                           else [(slot, v) for slot in self._slots(gi)])   # e.g. Adam's step count
                 for slot, value in pieces:
                     optim.setdefault(slot.name, {})[key] = value.clone()
-        return params, optim
 
     @torch.no_grad()
     def load_logical_state(self, params: dict[str, torch.Tensor],
                            optim: dict[str, dict[str, torch.Tensor]]) -> None:
         """Keep this rank's shard of whole parameters and optimizer states given by name."""
         assert self.optimizer is not None, "build_optimizer first"
+        with self._resident():
+            self._load_shards(params, optim)
+            if self.master is not None:
+                self.master.copy_to_params()
+        self._after_load()
+
+    def _load_shards(self, params: dict[str, torch.Tensor],
+                     optim: dict[str, dict[str, torch.Tensor]]) -> None:
         by_name = dict(self.named_params)
         whole = {id(by_name[n]): t for n, t in params.items() if n in by_name}
         for gi, sp in enumerate(self.shard_params):
@@ -207,7 +257,6 @@ class ShardedSync(GradSync):
                     self._take_shard(gi, values, state[key])
             if state:
                 self.optimizer.state[sp] = state
-        self._after_load()
 
     @abstractmethod
     def _slots(self, gi: int) -> list[Slot]:
@@ -217,7 +266,10 @@ class ShardedSync(GradSync):
         """Make the model's parameters whole again after a load (ZeRO-1/2)."""
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
-        """Optimizer states, and the fp32 master shards where the parameters are 16-bit."""
+        """Optimizer states, and the fp32 master shards where the parameters are 16-bit (none
+        on the device under offload: :meth:`offloaded_bytes` counts them)."""
+        if self.offloaded is not None:
+            return []
         opt = self.optimizer.state.values() if self.optimizer else []
         masters = self.master.masters if self.master is not None else []
         return [*masters, *(t for st in opt for t in st.values() if torch.is_tensor(t))]

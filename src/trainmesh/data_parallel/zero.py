@@ -166,8 +166,7 @@ class FlatZero(ShardedSync):
     def zero_grad(self) -> None:
         for g in self.groups:
             g.grads.zero_()
-        if self.master is not None:
-            self.master.scale = 1.0
+        self._reset_master()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [g.params for g in self.groups], "grads": [g.grads for g in self.groups],
@@ -185,7 +184,7 @@ class FlatZero(ShardedSync):
         else:
             flat = layout.new(shard.dtype, self.device)
             for b in range(layout.n_buckets):
-                self.comm.all_gather(layout.bucket(flat, b), shard[b].contiguous(), "dp")
+                self.comm.all_gather(layout.bucket(flat, b), shard[b].to(self.device).contiguous(), "dp")
         return [(s, layout.view(flat, s)) for s in layout.slots]
 
     @torch.no_grad()
@@ -197,8 +196,6 @@ class FlatZero(ShardedSync):
                 dst[piece.bucket, piece.lo : piece.hi].copy_(src.reshape(-1)[piece.offset : piece.offset + n])
 
     def _after_load(self) -> None:
-        if self.master is not None:
-            self.master.copy_to_params()
         self._after_step()
 
 

@@ -36,6 +36,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from ..comm import Comm, Handle
 from ..compat import in_backward, queue_backward_callback
+from ..metrics import storage_bytes
 from ..step import tensors_in
 from .flat import FlatLayout, Slot
 from .base import SyncOptions
@@ -175,12 +176,16 @@ class Zero3(ShardedSync):
             unit.n_params = len(owned[uname])
             self.units.append(unit)
         dtypes = [groups[gi][1][0][1].dtype for gi in range(len(groups))]
-        self.group_shards = [torch.zeros(n, dtype=dt, device=self.device) for n, dt in zip(sizes, dtypes)]
+        home = torch.device("cpu") if self.options.offload_params else self.device   # --offload-params
+        pin = home != self.device and self.device.type == "cuda"
+        self.group_shards = [torch.zeros(n, dtype=dt, device=home, pin_memory=pin) for n, dt in zip(sizes, dtypes)]
         for shard in self.group_shards:
             sp = nn.Parameter(shard)
-            sp.grad = torch.zeros_like(shard)
+            grad = torch.zeros(shard.shape, dtype=shard.dtype, device=self.device)
+            if home == self.device:
+                sp.grad = grad
             self.shard_params.append(sp)
-            self.grad_shards.append(sp.grad)
+            self.grad_shards.append(grad)
         for unit in self.units:
             self._shard_unit(unit)
         for _, p in self.named_params:
@@ -199,7 +204,7 @@ class Zero3(ShardedSync):
             flat = pc.layout.new(self.group_shards[pc.group].dtype, self.device)
             pc.layout.fill(flat)
             self._chunk(pc).copy_(pc.layout.chunk_of(flat, 0))
-            grad = self.shard_params[pc.group].grad[pc.shard_start : pc.shard_start + pc.layout.chunk]
+            grad = self.grad_shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
             for sp in pc.layout.shard_pieces():
                 self._norm_pieces.append((sp.slot.name, sp.slot.param, grad[sp.lo : sp.hi]))
             for s in pc.layout.slots:
@@ -222,8 +227,9 @@ class Zero3(ShardedSync):
             unit.handles, unit.sends = [], []
             for pc in unit.pieces:
                 send = self._chunk(pc)
-                if send.dtype != unit.full.dtype:     # mixed precision: gather in the compute dtype
-                    send = send.to(unit.full.dtype)
+                if send.dtype != unit.full.dtype or send.device != unit.full.device:
+                    # mixed precision: gather in the compute dtype; --offload-params: from the host
+                    send = send.to(unit.full.device, unit.full.dtype, non_blocking=True)
                     unit.sends.append(send)
                     self._count(send.numel() * send.element_size())
                 out = unit.full[pc.offset : pc.offset + pc.layout.padded]
@@ -308,7 +314,7 @@ class Zero3(ShardedSync):
                                     for pc in unit.pieces]
         unit.reduce_bufs = None
         for pc, buf in zip(unit.pieces, bufs):
-            dst = self.shard_params[pc.group].grad[pc.shard_start : pc.shard_start + pc.layout.chunk]
+            dst = self.grad_shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
             self._reduce_scatter(buf, dst, accumulate=True, transient=True)
         unit.done = True
         self._free(unit)
@@ -343,10 +349,18 @@ class Zero3(ShardedSync):
     def zero_grad(self) -> None:
         for g in self.shard_grads:
             g.zero_()
+        self._reset_master()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": list(self.group_shards), "grads": self.shard_grads,
+        on_device = not self.options.offload_params
+        return {"params": list(self.group_shards) if on_device else [], "grads": self.shard_grads,
                 "optimizer": self._optimizer_tensors()}
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        out = super().offloaded_bytes()
+        if self.options.offload_params:
+            out["cpu"] += storage_bytes(self.group_shards)
+        return out
 
     # ---------------------------------------------------------------- checkpoints
     def _group_pieces(self, gi: int) -> list[_Piece]:
@@ -359,7 +373,7 @@ class Zero3(ShardedSync):
         out = []
         for pc in self._group_pieces(gi):
             flat = pc.layout.new(shard.dtype, self.device)
-            self.comm.all_gather(flat, shard[pc.shard_start : pc.shard_start + pc.layout.chunk], "dp")
+            self.comm.all_gather(flat, shard[pc.shard_start : pc.shard_start + pc.layout.chunk].to(self.device), "dp")
             out += [(s, pc.layout.view(flat, s)) for s in pc.layout.slots]
         return out
 
@@ -376,7 +390,7 @@ class Zero3(ShardedSync):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Consolidated fp32 weights on every DP rank (a collective: call it on all of them)."""
-        values = {id(slot.param): value.clone() for gi, sp in enumerate(self.shard_params)
-                  for slot, value in self._whole(gi, sp.detach())}
+        values = {id(slot.param): value.clone() for gi, shard in enumerate(self.group_shards)
+                  for slot, value in self._whole(gi, shard)}
         return {name: values[id(t)] if id(t) in values else t.detach().clone()
                 for name, t in self.module.state_dict(keep_vars=True).items()}

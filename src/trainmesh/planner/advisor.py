@@ -102,7 +102,8 @@ def layouts(model: ModelShape, cluster: Cluster, *, precision: str,
                     out.append(ParallelConfig(dp=dp, pp=pp, tp=tp, zero=zero, microbatches=m,
                                               schedule="1f1b", sequence_parallel=tp > 1,
                                               precision=precision, recompute=recompute,
-                                              offload=offload))
+                                              offload=offload,
+                                              offload_params=offload != "none" and zero == 3))
     return out
 
 

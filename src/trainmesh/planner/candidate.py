@@ -19,7 +19,7 @@ from typing import Any
 from ..config import ParallelConfig
 from .activations import inflight_stages, megatron_layer_bytes
 from .cluster import Cluster
-from .memory import MemoryBreakdown, element_bytes, model_states
+from .memory import MemoryBreakdown, bytes_per_param, element_bytes, model_states
 from .shapes import ModelShape
 from .steptime import StepTime, flops_per_token, offload_seconds, step_time
 from .traffic import (Traffic, dp_ops, empty, other_ops, pp_ops, ring_factor, total_payload, tp_ops,
@@ -129,8 +129,10 @@ def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, traffic: Tra
     offload = 0.0
     if cfg.offload != "none":
         shard = psi_rank / cfg.dp if cfg.zero >= 1 else psi_rank
+        nvme = bytes_per_param(cfg.precision)[2] * shard if cfg.offload == "nvme" else 0.0
         offload = offload_seconds(shard, zero=cfg.zero, microbatches=m,
-                                  value_bytes=element_bytes(cfg.precision), cluster=cluster)
+                                  value_bytes=element_bytes(cfg.precision), cluster=cluster,
+                                  nvme_bytes=nvme, params_on_host=cfg.offload_params)
     return step_time(mb_compute_s=mb_compute, microbatches=m, pp=cfg.pp, schedule=cfg.schedule,
                      virtual_stages=cfg.virtual_stages, tp_mb_s=tp_mb, pp_mb_s=pp_mb, dp_s=dp_s,
                      zero=cfg.zero, offload_s=offload)
@@ -141,7 +143,7 @@ def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster) -> Candid
     layers_total, hidden = _shape(model)
     psi_rank = model.params / (cfg.pp * cfg.tp)
     states = model_states(psi_rank, dp=cfg.dp, zero=cfg.zero, precision=cfg.precision,
-                          offload=cfg.offload)
+                          offload=cfg.offload, offload_params=cfg.offload_params)
     best: tuple[float, float, Traffic] | None = None
     for rank in sorted({0, cfg.pp - 1}):
         layers = _stage_layers(layers_total, cfg.pp, rank)

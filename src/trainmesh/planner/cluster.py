@@ -11,7 +11,8 @@ Every number the time model uses is a field here with its default stated, so a u
   0.4) is the achieved fraction of peak (model FLOPs utilisation), typical of large-model
   training.
 * ``pcie_bw`` and ``cpu_optimizer_params_per_s`` price CPU offload: the gradient/parameter
-  copies between GPU and host and the host optimizer step (per GPU's share of the host).
+  copies between GPU and host and the host optimizer step (per GPU's share of the host);
+  ``nvme_bw`` prices NVMe offload: the optimizer states read and written back every step.
 * ``framework_overhead_bytes`` (default 1 GiB) stands for the CUDA context, NCCL buffers and
   allocator fragmentation, which every layout pays.
 """
@@ -44,6 +45,8 @@ class Cluster:
     """GPU <-> host copy bandwidth per GPU (offload), bytes/s."""
     cpu_optimizer_params_per_s: float = 1e9
     """Parameters per second one GPU's share of the host updates with Adam (offload)."""
+    nvme_bw: float = 3e9
+    """NVMe read (and write) bandwidth of one GPU's share of the node's drives, bytes/s."""
     framework_overhead_bytes: int = 2**30
     """Per-GPU memory every layout pays: CUDA context, NCCL, allocator slack."""
 
@@ -58,7 +61,8 @@ class Cluster:
         for name, value in (("--gpu-mem", self.gpu_mem_bytes), ("--intra-node-bw", self.intra_node_bw),
                             ("--inter-node-bw", self.inter_node_bw), ("peak_flops", self.peak_flops),
                             ("pcie_bw", self.pcie_bw),
-                            ("cpu_optimizer_params_per_s", self.cpu_optimizer_params_per_s)):
+                            ("cpu_optimizer_params_per_s", self.cpu_optimizer_params_per_s),
+                            ("nvme_bw", self.nvme_bw)):
             if not value > 0:
                 raise ConfigError(name, f"must be > 0; got {value}")
         if not 0 < self.efficiency <= 1:

@@ -14,9 +14,10 @@ fp32, SGD (no momentum)       4       4      0
 ZeRO over N = dp ranks: stage 1 divides the optimizer by N, stage 2 also the gradients, stage 3
 also the parameters (a shard is ``ceil(Psi/N)`` elements). ``psi`` is what the rank's DP group
 replicates, i.e. the parameters left after the tensor/pipeline split (Psi/(pp*tp) for a
-uniform model). With ``offload="cpu"`` the optimizer states (and at stage 3 the parameter
-shards) live in host memory: they cost no GPU memory but cost time (see :mod:`.steptime`).
-Gradients stay on the GPU.
+uniform model). With ``offload="cpu"`` (host memory) or ``"nvme"`` (files) the optimizer column
+(states and fp32 masters) leaves the GPU, and at stage 3 with ``offload_params`` the parameter
+shards too: they cost no GPU memory but cost time (see :mod:`.steptime`). Gradients stay on the
+GPU.
 
 So for mixed-precision Adam: DDP 16Psi, ZeRO-1 4Psi + 12Psi/N, ZeRO-2 2Psi + 14Psi/N, ZeRO-3
 16Psi/N -- the ZeRO paper's 120 GB / 31.4 GB / 16.6 GB / 1.88 GB for 7.5B parameters on 64 GPUs.
@@ -67,7 +68,7 @@ def shard(psi: float, n: int) -> float:
 
 
 def model_states(psi: float, *, dp: int, zero: int, precision: str, optimizer: str = "adamw",
-                 offload: str = "none") -> ModelStates:
+                 offload: str = "none", offload_params: bool = True) -> ModelStates:
     """GPU bytes of model states for a rank whose DP group replicates ``psi`` parameters."""
     p, g, o = bytes_per_param(precision, optimizer)
     params = p * (shard(psi, dp) if zero >= 3 else psi)
@@ -75,7 +76,7 @@ def model_states(psi: float, *, dp: int, zero: int, precision: str, optimizer: s
     optim = o * (shard(psi, dp) if zero >= 1 else psi)
     if offload != "none":
         optim = 0.0
-        if zero >= 3:
+        if zero >= 3 and offload_params:
             params = 0.0
     return ModelStates(float(params), float(grads), float(optim))
 

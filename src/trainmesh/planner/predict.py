@@ -100,7 +100,8 @@ def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str
     # the parameters (FSDP2 style): fp32's 4 + 4 + 8 over N, the paper's 16Psi/N in total.
     precision = "fp32" if layout.zero >= 3 else layout.precision
     st = model_states(held.params, dp=layout.dp, zero=layout.zero, precision=precision,
-                      optimizer=optimizer, offload=layout.offload)
+                      optimizer=optimizer, offload=layout.offload,
+                      offload_params=layout.offload_params)
     optim = st.optimizer
     if optimizer == "adamw" and layout.offload == "none":  # AdamW's step counters
         optim += 4 * (held.tensors if layout.zero == 0 else 1)

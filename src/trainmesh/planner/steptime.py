@@ -96,12 +96,16 @@ def dp_exposed(dp_s: dict[str, float], *, zero: int, microbatches: int, mb_compu
 
 
 def offload_seconds(psi_shard: float, *, zero: int, microbatches: int, value_bytes: int,
-                    cluster: Cluster) -> float:
-    """Host copies (gradients out, parameters in, ZeRO-3 parameter streaming) and host Adam."""
+                    cluster: Cluster, nvme_bytes: float = 0.0, params_on_host: bool = True) -> float:
+    """Host copies (gradients out, parameters in, ZeRO-3 parameter streaming when the parameter
+    shards live on the host) and host Adam; with NVMe, ``nvme_bytes`` of optimizer states (and
+    masters) read before the step and written after it (the prefetch overlaps the two directions
+    with the update only in part: counted in full)."""
     copies = 2 * value_bytes * psi_shard
-    if zero >= 3:
+    if zero >= 3 and params_on_host:
         copies += 2 * microbatches * value_bytes * psi_shard
-    return copies / cluster.pcie_bw + psi_shard / cluster.cpu_optimizer_params_per_s
+    nvme = 2 * nvme_bytes / cluster.nvme_bw
+    return copies / cluster.pcie_bw + psi_shard / cluster.cpu_optimizer_params_per_s + nvme
 
 
 def step_time(*, mb_compute_s: float, microbatches: int, pp: int, schedule: str,
