@@ -12,11 +12,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ConfigError
-from .pipeline_parallel.schedules import SCHEDULES as DRAWN_SCHEDULES
 from .validation import check_fields, setting
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
-"""Pipeline schedules the training runtime runs (``trainmesh schedule`` draws more)."""
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p")
+"""Pipeline schedules the training runtime runs (``trainmesh schedule`` draws the same)."""
+ZERO3_RESHARD = ("step", "microbatch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full", "selective")
 OFFLOAD = ("none", "cpu", "nvme")
@@ -40,6 +40,10 @@ class ParallelConfig:
     microbatches: int = setting(1, "gradient accumulation (pp=1) or pipeline microbatches (pp>1)", ge=1)
     schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
     virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)", ge=1)
+    zero3_reshard: str = setting("step", "ZeRO-3 with pp: step (gather each unit once per step, "
+                                         "keep it for every microbatch) or microbatch (gather "
+                                         "before every forward and backward)",
+                                 choices=ZERO3_RESHARD)
     sequence_parallel: bool = setting(False, "Megatron sequence parallelism inside TP groups")
     precision: str = setting("fp32", "compute precision: fp32, bf16, fp16 (dynamic loss scaling)",
                              choices=PRECISIONS)
@@ -74,10 +78,6 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.schedule in DRAWN_SCHEDULES and self.schedule not in SCHEDULES:
-            raise ConfigError("--schedule", f"{self.schedule} splits each backward into input and "
-                              "weight passes: `trainmesh schedule` draws it, the training runtime "
-                              f"does not run it; valid: {', '.join(SCHEDULES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError("--schedule", f"must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         if self.reduce_dtype not in (None, "fp32", self.precision):
@@ -85,10 +85,9 @@ class ParallelConfig:
                               f"({self.precision}); got {self.reduce_dtype!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel", "shards activations inside TP groups; needs --tp > 1")
-        if self.zero == 3 and self.pp > 1:
-            raise ConfigError("--zero", "3 with --pp > 1 is refused: ZeRO-3 re-gathers every layer "
-                              "for each of the pipeline's microbatches (traffic x microbatches); "
-                              "use --zero 1 or 2 with pipelines")
+        if self.zero3_reshard != "step" and (self.zero != 3 or self.pp == 1):
+            raise ConfigError("--zero3-reshard", "chooses when ZeRO-3 re-gathers under a pipeline; "
+                              "needs --zero 3 and --pp > 1 (valid otherwise: step)")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError("--virtual-stages", "> 1 needs --schedule interleaved")
         self._check_ps()
