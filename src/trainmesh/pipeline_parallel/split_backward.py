@@ -11,15 +11,16 @@ accumulator is reachable. A weight's path meets the input path at *intermediate*
 last nodes before it whose incoming gradient the weight needs (e.g. a linear layer's ``addmm``).
 ``I`` runs ``torch.autograd.grad(out, x, retain_graph=True)`` (only input-path outputs are
 computed) with a pre-hook on every intermediate that records the gradient reaching it. ``W``
-runs ``torch.autograd.backward`` from those intermediates with their recorded gradients,
-``inputs`` = the weights, so gradients accumulate into ``.grad`` and post-accumulate-grad hooks
-(DDP buckets, ZeRO reduce-scatter) fire as in a plain backward. A pre-hook on each
-intermediate replaces whatever flows into it during ``W`` by its recorded gradient, so an
-intermediate downstream of another is not counted twice.
+runs, per group of weights meeting the same intermediates, ``torch.autograd.backward`` from
+those intermediates with their recorded gradients and ``inputs`` = the group's weights: the
+gradients accumulate into ``.grad`` and post-accumulate-grad hooks (DDP buckets, ZeRO
+reduce-scatter) fire as in a plain backward, and no input-path node runs again (one call for
+all weights would re-run the input path between intermediates). Within a group a pre-hook pins
+each intermediate to its recorded gradient, so one downstream of another is not counted twice.
 
 A stage whose input needs no gradient (the first: token ids) has no input path: ``I`` does
-nothing and ``W`` is the whole backward. Weights not reached from any intermediate (used apart
-from the input) are reached from the output, kept for ``W`` in that case.
+nothing and ``W`` is the whole backward. So is ``W`` when some weight's path never meets the
+input path (a weight used apart from the input): correct, with the input path computed twice.
 """
 from __future__ import annotations
 
@@ -28,21 +29,31 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node
 
 SPLIT_BACKWARD_SUPPORTED = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 7)
 """``torch.autograd.backward`` from gradient edges (what ``W`` runs) came with torch 2.7."""
 
 
 @dataclass
-class PendingWeights:
-    """What ``W`` needs from ``I``: recorded gradients at the intermediates, the weights."""
+class WeightGroup:
+    """Weights whose paths meet the input path at the same intermediates (merged when they
+    share one): one ``W`` backward each, so none re-runs the input path of another."""
 
     params: list[nn.Parameter]
-    intermediates: list[Node] = field(default_factory=list)
-    grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
-    roots: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
-    """(output, its gradient): start ``W`` from the output too (see the module docstring)."""
+    nodes: list[Node]
+
+
+@dataclass
+class PendingWeights:
+    """What ``W`` needs from ``I``: the weight groups and the gradients recorded at their
+    intermediates; the output and its gradient where ``W`` starts from it."""
+
+    params: list[nn.Parameter]
+    groups: list[WeightGroup] = field(default_factory=list)
+    recorded: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    root: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    """(output, its gradient): ``W`` is the whole backward (see the module docstring)."""
 
 
 def _grad_node(t: torch.Tensor) -> Node | None:
@@ -86,23 +97,31 @@ def _upward(starts: list[Node], consumers: dict[Node, list[Node]],
     return seen, met
 
 
-def _plan(out: torch.Tensor, x: torch.Tensor | None,
-          params: list[nn.Parameter]) -> tuple[list[Node], bool]:
-    """(intermediates, whether some weight is reached only from the output)."""
-    root = out.grad_fn
-    consumers = _consumers(root)
-    x_node = _grad_node(x) if x is not None else None
+def _plan(out: torch.Tensor, x: torch.Tensor,
+          params: list[nn.Parameter]) -> tuple[list[WeightGroup], bool]:
+    """(the weight groups, whether some used weight meets no intermediate: then ``W`` must
+    start from the output)."""
+    consumers = _consumers(out.grad_fn)
+    x_node = _grad_node(x)
     input_path, _ = _upward([x_node], consumers, set()) if x_node in consumers else (set(), set())
-    intermediates: set[Node] = set()
-    from_output = False
+    group_of: dict[Node, WeightGroup] = {}
+    groups: list[WeightGroup] = []
     for p in params:
         node = _grad_node(p)
         if node not in consumers:
             continue                                   # unused by this stage's output
-        reached, met = _upward([node], consumers, input_path)
-        intermediates |= met
-        from_output |= not met and root in reached
-    return sorted(intermediates, key=id), from_output
+        _, met = _upward([node], consumers, input_path)
+        if not met:
+            return [], True
+        merged = {id(g): g for n in met if (g := group_of.get(n)) is not None}
+        group = WeightGroup([p], sorted(met, key=id))
+        for g in merged.values():                      # union with groups sharing a node
+            group.params += g.params
+            group.nodes = sorted(set(group.nodes) | set(g.nodes), key=id)
+            groups.remove(g)
+        groups.append(group)
+        group_of.update((n, group) for n in group.nodes)
+    return groups, False
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
@@ -114,22 +133,20 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     pending = PendingWeights([p for p in params if p.requires_grad])
     if out.grad_fn is None:
         return None, pending
-    needs_x = x is not None and x.requires_grad
-    if not needs_x:
-        pending.roots.append((out, grad))
+    if x is None or not x.requires_grad:
+        pending.root = (out, grad)
         return None, pending
-    nodes, from_output = _plan(out, x, pending.params)
-    pending.intermediates = nodes
-    pending.grads = [None] * len(nodes)
+    pending.groups, from_output = _plan(out, x, pending.params)
     if from_output:
-        pending.roots.append((out, grad))
+        pending.root = (out, grad)
 
-    def recorder(i: int):
+    def recorder(node: Node):
         def hook(grads: tuple[torch.Tensor | None, ...]) -> None:
-            pending.grads[i] = grads
+            pending.recorded[node] = grads
         return hook
 
-    handles = [n.register_prehook(recorder(i)) for i, n in enumerate(nodes)]
+    nodes = [n for g in pending.groups for n in g.nodes]
+    handles = [n.register_prehook(recorder(n)) for n in nodes]
     try:
         (dx,) = torch.autograd.grad(out, x, grad, retain_graph=True, allow_unused=True)
     finally:
@@ -140,22 +157,32 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
 
 def backward_weight(pending: PendingWeights) -> None:
     """``W``: accumulate the weight gradients into ``.grad`` (hooks fire) and free the graph."""
+    if pending.root is not None:       # the whole backward, from the output
+        out, grad = pending.root
+        if pending.params:
+            torch.autograd.backward(out, grad, inputs=pending.params)
+    else:
+        for group in pending.groups:
+            _group_backward(group, pending.recorded)
+    pending.groups, pending.recorded, pending.root = [], {}, None
+
+
+def _group_backward(group: WeightGroup, recorded: dict[Node, tuple]) -> None:
+    """One group's weight gradients, from its intermediates' recorded gradients; a pre-hook
+    pins each intermediate to its recorded gradient (one downstream of another in the group
+    would otherwise receive its gradient twice)."""
     edges, grads = [], []
-    for node, recorded in zip(pending.intermediates, pending.grads):
-        for k, g in enumerate(recorded or ()):
+    for node in group.nodes:
+        for k, g in enumerate(recorded.get(node) or ()):
             if g is not None:
                 edges.append(GradientEdge(node, k))
                 grads.append(g)
-    for out, g in pending.roots:
-        edges.append(get_gradient_edge(out))
-        grads.append(g if g is not None else torch.ones_like(out))
-    if not pending.params or not edges:
+    if not edges:
         return
-    clamps = [n.register_prehook(lambda _, saved=saved: saved)
-              for n, saved in zip(pending.intermediates, pending.grads) if saved is not None]
+    clamps = ([n.register_prehook(lambda _, saved=recorded.get(n): saved) for n in group.nodes]
+              if len(group.nodes) > 1 else [])
     try:
-        torch.autograd.backward(edges, grads, inputs=pending.params)
+        torch.autograd.backward(edges, grads, inputs=group.params)
     finally:
         for h in clamps:
             h.remove()
-    pending.intermediates, pending.grads, pending.roots = [], [], []
