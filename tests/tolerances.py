@@ -37,6 +37,15 @@ fp16 skip decided per rank                    test_precision: overflow_on_one_ra
                                               collective timeout, reported as an assertion)
 a tensor batch iterated as rows               test_batches: a_tensor_batch_is_one_batch_...
 auto device on fewer GPUs than local ranks    test_device (GPU count monkeypatched)
+zb1p: W pass skipped for one microbatch       test_pipeline: equivalence_world2 (pp2-zb1p)
+ZeRO-2 in a pipeline: full gradients kept,    test_pipeline: zero_inside_pipeline_memory_...
+  reduced once after the last backward        (dp.reduce_scatter m x 4Psi)
+ZeRO-2 in a pipeline: the second round of     test_pipeline: equivalence_world4
+  buckets never reduced                       (dp2-pp2-zero2)
+ZeRO-3 reshard step: units freed between      test_pipeline: zero_inside_pipeline_memory_...
+  microbatches (re-gathered)                  (dp.all_gather 4Psi per step)
+ZeRO-3 reshard microbatch: units kept after   test_pipeline: zero_inside_pipeline_memory_...
+  their forward                               (dp.all_gather 2m x 4Psi)
 ============================================  ==================================================
 """
 from __future__ import annotations
