@@ -37,9 +37,11 @@ WORLD2 = [("pp2-gpipe-m4", dict(pp=2, microbatches=4, schedule="gpipe"), BOTH),
 WORLD4 = [("pp4-1f1b-m8", dict(pp=4, microbatches=8, schedule="1f1b"), BOTH),
           ("dp2-pp2-1f1b-m2", dict(dp=2, pp=2, microbatches=2, schedule="1f1b"), BOTH),
           ("pp4-zb1p-m8", dict(pp=4, microbatches=8, schedule="zb1p"), BOTH),
-          # ZeRO inside the pipeline; small buckets show that no full gradient accumulates
-          ("dp2-pp2-zero2-m2", dict(dp=2, pp=2, zero=2, microbatches=2, bucket_mb=0.01), BOTH),
-          ("dp2-pp2-zero3-step-m2", dict(dp=2, pp=2, zero=3, microbatches=2), BOTH),
+          # ZeRO inside the pipeline; small buckets show that no full gradient accumulates;
+          # zb1p: the reductions fire from the W passes
+          ("dp2-pp2-zero2-m2", dict(dp=2, pp=2, zero=2, microbatches=2, bucket_mb=0.01,
+                                    schedule="zb1p"), BOTH),
+          ("dp2-pp2-zero3-step-m2", dict(dp=2, pp=2, zero=3, microbatches=2, schedule="zb1p"), BOTH),
           ("dp2-pp2-zero3-microbatch-m2", dict(dp=2, pp=2, zero=3, microbatches=2,
                                                zero3_reshard="microbatch"), BOTH),
           # composition with tensor (+ sequence) parallelism: a shorter check, to keep the suite fast
@@ -300,8 +302,8 @@ def test_pp_traffic_per_stage(world2, world4) -> None:
                 assert abs(got - expected) <= 0.03 * expected, (name, rank, op, got, expected)
 
 
-ZERO_IN_PIPELINE = {"dp2-pp2-zero2-m2": dict(zero=2, bucket_mb=0.01),
-                    "dp2-pp2-zero3-step-m2": dict(zero=3, zero3_reshard="step"),
+ZERO_IN_PIPELINE = {"dp2-pp2-zero2-m2": dict(zero=2, bucket_mb=0.01, schedule="zb1p"),
+                    "dp2-pp2-zero3-step-m2": dict(zero=3, zero3_reshard="step", schedule="zb1p"),
                     "dp2-pp2-zero3-microbatch-m2": dict(zero=3, zero3_reshard="microbatch")}
 
 

@@ -35,7 +35,7 @@ SPLIT_BACKWARD_SUPPORTED = tuple(int(v) for v in torch.__version__.split(".")[:2
 """``torch.autograd.backward`` from gradient edges (what ``W`` runs) came with torch 2.7."""
 
 
-@dataclass
+@dataclass(eq=False)
 class WeightGroup:
     """Weights whose paths meet the input path at the same intermediates (merged when they
     share one): one ``W`` backward each, so none re-runs the input path of another."""
@@ -44,7 +44,7 @@ class WeightGroup:
     nodes: list[Node]
 
 
-@dataclass
+@dataclass(eq=False)
 class PendingWeights:
     """What ``W`` needs from ``I``: the weight groups and the gradients recorded at their
     intermediates; the output and its gradient where ``W`` starts from it."""
