@@ -46,6 +46,10 @@ ZeRO-3 reshard step: units freed between      test_pipeline: zero_inside_pipelin
   microbatches (re-gathered)                  (dp.all_gather 4Psi per step)
 ZeRO-3 reshard microbatch: units kept after   test_pipeline: zero_inside_pipeline_memory_...
   their forward                               (dp.all_gather 2m x 4Psi)
+zb1p W producing weight gradients first       test_pipeline: zero_inside_pipeline_memory_...
+  layer first: ZeRO-2 stages every bucket     (transient buckets below 8 buckets)
+split backward: intermediates not pinned to   test_split_backward: weight_used_at_several_...
+  their recorded gradients (counted twice)
 ============================================  ==================================================
 """
 from __future__ import annotations

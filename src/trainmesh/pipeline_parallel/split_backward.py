@@ -128,6 +128,9 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
                    params: list[nn.Parameter]) -> tuple[torch.Tensor | None, PendingWeights]:
     """``I``: d loss / d ``x`` (None when ``x`` needs no gradient), and what ``W`` needs.
 
+    ``params`` in registration (forward) order: ``W`` produces their gradients in reverse, the
+    order of a plain backward, which the DP strategies' buckets are laid out in.
+
     ``out`` is the stage output (or the scaled loss on the last stage, ``grad`` None).
     """
     pending = PendingWeights([p for p in params if p.requires_grad])
@@ -161,8 +164,8 @@ def backward_weight(pending: PendingWeights) -> None:
         out, grad = pending.root
         if pending.params:
             torch.autograd.backward(out, grad, inputs=pending.params)
-    else:
-        for group in pending.groups:
+    else:   # last weights first, as a plain backward produces them (DP buckets expect it)
+        for group in reversed(pending.groups):
             _group_backward(group, pending.recorded)
     pending.groups, pending.recorded, pending.root = [], {}, None
 
