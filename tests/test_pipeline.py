@@ -3,8 +3,10 @@
 Three launches (world 2, 3 and 4), each running many checks, since a launch costs ~8 s here:
 equivalence (CONTRACT.md "Numerical equivalence": loss within 1e-3 absolute, grad norm within
 1e-3 relative, 20 steps, fp32, AdamW and SGD; also tied weights, an nn.Sequential model and
-tp x pp), pipeline traffic per stage, no deadlock for any schedule, activation memory of 1F1B vs
-GPipe, the measured timeline, and bad input.
+tp x pp; the zero-bubble zb1p at pp 2 and 4; ZeRO-2 and ZeRO-3 in both reshard modes at pp 2 x
+dp 2), pipeline traffic per stage, ZeRO's memory and traffic inside a pipeline against the
+planner, no deadlock for any schedule, activation memory of 1F1B vs GPipe, the measured
+timeline, and bad input.
 """
 from __future__ import annotations
 
@@ -30,9 +32,18 @@ WORLD2 = [("pp2-gpipe-m4", dict(pp=2, microbatches=4, schedule="gpipe"), BOTH),
           ("pp2-1f1b-m4", dict(pp=2, microbatches=4, schedule="1f1b"), BOTH),
           ("pp2-interleaved-v2-m4", dict(pp=2, microbatches=4, schedule="interleaved",
                                          virtual_stages=2), BOTH),
-          ("pp2-naive-m4", dict(pp=2, microbatches=4, schedule="naive"), BOTH)]
+          ("pp2-naive-m4", dict(pp=2, microbatches=4, schedule="naive"), BOTH),
+          ("pp2-zb1p-m4", dict(pp=2, microbatches=4, schedule="zb1p"), BOTH)]
 WORLD4 = [("pp4-1f1b-m8", dict(pp=4, microbatches=8, schedule="1f1b"), BOTH),
           ("dp2-pp2-1f1b-m2", dict(dp=2, pp=2, microbatches=2, schedule="1f1b"), BOTH),
+          ("pp4-zb1p-m8", dict(pp=4, microbatches=8, schedule="zb1p"), BOTH),
+          # ZeRO inside the pipeline; small buckets show that no full gradient accumulates;
+          # zb1p: the reductions fire from the W passes
+          ("dp2-pp2-zero2-m2", dict(dp=2, pp=2, zero=2, microbatches=2, bucket_mb=0.01,
+                                    schedule="zb1p"), BOTH),
+          ("dp2-pp2-zero3-step-m2", dict(dp=2, pp=2, zero=3, microbatches=2, schedule="zb1p"), BOTH),
+          ("dp2-pp2-zero3-microbatch-m2", dict(dp=2, pp=2, zero=3, microbatches=2,
+                                               zero3_reshard="microbatch"), BOTH),
           # composition with tensor (+ sequence) parallelism: a shorter check, to keep the suite fast
           ("tp2-pp2-sp-1f1b-m4", dict(tp=2, pp=2, microbatches=4, sequence_parallel=True), ("adamw",), 6)]
 
@@ -112,9 +123,14 @@ def _run_equivalence(configs: list) -> dict:
         for opt in optimizers:
             eng = _engine(GPT_KW, opt, **cfg)
             curve = _train(eng, GPT_KW, steps[0] if steps else STEPS, GLOBAL_BATCH)
+            sync = eng.grad_sync
             out[(name, opt)] = {"curve": curve, "stage": eng.mesh.index("pp"),
                                 "pp_bytes": eng.comm.ledger.bytes_per_step()["pp"],
-                                "params": sum(p.numel() for p in eng.module.parameters())}
+                                "params": sum(p.numel() for p in eng.module.parameters()),
+                                "rank": dist.get_rank(), "state": dict(eng.state_bytes),
+                                "bytes": eng.comm.ledger.bytes_per_step(),
+                                "comm_peak": sync.comm_buffer_peak_bytes,
+                                "gathered_peak": getattr(sync, "gathered_peak_bytes", None)}
             dist.barrier()
     return out
 
@@ -181,6 +197,7 @@ def world2_worker(svg_path: str) -> dict:
         "microbatches_not_dividing": _errors(GPT_KW, pp=2, microbatches=4),
         "interleaved_not_multiple": _errors(GPT_KW, pp=2, microbatches=3, schedule="interleaved",
                                             virtual_stages=2),
+        "tied_zero3": _errors(GPT_KW, tied=True, pp=2, microbatches=2, zero=3),
     }
     return res
 
@@ -285,6 +302,41 @@ def test_pp_traffic_per_stage(world2, world4) -> None:
                 assert abs(got - expected) <= 0.03 * expected, (name, rank, op, got, expected)
 
 
+ZERO_IN_PIPELINE = {"dp2-pp2-zero2-m2": dict(zero=2, bucket_mb=0.01, schedule="zb1p"),
+                    "dp2-pp2-zero3-step-m2": dict(zero=3, zero3_reshard="step", schedule="zb1p"),
+                    "dp2-pp2-zero3-microbatch-m2": dict(zero=3, zero3_reshard="microbatch")}
+
+
+@pytest.mark.timeout(200)
+def test_zero_inside_pipeline_memory_and_traffic(world4) -> None:
+    """docs/ZERO.md "ZeRO inside a pipeline": per rank, the persistent model states (ZeRO-2:
+    gradient shards only; ZeRO-3: parameter shards too) and the dp/pp traffic per step equal the
+    planner's formulas (1%); ZeRO-3's gathered parameters peak at the whole stage (step) or one
+    unit (microbatch) within 5%; ZeRO-2's transient gradient buckets stay far below one full
+    gradient of the stage."""
+    from trainmesh.config import ParallelConfig
+    from trainmesh.models.gpt import GPTConfig
+    from trainmesh.planner.builtin import rank_model
+    from trainmesh.planner.predict import compare, predict_layout, zero3_gathered_bytes
+    gpt = GPTConfig(**GPT_KW)
+    for name, extra in ZERO_IN_PIPELINE.items():
+        layout = ParallelConfig(dp=2, pp=2, microbatches=2, **extra)
+        pred = predict_layout(gpt, layout, global_batch=GLOBAL_BATCH, optimizer="adamw", base_bytes=0)
+        runs = [res["equivalence"][(name, "adamw")] for res in world4.values()]
+        summary = {"ranks": [{"rank": r["rank"], "model_state_bytes": r["state"],
+                              "comm_bytes_per_step": r["bytes"]} for r in runs]}
+        assert not compare(pred, summary), (name, compare(pred, summary))
+        for r in runs:
+            held = rank_model(gpt, pp=2, tp=1, rank=r["stage"])
+            full_grads = 4 * held.params
+            if layout.zero == 3:
+                want = zero3_gathered_bytes(held, layout, gpt)
+                assert abs(r["gathered_peak"] - want) <= 0.05 * want, (name, r["gathered_peak"], want)
+            else:
+                bucket = 4 * (int(0.01 * 2**20) // 4)
+                assert r["comm_peak"] <= 8 * bucket < 0.5 * full_grads, (name, r["comm_peak"], bucket)
+
+
 @pytest.mark.timeout(200)
 def test_no_deadlock_any_schedule(world2, world4, reference) -> None:
     world3 = run_distributed(world3_worker, 3, timeout_s=90)
@@ -325,7 +377,7 @@ def test_measured_timeline(world2) -> None:
 def test_bad_input_is_a_config_error(world2) -> None:
     for res in world2.values():
         assert res["errors"] == {"too_few_layers": "pp", "microbatches_not_dividing": "microbatches",
-                                 "interleaved_not_multiple": "microbatches"}
+                                 "interleaved_not_multiple": "microbatches", "tied_zero3": "zero"}
 
 
 @pytest.mark.timeout(200)

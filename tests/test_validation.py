@@ -58,11 +58,15 @@ def test_build_up_scaffolding_is_gone():
     assert not hasattr(train, "_has_module")
 
 
-def test_zb1p_is_refused_saying_why(capsys):
-    line = refused(capsys, ["train", *T, "--pp", "2", "--schedule", "zb1p"], "--schedule")
-    assert "runtime does not run it" in line
-    with pytest.raises(ConfigError, match="--schedule.*runtime"):
-        ParallelConfig(pp=2, schedule="zb1p")
+def test_zero3_reshard_is_checked_naming_the_flag(capsys):
+    line = refused(capsys, ["train", *T, "--pp", "2", "--dp", "2", "--zero", "3",
+                            "--zero3-reshard", "layer"], "--zero3-reshard")
+    assert "step, microbatch" in line
+    refused(capsys, ["train", *T, "--zero", "3", "--zero3-reshard", "microbatch"], "--zero3-reshard")
+    assert ParallelConfig(pp=2, dp=2, zero=3, zero3_reshard="microbatch").zero3_reshard == "microbatch"
+    assert ParallelConfig(pp=2, schedule="zb1p").schedule == "zb1p"
+    with pytest.raises(ConfigError, match="--schedule"):
+        ParallelConfig(pp=2, schedule="zb2p")
 
 
 def test_plan_takes_every_train_flag_from_the_one_table(capsys):

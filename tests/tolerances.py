@@ -46,6 +46,19 @@ elastic dp that breaks the global batch,      test_elastic: resize_picks_... / f
 or microbatches not raised on a shrink
 a returning node's workers start from step 1  test_elastic: lose_a_node_then_get_it_back (loss)
 an elastic restart rewrites the metrics file  test_elastic: lose_a_node_... (resize records)
+zb1p: W pass skipped for one microbatch       test_pipeline: equivalence_world2 (pp2-zb1p)
+ZeRO-2 in a pipeline: full gradients kept,    test_pipeline: zero_inside_pipeline_memory_...
+  reduced once after the last backward        (dp.reduce_scatter m x 4Psi)
+ZeRO-2 in a pipeline: the second round of     test_pipeline: equivalence_world4
+  buckets never reduced                       (dp2-pp2-zero2)
+ZeRO-3 reshard step: units freed between      test_pipeline: zero_inside_pipeline_memory_...
+  microbatches (re-gathered)                  (dp.all_gather 4Psi per step)
+ZeRO-3 reshard microbatch: units kept after   test_pipeline: zero_inside_pipeline_memory_...
+  their forward                               (dp.all_gather 2m x 4Psi)
+zb1p W producing weight gradients first       test_pipeline: zero_inside_pipeline_memory_...
+  layer first: ZeRO-2 stages every bucket     (transient buckets below 8 buckets)
+split backward: intermediates not pinned to   test_split_backward: weight_used_at_several_...
+  their recorded gradients (counted twice)
 ============================================  ==================================================
 """
 from __future__ import annotations

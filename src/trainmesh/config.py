@@ -12,11 +12,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ConfigError
-from .pipeline_parallel.schedules import SCHEDULES as DRAWN_SCHEDULES
 from .validation import check_fields, setting
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
-"""Pipeline schedules the training runtime runs (``trainmesh schedule`` draws more)."""
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p")
+"""Pipeline schedules the training runtime runs (``trainmesh schedule`` draws the same)."""
+ZERO3_RESHARD = ("step", "microbatch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full", "selective")
 OFFLOAD = ("none", "cpu", "nvme")
@@ -42,6 +42,10 @@ class ParallelConfig:
                                        "it loses processes (default --dp: no resize)", ge=1)
     schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
     virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)", ge=1)
+    zero3_reshard: str = setting("step", "ZeRO-3 with pp: step (gather each unit once per step, "
+                                         "keep it for every microbatch) or microbatch (gather "
+                                         "before every forward and backward)",
+                                 choices=ZERO3_RESHARD)
     sequence_parallel: bool = setting(False, "Megatron sequence parallelism inside TP groups")
     precision: str = setting("fp32", "compute precision: fp32, bf16, fp16 (dynamic loss scaling)",
                              choices=PRECISIONS)
@@ -81,10 +85,6 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.schedule in DRAWN_SCHEDULES and self.schedule not in SCHEDULES:
-            raise ConfigError("--schedule", f"{self.schedule} splits each backward into input and "
-                              "weight passes: `trainmesh schedule` draws it, the training runtime "
-                              f"does not run it; valid: {', '.join(SCHEDULES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError("--schedule", f"must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         if self.reduce_dtype not in (None, "fp32", self.precision):
@@ -100,6 +100,9 @@ class ParallelConfig:
             raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
                               f"--min-dp the smallest it may shrink to); got {self.min_dp}")
         self._check_offload()
+        if self.zero3_reshard != "step" and (self.zero != 3 or self.pp == 1):
+            raise ConfigError("--zero3-reshard", "chooses when ZeRO-3 re-gathers under a pipeline; "
+                              "needs --zero 3 and --pp > 1 (valid otherwise: step)")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError("--virtual-stages", "> 1 needs --schedule interleaved")
         self._check_ps()

@@ -71,7 +71,8 @@ class Engine:
                               "(their gradients are summed over stages before sharding)")
         self.grad_sync = make_grad_sync(cfg, named, self.comm, module=self.module,
                                         precision=self.precision, materialize=fill,
-                                        device=self.device)
+                                        device=self.device,
+                                        layers=getattr(self.executor, "layer_names", None))
         self.hooks = StepHooks(autocast=self.precision.autocast, scale_loss=self.precision.scale_loss,
                                before_backward=self.grad_sync.before_backward,
                                expect_backwards=self.grad_sync.expect_backwards)

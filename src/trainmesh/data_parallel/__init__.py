@@ -13,12 +13,13 @@ from .ddp import DDP
 from .sharded import ELEMENTWISE_OPTIMIZERS
 from .zero import Zero1, Zero2
 from .zero3 import Zero3, find_units
+from .zero_pipeline import PipelineZero2, PipelineZero3
 
 
 def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
                    comm: Comm, *, module: nn.Module | None = None, precision: Any = None,
                    materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None = None,
-                   device: Any = None) -> GradSync:
+                   device: Any = None, layers: list[str] | None = None) -> GradSync:
     """The strategy for ``cfg.zero``: 0 -> DDP, 1 -> :class:`Zero1`, 2 -> :class:`Zero2`,
     3 -> :class:`Zero3`.
 
@@ -26,7 +27,10 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     reduced in and the dtype parameters are held in (ZeRO 0-2, fp32 masters with the
     optimizer) or gathered in (ZeRO-3, fp32 shards); ``module`` is the model
     ZeRO-3 cuts into units; ``materialize`` (sharded init, ZeRO-3) gives a
-    unit's meta parameters their values just before the unit is sharded. ``cfg`` was validated when built (stage 0-3, never 3 with pp > 1).
+    unit's meta parameters their values just before the unit is sharded. ``cfg`` was validated
+    when built. Under a pipeline (``cfg.pp > 1``) ZeRO-2 and ZeRO-3 take their pipeline forms
+    (:mod:`.zero_pipeline`); ``layers`` are then the pipeline layers this rank holds (ZeRO-3's
+    units).
     """
     mixed = precision is not None and getattr(precision, "mixed", False)
     options = SyncOptions(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
@@ -39,13 +43,19 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     if cfg.zero == 1:
         return Zero1(named_params, comm, options)
     if cfg.zero == 2:
-        return Zero2(named_params, comm, options)
+        return (PipelineZero2 if cfg.pp > 1 else Zero2)(named_params, comm, options)
     if module is None:
         raise ValueError("ZeRO-3 needs the module (make_grad_sync(..., module=model))")
+    if cfg.pp > 1:
+        return PipelineZero3(named_params, comm, module=module, layers=layers or [],
+                             reshard=cfg.zero3_reshard,
+                             param_dtype=precision.compute_dtype if mixed else None,
+                             options=options, materialize=materialize)
     return Zero3(named_params, comm, module=module,
                  param_dtype=precision.compute_dtype if mixed else None, options=options,
                  materialize=materialize)
 
 
-__all__ = ["DDP", "ELEMENTWISE_OPTIMIZERS", "GradSync", "SyncOptions", "Zero1", "Zero2", "Zero3",
+__all__ = ["DDP", "ELEMENTWISE_OPTIMIZERS", "GradSync", "PipelineZero2", "PipelineZero3",
+           "SyncOptions", "Zero1", "Zero2", "Zero3",
            "find_units", "group_parameters", "make_grad_sync", "unique_named_parameters"]

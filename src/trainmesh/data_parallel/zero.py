@@ -250,7 +250,7 @@ class Zero2(FlatZero):
         self._count(self._pipeline_bytes)
 
     def _take_grad(self, p: nn.Parameter, buckets: list[_Bucket]) -> None:
-        """Copy ``p.grad`` into its buckets' transient buffers, then drop it."""
+        """Add ``p.grad`` into its buckets' transient buffers (zeroed when allocated), then drop it."""
         grad = p.grad.reshape(-1)
         for b in buckets:
             layout = self.groups[b.group].layout
@@ -259,7 +259,7 @@ class Zero2(FlatZero):
             base = b.index * layout.bucket_numel
             for s, lo, hi in b.slots:
                 if s.param is p:
-                    b.staging[lo - base : hi - base].copy_(grad[lo - s.start : hi - s.start])
+                    b.staging[lo - base : hi - base].add_(grad[lo - s.start : hi - s.start])
         p.grad = None
 
     def _launch(self, b: _Bucket) -> None:

@@ -153,7 +153,7 @@ class Zero3(ShardedSync):
         paths: dict[int, list[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             paths.setdefault(id(p), []).append(name.rpartition(".")[0])
-        unit_names = find_units(self.module)
+        unit_names = self._unit_names()
         modules = dict(self.module.named_modules())
         group_of = {id(p): gi for gi, (_, named) in enumerate(groups) for _, p in named}
         owned: dict[str, list[tuple[str, nn.Parameter]]] = {}
@@ -193,6 +193,10 @@ class Zero3(ShardedSync):
         for unit in self.units:
             unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
             unit.module.register_forward_hook(partial(self._post_forward, unit))
+
+    def _unit_names(self) -> list[str]:
+        """Module paths of the units (:func:`find_units`)."""
+        return find_units(self.module)
 
     def _shard_unit(self, unit: _Unit) -> None:
         """Keep this rank's chunk of the unit's parameters; point them at the gathered buffer."""
@@ -310,14 +314,18 @@ class Zero3(ShardedSync):
 
     def _post_backward(self, unit: _Unit) -> None:
         """Reduce-scatter the unit's gradients into the gradient shards; free the unit."""
+        self._reduce_unit(unit)
+        unit.done = True
+        self._free(unit)
+
+    def _reduce_unit(self, unit: _Unit) -> None:
+        """Reduce-scatter the unit's staged gradients (zeros if none) into the gradient shards."""
         bufs = unit.reduce_bufs or [self._alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
                                     for pc in unit.pieces]
         unit.reduce_bufs = None
         for pc, buf in zip(unit.pieces, bufs):
             dst = self.grad_shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
             self._reduce_scatter(buf, dst, accumulate=True, transient=True)
-        unit.done = True
-        self._free(unit)
 
     def _end_of_backward(self) -> None:
         """Reduce every unit no hook reduced (unused parameters: zeros, so every rank issues the

@@ -13,6 +13,9 @@ action of this rank, in order:
 * ``B(s, i)``: backward from the loss (last stage, scaled by ``hooks.scale_loss``) or from the
   output gradient received from stage ``s+1``; send the input gradient to stage ``s-1``; free
   the microbatch's activations.
+* ``I(s, i)`` / ``W(s, i)`` (zero-bubble schedules): ``B`` split in two (:mod:`.split_backward`):
+  ``I`` computes and sends the input gradient only, ``W`` later accumulates the weight
+  gradients (the DP strategy's hooks fire then) and frees the activations.
 
 :meth:`evaluate` runs the forward-only schedule (:func:`.schedules.forward_only`: the same
 ``F`` actions, no backward) without gradients, over its own message plan.
@@ -38,7 +41,9 @@ from ..mesh import ParallelMesh
 from ..step import LossFn, StepHooks
 from .p2p import StageP2P
 from .partition import named_pipeline_layers, partition
-from .schedules import FORWARD, Action, Schedule, TimedAction, Timeline, forward_only
+from .schedules import (BACKWARD, BACKWARD_INPUT, FORWARD, Action, Schedule, TimedAction,
+                        Timeline, forward_only)
+from .split_backward import SPLIT_BACKWARD_SUPPORTED, PendingWeights, backward_input, backward_weight
 from .stage import ActivationTracker, Chunk, LocalModule, StageIO, release_layers
 
 
@@ -64,9 +69,10 @@ class PipelineExecutor:
     def __init__(self, model: nn.Module | Sequence[nn.Module], loss_fn: LossFn,
                  mesh: ParallelMesh, comm: Comm, schedule: Schedule, *,
                  cuts: Sequence[int] | None = None, device: torch.device | None = None) -> None:
-        if schedule.splits_backward:
-            raise ConfigError("schedule", f"{schedule.name} splits the backward into I and W; the "
-                                          "runtime runs naive, gpipe, 1f1b and interleaved")
+        if schedule.splits_backward and not SPLIT_BACKWARD_SUPPORTED:
+            raise ConfigError("schedule", f"{schedule.name} splits the backward into I and W, which "
+                                          f"needs torch >= 2.7 (this is {torch.__version__}); "
+                                          "valid here: naive, gpipe, 1f1b, interleaved")
         self.mesh, self.comm, self.schedule = mesh, comm, schedule
         self.rank, self.peers = mesh.index("pp"), mesh.ranks("pp")
         stages = partition(named_pipeline_layers(model), schedule.num_stages,
@@ -75,6 +81,8 @@ class PipelineExecutor:
         mine = schedule.stages_of_rank(self.rank)
         self.chunks = {s: Chunk(s, stages[s]) for s in mine}
         held = [nl for s in mine for nl in stages[s]]
+        self.layer_names = [name for name, _ in held]
+        """This rank's pipeline layers (each called on its own: ZeRO-3's units)."""
         self.module = LocalModule(held)
         self._ties = self._setup_ties(stages, mine)
         self.tied_parameters = [p for p, _ in self._ties]
@@ -91,6 +99,10 @@ class PipelineExecutor:
         """Book activation bytes per in-flight microbatch (``activation_peak_bytes``)."""
         self.tracker = ActivationTracker()
         self._kept: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (stage, mb) -> (in, out)
+        self._weights: dict[tuple[int, int], PendingWeights] = {}        # I done, W to come
+        self._chunk_params = {s: list({id(p): p for layer in c.layers for p in layer.parameters()
+                                       if p.requires_grad}.values())
+                              for s, c in self.chunks.items()}
         self._loss, self._count = 0.0, 0.0
         self.last_timeline: Timeline | None = Timeline([[] for _ in self.peers],
                                                        schedule.virtual_stages, "s", schedule.name)
@@ -161,11 +173,16 @@ class PipelineExecutor:
         for action in self.schedule.actions[self.rank]:
             if action.kind == FORWARD:
                 row.append(self._forward(action, microbatches[action.microbatch], hooks))
-            else:
+            elif action.kind == BACKWARD:
                 row.append(self._backward(action, hooks))
+            elif action.kind == BACKWARD_INPUT:
+                row.append(self._backward_input(action, hooks))
+            else:
+                row.append(self._backward_weight(action))
         self.p2p.finish()
-        if self._kept:
-            raise RuntimeError(f"pipeline rank {self.rank}: activations never freed: {list(self._kept)}")
+        if self._kept or self._weights:
+            raise RuntimeError(f"pipeline rank {self.rank}: activations never freed: "
+                               f"{list(self._kept) + list(self._weights)}")
         self._reduce_ties()
         rows: list[list[TimedAction]] = [[] for _ in self.peers]
         rows[self.rank] = row
@@ -239,4 +256,29 @@ class PipelineExecutor:
             self.p2p.send(("grad", s - 1, i), x.grad if x.grad is not None else torch.zeros_like(x))
         self.tracker.free((s, i))
         del x, out
+        return TimedAction(a, start, time.perf_counter())
+
+    def _backward_input(self, a: Action, hooks: StepHooks) -> TimedAction:
+        """``I``: the input gradient only, sent on; the weight gradients wait for ``W``."""
+        s, i = a.stage, a.microbatch
+        x, out = self._kept.pop((s, i))
+        if self.schedule.is_last_stage(s):
+            start = time.perf_counter()
+            out, grad = hooks.scale_loss(out), None
+        else:
+            grad = self.p2p.take(("grad", s, i))               # d loss / d out, out's shape
+            start = time.perf_counter()
+        first = self.schedule.is_first_stage(s)
+        dx, self._weights[(s, i)] = backward_input(out, grad, None if first else x,
+                                                   self._chunk_params[s])
+        if not first:
+            self.p2p.send(("grad", s - 1, i), dx if dx is not None else torch.zeros_like(x))
+        del x, out, grad, dx
+        return TimedAction(a, start, time.perf_counter())
+
+    def _backward_weight(self, a: Action) -> TimedAction:
+        """``W``: the weight gradients of an earlier ``I``; frees the microbatch's activations."""
+        start = time.perf_counter()
+        backward_weight(self._weights.pop((a.stage, a.microbatch)))
+        self.tracker.free((a.stage, a.microbatch))
         return TimedAction(a, start, time.perf_counter())

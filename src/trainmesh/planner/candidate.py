@@ -22,7 +22,7 @@ from .cluster import Cluster
 from .memory import MemoryBreakdown, bytes_per_param, element_bytes, model_states
 from .shapes import ModelShape
 from .steptime import StepTime, flops_per_token, offload_seconds, step_time
-from .traffic import (Traffic, dp_ops, empty, other_ops, pp_ops, ring_factor, total_payload, tp_ops,
+from .traffic import (Traffic, dp_ops, empty, zero3_regathers, other_ops, pp_ops, ring_factor, total_payload, tp_ops,
                       wire_bytes)
 
 BUCKET_BYTES = 25 * 2**20
@@ -90,7 +90,9 @@ def _activations(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int)
 
 def _overhead(cfg: ParallelConfig, cluster: Cluster, psi_rank: float, layers: int, known: bool) -> float:
     extra = 2 * BUCKET_BYTES if cfg.dp > 1 else 0
-    if cfg.zero == 3 and known:  # two layers' gathered parameters (prefetch)
+    if cfg.zero == 3 and not zero3_regathers(cfg):  # the stage, gathered for the whole step
+        extra += psi_rank * element_bytes(cfg.precision)
+    elif cfg.zero == 3 and known:  # two layers' gathered parameters (prefetch)
         extra += 2 * psi_rank / max(layers, 1) * element_bytes(cfg.precision)
     return cluster.framework_overhead_bytes + extra
 
@@ -101,7 +103,7 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
     tokens = model.tokens_per_microbatch
     traffic = empty()
     traffic["dp"] = dp_ops(psi_rank, dp=cfg.dp, zero=cfg.zero, microbatches=cfg.microbatches,
-                           grad_bytes=e, param_bytes=e)
+                           grad_bytes=e, param_bytes=e, regather=zero3_regathers(cfg))
     traffic["tp"] = tp_ops(tp=cfg.tp, layers=layers, tokens=tokens, hidden=hidden, value_bytes=e,
                            microbatches=cfg.microbatches, first=rank == 0, last=rank == cfg.pp - 1,
                            sequence_parallel=cfg.sequence_parallel,

@@ -37,9 +37,9 @@ from ..config import ParallelConfig
 from ..models.gpt import GPTConfig
 from .activations import (gpt_block_bytes, gpt_block_input_bytes, gpt_head_bytes,
                           inflight_stages)
-from .builtin import RankModel, rank_model
+from .builtin import RankModel, block_params, rank_model
 from .memory import element_bytes, model_states
-from .traffic import AXES, Traffic, dp_ops, other_ops, pp_ops, tp_ops
+from .traffic import AXES, Traffic, dp_ops, other_ops, pp_ops, tp_ops, zero3_regathers
 
 RUNTIME_BYTES = 90 * 2**20
 """CPU: what a worker's RSS grows by beyond its measured base and its model: building the model
@@ -135,7 +135,7 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
     m = layout.microbatches
     return {
         "dp": dp_ops(psi, dp=layout.dp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
-                     param_bytes=e),
+                     param_bytes=e, regather=zero3_regathers(layout)),
         "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
                      value_bytes=e, microbatches=m, first=held.first, last=held.last,
                      sequence_parallel=layout.sequence_parallel,
@@ -170,6 +170,24 @@ def _activations(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
     return inflight * per_mb + working, (logits if held.last else 0.0)
 
 
+def zero3_gathered_bytes(held: RankModel, layout: ParallelConfig, gpt: GPTConfig) -> int:
+    """Most bytes of gathered ZeRO-3 parameters a rank holds at once (docs/ZERO.md, "ZeRO inside
+    a pipeline"): inside a pipeline, the whole stage with ``--zero3-reshard step``, one block
+    (the largest unit of the stage: a block, the embedding or the head) with ``microbatch``
+    (padding of each unit to a multiple of dp aside); 0 elsewhere (without a
+    pipeline the model of the peak leaves it out)."""
+    if layout.zero != 3 or layout.pp == 1:
+        return 0
+    e = element_bytes(layout.precision)
+    if layout.zero3_reshard == "step":
+        return int(e * held.params)
+    d, vocab_rows = gpt.d_model, math.ceil(gpt.vocab_size / layout.tp)
+    units = [block_params(gpt, layout.tp) if held.blocks else 0,
+             (vocab_rows + gpt.seq_len) * d if held.first else 0,
+             (vocab_rows + 2) * d if held.last else 0]
+    return int(e * max(units))
+
+
 def _ints(traffic: Traffic) -> dict[str, dict[str, int]]:
     return {axis: {op: int(round(b)) for op, b in traffic.get(axis, {}).items()} for axis in AXES}
 
@@ -188,7 +206,8 @@ def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
         acts, transient = _activations(held, layout, gpt, micro_batch, pp_rank)
         comm = _ints(_traffic(held, layout, gpt, micro_batch, pp_rank))
         peak = int(base_bytes + runtime_bytes + sum(states.values())
-                   + (1 + BACKWARD_WORKING_SET) * acts + transient)
+                   + (1 + BACKWARD_WORKING_SET) * acts + transient
+                   + zero3_gathered_bytes(held, layout, gpt))
         for within in range(layout.dp * layout.tp):
             rank = pp_rank * layout.dp * layout.tp + within
             ranks.append(RankPrediction(rank, _coords(rank, layout), dict(states),

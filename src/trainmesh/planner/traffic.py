@@ -9,7 +9,10 @@ q bytes per gathered parameter value (both the compute dtype by default), m micr
 * ZeRO-1: dp.reduce_scatter g*Psi + dp.all_gather q*Psi.
 * ZeRO-2: dp.reduce_scatter m*g*Psi (after every microbatch) + dp.all_gather q*Psi.
 * ZeRO-3: dp.reduce_scatter m*g*Psi + dp.all_gather 2*m*q*Psi (before each unit's forward
-  and again before its backward).
+  and again before its backward). Inside a pipeline with ``--zero3-reshard step`` each unit is
+  gathered once per step and kept for every microbatch: dp.all_gather q*Psi (``microbatch``:
+  2*m*q*Psi as without a pipeline, fewer under a split backward, which keeps a unit from ``I``
+  to ``W``).
 * TP (per microbatch, A = b*s*h values): tp.all_reduce of A, 2 per layer forward and 2 per layer
   backward, + 1 for the vocab-parallel embedding's forward (first stage), + 1 for the head
   input's backward (last stage), + 3 fp32 b*s-sized reductions of the vocab-parallel cross
@@ -64,10 +67,18 @@ def _add(ops: dict[str, float], op: str, nbytes: float) -> None:
         ops[op] = ops.get(op, 0.0) + nbytes
 
 
+def zero3_regathers(cfg: object) -> bool:
+    """Whether ZeRO-3 gathers every unit per microbatch under layout ``cfg`` (a
+    :class:`~trainmesh.config.ParallelConfig`): always without a pipeline; inside one only with
+    ``--zero3-reshard microbatch``."""
+    return getattr(cfg, "pp", 1) == 1 or getattr(cfg, "zero3_reshard", "step") == "microbatch"
+
+
 def dp_ops(psi: float, *, dp: int, zero: int, microbatches: int, grad_bytes: int,
-           param_bytes: int) -> dict[str, float]:
+           param_bytes: int, regather: bool = True) -> dict[str, float]:
     """Payload per step on the DP axis; ``psi`` is the element count reduced and gathered
-    (for ZeRO, the flat buffer padded to a multiple of ``dp``)."""
+    (for ZeRO, the flat buffer padded to a multiple of ``dp``). ``regather``: ZeRO-3 gathers
+    each unit per microbatch (False: once per step, ``--zero3-reshard step`` in a pipeline)."""
     ops: dict[str, float] = {}
     if dp == 1:
         return ops
@@ -76,7 +87,7 @@ def dp_ops(psi: float, *, dp: int, zero: int, microbatches: int, grad_bytes: int
         _add(ops, "all_reduce", grad_bytes * psi)
         return ops
     rs_rounds = 1 if zero == 1 else m
-    ag_rounds = 2 * m if zero == 3 else 1
+    ag_rounds = 2 * m if zero == 3 and regather else 1
     _add(ops, "reduce_scatter", rs_rounds * grad_bytes * psi)
     _add(ops, "all_gather", ag_rounds * param_bytes * psi)
     return ops

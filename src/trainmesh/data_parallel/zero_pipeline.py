@@ -1,0 +1,183 @@
+"""ZeRO-2 and ZeRO-3 under a pipeline: when gradients are reduced and parameters gathered.
+
+A pipeline rank runs its stage's ``m`` backward passes interleaved with forwards (any schedule,
+split backwards included: a ``W`` action is where the weight gradients appear). The runtime says
+once per step how many passes go through every parameter (``expect_backwards(m)``).
+
+ZeRO-2 (:class:`PipelineZero2`): reduce-scatter *per microbatch*, so only gradient shards ever
+persist. Each gradient autograd produces is added into its buckets' transient buffers and
+dropped; a bucket goes out (in the one global bucket order) once every parameter in it has
+given a gradient since its last reduction, and its reduced chunk is added to this rank's shard.
+The full-size gradient of a parameter therefore lives only in a transient bucket (counted in
+``comm_buffer_peak_bytes``: at most the bucket being filled plus ``max_inflight`` in flight).
+With one chunk per rank every bucket is reduced exactly ``m`` times a step:
+dp.reduce_scatter m·4Ψ + dp.all_gather 4Ψ (fp32), as without a pipeline. With interleaved
+chunks a bucket spanning two chunks sums gradients of different microbatches before it goes
+out (the sum is the same; fewer reductions); a partial round left at the end is reduced by
+``finish``.
+
+ZeRO-3 (:class:`PipelineZero3`): the units are the pipeline layers this rank holds (each called
+on its own by the runtime). ``reshard="step"`` gathers each unit at its first forward of the
+step and keeps it for every microbatch, freeing it after its ``m``-th backward: one all-gather
+per unit per step (dp.all_gather 4Ψ), the whole stage's parameters resident during the step.
+``reshard="microbatch"`` frees a unit after every forward and re-gathers it for every backward
+(dp.all_gather 2m·4Ψ), so about one unit is resident. Either way each unit's gradients are
+reduce-scattered after each of its backwards (dp.reduce_scatter m·4Ψ). A unit whose backward
+is split keeps its parameters from ``I`` until its ``W`` (some weight gradients need them).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from ..comm import Comm
+from ..compat import in_backward
+from ..errors import ConfigError
+from ..step import tensors_in
+from .base import SyncOptions
+from .zero import Zero2, _Bucket
+from .zero3 import Zero3, _State, _Unit
+
+RESHARD = ("step", "microbatch")
+
+
+class PipelineZero2(Zero2):
+    """ZeRO-2 under a pipeline: gradients reduce-scattered per microbatch (module docstring)."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
+                 options: SyncOptions | None = None) -> None:
+        super().__init__(named_params, comm, options)
+        self._given: dict[int, set[int]] = {}    # id(bucket) -> params given since its reduction
+
+    def expect_backwards(self, n: int) -> None:
+        self._start_backward(reduce=True)
+        self._given = {id(b): set() for b in self.buckets}
+
+    def before_backward(self, *, is_last: bool) -> None:
+        raise RuntimeError("PipelineZero2 runs under a pipeline: expect_backwards(m) instead")
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self._ready.add(id(p))
+        buckets = self._buckets_of[id(p)]
+        self._take_grad(p, buckets)               # added into the transient buckets, dropped
+        for b in buckets:
+            given = self._given[id(b)]
+            if id(p) not in given:
+                given.add(id(p))
+                b.pending -= 1
+        self._order.launch_ready()
+        if self._order.next == len(self.buckets):  # a whole round out: the next one starts
+            self._order.reset(self.buckets)
+
+    def _launch(self, b: _Bucket) -> None:
+        super()._launch(b)
+        b.pending = len(b.slots)
+        self._given[id(b)] = set()
+
+    def finish(self, scale: float) -> None:
+        self._check_unused()
+        if self._order.next or any(self._given.values()):   # a partial round: reduce it too
+            self._order.launch_ready(force=True)
+        self._order.reset(self.buckets)
+        self._sync = False
+        self._drain()
+        self._scale(scale)
+
+
+class PipelineZero3(Zero3):
+    """ZeRO-3 under a pipeline, units = the rank's pipeline layers (module docstring)."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
+                 module: nn.Module, layers: list[str], reshard: str = "step",
+                 param_dtype: torch.dtype | None = None, options: SyncOptions | None = None,
+                 materialize: Any = None) -> None:
+        if reshard not in RESHARD:
+            raise ConfigError("zero3-reshard", f"must be one of {', '.join(RESHARD)}; got {reshard!r}")
+        self.layers, self.reshard = list(layers), reshard
+        super().__init__(named_params, comm, module=module, param_dtype=param_dtype,
+                         options=options, materialize=materialize)
+        self._left: dict[int, int] = {}     # id(unit) -> backwards still to come this step
+        self._open: dict[int, int] = {}     # id(unit) -> backwards begun whose gradients are not all in
+        self.gathered_peak_bytes = 0
+        """Most bytes of gathered unit parameters resident at once (measured from the buffers)."""
+
+    def _unit_names(self) -> list[str]:
+        return ["", *self.layers]
+
+    def _setup(self, groups: Any) -> None:
+        super()._setup(groups)
+        stray = [u for u in self.units if u.name == ""]
+        if stray:
+            names = [s.name for pc in stray[0].pieces for s in pc.layout.slots]
+            raise ConfigError("zero", f"--zero 3 with --pp > 1 gathers one pipeline layer at a "
+                              f"time; parameters shared by several layers of a stage are not "
+                              f"supported: {', '.join(names[:4])} (use --zero 0, 1 or 2)")
+        self._left = {id(u): 0 for u in self.units}
+        self._open = {id(u): 0 for u in self.units}
+
+    # ---------------------------------------------------------------- the seam
+    def expect_backwards(self, n: int) -> None:
+        self._ready = set()
+        for unit in self.units:
+            unit.pending, unit.done = unit.n_params, False
+            self._left[id(unit)], self._open[id(unit)] = n, 0
+
+    def before_backward(self, *, is_last: bool) -> None:
+        raise RuntimeError("PipelineZero3 runs under a pipeline: expect_backwards(m) instead")
+
+    def finish(self, scale: float) -> None:
+        self._check_unused()
+        for unit in self.units:                 # unused parameters (find_unused_parameters)
+            if self._left[id(unit)] > 0:
+                self._reduce_unit(unit)
+                self._left[id(unit)] = 0
+            self._free(unit)
+        self._drain()
+        self._scale(scale)
+
+    # ---------------------------------------------------------------- hooks
+    def _gathered(self, unit: _Unit) -> None:
+        self._gather(unit, wait=True)
+        held = sum(u.nbytes for u in self.units if u.state is not _State.FREE)
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes, held)
+
+    def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any) -> None:
+        self._gathered(unit)
+
+    def _post_forward(self, unit: _Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward():           # recomputation inside backward: kept for its backward
+            return
+        outs = [t for t in tensors_in(output) if t.requires_grad]
+        training = bool(outs) and torch.is_grad_enabled()
+        if training:
+            register_multi_grad_hook(outs, self._backward_starts(unit), mode="any")
+        if not training or (self.reshard == "microbatch" and self._open[id(unit)] == 0):
+            self._free(unit)
+
+    def _backward_starts(self, unit: _Unit) -> Callable[[Any], None]:
+        """The hook on one forward's outputs: the first gradient through them opens that
+        microbatch's backward of ``unit``. (A split backward's ``W`` may run the output's node
+        again: that call only makes sure the unit is gathered.)"""
+        opened = False
+
+        def hook(_: Any) -> None:
+            nonlocal opened
+            if not opened:
+                opened = True
+                self._open[id(unit)] += 1
+            self._gathered(unit)
+        return hook
+
+    def _post_backward(self, unit: _Unit) -> None:
+        """One backward's gradients of ``unit`` are in: reduce-scatter them; free the unit
+        after its last backward of the step (``step``) or of this microbatch (``microbatch``)."""
+        self._reduce_unit(unit)
+        unit.pending = unit.n_params
+        self._left[id(unit)] -= 1
+        self._open[id(unit)] = max(0, self._open[id(unit)] - 1)
+        if self._left[id(unit)] == 0 or (self.reshard == "microbatch" and self._open[id(unit)] == 0):
+            self._free(unit)
