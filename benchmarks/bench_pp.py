@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from common import gpt_round_arguments  # noqa: E402
+
 VARIANTS = [("trainmesh", "gpipe"), ("native", "gpipe"), ("trainmesh", "1f1b"), ("native", "1f1b")]
 
 
@@ -118,17 +120,9 @@ def bench_worker(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", dest="d_model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    gpt_round_arguments(ap, layers=4, vocab=1024, rounds=20)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=1, help="steps per variant per round")
-    ap.add_argument("--rounds", type=int, default=20, help="timed rounds")
-    ap.add_argument("--warmup-rounds", dest="warmup_rounds", type=int, default=2)
-    ap.add_argument("--json", dest="json_out", help="also write the raw results here")
     args = ap.parse_args()
 
     from trainmesh.testing import run_distributed

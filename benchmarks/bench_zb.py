@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from common import gpt_round_arguments  # noqa: E402
+
 SCHEDULES = ("1f1b", "zb1p")
 
 
@@ -66,15 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--d-model", dest="d_model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
-    ap.add_argument("--rounds", type=int, default=10, help="timed rounds")
-    ap.add_argument("--warmup-rounds", dest="warmup_rounds", type=int, default=2)
-    ap.add_argument("--json", dest="json_out", help="also write the raw results here")
+    gpt_round_arguments(ap, layers=8, vocab=64, rounds=10)
     args = ap.parse_args()
 
     from trainmesh.pipeline_parallel import bubble_fraction, build_schedule, simulate

@@ -15,6 +15,19 @@ BENCH_GPT = GPTConfig(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_h
 GLOBAL_BATCH = 16
 
 
+def gpt_round_arguments(ap, *, layers: int, vocab: int, rounds: int) -> None:
+    """The GPT shape, global batch and timed-rounds flags the pipeline benchmarks share."""
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--d-model", dest="d_model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=vocab)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    ap.add_argument("--rounds", type=int, default=rounds, help="timed rounds")
+    ap.add_argument("--warmup-rounds", dest="warmup_rounds", type=int, default=2)
+    ap.add_argument("--json", dest="json_out", help="also write the raw results here")
+
+
 def batches(steps: int, seed: int = 0):
     data = SyntheticCorpus(BENCH_GPT.vocab_size, BENCH_GPT.seq_len)
     return [data.batch(seed, k, GLOBAL_BATCH) for k in range(steps)]
