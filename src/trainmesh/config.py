@@ -92,10 +92,6 @@ class ParallelConfig:
                               f"({self.precision}); got {self.reduce_dtype!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel", "shards activations inside TP groups; needs --tp > 1")
-        if self.zero == 3 and self.pp > 1:
-            raise ConfigError("--zero", "3 with --pp > 1 is refused: ZeRO-3 re-gathers every layer "
-                              "for each of the pipeline's microbatches (traffic x microbatches); "
-                              "use --zero 1 or 2 with pipelines")
         if self.min_dp is not None and self.min_dp > self.dp:
             raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
                               f"--min-dp the smallest it may shrink to); got {self.min_dp}")
