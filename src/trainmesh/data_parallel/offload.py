@@ -5,8 +5,8 @@ With ``--offload cpu`` the optimizer a ZeRO stage builds is built over *host* fp
 this rank's flat shards (pinned memory when the device is a GPU), so its states are born on the
 host too. Each step::
 
-    host_grad = grad_shard.to(host, fp32) * scale   # the reduced shard, unscaled on the host
-    optimizer.step()                               # on the host masters (foreach kernels)
+    host_grad[b] = grad_shard[b].to(host, fp32)    # in backward, as each bucket's reduction lands
+    host_grad *= scale; optimizer.step()           # unscaled, stepped on the host masters
     param_shard.copy_(host_master)                 # 16-bit or fp32; then ZeRO-1/2 all-gather
 
 The gradient shards stream to the host during backward: once a bucket's (ZeRO-1/2) or unit's
@@ -15,11 +15,11 @@ is copied into a host fp32 buffer (:meth:`HostMaster.stream`; on a GPU ``non_blo
 pinned memory on a side stream, one event per copy, which the step waits on), overlapping the
 rest of backward. Whatever did not stream (buckets reduced several times a step in a pipeline's
 ZeRO-2) is copied once every reduction is done (:meth:`HostMaster.prefetch_grads`), so
-correctness never depends on a hook. On a CPU the host *is* the device: a master
-whose values already sit in the parameters (fp32, host-resident shards) is the parameter shard
-itself, so nothing is copied and the offloaded bytes are the optimizer states alone (8Ψ/N with
-AdamW); in mixed precision the masters are separate (12Ψ/N), and the 16-bit gradient slices are
-converted into the fp32 host buffers during backward.
+correctness never depends on a hook. On a CPU the host *is* the device: a master whose values
+already sit in the parameters (fp32, host-resident shards) is the parameter shard itself (no
+copy), and the offloaded bytes are the optimizer states alone (8Ψ/N with AdamW); in mixed
+precision the masters are separate (12Ψ/N), and the 16-bit gradient slices are converted into
+the fp32 host buffers during backward.
 
 ``--offload nvme`` keeps the same host objects but swaps the states and the separate masters
 out to one file per rank between steps (:mod:`.nvme`). What the rank keeps off the compute
