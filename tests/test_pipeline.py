@@ -44,6 +44,12 @@ WORLD4 = [("pp4-1f1b-m8", dict(pp=4, microbatches=8, schedule="1f1b"), BOTH),
           ("dp2-pp2-zero3-step-m2", dict(dp=2, pp=2, zero=3, microbatches=2, schedule="zb1p"), BOTH),
           ("dp2-pp2-zero3-microbatch-m2", dict(dp=2, pp=2, zero=3, microbatches=2,
                                                zero3_reshard="microbatch"), BOTH),
+          # ... with the optimizer on the host (ZeRO-3: a unit's gradient shard streams there
+          # after its last backward of the step; ZeRO-2: buckets reduce twice, copied at finish)
+          ("dp2-pp2-zero3-step-m2-offload", dict(dp=2, pp=2, zero=3, microbatches=2, schedule="zb1p",
+                                                 offload="cpu"), ("adamw",), 6),
+          ("dp2-pp2-zero2-m2-offload", dict(dp=2, pp=2, zero=2, microbatches=2, bucket_mb=0.01,
+                                            offload="cpu"), ("adamw",), 6),
           # composition with tensor (+ sequence) parallelism: a shorter check, to keep the suite fast
           ("tp2-pp2-sp-1f1b-m4", dict(tp=2, pp=2, microbatches=4, sequence_parallel=True), ("adamw",), 6)]
 

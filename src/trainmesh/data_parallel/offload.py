@@ -5,16 +5,21 @@ With ``--offload cpu`` the optimizer a ZeRO stage builds is built over *host* fp
 this rank's flat shards (pinned memory when the device is a GPU), so its states are born on the
 host too. Each step::
 
-    host_grad = grad_shard.to(host, fp32) * scale   # the reduced shard, unscaled on the host
-    optimizer.step()                               # on the host masters (foreach kernels)
+    host_grad[b] = grad_shard[b].to(host, fp32)    # in backward, as each bucket's reduction lands
+    host_grad *= scale; optimizer.step()           # unscaled, stepped on the host masters
     param_shard.copy_(host_master)                 # 16-bit or fp32; then ZeRO-1/2 all-gather
 
-On a GPU the gradient copies are issued on a side stream with ``non_blocking`` as soon as the
-reductions of the step are done (:meth:`HostMaster.prefetch_grads`), so they overlap the
-gradient-norm reduction; the step waits for them. On a CPU the host *is* the device: a master
-whose values already sit in the parameters (fp32, host-resident shards) is the parameter shard
-itself, so nothing is copied and the offloaded bytes are the optimizer states alone (8Ψ/N with
-AdamW); in mixed precision the masters are separate (12Ψ/N).
+The gradient shards stream to the host during backward: once a bucket's (ZeRO-1/2) or unit's
+(ZeRO-3) reduction of the step's last microbatch has landed, its slice of the shard is final and
+is copied into a host fp32 buffer (:meth:`HostMaster.stream`; on a GPU ``non_blocking`` into
+pinned memory on a side stream, one event per copy, which the step waits on), overlapping the
+rest of backward. Whatever did not stream (buckets reduced several times a step in a pipeline's
+ZeRO-2) is copied once every reduction is done (:meth:`HostMaster.prefetch_grads`), so
+correctness never depends on a hook. On a CPU the host *is* the device: a master whose values
+already sit in the parameters (fp32, host-resident shards) is the parameter shard itself (no
+copy), and the offloaded bytes are the optimizer states alone (8Ψ/N with AdamW); in mixed
+precision the masters are separate (12Ψ/N), and the 16-bit gradient slices are converted into
+the fp32 host buffers during backward.
 
 ``--offload nvme`` keeps the same host objects but swaps the states and the separate masters
 out to one file per rank between steps (:mod:`.nvme`). What the rank keeps off the compute
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -78,6 +84,15 @@ def host_copy(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
     return out
 
 
+@dataclass
+class StreamStats:
+    """Elements of this rank's gradient shards on the host at two points of the last step."""
+
+    total: int = 0
+    in_backward: int = 0      # when backward returned (``finish`` began)
+    by_step: int = 0          # when every reduction was done, before the rest was copied
+
+
 class HostMaster:
     """fp32 ``masters`` on the host (what the optimizer updates) of the device parameter shards
     ``lows`` (16-bit or fp32, same shapes), whose reduced gradients are ``grads`` (on the
@@ -101,36 +116,68 @@ class HostMaster:
         store.register(self.separate_masters)
         self.scale = 1.0
         """The factor the device gradients still have to be multiplied by."""
-        self._host_grads: list[torch.Tensor] | None = None
-        self._copied: torch.cuda.Event | None = None
+        self.stats = StreamStats(total=sum(g.numel() for g in grads))
+        """How much of the gradient shards was streamed to the host by when, in the last step."""
+        self._host_grads: list[torch.Tensor | None] = []    # fp32, shaped like ``grads``
+        self._copied: list[torch.cuda.Event] = []           # one per streamed copy (GPU)
+        self._streamed: list[dict[Any, int]] = []           # per group: index -> elements
+        self._all_on_host = False
+        self._side: torch.cuda.Stream | None = None
+        self.discard_grads()
 
     @property
     def separate_masters(self) -> list[nn.Parameter]:
         """Masters that are copies of the parameters (what a file store swaps out too)."""
         return [m for m, a in zip(self.masters, self.aliased) if not a]
 
+    def stream(self, gi: int, index: int | slice) -> None:
+        """Copy ``grads[gi][index]``, now final for the step, into its host buffer: on a GPU a
+        ``non_blocking`` copy on the side stream (ordered after what the compute stream has
+        issued, e.g. the reduction's accumulate), with an event the step waits on."""
+        if self._host_grads[gi] is None:
+            self._host_grads[gi] = torch.empty(self.grads[gi].shape, dtype=torch.float32, pin_memory=self.pin)
+        src, dst = self.grads[gi].detach()[index], self._host_grads[gi][index]
+        key = (index.start, index.stop) if isinstance(index, slice) else index
+        self._streamed[gi][key] = src.numel()
+        if not self.pin:   # host == device: the conversion to fp32 happens here, in backward
+            dst.copy_(src)
+            return
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._side)
+        self._copied.append(event)
+
+    def backward_done(self) -> None:
+        """Backward has returned: note how much of the gradient shards is on the host already."""
+        self.stats.in_backward = self._n_streamed()
+
+    def _n_streamed(self) -> int:
+        return sum(sum(s.values()) for s in self._streamed)
+
     def prefetch_grads(self) -> None:
-        """Start copying the reduced gradient shards to the host (a side stream on a GPU)."""
-        if self._host_grads is not None:
+        """Every reduction of the step is done: copy what was not streamed (a skipped or unused
+        bucket, a pipeline's ZeRO-2 buckets), so correctness never depends on a hook."""
+        if self._all_on_host:
             return
-        if not self.pin:
-            self._host_grads = [g.detach().to(HOST, torch.float32, copy=True) for g in self.grads]
-            return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._host_grads = [host_copy(g.detach(), pin=True) for g in self.grads]
-            self._copied = torch.cuda.Event()
-            self._copied.record(stream)
+        self.stats.by_step = self._n_streamed()
+        for gi, g in enumerate(self.grads):
+            if sum(self._streamed[gi].values()) < g.numel():
+                self._streamed[gi].clear()
+                self.stream(gi, slice(None))
+        self._all_on_host = True
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the gradients into the host masters, step them on the CPU, copy them back
         into the device shards (group by group: a file store swaps states around each)."""
         self.prefetch_grads()
-        if self._copied is not None:
-            self._copied.synchronize()
+        for event in self._copied:
+            event.synchronize()
         self.store.step(optimizer, self._before_group, self._after_group)
-        self._host_grads, self._copied = None, None
+        self.discard_grads()
         self.scale = 1.0
 
     def _before_group(self, group: dict) -> None:
@@ -147,8 +194,10 @@ class HostMaster:
                 self._copy_back(i)
 
     def discard_grads(self) -> None:
-        """A skipped step: drop the host copies of its gradients."""
-        self._host_grads, self._copied = None, None
+        """After a step, or a skipped one: drop the host copies of its gradients."""
+        self._host_grads = [None] * len(self.grads)
+        self._copied, self._all_on_host = [], False
+        self._streamed = [{} for _ in self.grads]
 
     @torch.no_grad()
     def _copy_back(self, i: int) -> None:

@@ -55,6 +55,9 @@ class Flight:
     dst: torch.Tensor            # where the reduced chunk belongs (may be ``out`` itself)
     accumulate: bool             # add into dst (ZeRO-2/3, once per microbatch) or copy
     transient: bool              # ``buf`` is a transient buffer counted in comm memory
+    final: tuple[int, int | slice] | None = None
+    """dst is ``grad_shards[group][index]`` and final for the step once this lands (offload
+    streams it to the host then); None: more reductions add into it this step."""
 
 
 class ShardedSync(GradSync):
@@ -123,8 +126,13 @@ class ShardedSync(GradSync):
         if self.offloaded is not None:
             self.offloaded.discard_grads()
 
+    def _backward_done(self) -> None:
+        """``finish`` begins: the offloaded shards note how much of them streamed in backward."""
+        if self.offloaded is not None:
+            self.offloaded.backward_done()
+
     def _scale(self, factor: float) -> None:
-        if self.offloaded is not None:   # the reductions are done: start the copies to the host
+        if self.offloaded is not None:   # the reductions are done: copy what did not stream
             self.offloaded.prefetch_grads()
         super()._scale(factor)
 
@@ -145,14 +153,21 @@ class ShardedSync(GradSync):
         self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, self._live_bytes)
 
     def _reduce_scatter(self, buf: torch.Tensor, dst: torch.Tensor, *, accumulate: bool,
-                        transient: bool) -> None:
-        """Reduce-scatter ``buf`` (world * chunk,) in place into this rank's chunk, async."""
+                        transient: bool, final: tuple[int, int | slice] | None = None) -> None:
+        """Reduce-scatter ``buf`` (world * chunk,) in place into this rank's chunk, async
+        (``final``: see :class:`Flight`)."""
         chunk = buf.numel() // self.dp
         out = buf[self.rank_in_dp * chunk : (self.rank_in_dp + 1) * chunk]
         handle = self.comm.reduce_scatter(out, buf, "dp", async_op=True)
-        self._inflight.append(Flight(handle, buf, out, dst, accumulate, transient))
+        self._inflight.append(Flight(handle, buf, out, dst, accumulate, transient, final))
         while sum(f.transient for f in self._inflight) > self.max_inflight:   # bound the memory
             self._complete(self._inflight.pop(0))
+        while self.offloaded is not None and self._inflight and self._landed(self._inflight[0]):
+            self._complete(self._inflight.pop(0))   # its shard can stream to the host now
+
+    @staticmethod
+    def _landed(f: Flight) -> bool:
+        return f.handle is None or f.handle.is_completed()
 
     def _complete(self, f: Flight) -> None:
         if f.handle is not None:
@@ -162,6 +177,8 @@ class ShardedSync(GradSync):
             f.dst.add_(f.out.view_as(f.dst))
         elif not same:
             f.dst.copy_(f.out.view_as(f.dst))
+        if f.final is not None and self.offloaded is not None:
+            self.offloaded.stream(*f.final)
         if f.transient:
             self._live_bytes -= f.buf.numel() * f.buf.element_size()
 

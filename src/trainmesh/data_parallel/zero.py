@@ -146,6 +146,7 @@ class FlatZero(ShardedSync):
         """Reduce-scatter bucket ``b`` into this rank's gradient shard."""
 
     def finish(self, scale: float) -> None:
+        self._backward_done()
         if self._sync:
             self._check_unused()
             self._order.launch_ready(force=True)
@@ -220,7 +221,8 @@ class Zero1(FlatZero):
         transient = self.reduce_dtype is not None and self.reduce_dtype != buf.dtype
         if transient:   # reduce in reduce_dtype: a cast copy, then the shard is copied back
             buf = self._alloc(buf.numel(), self.reduce_dtype).copy_(buf)
-        self._reduce_scatter(buf, g.shard_grad[b.index], accumulate=False, transient=transient)
+        self._reduce_scatter(buf, g.shard_grad[b.index], accumulate=False, transient=transient,
+                             final=(b.group, b.index))   # reduced once, in the last backward
 
 
 class Zero2(FlatZero):
@@ -233,6 +235,7 @@ class Zero2(FlatZero):
                  options: SyncOptions | None = None) -> None:
         super().__init__(named_params, comm, options)
         self._pipeline_bytes = 0
+        self._last = False           # this backward is the step's last: its reductions are final
 
     def _grad_buffers(self, layout: FlatLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         shard = torch.zeros(layout.n_buckets, layout.chunk, dtype=dtype, device=self.device)
@@ -242,6 +245,7 @@ class Zero2(FlatZero):
         if self._sync:
             self._order.launch_ready(force=True)   # a previous microbatch left parameters without grads
         self._start_backward(reduce=True)
+        self._last = is_last
 
     def expect_backwards(self, n: int) -> None:
         """(Meanwhile the gradients accumulate full-size in ``param.grad``: counted as transient.)"""
@@ -267,7 +271,8 @@ class Zero2(FlatZero):
         buf = b.staging if b.staging is not None else self._alloc(
             g.layout.bucket_numel, self.reduce_dtype or g.params.dtype)
         b.staging = None
-        self._reduce_scatter(buf, g.shard_grad[b.index], accumulate=True, transient=True)
+        self._reduce_scatter(buf, g.shard_grad[b.index], accumulate=True, transient=True,
+                             final=(b.group, b.index) if self._last else None)
 
     def finish(self, scale: float) -> None:
         super().finish(scale)

@@ -146,6 +146,7 @@ class Zero3(ShardedSync):
         self._bwd: list[_Unit] = []          # expected backward order: reversed post-forward
         self._bwd_pos = 0
         self._in_bwd = False
+        self._last = False                   # this backward is the step's last (final reductions)
 
     # ---------------------------------------------------------------- set-up
     @torch.no_grad()
@@ -314,18 +315,20 @@ class Zero3(ShardedSync):
 
     def _post_backward(self, unit: _Unit) -> None:
         """Reduce-scatter the unit's gradients into the gradient shards; free the unit."""
-        self._reduce_unit(unit)
+        self._reduce_unit(unit, final=self._last)
         unit.done = True
         self._free(unit)
 
-    def _reduce_unit(self, unit: _Unit) -> None:
-        """Reduce-scatter the unit's staged gradients (zeros if none) into the gradient shards."""
+    def _reduce_unit(self, unit: _Unit, *, final: bool) -> None:
+        """Reduce-scatter the unit's staged gradients (zeros if none) into the gradient shards
+        (``final``: the step's last reduction of the unit, see :class:`~.sharded.Flight`)."""
         bufs = unit.reduce_bufs or [self._alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
                                     for pc in unit.pieces]
         unit.reduce_bufs = None
         for pc, buf in zip(unit.pieces, bufs):
-            dst = self.grad_shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
-            self._reduce_scatter(buf, dst, accumulate=True, transient=True)
+            where = slice(pc.shard_start, pc.shard_start + pc.layout.chunk)
+            self._reduce_scatter(buf, self.grad_shards[pc.group][where], accumulate=True,
+                                 transient=True, final=(pc.group, where) if final else None)
 
     def _end_of_backward(self) -> None:
         """Reduce every unit no hook reduced (unused parameters: zeros, so every rank issues the
@@ -339,6 +342,7 @@ class Zero3(ShardedSync):
     # ---------------------------------------------------------------- the seam
     def before_backward(self, *, is_last: bool) -> None:
         self._end_of_backward()          # the previous microbatch's, if its callback did not run
+        self._last = is_last
         if self._fwd:
             self._last_fwd = self._fwd
         self._fwd, self._post, self._ready = [], [], set()
@@ -349,6 +353,7 @@ class Zero3(ShardedSync):
         self._no_pipeline()
 
     def finish(self, scale: float) -> None:
+        self._backward_done()
         self._check_unused()
         self._end_of_backward()
         self._drain()

@@ -79,6 +79,7 @@ class PipelineZero2(Zero2):
         self._given[id(b)] = set()
 
     def finish(self, scale: float) -> None:
+        self._backward_done()       # (buckets reduce several times a step: copied at the step)
         self._check_unused()
         if self._order.next or any(self._given.values()):   # a partial round: reduce it too
             self._order.launch_ready(force=True)
@@ -130,10 +131,11 @@ class PipelineZero3(Zero3):
         raise RuntimeError("PipelineZero3 runs under a pipeline: expect_backwards(m) instead")
 
     def finish(self, scale: float) -> None:
+        self._backward_done()
         self._check_unused()
         for unit in self.units:                 # unused parameters (find_unused_parameters)
             if self._left[id(unit)] > 0:
-                self._reduce_unit(unit)
+                self._reduce_unit(unit, final=True)
                 self._left[id(unit)] = 0
             self._free(unit)
         self._drain()
@@ -175,7 +177,7 @@ class PipelineZero3(Zero3):
     def _post_backward(self, unit: _Unit) -> None:
         """One backward's gradients of ``unit`` are in: reduce-scatter them; free the unit
         after its last backward of the step (``step``) or of this microbatch (``microbatch``)."""
-        self._reduce_unit(unit)
+        self._reduce_unit(unit, final=self._left[id(unit)] == 1)   # its last backward this step
         unit.pending = unit.n_params
         self._left[id(unit)] -= 1
         self._open[id(unit)] = max(0, self._open[id(unit)] - 1)
