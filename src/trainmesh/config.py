@@ -140,7 +140,7 @@ class ParallelConfig:
     def layout(self) -> dict[str, Any]:
         """The layout record of the metrics summary (CONTRACT.md)."""
         keys = ("dp", "pp", "tp", "zero", "microbatches", "schedule", "virtual_stages",
-                "sequence_parallel", "precision", "recompute", "offload")
+                "sequence_parallel", "precision", "recompute", "offload", "zero3_reshard")
         return {k: getattr(self, k) for k in keys}
 
     @classmethod
