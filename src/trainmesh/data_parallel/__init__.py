@@ -12,7 +12,8 @@ from .base import GradSync, SyncOptions, group_parameters, unique_named_paramete
 from .ddp import DDP
 from .sharded import ELEMENTWISE_OPTIMIZERS
 from .zero import Zero1, Zero2
-from .zero3 import Zero3, find_units
+from .units import find_units
+from .zero3 import Zero3
 from .zero_pipeline import PipelineZero2, PipelineZero3
 
 

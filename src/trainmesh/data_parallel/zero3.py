@@ -41,6 +41,7 @@ from ..step import tensors_in
 from .flat import FlatLayout, Slot
 from .base import SyncOptions
 from .sharded import Groups, ShardedSync
+from .units import find_units, owner
 
 
 class _State(enum.Enum):
@@ -77,49 +78,6 @@ class _Unit:
     @property
     def nbytes(self) -> int:
         return self.full.numel() * self.full.element_size()
-
-
-def _is_list(m: nn.Module) -> bool:
-    return isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
-
-
-def _has_params(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters())
-
-
-def find_units(root: nn.Module) -> list[str]:
-    """Module paths of the units, outermost first; the root ("") is always a candidate."""
-    units = [""]
-
-    def add_children(m: nn.Module, prefix: str) -> None:
-        for name, child in m.named_children():
-            if _has_params(child):
-                units.append(prefix + name)
-
-    def walk(m: nn.Module, prefix: str) -> None:
-        for name, child in m.named_children():
-            path = prefix + name
-            if not _has_params(child):
-                continue
-            if _is_list(child):
-                add_children(child, path + ".")
-            elif any(_is_list(d) for d in child.modules() if d is not child):
-                walk(child, path + ".")
-            else:
-                units.append(path)
-
-    if isinstance(root, nn.Sequential):
-        add_children(root, "")
-    else:
-        walk(root, "")
-    return units
-
-
-def _owner(paths: list[str], units: list[str]) -> str:
-    """The deepest unit that contains every module path in ``paths``."""
-    def inside(path: str, unit: str) -> bool:
-        return unit == "" or path == unit or path.startswith(unit + ".")
-    return max((u for u in units if all(inside(p, u) for p in paths)), key=len)
 
 
 class Zero3(ShardedSync):
@@ -159,7 +117,7 @@ class Zero3(ShardedSync):
         group_of = {id(p): gi for gi, (_, named) in enumerate(groups) for _, p in named}
         owned: dict[str, list[tuple[str, nn.Parameter]]] = {}
         for name, p in self.named_params:
-            owned.setdefault(_owner(paths[id(p)], unit_names), []).append((name, p))
+            owned.setdefault(owner(paths[id(p)], unit_names), []).append((name, p))
         sizes = [0] * len(groups)
         for uname in unit_names:
             if uname not in owned:
