@@ -120,7 +120,7 @@ def _check_nvme_space(cfg, local_ranks: int) -> None:
     p = cfg.parallel
     per_param = bytes_per_param(p.precision, cfg.optimizer)[2]
     share = min(1.0, local_ranks / (p.dp * p.pp * p.tp))
-    check_space(p.offload_dir, int(per_param * cfg.gpt_config().num_params() * share))
+    check_space(p.offload_dir, int(per_param * cfg.num_params() * share))
 
 
 def run(args: argparse.Namespace) -> int:
