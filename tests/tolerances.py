@@ -75,6 +75,13 @@ NORM_REL = 1e-3
 """CONTRACT.md: per-step grad norm vs one process (relative). A sum instead of a mean is x dp;
 a TP-replicated parameter counted twice moves it by > 1e-2."""
 
+MOMENT_REL = 2 * NORM_REL
+"""A saved optimizer moment vs the one-process run's at the same step, as a fraction of the
+largest magnitude of that kind of moment in the model: first moments are averages of
+gradients (within ``NORM_REL``), second moments of their squares (twice the relative error).
+Ranks gathering each other's moments, or a moment swapped with another, are off by the
+moments' own scale."""
+
 FP32_EPS = torch.finfo(torch.float32).eps
 """2**-23: one float32 rounding, relative."""
 

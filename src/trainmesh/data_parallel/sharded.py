@@ -233,16 +233,30 @@ class ShardedSync(GradSync):
 
     def _logical_state(self, params: dict[str, torch.Tensor],
                        optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        self._check_gather_plan()
         for gi, sp in enumerate(self.shard_params):
             for slot, value in self._whole(gi, sp.detach()):
                 params[slot.name] = value.clone()
-            for key, v in self.optimizer.state.get(sp, {}).items():
+            # One gather per state key, in the same order on every rank: sorted, never the
+            # state dict's own order (after a load it may differ from rank to rank).
+            for key, v in sorted(self.optimizer.state.get(sp, {}).items()):
                 if not torch.is_tensor(v):
                     continue
                 pieces = (self._whole(gi, v) if v.shape == sp.shape
                           else [(slot, v) for slot in self._slots(gi)])   # e.g. Adam's step count
                 for slot, value in pieces:
                     optim.setdefault(slot.name, {})[key] = value.clone()
+
+    def _check_gather_plan(self) -> None:
+        """Before gathering states whole: every DP rank is about to gather the same state keys
+        in the same order (one small object gather); otherwise ranks would exchange each
+        other's moments and a checkpoint would hold garbage."""
+        plan = [sorted(k for k, v in self.optimizer.state.get(sp, {}).items() if torch.is_tensor(v))
+                for sp in self.shard_params]
+        plans = self.comm.all_gather_object(plan, "dp")
+        if any(p != plan for p in plans):
+            raise RuntimeError(f"checkpoint: DP ranks hold different optimizer states {plans}; "
+                               "refusing to save")
 
     @torch.no_grad()
     def load_logical_state(self, params: dict[str, torch.Tensor],
@@ -262,7 +276,7 @@ class ShardedSync(GradSync):
         for gi, sp in enumerate(self.shard_params):
             self._take_shard(gi, whole, sp.data)
             names = [s.name for s in self._slots(gi)]
-            keys = {k for n in names for k in optim.get(n, {})}
+            keys = sorted({k for n in names for k in optim.get(n, {})})   # same order on every rank
             state = {}
             for key in keys:
                 values = {id(by_name[n]): optim[n][key] for n in names if key in optim.get(n, {})}
