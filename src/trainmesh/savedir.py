@@ -1,8 +1,10 @@
 """One run per ``--save-dir``: an exclusive lock held for the run's lifetime.
 
-The lock is ``flock`` on ``SAVE_DIR/.lock`` (which records the holder's pid for the message).
-The kernel drops it when the holding process ends, however it ends, so the lock of a dead run
-is simply taken over. The launcher holds it (rank 0 under torchrun/srun); a second run on the
+The lock is ``flock`` on the directory itself (its open descriptor), so no lock file is left
+behind; while it is held, ``SAVE_DIR/.lock`` records the holder's pid for the message and is
+removed before the lock is released (a crashed run's stale one is only informative). The
+kernel drops the lock when the holding process ends, however it ends, so the lock of a dead
+run is simply taken over. The launcher holds it (rank 0 under torchrun/srun); a second run on the
 same directory exits 2 naming it before any worker starts. Under the lock, the run's rank 0
 removes the temporary directories (``.step-*.tmp``) that an interrupted save left behind, at
 start and at every elastic restart.
@@ -13,7 +15,6 @@ import fcntl
 import os
 import shutil
 from pathlib import Path
-from typing import IO
 
 from .errors import ConfigError
 
@@ -25,33 +26,36 @@ class SaveDirLock:
 
     def __init__(self, save_dir: str | os.PathLike) -> None:
         self.dir = Path(save_dir)
-        self._file: IO[str] | None = None
+        self._fd: int | None = None
 
     def __enter__(self) -> "SaveDirLock":
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            f = (self.dir / LOCK_FILE).open("a+")
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
             raise ConfigError("save-dir", f"cannot use {str(self.dir)!r}: {exc.strerror}") from None
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            f.close()
+            os.close(fd)
+            try:
+                holder = (self.dir / LOCK_FILE).read_text().strip() or "unknown"
+            except OSError:
+                holder = "unknown"
             raise ConfigError("save-dir", f"{str(self.dir)!r} is in use by another run (pid {holder}); "
                               "wait for it to end or choose another directory") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        self._file = f
+        self._fd = fd
+        try:
+            (self.dir / LOCK_FILE).write_text(f"{os.getpid()}\n")
+        except OSError:
+            pass   # the pid is only for the message
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._file is not None:
-            self._file.close()   # closing the descriptor releases the lock
-            self._file = None
+        if self._fd is not None:
+            (self.dir / LOCK_FILE).unlink(missing_ok=True)   # under the lock: no other run writes it
+            os.close(self._fd)   # closing the descriptor releases the lock
+            self._fd = None
 
 
 def remove_stale_tmp(save_dir: Path) -> list[Path]:
