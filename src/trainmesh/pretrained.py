@@ -135,6 +135,7 @@ def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
     if not weights.is_file():
         raise ConfigError(field, f"{path!r} has no {WEIGHTS} (valid: save_pretrained output "
                           "with safetensors weights)")
+    check_weights_header(weights, field)
     transformers = _transformers(field)
     config = transformers.AutoConfig.from_pretrained(path)
     with params_on_meta():
@@ -142,6 +143,18 @@ def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
     model.float()   # fp32 parameters whatever config.json's dtype: --precision sets the compute's
     model.init_parameter = safetensors_init(str(weights), field=field)
     return model
+
+
+def check_weights_header(weights: Path, field: str = FIELD) -> None:
+    """``weights`` is a readable safetensors file: its header parses and its tensors lie within
+    the file (a truncated or overwritten file is refused naming ``field``, no traceback)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for key in f.keys():
+                f.get_slice(key).get_shape()
+    except Exception as exc:   # OSError, or safetensors' own SafetensorError
+        raise ConfigError(field, f"cannot read {weights} as safetensors: {exc}") from None
 
 
 def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD) -> None:
