@@ -20,12 +20,16 @@ runs on a CPU, and the place to stream when models grow.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import zlib
-from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -36,6 +40,7 @@ from .comm import Comm
 from .data_parallel.base import GradSync
 from .tensor_parallel.state import full_tensor, shard_dim, shard_of, shard_parts
 
+log = logging.getLogger("trainmesh")
 MANIFEST = "manifest.json"
 FORMAT = "trainmesh-checkpoint-1"
 
@@ -55,6 +60,78 @@ def latest(root: str | Path) -> Path | None:
         return root
     done = sorted(p for p in root.glob("step-*") if (p / MANIFEST).exists()) if root.is_dir() else []
     return done[-1] if done else None
+
+
+def newest_intact(root: str | Path, *, verify: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest intact checkpoint under ``root`` or None, [(newer one skipped, why)]).
+
+    Intact: a readable manifest whose files lie inside its directory and exist, and (``verify``)
+    match their sha256. ``root`` may be one checkpoint directory itself."""
+    root = Path(root)
+    candidates = [root] if (root / MANIFEST).exists() else (
+        sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True) if root.is_dir() else [])
+    skipped: list[tuple[Path, str]] = []
+    for directory in candidates:
+        try:
+            reader = _Reader(directory)
+            reader.check_files(verify=verify)
+        except CheckpointError as exc:
+            skipped.append((directory, str(exc).removeprefix(f"{directory}: ")))
+            continue
+        return directory, skipped
+    return None, skipped
+
+
+def prune(root: str | Path, keep: int, *, protect: Path | None = None) -> list[Path]:
+    """Remove all but the newest ``keep`` checkpoints under ``root`` (``keep`` >= 1), never
+    ``protect`` (the one just written) nor one being read (:func:`reading`: a load, a
+    consolidation). Returns what was removed. Each goes out of sight atomically (renamed to a
+    ``.step-*.tmp`` that a later run clears)."""
+    done = sorted(p for p in Path(root).glob("step-*") if (p / MANIFEST).exists())
+    removed = []
+    for directory in done[:-keep] if keep > 0 else []:
+        if protect is not None and directory.resolve() == Path(protect).resolve():
+            continue
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue   # someone is reading it: the next save's pruning retries
+            hidden = directory.with_name(f".{directory.name}.tmp")
+            os.replace(directory, hidden)
+            shutil.rmtree(hidden, ignore_errors=True)
+            removed.append(directory)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextmanager
+def reading(directory: Path) -> Iterator[None]:
+    """A shared lock on a checkpoint directory while it is read: :func:`prune` skips it."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux), else the usual 022."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def usual_mode(path: Path) -> None:
+    """Give a written file the mode a new file gets under the umask (safetensors makes 0600)."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def _sha256(path: Path) -> str:
@@ -82,9 +159,9 @@ def _logical_tensors(grad_sync: GradSync, comm: Comm) -> dict[str, torch.Tensor]
     params, optim = grad_sync.logical_state()
     by_name = dict(grad_sync.named_params)
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in params.items():
+    for name, t in params.items():   # the strategy's parameter order: the same on every rank
         tensors[f"param/{name}"] = full_tensor(t, comm, like=by_name[name])
-        for key, v in optim.get(name, {}).items():
+        for key, v in sorted(optim.get(name, {}).items()):   # sorted: a gather per key, same order
             tensors[f"optim/{name}/{key}"] = full_tensor(v, comm, like=by_name[name])
     return tensors
 
@@ -110,6 +187,7 @@ def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
     if mine:
         path = tmp / f"rank{mesh.rank:05d}.safetensors"
         save_file(mine, str(path))
+        usual_mode(path)
         entry = {"file": path.name, "sha256": _sha256(path), "keys": sorted(mine)}
     entries = comm.all_gather_object(entry)
     if mesh.rank == 0:
@@ -134,11 +212,49 @@ class _Reader:
         self.dir = directory
         try:
             self.manifest = json.loads((directory / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:   # ValueError: not JSON, not UTF-8
             raise CheckpointError(f"{directory}: unreadable manifest: {exc}") from exc
-        if self.manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{directory}: not a trainmesh checkpoint (format {self.manifest.get('format')!r})")
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            found = self.manifest.get("format") if isinstance(self.manifest, dict) else None
+            raise CheckpointError(f"{directory}: not a trainmesh checkpoint (format {found!r})")
+        files, tensors = self.manifest.get("files"), self.manifest.get("tensors")
+        if not isinstance(files, dict) or not isinstance(tensors, dict):
+            raise CheckpointError(f"{directory}: manifest without its files and tensors")
+        for name in [*files, *tensors.values()]:
+            self._inside(name)
+        if not set(tensors.values()) <= set(files):
+            raise CheckpointError(f"{directory}: manifest names a piece without its sha256")
         self._verified: set[str] = set()
+
+    def _inside(self, name: object) -> Path:
+        """The manifest's file ``name`` as a path inside this directory (never outside it)."""
+        if not isinstance(name, str) or not name or PurePosixPath(name).is_absolute() \
+                or ".." in PurePosixPath(name).parts or "\\" in name:
+            raise CheckpointError(f"{self.dir}: manifest names {name!r}, not a file of the checkpoint "
+                                  "(absolute or '..' paths are refused)")
+        path = self.dir / name
+        if not path.resolve().is_relative_to(self.dir.resolve()):
+            raise CheckpointError(f"{self.dir}: piece {name} is a link leading out of the checkpoint; "
+                                  "refusing it")
+        return path
+
+    def check_files(self, *, verify: bool) -> None:
+        """Every piece exists and (``verify``) matches its sha256."""
+        for name in sorted(self.manifest["files"]):
+            if verify:
+                self._verify(name)
+            elif not (self.dir / name).is_file():
+                raise CheckpointError(f"{self.dir}: piece {name} is missing")
+
+    def _verify(self, name: str) -> None:
+        if name in self._verified:
+            return
+        path = self._inside(name)
+        if not path.is_file():
+            raise CheckpointError(f"{self.dir}: piece {name} is missing")
+        if _sha256(path) != self.manifest["files"][name]:
+            raise CheckpointError(f"{self.dir}: piece {name} is corrupt (sha256 mismatch); refusing to load")
+        self._verified.add(name)
 
     def has(self, key: str) -> bool:
         return key in self.manifest["tensors"]
@@ -148,12 +264,7 @@ class _Reader:
         if name is None:
             raise CheckpointError(f"{self.dir}: no tensor {key!r} (was it saved from another model?)")
         path = self.dir / name
-        if name not in self._verified:
-            if not path.exists():
-                raise CheckpointError(f"{self.dir}: piece {name} is missing")
-            if _sha256(path) != self.manifest["files"][name]:
-                raise CheckpointError(f"{self.dir}: piece {name} is corrupt (sha256 mismatch); refusing to load")
-            self._verified.add(name)
+        self._verify(name)
         try:
             with safe_open(str(path), framework="pt") as f:
                 return f.get_tensor(key)
@@ -161,33 +272,59 @@ class _Reader:
             raise CheckpointError(f"{self.dir}: cannot read {key!r} from {name}: {exc}") from exc
 
 
+def choose(root: str | Path, comm: Comm) -> Path:
+    """Collective: the checkpoint every rank loads, the newest intact one under ``root`` as rank
+    0 verifies it; each newer one skipped is named in one line with why."""
+    name = None
+    if comm.mesh.rank == 0:
+        directory, skipped = newest_intact(root)
+        for bad, why in skipped:
+            log.warning("trainmesh: skipping checkpoint %s: %s", bad, why)
+        name = str(directory) if directory is not None else _none_intact(root, skipped)
+    name = comm.all_gather_object(name)[0]
+    if name.startswith("!"):
+        raise CheckpointError(name[1:])
+    return Path(name)
+
+
+def _none_intact(root: str | Path, skipped: list[tuple[Path, str]]) -> str:
+    if not skipped:
+        return f"!no complete checkpoint under {root}"
+    return f"!no intact checkpoint under {root} ({skipped[0][0].name}: {skipped[0][1]})"
+
+
 def load(root: str | Path, grad_sync: GradSync, comm: Comm) -> dict[str, Any]:
-    """Collective: restore the parameters and optimizer states of the newest checkpoint under
-    ``root`` into ``grad_sync``, resharded to ``comm``'s mesh. Returns the trainer state saved
-    with it (the caller restores its step, LR schedule and loss scaler from it)."""
-    directory = latest(root)
-    if directory is None:
-        raise CheckpointError(f"no complete checkpoint under {root}")
-    reader = _Reader(directory)
-    params: dict[str, torch.Tensor] = {}
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    for name, p in grad_sync.named_params:
-        params[name] = _tp_slice(comm, p, reader.get(f"param/{name}"))
-        prefix = f"optim/{name}/"
-        optim[name] = {k[len(prefix):]: _tp_slice(comm, p, reader.get(k))
-                       for k in reader.manifest["tensors"] if k.startswith(prefix)}
+    """Collective: restore the parameters and optimizer states of the newest intact checkpoint
+    under ``root`` (:func:`choose`) into ``grad_sync``, resharded to ``comm``'s mesh. Returns
+    the trainer state saved with it (the caller restores its step, LR schedule and loss scaler)."""
+    directory = choose(root, comm)
+    with reading(directory):
+        reader = _Reader(directory)
+        params: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in grad_sync.named_params:
+            params[name] = _tp_slice(comm, p, reader.get(f"param/{name}"))
+            prefix = f"optim/{name}/"
+            optim[name] = {k[len(prefix):]: _tp_slice(comm, p, reader.get(k))
+                           for k in sorted(reader.manifest["tensors"]) if k.startswith(prefix)}
     grad_sync.load_logical_state(params, optim)
     return reader.manifest["trainer"]
 
 
 def consolidate(root: str | Path, out: str | Path) -> Path:
-    """Write the full, unsharded model weights of the newest checkpoint as one safetensors file."""
-    directory = latest(root)
+    """Write the full, unsharded model weights of the newest intact checkpoint as one
+    safetensors file (mode as the umask gives new files)."""
+    directory, skipped = newest_intact(root)
+    for bad, why in skipped:
+        log.warning("trainmesh: skipping checkpoint %s: %s", bad, why)
     if directory is None:
-        raise CheckpointError(f"no complete checkpoint under {root}")
-    reader = _Reader(directory)
-    weights = {k[len("param/"):]: reader.get(k) for k in sorted(reader.manifest["tensors"]) if k.startswith("param/")}
+        raise CheckpointError(_none_intact(root, skipped)[1:])
+    with reading(directory):
+        reader = _Reader(directory)
+        weights = {k[len("param/"):]: reader.get(k) for k in sorted(reader.manifest["tensors"])
+                   if k.startswith("param/")}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out), metadata={"step": str(reader.manifest["step"])})
+    usual_mode(out)
     return out

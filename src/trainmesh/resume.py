@@ -14,11 +14,13 @@ worker under torchrun before loading.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Any
 
-from .checkpoint import MANIFEST, latest
+from .checkpoint import MANIFEST, newest_intact
 from .errors import ConfigError
 from .train_config import SHAPE, TrainConfig
 
@@ -35,13 +37,27 @@ def run_record(cfg: TrainConfig) -> dict[str, Any]:
     gpt = cfg.gpt_config()
     record: dict[str, Any] = {mine: getattr(gpt, theirs) for mine, theirs in SHAPE.items()}
     record.update(optimizer=cfg.optimizer, seed=cfg.seed, global_batch=cfg.global_batch,
-                  lr=cfg.peak_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps)
+                  lr=cfg.peak_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
+                  data=data_fingerprint(cfg.data))
     return record
 
 
+def data_fingerprint(data: str) -> str | dict[str, Any]:
+    """What identifies ``--data``: ``synthetic`` itself; a file's size, mtime and the sha256 of
+    its first MiB (cheap, and a changed or different file shows)."""
+    if data == "synthetic":
+        return data
+    path = Path(data)
+    st = path.stat()
+    with path.open("rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "head_sha256": head}
+
+
 def _newest_manifest(save_dir: str) -> tuple[str, dict[str, Any]] | None:
-    """(checkpoint directory, its manifest) of the newest checkpoint, or None."""
-    directory = latest(save_dir)
+    """(checkpoint directory, its manifest) of the newest checkpoint whose pieces are all there
+    (their checksums are verified when it is loaded), or None."""
+    directory, _ = newest_intact(save_dir, verify=False)
     if directory is None:
         return None
     try:
@@ -99,12 +115,53 @@ def check_resume(cfg: TrainConfig) -> str | None:
             raise ConfigError(flag, f"is {now[key]!r} but the checkpoint {directory} was written "
                               f"with {saved[key]!r}; resume with {flag} {saved[key]} (or use "
                               "another --save-dir)")
+    notes = [_check_data(saved, now, directory, force=cfg.force)]
     changed = [f"{flag} {saved[key]!r} -> {now[key]!r}" for key, flag in MAY_DIFFER.items()
                if key in saved and saved[key] != now[key]]
-    if not changed:
+    if changed:
+        notes.append(f"trainmesh: note: resuming {directory} with {', '.join(changed)} (checkpoint "
+                     "-> this run); this run's values apply from the next step")
+    return "\n".join(n for n in notes if n) or None
+
+
+def _check_data(saved: dict[str, Any], now: dict[str, Any], directory: str, *, force: bool) -> str | None:
+    """Another --data than the checkpoint's: ConfigError, or with --force a notice."""
+    if "data" not in saved or saved["data"] == now["data"]:
         return None
-    return (f"trainmesh: note: resuming {directory} with {', '.join(changed)} (checkpoint -> "
-            "this run); this run's values apply from the next step")
+    was = "synthetic" if saved["data"] == "synthetic" else "another file (or the file changed)"
+    if not force:
+        raise ConfigError("--data", f"differs from the data the checkpoint {directory} was trained "
+                          f"on ({was}); resume with the same --data, or pass --force to continue "
+                          "on this data")
+    return f"trainmesh: note: resuming {directory} on another --data than it was trained on (--force)"
+
+
+def drop_partial_line(path: str | Path) -> str | None:
+    """A metrics file whose last line a crash cut short loses that line; returns a notice, or
+    None when the file is whole (or absent)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    body, _, last = data.rstrip(b"\n").rpartition(b"\n")
+    try:
+        if last.strip():
+            json.loads(last)
+        return None
+    except ValueError:
+        path.write_bytes(body + b"\n" if body else b"")
+        return f"trainmesh: note: dropped the partial last line of {path} (cut by a crash)"
+
+
+def check_intact(save_dir: str, *, verify: bool) -> None:
+    """Before resuming: checkpoints under ``save_dir`` but none intact (``verify``: checksums
+    too) is ConfigError naming --resume; no checkpoint at all is fine (the run starts at 1)."""
+    directory, skipped = newest_intact(save_dir, verify=verify)
+    if directory is None and skipped:
+        bad, why = skipped[0]
+        raise ConfigError("--resume", f"no intact checkpoint in {save_dir} (newest {bad.name}: {why}); "
+                          "valid: a --save-dir holding an intact checkpoint")
 
 
 def schedule_changed(cfg: TrainConfig) -> bool:

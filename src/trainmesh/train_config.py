@@ -64,7 +64,8 @@ class TrainConfig:
     metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True)
     save_dir: str | None = setting(None, "checkpoint directory", path=True)
     save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0)
-    resume: bool = setting(False, "continue from the newest checkpoint in --save-dir")
+    keep_last: int = setting(0, "after each save keep only the newest N checkpoints (0: all)", ge=0)
+    resume: bool = setting(False, "continue from the newest intact checkpoint in --save-dir")
     exit_after: int | None = setting(None, "stop cleanly after this step (planned preemption)", ge=1)
     max_restarts: int = setting(0, "restarts of failed workers (local runs)", ge=0)
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
@@ -85,7 +86,8 @@ class TrainConfig:
     peak_tflops: float | None = setting(None, "one device's peak TFLOP/s for MFU (default: a table "
                                               "of known GPUs; none on CPU)", gt=0)
     force: bool = setting(False, "start even when the planner predicts the run will not fit "
-                                 "this machine")
+                                 "this machine, or --resume with another --data than the "
+                                 "checkpoint's")
 
     def __post_init__(self) -> None:
         if not isinstance(self.parallel, ParallelConfig):

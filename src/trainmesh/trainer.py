@@ -188,6 +188,11 @@ def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> Metr
     """The metrics file of a run starting at ``start`` (appended to by an elastic job's every
     attempt), with the ``resize`` record when the layout changed since the checkpoint."""
     p = cfg.parallel
+    if rank0 and start > 1 and cfg.metrics_out:
+        from .resume import drop_partial_line
+        notice = drop_partial_line(cfg.metrics_out)
+        if notice:
+            log.info(notice)
     metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start,
                             append=p.min_dp is not None and start > 1)
     resized = elastic.resize_record(cfg, step=start, world=world) if rank0 else None
@@ -246,7 +251,10 @@ def _save(cfg: TrainConfig, engine: Engine, step: int) -> None:
     if flag.item() < 1.0:
         raise NonFiniteError(f"step {step}: non-finite weights or optimizer states; not saved, "
                              "the newest checkpoint is from before it")
-    engine.save(cfg.save_dir, {"run": run_record(cfg), "job": elastic_job()})
+    written = engine.save(cfg.save_dir, {"run": run_record(cfg), "job": elastic_job()})
+    if cfg.keep_last and engine.mesh.rank == 0:   # every rank's pieces are in: the save is done
+        from .checkpoint import prune
+        prune(cfg.save_dir, cfg.keep_last, protect=written)
 
 
 def _resume(cfg: TrainConfig, engine: Engine) -> int:
@@ -261,7 +269,7 @@ def _resume(cfg: TrainConfig, engine: Engine) -> int:
     if not cfg.save_dir or not (cfg.resume or restarted):
         return 0
     from .checkpoint import latest
-    if latest(cfg.save_dir) is None:
+    if latest(cfg.save_dir) is None and not any(Path(cfg.save_dir).glob("step-*")):
         if cfg.resume and not restarted:
             log.warning("trainmesh: no checkpoint under %s yet; starting from step 1", cfg.save_dir)
         return 0

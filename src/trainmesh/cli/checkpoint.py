@@ -1,7 +1,11 @@
-"""``trainmesh checkpoint consolidate DIR OUT.safetensors``: the full, unsharded model."""
+"""``trainmesh checkpoint consolidate DIR OUT.safetensors``: the full, unsharded model.
+
+It never destroys: an existing OUT is refused unless ``--force``, and OUT inside DIR (where it
+could replace a piece of a checkpoint) is refused always."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..errors import ConfigError
 from .paths import check_output_file
@@ -12,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     what = p.add_subparsers(dest="what", metavar="ACTION", parser_class=type(p))
     c = what.add_parser("consolidate", help="write the full model of the newest checkpoint as safetensors")
     c.add_argument("dir", metavar="DIR", help="a --save-dir, or one step-NNNNNNNN directory in it")
-    c.add_argument("out", metavar="OUT", help="output .safetensors file")
+    c.add_argument("out", metavar="OUT", help="output .safetensors file (not inside DIR)")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(run=run)
 
 
@@ -22,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.out.endswith(".safetensors"):
         raise ConfigError("OUT", f"must end in .safetensors; got {args.out!r}")
     check_output_file("OUT", args.out)
+    _check_destination(Path(args.dir), Path(args.out), force=args.force)
     from ..checkpoint import CheckpointError, consolidate
     try:
         path = consolidate(args.dir, args.out)
@@ -29,3 +35,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("DIR", str(exc)) from None
     print(f"wrote {path}")
     return 0
+
+
+def _check_destination(src: Path, out: Path, *, force: bool) -> None:
+    """OUT lies outside DIR, and is new unless ``force``."""
+    where = out.parent.resolve() / out.name   # a link named OUT is judged by where it sits
+    if where.is_relative_to(src.resolve()) or (out.exists() and out.resolve().is_relative_to(src.resolve())):
+        raise ConfigError("OUT", f"{str(out)!r} is inside DIR {str(src)!r}; write the consolidated "
+                          "model outside the checkpoint directory")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise ConfigError("OUT", f"{str(out)!r} exists; choose a new file or pass --force to replace it")

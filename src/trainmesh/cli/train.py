@@ -96,7 +96,8 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         raise ConfigError("--save-dir" if cfg.save_dir else "--timeline-out",
                           "is not supported with --strategy ps")
     if cfg.resume:
-        from ..resume import check_resume
+        from ..resume import check_intact, check_resume
+        check_intact(cfg.save_dir, verify=launching)   # checksums once, by the launcher
         check_resume(cfg)  # errors only; the worker that resumes prints the notice
     if cfg.init_from:   # every parameter of the GPT in the file, with its shape
         from ..materialize import check_safetensors

@@ -1,0 +1,170 @@
+"""Checkpoint operations that never destroy or guess: consolidate refuses to overwrite and never
+writes inside the checkpoint; --resume falls back to the newest intact checkpoint; --keep-last
+prunes; a cut metrics line is dropped; another --data is refused; manifests stay inside their
+directory; outputs get the usual mode; no lock file stays; a corrupt --model-dir weights file is
+refused before any worker starts."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import SMALL, steps
+from tolerances import LOSS_ABS
+from trainmesh.checkpoint import MANIFEST, newest_intact
+from trainmesh.cli import main
+
+LAUNCHED = 99
+UMASK = 0o022
+
+
+def _train(args: list[str], tmp: Path, name: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    out = tmp / f"{name}.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "trainmesh", "train", *args, "--metrics-out", str(out)],
+                          capture_output=True, text=True, timeout=120, env=env,
+                          preexec_fn=lambda: os.umask(UMASK))
+    return proc, [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One 6-step run saving every 2 steps, keeping the last 2: (tmp, records)."""
+    tmp = tmp_path_factory.mktemp("ops")
+    proc, records = _train([*SMALL, "--save-dir", str(tmp / "ck"), "--save-every", "2", "--keep-last", "2",
+                            "--exit-after", "6"], tmp, "first")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, records
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Validation only: no worker ever starts; the process is a launcher, not a worker."""
+    import trainmesh.launch
+    monkeypatch.setattr(trainmesh.launch, "launch_local", lambda *a, **k: LAUNCHED)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _one_error(capsys, flag: str, words: str) -> None:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"error: {flag}:" in err[0] and words in err[0], err
+
+
+def _flip(piece: Path) -> None:
+    data = bytearray(piece.read_bytes())
+    data[-10] ^= 0xFF
+    piece.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(60)
+def test_keep_last_modes_and_no_lock_file(run):
+    tmp, _ = run
+    ck = tmp / "ck"
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000004", "step-00000006"]
+    assert not list(ck.glob(".*")), "a lock or temporary file stayed after a clean exit"
+    for f in ck.glob("step-*/*"):
+        assert f.stat().st_mode & 0o777 == 0o666 & ~UMASK, (f, oct(f.stat().st_mode))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_resume_skips_a_corrupt_newest_and_a_cut_metrics_line(run, tmp_path):
+    tmp, first = run
+    ck = tmp_path / "ck"
+    shutil.copytree(tmp / "ck", ck)
+    _flip(sorted((ck / "step-00000006").glob("*.safetensors"))[0])
+    metrics = tmp_path / "again.jsonl"
+    metrics.write_text((tmp / "first.jsonl").read_text() + '{"event": "step", "st')   # a crash cut it
+    proc, records = _train([*SMALL, "--save-dir", str(ck), "--resume", "--exit-after", "6"], tmp_path, "again")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    skipped = [line for line in out.splitlines() if "skipping checkpoint" in line]
+    assert len(skipped) == 1 and "step-00000006" in skipped[0] and "corrupt" in skipped[0], out
+    assert sum("dropped the partial last line" in line for line in out.splitlines()) == 1, out
+    assert "resumed from step 4" in out, out
+    got, want = steps(records), steps(first)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for a, b in zip(want, got):
+        assert abs(a["loss"] - b["loss"]) <= LOSS_ABS, (a, b)
+
+
+@pytest.mark.timeout(60)
+def test_resume_refuses_no_intact_checkpoint_and_other_data(run, tmp_path, no_launch, capsys):
+    tmp, _ = run
+    ck = tmp_path / "ck"
+    shutil.copytree(tmp / "ck", ck)
+    base = ["train", *SMALL, "--save-dir", str(ck), "--resume"]
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(b"".join(i.to_bytes(2, "little") for i in range(64)) * 100)   # uint16 ids < 64
+    assert main([*base, "--data", str(tokens)]) == 2
+    _one_error(capsys, "--data", "--force")
+    assert main([*base, "--data", str(tokens), "--force"]) == LAUNCHED
+    assert main(base) == LAUNCHED
+    for piece in ck.glob("step-*/*.safetensors"):
+        _flip(piece)
+    assert main(base) == 2
+    _one_error(capsys, "--resume", "no intact checkpoint")
+
+
+@pytest.mark.timeout(60)
+def test_consolidate_never_destroys(run, tmp_path, capsys):
+    tmp, _ = run
+    ck = tmp / "ck"
+    piece = sorted((ck / "step-00000006").glob("*.safetensors"))[0]
+    before = piece.read_bytes()
+    out = tmp_path / "full.safetensors"
+    old = os.umask(UMASK)
+    try:
+        assert main(["checkpoint", "consolidate", str(ck), str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~UMASK
+    capsys.readouterr()
+    assert main(["checkpoint", "consolidate", str(ck), str(out)]) == 2
+    _one_error(capsys, "OUT", "--force")
+    assert main(["checkpoint", "consolidate", str(ck), str(out), "--force"]) == 0
+    for inside in (piece, ck / "new.safetensors"):
+        for force in ([], ["--force"]):
+            assert main(["checkpoint", "consolidate", str(ck), str(inside), *force]) == 2
+            _one_error(capsys, "OUT", "inside DIR")
+    assert piece.read_bytes() == before and not (ck / "new.safetensors").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "link.safetensors"])
+def test_manifest_cannot_name_files_outside_its_directory(run, tmp_path, name):
+    tmp, _ = run
+    ck = tmp_path / "ck"
+    shutil.copytree(tmp / "ck", ck)
+    newest = ck / "step-00000006"
+    piece = sorted(newest.glob("*.safetensors"))[0]
+    shutil.copy(piece, tmp_path / "outside.safetensors")
+    if name == "link.safetensors":
+        (newest / name).symlink_to(tmp_path / "outside.safetensors")
+    manifest = json.loads((newest / MANIFEST).read_text())
+    manifest["files"] = {name if f == piece.name else f: h for f, h in manifest["files"].items()}
+    manifest["tensors"] = {k: name if f == piece.name else f for k, f in manifest["tensors"].items()}
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+    chosen, skipped = newest_intact(ck)
+    assert chosen == ck / "step-00000004"
+    assert [s[0] for s in skipped] == [newest] and name in skipped[0][1], skipped
+    assert main(["checkpoint", "consolidate", str(newest), str(tmp_path / "x.safetensors")]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_corrupt_model_dir_weights_exit_2_before_workers(tmp_path, no_launch, capsys):
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64,
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 16}))
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    assert main(["train", "--model-dir", str(d), "--seq-len", "16", "--global-batch", "8", "--steps", "2"]) == 2
+    _one_error(capsys, "--model-dir", "model.safetensors")
