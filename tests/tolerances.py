@@ -59,6 +59,11 @@ zb1p W producing weight gradients first       test_pipeline: zero_inside_pipelin
   layer first: ZeRO-2 stages every bucket     (transient buckets below 8 buckets)
 split backward: intermediates not pinned to   test_split_backward: weight_used_at_several_...
   their recorded gradients (counted twice)
+ZeRO state keys gathered in a per-process     test_checkpoint_chain (moments, negative
+  set order after a load                      exp_avg_sq, or the next resume's exit 1)
+--resume loading a corrupt newest checkpoint  test_checkpoint_ops: resume_skips_a_corrupt_...
+consolidate overwriting OUT / a piece of DIR  test_checkpoint_ops: consolidate_never_destroys
+manifest paths not confined to the directory  test_checkpoint_ops: manifest_cannot_name_...
 ============================================  ==================================================
 """
 from __future__ import annotations
