@@ -14,7 +14,7 @@ from .paths import check_output_file
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checkpoint", help="work with checkpoints")
     what = p.add_subparsers(dest="what", metavar="ACTION", parser_class=type(p))
-    c = what.add_parser("consolidate", help="write the full model of the newest checkpoint as safetensors")
+    c = what.add_parser("consolidate", help="write the full model of the newest intact checkpoint as safetensors")
     c.add_argument("dir", metavar="DIR", help="a --save-dir, or one step-NNNNNNNN directory in it")
     c.add_argument("out", metavar="OUT", help="output .safetensors file (not inside DIR)")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
