@@ -476,9 +476,10 @@ def _expected_tp_bytes(layout: dict) -> tuple[float, dict[str, float]]:
         total = m * ((4 * L + 2) * act + ce)
         return total, {"all_reduce": total}
     contract = m * (2 * (4 * L + 2) * act + ce)      # every all-reduce as reduce-scatter + all-gather
-    replicated_grads = (6 * L + 2) * h * 4           # LayerNorms + row biases: partial under SP
-    exact = {"all_gather": m * (4 * L + 2) * act, "reduce_scatter": m * (4 * L + 1) * act,
-             "all_reduce": m * (act + ce + replicated_grads)}   # embedding fwd + loss + grads
+    replicated_grads = (6 * L + 2) * h * 4           # LayerNorms + row biases: partial under SP,
+    exact = {"all_gather": m * (4 * L + 2) * act,      # summed once per step (not per microbatch)
+             "reduce_scatter": m * (4 * L + 1) * act,
+             "all_reduce": m * (act + ce) + replicated_grads}   # embedding fwd + loss, grads
     return contract, exact
 
 
