@@ -21,14 +21,14 @@ from helpers import run_train, steps
 from tolerances import LOSS_ABS, NORM_REL
 from trainmesh.testing import run_distributed
 
-STEPS = 4
+STEPS = 3   # the SP defect moved the grad norm 15% at step 1 and the loss from step 2
 BASE = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
         "--global-batch", "8", "--seed", "7", "--lr", "0.003", "--warmup-steps", "1",
         "--grad-clip", "1.0", "--steps", str(STEPS)]
 SP = ["--tp", "2", "--sequence-parallel"]
 # label: (world size, flags, optimizers). AdamW is the CLI's default; SGD where it adds a case.
 MATRIX: dict[str, tuple[int, list[str], tuple[str, ...]]] = {
-    "tp2": (2, ["--tp", "2"], ("adamw", "sgd")),
+    "tp2": (2, ["--tp", "2"], ("adamw",)),
     "tp2-sp": (2, SP, ("adamw", "sgd")),
     "tp2-sp-recompute-full": (2, [*SP, "--recompute", "full"], ("adamw",)),
     "tp2-sp-recompute-selective": (2, [*SP, "--recompute", "selective"], ("adamw",)),
