@@ -23,7 +23,7 @@ from trainmesh.testing import run_distributed
 
 STEPS = 3   # the SP defect moved the grad norm 15% at step 1 and the loss from step 2
 BASE = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
-        "--global-batch", "8", "--seed", "7", "--lr", "0.003", "--warmup-steps", "1",
+        "--global-batch", "8", "--seed", "7", "--warmup-steps", "1",
         "--grad-clip", "1.0", "--steps", str(STEPS)]
 SP = ["--tp", "2", "--sequence-parallel"]
 # label: (world size, flags, optimizers). AdamW is the CLI's default; SGD where it adds a case.
@@ -39,6 +39,9 @@ MATRIX: dict[str, tuple[int, list[str], tuple[str, ...]]] = {
     "pp2-tp2-sp": (4, ["--pp", "2", *SP, "--microbatches", "2"], ("adamw",)),
 }
 RUNS = [(label, opt) for label, (_, _, opts) in MATRIX.items() for opt in opts]
+# SGD's steps are large enough that a gradient off by a LayerNorm's share moves the loss.
+OPTIMIZER_FLAGS = {"adamw": ["--optimizer", "adamw", "--lr", "0.003"],
+                   "sgd": ["--optimizer", "sgd", "--lr", "0.3"]}
 
 
 def _config(flags: list[str], optimizer: str):
@@ -46,7 +49,7 @@ def _config(flags: list[str], optimizer: str):
     from trainmesh.cli.train import collect
     from trainmesh.train_config import build_train_config
     return build_train_config(collect(build_parser().parse_args(
-        ["train", *BASE, *flags, "--optimizer", optimizer]), True))
+        ["train", *BASE, *flags, *OPTIMIZER_FLAGS[optimizer]]), True))
 
 
 def _curve(flags: list[str], optimizer: str, mesh=None) -> dict:
@@ -81,11 +84,17 @@ def reference() -> dict[str, list[tuple[float, float]]]:
     return {opt: _curve([], opt, ParallelMesh(local=True))["curve"] for opt in ("adamw", "sgd")}
 
 
-def _assert_same(ref, run, what: str) -> None:
-    assert len(ref) == len(run) == STEPS, (what, len(run))
+def _differences(ref, run, what: str) -> list[str]:
+    """Where ``run``'s (loss, grad_norm) curve leaves the single process's tolerance."""
+    if len(run) != STEPS:
+        return [f"{what}: {len(run)} steps"]
+    out = []
     for step, ((a, na), (b, nb)) in enumerate(zip(ref, run), 1):
-        assert abs(a - b) <= LOSS_ABS, f"{what} step {step}: loss {b} vs one process {a}"
-        assert abs(na - nb) <= NORM_REL * na, f"{what} step {step}: grad_norm {nb} vs one process {na}"
+        if abs(a - b) > LOSS_ABS:
+            out.append(f"{what} step {step}: loss {b} vs one process {a}")
+        if abs(na - nb) > NORM_REL * na:
+            out.append(f"{what} step {step}: grad_norm {nb} vs one process {na}")
+    return out
 
 
 @pytest.mark.slow
@@ -94,29 +103,36 @@ def _assert_same(ref, run, what: str) -> None:
 def test_matrix_matches_one_process(reference, world):
     runs = [(label, opt) for label, opt in RUNS if MATRIX[label][0] == world]
     res = run_distributed(_world, world, runs, timeout_s=380)
+    failures = []
     for rank, out in res.items():
+        assert sorted(out) == sorted(runs), (rank, sorted(out))
         for (label, opt), r in out.items():
-            _assert_same(reference[opt], r["curve"], f"{label} {opt} rank {rank}")
-            assert r["tagged"] == [], f"{label} rank {rank}: attributes on parameters {r['tagged']}"
+            failures += _differences(reference[opt], r["curve"], f"{label} {opt} rank {rank}")
+            if r["tagged"]:
+                failures.append(f"{label} rank {rank}: attributes on parameters {r['tagged']}")
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_sequence_parallel_matches_one_process(reference, tmp_path):
     """The reported case, through `python -m trainmesh train` itself."""
-    proc, records = run_train([*BASE, *SP], tmp_path, timeout=220)
+    proc, records = run_train([*BASE, *SP, *OPTIMIZER_FLAGS["adamw"]], tmp_path, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = [(r["loss"], r["grad_norm"]) for r in steps(records)]
-    _assert_same(reference["adamw"], run, "trainmesh train --tp 2 --sequence-parallel")
+    failures = _differences(reference["adamw"], run, "trainmesh train --tp 2 --sequence-parallel")
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_compiled_sequence_parallel_matches_one_process(reference, tmp_path):
-    proc, records = run_train([*BASE, *SP, "--compile"], tmp_path, timeout=850)
+    proc, records = run_train([*BASE, *SP, *OPTIMIZER_FLAGS["adamw"], "--compile"], tmp_path,
+                              timeout=850)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = [(r["loss"], r["grad_norm"]) for r in steps(records)]
-    _assert_same(reference["adamw"], run, "--tp 2 --sequence-parallel --compile")
+    failures = _differences(reference["adamw"], run, "--tp 2 --sequence-parallel --compile")
+    assert not failures, "\n".join(failures)
 
 
 def test_sharded_init_keeps_the_records():
