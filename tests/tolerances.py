@@ -59,6 +59,11 @@ zb1p W producing weight gradients first       test_pipeline: zero_inside_pipelin
   layer first: ZeRO-2 stages every bucket     (transient buckets below 8 buckets)
 split backward: intermediates not pinned to   test_split_backward: weight_used_at_several_...
   their recorded gradients (counted twice)
+SP partial gradients not summed over tp by   test_tp_train_path: matrix_matches_one_process
+  the engine (grad_norm 12% low at step 1)      (every SP layout, world 2 and 4)
+SP tp-sum skipped on ZeRO-2/3 shard pieces    test_tp_train_path: matrix (dp2-tp2-sp-zero2/3)
+sequence_parallel style recording no partial  test_tensor_parallel: parity_tp2 (LayerNorm grads)
+  gradient (LayerNorms)
 ============================================  ==================================================
 """
 from __future__ import annotations
