@@ -188,8 +188,8 @@ def world2_worker(svg_path: str) -> dict:
     res["tied"] = _train(tied, GPT_KW, STEPS, GLOBAL_BATCH)
     res["sequential"] = _train_seq(pp=2, microbatches=2, schedule="1f1b")
     res["doubled_mean"] = _train_doubled(pp=2, microbatches=4, schedule="1f1b")
-    res["tied_duplicate"] = [n for n, p in tied.module.named_parameters()
-                             if getattr(p, "_tm_duplicate", False)]
+    res["tied_duplicate"] = [n for n, _ in tied.module.named_parameters()
+                             if n in tied.placements and tied.placements.get(n).duplicate]
     tl = gather_timeline(tied.executor, tied.comm)
     res["timeline"] = None if tl is None else {
         "labels": [[tl.label(t.action) for t in row] for row in tl.ranks],

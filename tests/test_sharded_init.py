@@ -53,7 +53,7 @@ def _shards_and_losses(layouts: list[dict], path: str) -> dict:
                 err = max((whole[n] - reference[n]).abs().max().item() for n in reference)
             else:
                 for name, p in e.module.named_parameters():
-                    _, index = slice_of(p)
+                    _, index = slice_of(p, e.placements.get(name))
                     err = max(err, (p.detach() - reference[name][index]).abs().max().item())
             dp = e.mesh.size("dp")
             losses = [e.train_step(dp_slice(data.batch(0, s, 8), e.mesh.index("dp"), dp))

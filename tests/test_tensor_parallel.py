@@ -163,7 +163,7 @@ def _setup(tp: int):
     return _MESHES[tp]
 
 
-def _expect_grads(par: nn.Module, full: nn.Module, rank: int, n: int, *, terms: int,
+def _expect_grads(par: nn.Module, full: nn.Module, rank: int, n: int, placements, *, terms: int,
                   extra: tuple = ()) -> None:
     """Every parameter grad of ``par`` equals its slice of the matching grad of ``full``
     (float64), up to float32 rounding at the scale of the model's largest gradient."""
@@ -173,7 +173,7 @@ def _expect_grads(par: nn.Module, full: nn.Module, rank: int, n: int, *, terms: 
     assert names == list(full_params), (names, list(full_params))
     scale = scale_of([p.grad for p in full_params.values()] + list(extra))
     for name, p in par.named_parameters():
-        want = shard_of(full_params[name].grad, shard_dim(p), rank, n)
+        want = shard_of(full_params[name].grad, shard_dim(placements.get(name)), rank, n)
         assert_fp32_close(p.grad, want, scale=scale, terms=terms, what=name)
 
 
@@ -181,13 +181,16 @@ def _check_module(tp: int, make: Callable[[], nn.Module], plan: dict, *, sp: boo
                   inputs: Callable[[], torch.Tensor], float_input: bool = True,
                   gathered_output: bool = False) -> None:
     """``make()``'s module parallelized by ``plan`` vs itself: output, input grad, param grads."""
+    from trainmesh.placement import Placements
     from trainmesh.tensor_parallel import parallelize
-    from trainmesh.tensor_parallel.state import shard_of
+    from trainmesh.tensor_parallel.state import shard_of, sum_partial_grads_of
     mesh, comm = _setup(tp)
     rank = mesh.index("tp")
     torch.manual_seed(11)
     full = nn.ModuleDict({"m": make()})
-    par = parallelize(copy.deepcopy(full), mesh, comm, plan=plan, sequence_parallel=sp)
+    placements = Placements()
+    par = parallelize(copy.deepcopy(full), mesh, comm, plan=plan, sequence_parallel=sp,
+                      placements=placements)
     full.double()                                     # the reference: float64
     x = inputs()
     terms = x.numel()                                 # b*s*h (or b*s ids): the longest reduction
@@ -202,12 +205,13 @@ def _check_module(tp: int, make: Callable[[], nn.Module], plan: dict, *, sp: boo
     g = torch.randn(y_full.shape, generator=torch.Generator().manual_seed(5))
     y_full.backward(g.double())
     y_par.backward(shard_of(g, out_seq, rank, tp))
+    sum_partial_grads_of(par, placements, comm)      # SP: the chunks' parts of replicated grads
     extra = (x_full.grad,) if float_input else ()
     if float_input:
         assert_fp32_close(x_par.grad, shard_of(x_full.grad, seq, rank, tp),
                           scale=scale_of([x_full.grad] + [p.grad for p in full.parameters()]),
                           terms=terms, what="input grad")
-    _expect_grads(par, full, rank, tp, terms=terms, extra=extra)
+    _expect_grads(par, full, rank, tp, placements, terms=terms, extra=extra)
 
 
 def _layer_checks(tp: int) -> dict[str, Callable[[], None]]:
@@ -314,11 +318,14 @@ def _model_loss(kind: str, model: nn.Module, ids: torch.Tensor, labels: torch.Te
 
 def _check_model(tp: int, kind: str, sp: bool) -> None:
     """A whole model under its plan: loss and every parameter gradient."""
+    from trainmesh.placement import Placements
     from trainmesh.tensor_parallel import parallelize
+    from trainmesh.tensor_parallel.state import sum_partial_grads_of
     mesh, comm = _setup(tp)
     full = _model(kind)
+    placements = Placements()
     par = parallelize(copy.deepcopy(full), mesh, comm, plan=None if kind == "gpt" else LLAMA_PLAN,
-                      sequence_parallel=sp)
+                      sequence_parallel=sp, placements=placements)
     vocab = 64 if kind == "gpt" else 32
     g = torch.Generator().manual_seed(9)
     ids, labels = torch.randint(0, vocab, (3, 16), generator=g), torch.randint(0, vocab, (3, 16), generator=g)
@@ -329,20 +336,23 @@ def _check_model(tp: int, kind: str, sp: bool) -> None:
     assert_fp32_close(got, want, scale=float(want.detach()), terms=terms, what="loss")
     want.backward()
     got.backward()
-    _expect_grads(par, full, mesh.index("tp"), tp, terms=terms)
+    sum_partial_grads_of(par, placements, comm)
+    _expect_grads(par, full, mesh.index("tp"), tp, placements, terms=terms)
 
 
 def _check_gpt_init(tp: int) -> None:
-    """tp=N initial weights are exactly slices of the tp=1 weights; flags mark the shards."""
+    """tp=N initial weights are exactly slices of the tp=1 weights; records mark the shards."""
+    from trainmesh.placement import Placements
     from trainmesh.tensor_parallel import parallelize
     from trainmesh.tensor_parallel.state import full_state_dict, shard_dim, shard_of
     mesh, comm = _setup(tp)
     full = _model("gpt")
-    par = parallelize(_model("gpt"), mesh, comm)
+    placements = Placements()
+    par = parallelize(_model("gpt"), mesh, comm, placements=placements)
     ref = dict(full.named_parameters())
     sharded = set()
     for name, p in par.named_parameters():
-        dim = shard_dim(p)
+        dim = shard_dim(placements.get(name))
         assert torch.equal(p.detach(), shard_of(ref[name].detach(), dim, mesh.index("tp"), tp)), name
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), f"{name} is a view"
         if dim is not None:
@@ -350,7 +360,7 @@ def _check_gpt_init(tp: int) -> None:
     assert sharded == {"embed.wte.weight", "attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias",
                        "attn.v.weight", "attn.v.bias", "attn.proj.weight", "mlp.fc.weight", "mlp.fc.bias",
                        "mlp.proj.weight", "head.out.weight"}, sharded
-    gathered = full_state_dict(par, comm)
+    gathered = full_state_dict(par, comm, placements)
     for name, t in full.state_dict().items():
         assert torch.equal(gathered[name], t), name
 
@@ -466,9 +476,10 @@ def _expected_tp_bytes(layout: dict) -> tuple[float, dict[str, float]]:
         total = m * ((4 * L + 2) * act + ce)
         return total, {"all_reduce": total}
     contract = m * (2 * (4 * L + 2) * act + ce)      # every all-reduce as reduce-scatter + all-gather
-    replicated_grads = (6 * L + 2) * h * 4           # LayerNorms + row biases: partial under SP
-    exact = {"all_gather": m * (4 * L + 2) * act, "reduce_scatter": m * (4 * L + 1) * act,
-             "all_reduce": m * (act + ce + replicated_grads)}   # embedding fwd + loss + grads
+    replicated_grads = (6 * L + 2) * h * 4           # LayerNorms + row biases: partial under SP,
+    exact = {"all_gather": m * (4 * L + 2) * act,      # summed once per step (not per microbatch)
+             "reduce_scatter": m * (4 * L + 1) * act,
+             "all_reduce": m * (act + ce) + replicated_grads}   # embedding fwd + loss, grads
     return contract, exact
 
 

@@ -64,6 +64,11 @@ ZeRO state keys gathered in a per-process     test_checkpoint_chain (moments, ne
 --resume loading a corrupt newest checkpoint  test_checkpoint_ops: resume_skips_a_corrupt_...
 consolidate overwriting OUT / a piece of DIR  test_checkpoint_ops: consolidate_never_destroys
 manifest paths not confined to the directory  test_checkpoint_ops: manifest_cannot_name_...
+SP partial gradients not summed over tp by   test_tp_train_path: matrix_matches_one_process
+  the engine (grad_norm 12% low at step 1)      (every SP layout, world 2 and 4)
+SP tp-sum skipped on ZeRO-2/3 shard pieces    test_tp_train_path: matrix (dp2-tp2-sp-zero2/3)
+sequence_parallel style recording no partial  test_tensor_parallel: parity_tp2 (LayerNorm grads)
+  gradient (LayerNorms)
 ============================================  ==================================================
 """
 from __future__ import annotations

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from .comm import Comm
 from .data_parallel.base import GradSync
+from .placement import Placement, Placements
 from .tensor_parallel.state import full_tensor, shard_dim, shard_of, shard_parts
 
 log = logging.getLogger("trainmesh")
@@ -143,10 +144,11 @@ def _sha256(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- TP: whole <-> shard
-def _tp_slice(comm: Comm, p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """This rank's tp slice of ``full``, sharded as ``p`` is."""
-    dim = shard_dim(p) if full.dim() else None
-    return shard_of(full, dim, comm.mesh.index("tp"), comm.mesh.size("tp"), shard_parts(p)).contiguous()
+def _tp_slice(comm: Comm, placement: Placement | None, full: torch.Tensor) -> torch.Tensor:
+    """This rank's tp slice of ``full``, sharded as ``placement`` says (None: whole)."""
+    dim = shard_dim(placement) if full.dim() else None
+    return shard_of(full, dim, comm.mesh.index("tp"), comm.mesh.size("tp"),
+                    shard_parts(placement)).contiguous()
 
 
 def _writer(key: str, comm: Comm) -> int:
@@ -154,29 +156,32 @@ def _writer(key: str, comm: Comm) -> int:
     return zlib.crc32(key.encode()) % (comm.mesh.size("dp") * comm.mesh.size("tp"))
 
 
-def _logical_tensors(grad_sync: GradSync, comm: Comm) -> dict[str, torch.Tensor]:
+def _logical_tensors(grad_sync: GradSync, comm: Comm, placements: Placements
+                     ) -> dict[str, torch.Tensor]:
     """Collective over dp and tp: every logical tensor of this pipeline stage, whole."""
     params, optim = grad_sync.logical_state()
-    by_name = dict(grad_sync.named_params)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in params.items():   # the strategy's parameter order: the same on every rank
-        tensors[f"param/{name}"] = full_tensor(t, comm, like=by_name[name])
+        placement = placements.get(name)
+        tensors[f"param/{name}"] = full_tensor(t, comm, placement=placement)
         for key, v in sorted(optim.get(name, {}).items()):   # sorted: a gather per key, same order
-            tensors[f"optim/{name}/{key}"] = full_tensor(v, comm, like=by_name[name])
+            tensors[f"optim/{name}/{key}"] = full_tensor(v, comm, placement=placement)
     return tensors
 
 
 # ---------------------------------------------------------------- save
 def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
-         layout: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
+         layout: dict[str, Any], trainer_state: dict[str, Any],
+         placements: Placements | None = None) -> Path:
     """Collective: every rank calls it. Writes the parameters and optimizer states
     ``grad_sync`` holds on ``comm``'s mesh as checkpoint ``step`` under ``root``, with the
-    ``layout`` record and the (JSON) ``trainer_state``. Returns the checkpoint directory."""
+    ``layout`` record and the (JSON) ``trainer_state``; ``placements`` says which are
+    tensor-parallel shards. Returns the checkpoint directory."""
     root = Path(root)
     mesh = comm.mesh
     final = step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
-    tensors = _logical_tensors(grad_sync, comm)
+    tensors = _logical_tensors(grad_sync, comm, placements or Placements())
     me = mesh.index("dp") * mesh.size("tp") + mesh.index("tp")
     mine = {k: t.detach().cpu().contiguous() for k, t in tensors.items() if _writer(k, comm) == me}
     if mesh.rank == 0:
@@ -293,19 +298,23 @@ def _none_intact(root: str | Path, skipped: list[tuple[Path, str]]) -> str:
     return f"!no intact checkpoint under {root} ({skipped[0][0].name}: {skipped[0][1]})"
 
 
-def load(root: str | Path, grad_sync: GradSync, comm: Comm) -> dict[str, Any]:
+def load(root: str | Path, grad_sync: GradSync, comm: Comm,
+         placements: Placements | None = None) -> dict[str, Any]:
     """Collective: restore the parameters and optimizer states of the newest intact checkpoint
-    under ``root`` (:func:`choose`) into ``grad_sync``, resharded to ``comm``'s mesh. Returns
-    the trainer state saved with it (the caller restores its step, LR schedule and loss scaler)."""
+    under ``root`` (:func:`choose`) into ``grad_sync``, resharded to ``comm``'s mesh
+    (``placements``: the tensor-parallel shards). Returns the trainer state saved with it (the
+    caller restores its step, LR schedule and loss scaler from it)."""
     directory = choose(root, comm)
     with reading(directory):
         reader = _Reader(directory)
         params: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, torch.Tensor]] = {}
-        for name, p in grad_sync.named_params:
-            params[name] = _tp_slice(comm, p, reader.get(f"param/{name}"))
+        placements = placements or Placements()
+        for name, _ in grad_sync.named_params:
+            placement = placements.get(name)
+            params[name] = _tp_slice(comm, placement, reader.get(f"param/{name}"))
             prefix = f"optim/{name}/"
-            optim[name] = {k[len(prefix):]: _tp_slice(comm, p, reader.get(k))
+            optim[name] = {k[len(prefix):]: _tp_slice(comm, placement, reader.get(k))
                            for k in sorted(reader.manifest["tensors"]) if k.startswith(prefix)}
     grad_sync.load_logical_state(params, optim)
     return reader.manifest["trainer"]

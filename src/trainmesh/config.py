@@ -110,6 +110,10 @@ class ParallelConfig:
                               "device; needs --zero 1, 2 or 3 (got --zero 0; valid with it: none)")
         if self.offload_params and (self.zero != 3 or self.offload == "none"):
             raise ConfigError("--offload-params", "needs --zero 3 and --offload cpu or nvme")
+        if self.offload != "none" and self.sequence_parallel:
+            raise ConfigError("--offload", f"{self.offload} streams gradients to the host during "
+                              "backward, before sequence parallelism completes them over tp; "
+                              "with --sequence-parallel use --offload none")
         if self.offload_dir is not None and self.offload != "nvme":
             raise ConfigError("--offload-dir", "is where --offload nvme writes; needs --offload nvme")
 

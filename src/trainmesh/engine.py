@@ -3,13 +3,16 @@
 One step (DESIGN.md "One training step"): split this DP rank's batch into microbatches; run
 forward and backward (locally, or through the pipeline schedule) while the DP strategy reduces
 gradients in buckets; sum the loss and token count over the world; scale gradients to the mean
-over every token of the global batch; measure the global gradient norm (each logical parameter
+over every token of the global batch; under sequence parallelism, sum the partial gradients of
+replicated parameters over tp (:meth:`Engine._complete_partial_grads`); measure the global gradient norm (each logical parameter
 once) and clip; step the optimizer. Every layer it composes uses only its own mesh axis.
 
 The seams: the executor (:mod:`trainmesh.step`: local or a pipeline stage) runs the passes and
 reaches the precision policy and the DP strategy only through the :class:`~trainmesh.step.
 StepHooks` the engine binds; the engine alone drives the strategy (``grad_sync``);
 checkpoints get the strategy, the communication layer and the trainer state, never the engine.
+Where each parameter lives across the mesh (tensor-parallel slice, partial gradient, pipeline
+duplicate) is one :class:`~trainmesh.placement.Placement` per name in ``engine.placements``.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from .flops import model_flops_per_token
 from .mesh import ParallelMesh
 from .materialize import InitFn, materialize
 from .metrics import storage_bytes
+from .placement import Placements
 from .precision import Precision
 from .step import Executor, LossFn, StepHooks
 
@@ -59,10 +63,13 @@ class Engine:
         if self.device.type == "meta":
             self.device = torch.device("cpu")
         self.precision = Precision(cfg, self.device)
+        self.placements = Placements()
+        """Each parameter's place on the mesh, by name (filled by the TP and pipeline split)."""
         self.model = self._split_layers(model, tp_plan)
         self.executor: Executor = self._build_executor(self.model, loss_fn)
         self.module: nn.Module = self.executor.module
         named = unique_named_parameters(self.module)
+        self._mark_duplicates(named)
         fill = self._sharded_init(named, init_fn or getattr(model, "init_parameter", None))
         if broadcast_init and fill is None:
             self._broadcast_from_dp_root(named)
@@ -92,7 +99,7 @@ class Engine:
         if cfg.tp > 1:
             from .tensor_parallel import parallelize
             parallelize(model, self.mesh, self.comm, plan=tp_plan,
-                        sequence_parallel=cfg.sequence_parallel)
+                        sequence_parallel=cfg.sequence_parallel, placements=self.placements)
         if cfg.recompute != "none":
             from .recompute import apply_recompute
             apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
@@ -121,7 +128,7 @@ class Engine:
         if init is None:
             raise ConfigError("model", "parameters on the meta device need an init function "
                               "(Engine(init_fn=...) or a model.init_parameter(name, shape, index))")
-        fill = partial(materialize, init=init, device=self.device)
+        fill = partial(materialize, init=init, device=self.device, placements=self.placements)
         if self.config.zero < 3:
             fill(named)
         return fill
@@ -135,11 +142,30 @@ class Engine:
         for _, p in named:
             self.comm.broadcast(p.data, "dp", src=root)
 
+    def _mark_duplicates(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Pipeline ties held on several ranks: record this rank's copy as a duplicate."""
+        duplicates = {id(p) for p in self.executor.duplicate_parameters}
+        for name, p in named:
+            if id(p) in duplicates:
+                self.placements.mark(name, tuple(p.shape), duplicate=True)
+
     def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p`` in the global norm: duplicates only once."""
-        if getattr(p, "_tm_duplicate", False):
+        placement = self.placements.get(name)
+        if placement is not None and placement.duplicate:
             return False
-        return getattr(p, "_tm_tp_sharded", False) or self.mesh.index("tp") == 0
+        return (placement is not None and placement.sharded) or self.mesh.index("tp") == 0
+
+    def _complete_partial_grads(self) -> None:
+        """Sequence parallelism: each TP rank holds the gradient of its sequence chunk for the
+        replicated parameters that run on chunks; sum them over tp, by name order, in one flat
+        all-reduce. After the DP reduction (both are sums, so they commute), on whatever holds
+        the reduced gradient: whole gradients, or, under ZeRO-2/3, this rank's pieces of the
+        gradient shard (the same pieces on every rank of a TP group)."""
+        names = self.placements.partial_grad_names()
+        if names and self.mesh.size("tp") > 1:
+            from .tensor_parallel.state import sum_partial_grads
+            sum_partial_grads(self.grad_sync.grads_of(names), self.comm)
 
     # ---------------------------------------------------------------- one step
     def train_step(self, batch: Any = None, *, microbatches: list | None = None) -> float:
@@ -157,6 +183,7 @@ class Engine:
         self.comm.all_reduce(totals, "world")
         global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
         self.grad_sync.finish(1.0 / (global_count * self.precision.loss_scale))
+        self._complete_partial_grads()
         self.state_bytes = self.measure_state()
         self.offloaded_bytes = self.grad_sync.offloaded_bytes()
         skip = self.precision.should_skip(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
@@ -221,13 +248,13 @@ class Engine:
     def save(self, path: str, trainer_state: dict[str, Any] | None = None):
         """Collective: write a checkpoint under ``path`` (see :mod:`trainmesh.checkpoint`)."""
         return checkpoint.save(path, self.grad_sync, self.comm, step=self.step_count,
-                               layout=self.config.layout(),
+                               layout=self.config.layout(), placements=self.placements,
                                trainer_state={**self.checkpoint_state(), **(trainer_state or {})})
 
     def load(self, path: str) -> dict[str, Any]:
         """Collective: resume from the newest checkpoint under ``path``, in this layout; returns
         the trainer state saved with it."""
-        state = checkpoint.load(path, self.grad_sync, self.comm)
+        state = checkpoint.load(path, self.grad_sync, self.comm, self.placements)
         self.restore_checkpoint_state(state)
         return state
 
@@ -258,5 +285,5 @@ class Engine:
             return gathered
         if self.mesh.size("tp") > 1:
             from .tensor_parallel.state import full_state_dict
-            return full_state_dict(self.module, self.comm)
+            return full_state_dict(self.module, self.comm, self.placements)
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

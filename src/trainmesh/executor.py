@@ -25,6 +25,7 @@ class LocalExecutor:
     def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
         self.module, self.loss_fn = model, loss_fn
         self.tied_parameters: list[nn.Parameter] = []
+        self.duplicate_parameters: list[nn.Parameter] = []
         self.last_timeline: Timeline | None = None
         """The last step's forwards and backwards as one stage's row (``--trace-out``)."""
 

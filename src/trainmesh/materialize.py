@@ -6,9 +6,11 @@ An *init function* ``init(name, shape, index) -> tensor`` returns ``full[index]`
 ``name`` (its name in the whole model, ``shape`` its full shape, ``index`` one slice per
 dimension): the GPT's seeded init (:func:`trainmesh.models.init.init_value`), pretrained
 weights read slice by slice from a safetensors file (:func:`safetensors_init`), or the user's.
-A tensor-parallel shard knows which slice it is (``_tm_full_shape``, ``_tm_tp_dim``,
-``_tm_tp_start``, and ``_tm_tp_parts`` for a slice of each block of a fused projection, built
-from one init call per block); anything else is whole. The engine materialises after the tensor and
+Which slice a tensor-parallel shard is comes from its record in the engine's
+:class:`~trainmesh.placement.Placements` (by name: full shape, ``tp_dim``, ``tp_start``, and
+``tp_parts`` for a slice of each block of a fused projection, built from one init call per
+block); a parameter without a record is whole. The records are keyed by name, so they stay
+valid when the real parameter replaces the meta one. The engine materialises after the tensor and
 pipeline split (so a stage or a TP rank builds only its own), and ZeRO-3 unit by unit, keeping
 only its flat shard.
 """
@@ -22,51 +24,48 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .placement import Placement, Placements
 
 InitFn = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
 """(full parameter name, full shape, one slice per dimension) -> ``full[index]``."""
 
 
-def slice_of(p: nn.Parameter) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+def slice_of(p: nn.Parameter, placement: Placement | None
+             ) -> tuple[tuple[int, ...], tuple[slice, ...]]:
     """(full shape, index) of the part of its logical parameter ``p`` holds (one plain slice)."""
-    shape, pieces = pieces_of(p)
+    shape, pieces = pieces_of(p, placement)
     if len(pieces) != 1:
         raise ValueError("a shard of a fused projection is several slices: use pieces_of")
     return shape, pieces[0]
 
 
-def pieces_of(p: nn.Parameter) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
-    """(full shape, indices): ``p`` holds the concatenation of ``full[index]`` over the indices
-    along its TP dimension — one index, or one per block of a fused projection."""
-    shape = tuple(getattr(p, "_tm_full_shape", p.shape))
-    if not getattr(p, "_tm_tp_sharded", False):
-        return shape, [tuple(slice(0, n) for n in shape)]
-    dim, start = p._tm_tp_dim, p._tm_tp_start   # type: ignore[attr-defined]
-    parts = getattr(p, "_tm_tp_parts", 1)
-    block, width = shape[dim] // parts, p.shape[dim] // parts
-    pieces = []
-    for j in range(parts):
-        index = [slice(0, n) for n in shape]
-        index[dim] = slice(j * block + start, j * block + start + width)
-        pieces.append(tuple(index))
-    return shape, pieces
+def pieces_of(p: nn.Parameter, placement: Placement | None
+              ) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
+    """(full shape, indices): ``p``, placed as ``placement`` says (None: whole), holds the
+    concatenation of ``full[index]`` over the indices along its TP dimension — one index, or
+    one per block of a fused projection."""
+    placement = placement or Placement(full_shape=tuple(p.shape))
+    return placement.full_shape, placement.pieces(tuple(p.shape))
 
 
 @torch.no_grad()
-def materialize(named: list[tuple[str, nn.Parameter]], init: InitFn, device: torch.device) -> None:
-    """Give every meta parameter of ``named`` its values from ``init``, in place."""
+def materialize(named: list[tuple[str, nn.Parameter]], init: InitFn, device: torch.device,
+                placements: Placements | None = None) -> None:
+    """Give every meta parameter of ``named`` its values from ``init``, in place
+    (``placements``: which slice each holds; a name without a record is whole)."""
     for name, p in named:
         if not p.is_meta:
             continue
-        shape, pieces = pieces_of(p)
+        placement = placements.get(name) if placements is not None else None
+        shape, pieces = pieces_of(p, placement)
         values = [init(name, shape, index) for index in pieces]
-        dim = getattr(p, "_tm_tp_dim", 0)
+        dim = placement.tp_dim if placement is not None and placement.tp_dim is not None else 0
         value = values[0] if len(values) == 1 else torch.cat(values, dim)   # a fused shard
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(f"init of {name}{pieces} gave shape {tuple(value.shape)}, "
                              f"expected {tuple(p.shape)}")
         real = nn.Parameter(value.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
-        real.__dict__.update(p.__dict__)      # attributes (``_tm_*``) travel with the swap
+        real.__dict__.update(p.__dict__)      # the user's attributes travel with the swap
         torch.utils.swap_tensors(p, real)     # same object: hooks and references stay valid
 
 

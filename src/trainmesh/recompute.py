@@ -7,17 +7,16 @@
   every module's ``core(q, k, v)`` method — the built-in GPT's ``Attention.core``.
 
 All of it is ``torch.utils.checkpoint`` (non-reentrant), applied in place without renaming any
-parameter: a layer's ``forward`` (or ``core``) becomes an instance attribute that checkpoints
-the original; the built-in GPT's segments replace ``model.run_blocks``, an ``nn.Sequential``'s
-its ``forward``. The layers are found as the built-in GPT's ``blocks``, the children of an
+parameter: a layer's ``forward`` (or ``core``) becomes an instance attribute, a
+:class:`Recomputed` holding the original; the built-in GPT's segments replace
+``model.run_blocks``, an ``nn.Sequential``'s its ``forward`` (a :class:`Segmented`). The layers are found as the built-in GPT's ``blocks``, the children of an
 ``nn.Sequential`` (or a list of modules), or the first ``ModuleList``/``Sequential`` attribute
 named ``blocks``, ``layers`` or ``h`` (HF GPT-2) anywhere in the model. Segments > 1 need a
 loop trainmesh runs (GPT, ``nn.Sequential``); run them elsewhere with :func:`run_segments`.
 """
 from __future__ import annotations
 
-import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -60,33 +59,35 @@ def _run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
 
 
 # ---------------------------------------------------------------- in-place wrappers
-def _ckpt_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled():
-        return self._tm_inner_forward(*args, **kwargs)
-    return checkpoint(self._tm_inner_forward, *args, use_reentrant=False, **kwargs)
+class Recomputed:
+    """A module's method replaced by a checkpoint of the original ``inner`` (a bound method),
+    set as an instance attribute; a copy of the module (``deepcopy``) rebinds ``inner``."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
-def _ckpt_core(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled():
-        return self._tm_inner_core(*args, **kwargs)
-    return checkpoint(self._tm_inner_core, *args, use_reentrant=False, **kwargs)
+class Segmented:
+    """``x`` through ``layers`` keeping only every ``segment``-th layer's input (an instance
+    attribute replacing the GPT's ``run_blocks`` or an ``nn.Sequential``'s ``forward``)."""
+
+    def __init__(self, layers: nn.Module, segment: int) -> None:
+        self.layers, self.segment = layers, segment
+
+    def __call__(self, x: Any) -> Any:
+        return run_segments(list(self.layers), x, self.segment)
 
 
-def _segmented_run_blocks(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return run_segments(list(self.blocks), x, self._tm_recompute_segment)
-
-
-def _segmented_sequential(self: nn.Sequential, x: Any) -> Any:
-    return run_segments(list(self), x, self._tm_recompute_segment)
-
-
-def _wrap(module: nn.Module, method: str, wrapper) -> None:
-    """Replace ``module.<method>`` by ``wrapper`` bound to it, keeping the original (once)."""
-    inner = f"_tm_inner_{method}"
-    if inner in module.__dict__:
+def _wrap(module: nn.Module, method: str) -> None:
+    """Replace ``module.<method>`` by a checkpoint of itself (once)."""
+    if isinstance(module.__dict__.get(method), Recomputed):
         return
-    module.__dict__[inner] = getattr(module, method)
-    setattr(module, method, types.MethodType(wrapper, module))
+    module.__dict__[method] = Recomputed(getattr(module, method))
 
 
 # ---------------------------------------------------------------- modes
@@ -94,14 +95,13 @@ def _full(model: nn.Module | Sequence[nn.Module], segment: int) -> None:
     if isinstance(model, nn.Module) and callable(getattr(model, "run_blocks", None)) \
             and isinstance(getattr(model, "blocks", None), nn.ModuleList):   # the built-in GPT
         if segment > 1:
-            model._tm_recompute_segment = segment
-            model.run_blocks = types.MethodType(_segmented_run_blocks, model)
+            model.__dict__["run_blocks"] = Segmented(model.blocks, segment)
             return
         layers: Sequence[nn.Module] = list(model.blocks)
     elif isinstance(model, nn.Sequential):
         if segment > 1:
-            model._tm_recompute_segment = segment
-            _wrap(model, "forward", _segmented_sequential)
+            if not isinstance(model.__dict__.get("forward"), Segmented):
+                model.__dict__["forward"] = Segmented(model, segment)
             return
         layers = list(model)
     else:
@@ -121,7 +121,7 @@ def _full(model: nn.Module | Sequence[nn.Module], segment: int) -> None:
     # Keep each layer's input: the layer's own forward becomes a checkpoint of itself.
     # (The layers stay ordinary submodules: hooks and parameter names are untouched.)
     for layer in layers:
-        _wrap(layer, "forward", _ckpt_forward)
+        _wrap(layer, "forward")
 
 
 def _find_layer_list(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -143,4 +143,4 @@ def _selective(model: nn.Module | Sequence[nn.Module]) -> None:
                           f"with a core(q, k, v) method (the built-in GPT's Attention); none in {name}. "
                           "Use --recompute full")
     for m in targets:
-        _wrap(m, "core", _ckpt_core)
+        _wrap(m, "core")

@@ -74,6 +74,8 @@ class Executor(Protocol):
     """Whether this rank computes the loss (every rank without a pipeline; the last stage's)."""
     tied_parameters: list[nn.Parameter]
     """Parameters also held by another pipeline rank, their gradients summed over those ranks."""
+    duplicate_parameters: list[nn.Parameter]
+    """Those of them another rank counts in the gradient norm (this rank's copy is a duplicate)."""
     last_timeline: Timeline | None
     """The measured actions of the last step (this rank's row is its pipeline index; without a
     pipeline, one row of F and B per microbatch), else None."""

@@ -185,6 +185,13 @@ class GradSync(ABC):
         else:
             self.optimizer.step()
 
+    def grads_of(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """After ``finish``: the tensors holding this rank's reduced gradient of the parameters
+        ``names``, in that order (here their whole ``.grad``; ZeRO: their pieces of the
+        gradient shard). Changing them changes what the optimizer reads."""
+        by_name = dict(self.named_params)
+        return [by_name[n].grad for n in names if n in by_name and by_name[n].grad is not None]
+
     @abstractmethod
     def reduced_grads(self) -> list[torch.Tensor]:
         """The tensors holding this rank's reduced gradient (what the optimizer reads)."""

@@ -11,7 +11,7 @@ rank's shard out of whole tensors (``_take_shard``).
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -193,6 +193,15 @@ class ShardedSync(GradSync):
 
     def reduced_grads(self) -> list[torch.Tensor]:
         return self.shard_grads
+
+    def grads_of(self, names: Sequence[str]) -> list[torch.Tensor]:
+        if self.offloaded is not None:   # the host copies are taken during backward
+            raise ConfigError("--offload", "cannot complete sequence-parallel gradients on the "
+                              "host; use --offload none with --sequence-parallel")
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for name, _, view in self._norm_pieces:
+            pieces.setdefault(name, []).append(view)
+        return [v for n in names for v in pieces.get(n, [])]
 
     def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         # Shards are disjoint over DP: every rank contributes its own elements, each once.

@@ -84,6 +84,8 @@ class PipelineExecutor:
         self.layer_names = [name for name, _ in held]
         """This rank's pipeline layers (each called on its own: ZeRO-3's units)."""
         self.module = LocalModule(held)
+        self.duplicate_parameters: list[nn.Parameter] = []
+        """Tied parameters whose lowest holder is another rank (counted there in the norm)."""
         self._ties = self._setup_ties(stages, mine)
         self.tied_parameters = [p for p, _ in self._ties]
         release_layers([layer for s, st in enumerate(stages) if s not in mine for _, layer in st],
@@ -112,8 +114,8 @@ class PipelineExecutor:
         """Parameters shared by stages on different ranks: gradients summed over those ranks.
 
         Every rank of the world creates the same groups in the same order (through the mesh:
-        group creation is collective). The copies on all but the lowest such rank are marked
-        ``_tm_duplicate``.
+        group creation is collective). The copies on all but the lowest such rank go into
+        ``duplicate_parameters``.
         """
         owners: dict[int, tuple[nn.Parameter, set[int]]] = {}
         for s, st in enumerate(stages):
@@ -142,7 +144,7 @@ class PipelineExecutor:
             rs = tuple(sorted({self.schedule.stage_to_rank(s) for s in ss}))
             if self.rank in rs:
                 if self.rank != rs[0]:
-                    p._tm_duplicate = True  # type: ignore[attr-defined]
+                    self.duplicate_parameters.append(p)
                 members = tuple(mesh.rank_of(dp=mesh.index("dp"), pp=k, tp=mesh.index("tp")) for k in rs)
                 out.append((p, groups[members]))
         return out

@@ -10,8 +10,9 @@ Layouts considered (``trainmesh plan``):
   with ZeRO-1). A ZeRO stage over a single replica (``dp = 1``) shards nothing and is only
   considered as the vehicle for CPU offload.
 * offload ``none`` or ``cpu`` (``cpu`` needs ZeRO >= 1); recompute ``none``, ``selective`` or
-  ``full`` when the shape is known; sequence parallelism on whenever ``tp > 1`` (same wire bytes,
-  less activation memory); schedule 1F1B; microbatches = global batch / (dp * micro-batch).
+  ``full`` when the shape is known; sequence parallelism on whenever ``tp > 1`` without offload
+  (same wire bytes, less activation memory; offload streams gradients to the host before SP
+  completes them, so the two exclude each other); schedule 1F1B; microbatches = global batch / (dp * micro-batch).
   The global batch defaults to ``8 * gpus * micro-batch`` sequences, the same for every layout
   so step times compare like with like.
 
@@ -100,7 +101,8 @@ def layouts(model: ModelShape, cluster: Cluster, *, precision: str,
             for (zero, offload) in _zero_offload(dp, pp):
                 for recompute in recomputes:
                     out.append(ParallelConfig(dp=dp, pp=pp, tp=tp, zero=zero, microbatches=m,
-                                              schedule="1f1b", sequence_parallel=tp > 1,
+                                              schedule="1f1b",   # SP: not with offload
+                                              sequence_parallel=tp > 1 and offload == "none",
                                               precision=precision, recompute=recompute,
                                               offload=offload,
                                               offload_params=offload != "none" and zero == 3))

@@ -1,16 +1,17 @@
 """Tensor-parallel layers, each built from an existing full layer by slicing its weight.
 
 Shards are exact slices of the unsharded weights (so every layout starts from the same logical
-model). Sharded parameters carry ``_tm_tp_sharded = True`` (the engine counts them in the global
-gradient norm on every TP rank) and ``_tm_tp_dim``, the dimension of the full tensor they split;
-replicated ones (the row-parallel bias) carry neither. Parameter attribute names stay ``weight``
-and ``bias``, so a model's parameter names do not change.
+model). Each layer keeps a :class:`~trainmesh.placement.Placements` of its sharded parameters
+(``placements``, by attribute name: which slice of the full tensor each holds), which
+``parallelize`` files under the parameters' names in the model; replicated ones (the
+row-parallel bias) have no record. Parameter attribute names stay ``weight`` and ``bias``, so a
+model's parameter names do not change.
 
 The linear layers take an ``nn.Linear`` (weight ``(out, in)``) or a Hugging Face ``Conv1D``
 (GPT-2: weight ``(in, out)``, ``y = x W + b``), whose layout they keep (``transposed``), so the
 sharded parameters stay slices of the model's own tensors. A fused projection (``parts`` > 1,
 e.g. GPT-2's ``c_attn`` = [q | k | v]) splits each of its equal output blocks, so every rank holds
-whole heads of q, of k and of v; its shard carries ``_tm_tp_parts``.
+whole heads of q, of k and of v; its shard's record has ``tp_parts`` = 3.
 
 What each layer communicates (n = TP degree; SP = sequence parallel):
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import Comm
+from ..placement import Placement, Placements
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence, scatter_to_region)
 from .state import shard_of
@@ -68,19 +70,15 @@ class TPState:
             return reduce_scatter_to_sequence(y, self.comm, self.axis)  # (b, s, h) -> (b, s/n, h)
         return reduce_from_region(y, self.comm, self.axis)
 
-    def shard(self, full: torch.Tensor, dim: int, parts: int = 1) -> nn.Parameter:
-        """This rank's slice of ``full`` along ``dim``, as a fresh (1/n-sized) sharded parameter;
-        with ``parts`` > 1, its slice of each of ``parts`` equal blocks along ``dim``, concatenated."""
+    def shard(self, full: torch.Tensor, dim: int, parts: int = 1) -> tuple[nn.Parameter, Placement]:
+        """This rank's slice of ``full`` along ``dim``, as a fresh (1/n-sized) parameter, and its
+        record; with ``parts`` > 1, its slice of each of ``parts`` equal blocks along ``dim``,
+        concatenated."""
         width = full.shape[dim] // (parts * self.size)
         piece = shard_of(full.detach(), dim, self.rank, self.size, parts).clone()
         p = nn.Parameter(piece, requires_grad=full.requires_grad)
-        p._tm_tp_sharded = True  # type: ignore[attr-defined]
-        p._tm_tp_dim = dim       # type: ignore[attr-defined]
-        p._tm_full_shape = tuple(full.shape)    # type: ignore[attr-defined]  # sharded init:
-        p._tm_tp_start = self.rank * width      # type: ignore[attr-defined]  # full[.., start:+w]
-        if parts > 1:                           # ... of each block of full.shape[dim] / parts
-            p._tm_tp_parts = parts              # type: ignore[attr-defined]
-        return p
+        return p, Placement(full_shape=tuple(full.shape), tp_dim=dim,   # full[.., start:+width]
+                            tp_start=self.rank * width, tp_parts=parts)  # of each of the parts
 
 
 def _weight_of(layer: nn.Module) -> tuple[nn.Parameter, bool]:
@@ -127,6 +125,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.state, self.gather_output, self.transposed = state, gather_output, transposed
         self.weight, self.bias = weight, bias                       # (out/n, in), (out/n,)
+        self.placements = Placements()
+        """Records of the sharded parameters, by attribute name (``from_linear`` fills it)."""
         self.out_features, self.in_features = weight.shape[::-1] if transposed else weight.shape
 
     @classmethod
@@ -136,9 +136,15 @@ class ColumnParallelLinear(nn.Module):
         equal output blocks, each split (every rank keeps its slice of each)."""
         weight, transposed = _weight_of(linear)
         _check_divisible("out_features / parts", features(linear)[1] // parts, state)
-        bias = state.shard(linear.bias, 0, parts) if linear.bias is not None else None
-        return cls(state.shard(weight, 1 if transposed else 0, parts), bias, state,
-                   gather_output=gather_output, transposed=transposed)
+        records = {"weight": state.shard(weight, 1 if transposed else 0, parts)}
+        if linear.bias is not None:
+            records["bias"] = state.shard(linear.bias, 0, parts)
+        bias = records["bias"][0] if "bias" in records else None
+        layer = cls(records["weight"][0], bias, state, gather_output=gather_output,
+                    transposed=transposed)
+        for attr, (_, placement) in records.items():
+            layer.placements.record(attr, placement)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.state.inside_region:
@@ -169,6 +175,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.state, self.input_is_parallel, self.transposed = state, input_is_parallel, transposed
         self.weight, self.bias = weight, bias                       # (out, in/n), (out,) replicated
+        self.placements = Placements()
+        """Record of the sharded weight (``from_linear`` fills it); the bias is replicated."""
         self.out_features, self.in_features = weight.shape[::-1] if transposed else weight.shape
 
     @classmethod
@@ -180,8 +188,10 @@ class RowParallelLinear(nn.Module):
         bias = None
         if linear.bias is not None:
             bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-        return cls(state.shard(weight, 0 if transposed else 1), bias, state,
-                   input_is_parallel=input_is_parallel, transposed=transposed)
+        shard, placement = state.shard(weight, 0 if transposed else 1)
+        layer = cls(shard, bias, state, input_is_parallel=input_is_parallel, transposed=transposed)
+        layer.placements.record("weight", placement)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -206,6 +216,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight: nn.Parameter, state: TPState, *, num_embeddings: int) -> None:
         super().__init__()
         self.state, self.weight = state, weight                     # (V/n, h)
+        self.placements = Placements()
+        """Record of the sharded table (``from_embedding`` fills it)."""
         self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
         self.vocab_start = state.rank * weight.shape[0]
 
@@ -215,7 +227,10 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError("vocab_embedding supports plain nn.Embedding only "
                              "(no padding_idx, max_norm or sparse)")
         _check_divisible("num_embeddings (vocab size)", emb.num_embeddings, state)
-        return cls(state.shard(emb.weight, 0), state, num_embeddings=emb.num_embeddings)
+        shard, placement = state.shard(emb.weight, 0)
+        layer = cls(shard, state, num_embeddings=emb.num_embeddings)
+        layer.placements.record("weight", placement)
+        return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..mesh import ParallelMesh
+from ..placement import Placements
 from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
 from .loss import VocabParallelCrossEntropy
 from .mappings import gather_from_sequence, scatter_to_sequence
@@ -25,8 +26,13 @@ from .plan import HEAD_ATTRS, REPLACING, Plan, check_divisible, default_plan, re
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan | None = None,
-                sequence_parallel: bool = False, axis: str = "tp") -> nn.Module:
+                sequence_parallel: bool = False, axis: str = "tp",
+                placements: Placements | None = None) -> nn.Module:
     """Shard ``model`` over the mesh's ``axis`` following ``plan``; returns the same model.
+
+    ``placements`` receives the record of every sharded or partial-gradient parameter, under
+    its name in ``model`` (the engine passes its own; without it, sequence parallelism cannot
+    complete the partial gradients).
 
     ``plan=None`` takes the model's own plan (``model.tp_plan()``) and raises ValueError for a
     model without one. Every check runs before any communication: the model's own shape checks
@@ -45,12 +51,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
     resolved = resolve(model, plan)
     check_divisible(resolved, tp)
     state = TPState(comm, axis, sequence_parallel)
+    records = placements if placements is not None else Placements()
     for layers_first in (True, False):        # replace layers, then hook whatever is there now
         for name, _, styles in resolved:
             for style in styles:
                 if (style in REPLACING) == layers_first:
-                    _apply(model, name, model.get_submodule(name), style, state)
-    model._tm_tp_plan = {name: styles for name, _, styles in resolved}  # type: ignore[assignment]
+                    _apply(model, name, model.get_submodule(name), style, state, records)
     return model
 
 
@@ -60,23 +66,32 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     return new
 
 
-def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TPState) -> nn.Module:
+def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TPState,
+           records: Placements) -> nn.Module:
     """Apply one style to the module at ``name``; returns the module now at that name."""
     sp = state.sequence_parallel
+    new: ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
     if style in ("colwise", "vocab_head", "colwise_gather", "colwise_qkv"):
         new = ColumnParallelLinear.from_linear(module, state, gather_output=style == "colwise_gather",
                                                parts=3 if style == "colwise_qkv" else 1)
-        return _replace(model, name, new)
-    if style == "rowwise":
+    elif style == "rowwise":
         new = RowParallelLinear.from_linear(module, state)  # type: ignore[arg-type]
-        if sp and new.bias is not None:
-            _sum_partial_grads(new.bias, state)
-        return _replace(model, name, new)
-    if style == "vocab_embedding":
-        return _replace(model, name, VocabParallelEmbedding.from_embedding(module, state))  # type: ignore[arg-type]
-    if style == "vocab_ce":
+        if sp and new.bias is not None:      # added after the reduce-scatter: a chunk's grad
+            records.mark(f"{name}.bias", tuple(new.bias.shape), partial_grad=True)
+    elif style == "vocab_embedding":
+        new = VocabParallelEmbedding.from_embedding(module, state)  # type: ignore[arg-type]
+    elif style == "vocab_ce":
         ignore = getattr(module, "ignore_index", -100)
         return _replace(model, name, VocabParallelCrossEntropy(state, ignore_index=ignore))
+    else:
+        return _hook(module, style, state, records, name)
+    records.add_prefix(name, new.placements)
+    return _replace(model, name, new)
+
+
+def _hook(module: nn.Module, style: str, state: TPState, records: Placements, name: str) -> nn.Module:
+    """Apply a style that keeps the module: forward hooks, head counts, partial-grad records."""
+    sp = state.sequence_parallel
     if style == "parallel_input":
         _enter_on_input(module, state)
     elif style == "local_heads":
@@ -85,9 +100,10 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TP
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(module, attr, value // state.size)     # this rank's heads (checked: divides)
     elif style == "sequence_parallel" and sp:
-        for p in module.parameters():
-            if not getattr(p, "_tm_tp_sharded", False):
-                _sum_partial_grads(p, state)
+        for local, p in module.named_parameters():
+            full = f"{name}.{local}" if name else local
+            if p.requires_grad and not records.sharded(full):   # runs on a sequence chunk
+                records.mark(full, tuple(p.shape), partial_grad=True)
     elif style == "sequence_scatter" and sp:
         module.register_forward_hook(
             lambda _m, _a, out: scatter_to_sequence(out, state.comm, state.axis))   # (b, s/n, h)
@@ -120,18 +136,3 @@ def _enter_on_input(module: nn.Module, state: TPState) -> None:
 
     module.register_forward_pre_hook(pre, with_kwargs=True)
     module.register_forward_hook(post, always_call=True)
-
-
-def _sum_partial_grads(p: nn.Parameter, state: TPState) -> None:
-    """Under SP each TP rank's gradient of a replicated parameter covers its sequence chunk only:
-    all-reduce it over tp (through the ledger) before it is accumulated into ``p.grad``."""
-    if getattr(p, "_tm_tp_partial_grad", False) or not p.requires_grad:
-        return
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        total = grad.clone(memory_format=torch.contiguous_format)
-        state.comm.all_reduce(total, state.axis)
-        return total
-
-    p.register_hook(hook)
-    p._tm_tp_partial_grad = True  # type: ignore[attr-defined]

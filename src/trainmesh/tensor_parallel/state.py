@@ -1,8 +1,9 @@
-"""Between shards and full tensors: what a checkpoint or a parity check needs of a TP model.
+"""Between shards and full tensors: what a checkpoint, the engine or a parity check needs of a
+TP model, given its :class:`~trainmesh.placement.Placements`.
 
-A sharded parameter carries ``_tm_tp_dim``, the dimension of the full tensor it is the
+A sharded parameter's record has ``tp_dim``, the dimension of the full tensor it is the
 ``rank``-th of ``n`` equal slices of; anything else is replicated over tp. A fused projection's
-shard also carries ``_tm_tp_parts`` = P: the full dimension is P equal blocks (GPT-2's [q | k | v]),
+record also has ``tp_parts`` = P: the full dimension is P equal blocks (GPT-2's [q | k | v]),
 and the shard is the ``rank``-th slice of each block, concatenated.
 """
 from __future__ import annotations
@@ -11,17 +12,18 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..placement import Placement, Placements
 from .mappings import _gather
 
 
-def shard_dim(t: torch.Tensor) -> int | None:
-    """The dimension ``t`` is split along over tp, or None if it is replicated."""
-    return getattr(t, "_tm_tp_dim", None) if getattr(t, "_tm_tp_sharded", False) else None
+def shard_dim(placement: Placement | None) -> int | None:
+    """The dimension a parameter so placed is split along over tp, or None if replicated."""
+    return placement.tp_dim if placement is not None else None
 
 
-def shard_parts(t: torch.Tensor) -> int:
-    """How many equal blocks the sharded dimension of ``t`` is split in (1: one plain slice)."""
-    return getattr(t, "_tm_tp_parts", 1)
+def shard_parts(placement: Placement | None) -> int:
+    """How many equal blocks the sharded dimension is split in (1: one plain slice)."""
+    return placement.tp_parts if placement is not None else 1
 
 
 def shard_of(full: torch.Tensor, dim: int | None, rank: int, n: int, parts: int = 1) -> torch.Tensor:
@@ -37,22 +39,51 @@ def shard_of(full: torch.Tensor, dim: int | None, rank: int, n: int, parts: int 
 
 @torch.no_grad()
 def full_tensor(p: torch.Tensor, comm: Comm, axis: str = "tp", *,
-                like: torch.Tensor | None = None) -> torch.Tensor:
+                placement: Placement | None = None) -> torch.Tensor:
     """The unsharded value of ``p`` (an all-gather over tp for a shard; a copy otherwise).
-    ``like``: the parameter whose sharding ``p`` shares (e.g. ``p`` is its Adam moment)."""
-    dim = shard_dim(p if like is None else like)
+    ``placement``: the record of the parameter ``p`` is (or shares the sharding of, e.g. its
+    Adam moment); None: replicated."""
+    dim = shard_dim(placement)
     if dim is None or p.dim() == 0:
         return p.detach().clone()
     gathered = _gather(p.detach().contiguous(), dim, comm, axis)      # rank-major
-    parts = shard_parts(p if like is None else like)
+    parts = shard_parts(placement)
     if parts == 1:
         return gathered
     ranks = [r.chunk(parts, dim) for r in gathered.chunk(comm.mesh.size(axis), dim)]
     return torch.cat([torch.cat([r[j] for r in ranks], dim) for j in range(parts)], dim)  # block-major
 
 
-def full_state_dict(module: nn.Module, comm: Comm, axis: str = "tp") -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, comm: Comm, placements: Placements,
+                    axis: str = "tp") -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``module`` unsharded, under its tp=1 name, on every rank."""
-    out = {name: full_tensor(p, comm, axis) for name, p in module.named_parameters()}
+    out = {name: full_tensor(p, comm, axis, placement=placements.get(name))
+           for name, p in module.named_parameters()}
     out.update({name: b.detach().clone() for name, b in module.named_buffers()})
     return out
+
+
+@torch.no_grad()
+def sum_partial_grads(grads: list[torch.Tensor], comm: Comm, axis: str = "tp") -> None:
+    """Sequence parallelism: sum ``grads`` (each TP rank's part of the same parameters'
+    gradients, in the same order on every rank) over ``axis``, in place, as one flat
+    all-reduce."""
+    grads = [g for g in grads if g.numel()]
+    if not grads or comm.mesh.size(axis) == 1:
+        return
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])   # (sum of numels,)
+    comm.all_reduce(flat, axis)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def sum_partial_grads_of(module: nn.Module, placements: Placements, comm: Comm,
+                         axis: str = "tp") -> None:
+    """:func:`sum_partial_grads` on the ``.grad`` of ``module``'s partial-gradient parameters
+    (a TP model used without the engine, after its backward)."""
+    params = dict(module.named_parameters())
+    sum_partial_grads([params[n].grad for n in placements.partial_grad_names()
+                       if n in params and params[n].grad is not None], comm, axis)
