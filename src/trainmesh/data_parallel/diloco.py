@@ -149,10 +149,10 @@ class DiLoCo(GradSync):
             inner = {k: v for k, v in self.optimizer.state.get(p, {}).items() if torch.is_tensor(v)}
             for key in ["param", *sorted(inner)]:
                 mine = (p if key == "param" else inner[key]).detach().contiguous()
-                out = torch.empty((self.dp, *mine.shape), dtype=mine.dtype, device=mine.device)
-                self.comm.all_gather(out, mine, "dp")
-                for r in range(self.dp):
-                    states[REPLICA.format(r) + key] = out[r].clone()   # own storage (safetensors)
+                out = torch.empty(self.dp * mine.numel(), dtype=mine.dtype, device=mine.device)
+                self.comm.all_gather(out, mine.reshape(-1), "dp")
+                for r, theirs in enumerate(out.view(self.dp, *mine.shape)):
+                    states[REPLICA.format(r) + key] = theirs.clone()   # own storage (safetensors)
         return params, optim
 
     @torch.no_grad()

@@ -1,0 +1,136 @@
+"""--async-save: the same run with synchronous and with background saves (a model of a few MB,
+so that writing takes measurable time): the same losses, the same checkpoint contents, a save
+event per save, and training stalls for less than half as long. A worker killed (SIGKILL) while
+its background write is under way leaves the previous checkpoint the newest and loadable.
+(Resuming from --async-save checkpoints: tests/test_diloco.py, test_resume_between_...)"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import run_train, steps
+from tolerances import LOSS_ABS
+from trainmesh.checkpoint import _Reader, latest
+from trainmesh.savedir import remove_stale_tmp
+
+pytestmark = pytest.mark.slow
+
+# ~1.6 M parameters: each checkpoint holds 19 MB (weights and AdamW moments), saved every 3 steps.
+BIG = ["--layers", "2", "--d-model", "256", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
+       "--global-batch", "8", "--steps", "12", "--warmup-steps", "5", "--dp", "2", "--save-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    out = {}
+    for name, extra in (("sync", []), ("async", ["--async-save"])):
+        tmp = tmp_path_factory.mktemp(name)
+        proc, records = run_train([*BIG, *extra, "--save-dir", str(tmp / "ck")], tmp, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = (records, tmp / "ck")
+    return out
+
+
+def _saves(records):
+    return [r for r in records if r["event"] == "save"]
+
+
+@pytest.mark.timeout(600)
+def test_async_save_blocks_less_and_writes_the_same_checkpoints(both):
+    (sync, sync_dir), (run, run_dir) = both["sync"], both["async"]
+    for a, b in zip(steps(sync), steps(run), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= LOSS_ABS, (a["step"], a["loss"], b["loss"])
+    s, a = _saves(sync), _saves(run)
+    assert [e["step"] for e in s] == [e["step"] for e in a] == [3, 6, 9, 12]
+    for e in s:
+        assert e["blocking_s"] == e["total_s"] > 0, e
+    for e in a:
+        assert 0 < e["blocking_s"] <= e["total_s"], e
+        assert Path(e["path"]).name == f"step-{e['step']:08d}"
+    blocking = statistics.median(e["blocking_s"] for e in a)
+    assert blocking < 0.5 * statistics.median(e["blocking_s"] for e in s), (s, a)
+    for step in (3, 12):   # same format, same contents
+        want, got = _Reader(sync_dir / f"step-{step:08d}"), _Reader(run_dir / f"step-{step:08d}")
+        assert sorted(got.manifest["tensors"]) == sorted(want.manifest["tensors"])
+        assert got.manifest["trainer"] == want.manifest["trainer"]
+        assert got.manifest["layout"] == want.manifest["layout"]
+        for key in want.manifest["tensors"]:
+            assert torch.equal(got.get(key), want.get(key)), (step, key)
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".step")) == []
+
+
+# One process, world 1: save step 1 and wait; start the save of step 2 with a writer that stalls
+# half-way through its file; the test kills the process there.
+KILLED_MID_WRITE = textwrap.dedent("""
+    import sys, time, torch
+    from trainmesh import async_save
+    from trainmesh.distributed import init_distributed
+    from trainmesh.engine import Engine
+    init_distributed(timeout_s=60, device="cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    engine = Engine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                    loss_fn=lambda m, b: m(b).pow(2).mean())
+    saver = async_save.AsyncSaver(engine.comm)
+    def save():
+        engine.train_step(torch.randn(8, 64))
+        saver.save(sys.argv[1], engine.grad_sync, step=engine.step_count,
+                   layout=engine.config.layout(), trainer_state=engine.checkpoint_state())
+    save()
+    saver.wait()
+    def stalled(tmp, rank, tensors):
+        (tmp / f"rank{rank:05d}.safetensors").write_bytes(b"half a file")
+        print("WRITING", flush=True)
+        time.sleep(120)
+    async_save._write_piece = stalled
+    save()
+    time.sleep(120)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path):
+    root = tmp_path / "ck"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(root)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        line = ""
+        while "WRITING" not in line and time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                line = proc.stdout.readline()
+                if not line and proc.poll() is not None:
+                    break
+        assert "WRITING" in line, proc.stderr.read() if proc.poll() is not None else "no write seen"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    newest = latest(root)
+    assert newest is not None and newest.name == "step-00000001", newest
+    reader = _Reader(newest)
+    for key in reader.manifest["tensors"]:
+        reader.get(key)   # every piece present and matching its sha256
+    assert (root / ".step-00000002.tmp").is_dir()   # abandoned, never renamed into place
+    assert remove_stale_tmp(root) == [root / ".step-00000002.tmp"]
