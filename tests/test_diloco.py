@@ -16,10 +16,10 @@ pytestmark = pytest.mark.slow
 
 SGD = [*SMALL, "--optimizer", "sgd", "--grad-clip", "0", "--dp", "2"]
 AS_DP = ["--strategy", "diloco", "--inner-steps", "1", "--outer-lr", "1", "--outer-momentum", "0"]
-# H = 8 with the default outer step (lr 0.7, Nesterov 0.9) and AdamW inside; saves at step 20,
-# half-way between the synchronisations of steps 16 and 24.
+# H = 8 with the default outer step (lr 0.7, Nesterov 0.9) and AdamW inside; saves at step 28,
+# half-way between the synchronisations of steps 24 and 32.
 H8 = [*SMALL, "--dp", "2", "--strategy", "diloco", "--inner-steps", "8", "--steps", "40",
-      "--lr", "0.01", "--save-every", "20", "--async-save"]
+      "--lr", "0.01", "--save-every", "28", "--async-save"]
 
 
 def _ok(result):
@@ -76,13 +76,13 @@ def test_eight_inner_steps_send_an_eighth_and_learn(dp_run, h8_run):
 def test_resume_between_synchronisations(h8_run, tmp_path):
     records, ck = h8_run
     saves = [r for r in records if r["event"] == "save"]
-    assert [s["step"] for s in saves] == [20, 40]
+    assert [s["step"] for s in saves] == [28, 40]
     resumed_dir = tmp_path / "ck"
     shutil.copytree(ck, resumed_dir)
     shutil.rmtree(resumed_dir / "step-00000040")
     resumed = steps(_ok(run_train([*H8, "--save-dir", str(resumed_dir), "--resume"], tmp_path)))
-    want = steps(records)[20:]
-    assert [r["step"] for r in resumed] == list(range(21, 41))
+    want = steps(records)[28:]
+    assert [r["step"] for r in resumed] == list(range(29, 41))
     for a, b in zip(want, resumed):
         assert abs(a["loss"] - b["loss"]) <= LOSS_ABS, (a["step"], a["loss"], b["loss"])
         assert a.get("outer") == b.get("outer"), a["step"]

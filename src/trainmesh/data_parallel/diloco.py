@@ -98,7 +98,7 @@ class DiLoCo(GradSync):
         """The inner step; every ``inner_steps``-th one, the outer step after it."""
         self._optimizer_step()
         self.inner_done += 1
-        self.synced = self.inner_done == self.inner_steps
+        self.synced = self.inner_done >= self.inner_steps   # >=: a resume with a smaller H
         if self.synced:
             self._outer_step()
             self.inner_done = 0
