@@ -12,8 +12,8 @@ A save has two parts:
   directory into place — the same format, manifest and atomic rename as
   :func:`trainmesh.checkpoint.save`, so a reader never sees a half-written checkpoint.
 
-The next save waits for the previous write (so at most one is in flight and its host copy
-is the only extra memory). At exit the last write is waited for; a worker killed meanwhile
+The next save waits for the previous write (so at most one is in flight), and the host
+buffers of its snapshot are reused: the extra memory is one host copy of this rank's share. At exit the last write is waited for; a worker killed meanwhile
 (SIGKILL, Ctrl-C, SIGTERM) leaves only the hidden ``.tmp`` directory, which the next run on
 the directory removes: the previous checkpoint stays the newest.
 
@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import FORMAT, MANIFEST, _logical_tensors, _sha256, _writer, step_dir
+from .checkpoint import FORMAT, MANIFEST, _sha256, _writer, step_dir
 from .comm import Comm
 from .data_parallel.base import GradSync
+from .tensor_parallel.state import full_tensor, shard_dim
 
 ENTRY = "rank{:05d}.entry.json"
 """A rank's entry in the temporary directory: its file, that file's sha256 and its keys (or
@@ -58,15 +59,41 @@ class SaveRecord:
                 "total_s": self.total_s, "path": self.path}
 
 
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous host-memory copy of ``t`` that training cannot change (pinned for CUDA
-    tensors, so the device-to-host copy is a DMA)."""
-    t = t.detach()
-    if t.device.type == "cuda":
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        return out
-    return t.contiguous().clone()
+def _stage(value: torch.Tensor, buffers: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """``value`` copied into this key's host buffer, reused from save to save (pinned for CUDA
+    tensors, so the device-to-host copy is a DMA): after the first save, a snapshot is one
+    memory copy, without allocating (page faults cost as much as the copy)."""
+    value = value.detach()
+    buf = buffers.get(key)
+    if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+        buf = buffers[key] = torch.empty(value.shape, dtype=value.dtype,
+                                         pin_memory=value.device.type == "cuda")
+    buf.copy_(value, non_blocking=value.device.type == "cuda")
+    return buf
+
+
+def snapshot(grad_sync: GradSync, comm: Comm, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collective over dp and tp: host copies (in ``buffers``) of the logical tensors this rank
+    writes (the checkpoint's keys and writers). Tensors sharded over tp are gathered on every
+    rank, in the same order as :func:`trainmesh.checkpoint.save` does; the others are copied
+    only by their writer."""
+    mesh = comm.mesh
+    me = mesh.index("dp") * mesh.size("tp") + mesh.index("tp")
+    params, optim = grad_sync.logical_state()
+    by_name = dict(grad_sync.named_params)
+    mine: dict[str, torch.Tensor] = {}
+    for name, t in params.items():
+        like = by_name[name]
+        items = [(f"param/{name}", t), *((f"optim/{name}/{k}", v) for k, v in optim.get(name, {}).items())]
+        for key, value in items:
+            writes = _writer(key, comm) == me
+            if shard_dim(like) is not None and value.dim() > 0:
+                value = full_tensor(value, comm, like=like)   # collective over tp
+            if writes:
+                mine[key] = _stage(value, buffers, key)
+    if any(t.is_pinned() for t in mine.values()):
+        torch.cuda.synchronize()   # the non-blocking device-to-host copies have landed
+    return mine
 
 
 def _write_piece(tmp: Path, rank: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -115,6 +142,8 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self._done: list[SaveRecord] = []
         self._lock = threading.Lock()
+        self._buffers: dict[str, torch.Tensor] = {}
+        """Host copies of this rank's share, reused by every save (one write in flight)."""
 
     def save(self, root: str | Path, grad_sync: GradSync, *, step: int, layout: dict[str, Any],
              trainer_state: dict[str, Any]) -> float:
@@ -126,12 +155,7 @@ class AsyncSaver:
         root = Path(root)
         final = step_dir(root, step)
         tmp = root / f".{final.name}.tmp"
-        tensors = _logical_tensors(grad_sync, comm)        # collectives: same order everywhere
-        me = mesh.index("dp") * mesh.size("tp") + mesh.index("tp")
-        mine = {k: host_copy(t) for k, t in tensors.items() if _writer(k, comm) == me}
-        del tensors
-        if any(t.is_pinned() for t in mine.values()):
-            torch.cuda.synchronize()   # the non-blocking device-to-host copies have landed
+        mine = snapshot(grad_sync, comm, self._buffers)   # collectives: same order on every rank
         if mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
