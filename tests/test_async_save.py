@@ -22,6 +22,7 @@ import torch
 from helpers import run_train, steps
 from tolerances import LOSS_ABS
 from trainmesh.checkpoint import _Reader, latest
+from trainmesh.cli import main
 from trainmesh.savedir import remove_stale_tmp
 
 pytestmark = pytest.mark.slow
@@ -136,3 +137,10 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(tmp_pat
         reader.get(key)   # every piece present and matching its sha256
     assert (root / ".step-00000002.tmp").is_dir()   # abandoned, never renamed into place
     assert remove_stale_tmp(root) == [root / ".step-00000002.tmp"]
+
+
+@pytest.mark.timeout(60)
+def test_async_save_needs_a_save_dir(capsys):
+    assert main(["train", "--async-save"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--async-save" in err[0] and "--save-dir" in err[0], err
