@@ -1,7 +1,12 @@
 """--async-save: the same run with synchronous and with background saves (a model of a few MB,
 so that writing takes measurable time): the same losses, the same checkpoint contents, a save
-event per save, and training stalls for less than half as long. A worker killed (SIGKILL) while
-its background write is under way leaves the previous checkpoint the newest and loadable.
+event per save, and training stalls for less than half as long. A write held back past the next
+step still writes the weights of the step saved. A worker killed (SIGKILL) while its background
+write is under way leaves the previous checkpoint the newest and loadable.
+
+Planted and seen failing: the snapshot aliasing the live weights (no copy: the held-back write
+holds step 2's weights); the checkpoint published before the rank's file was written (the
+killed save's directory became the newest).
 (Resuming from --async-save checkpoints: tests/test_diloco.py, test_resume_between_...)"""
 from __future__ import annotations
 
@@ -73,10 +78,13 @@ def test_async_save_blocks_less_and_writes_the_same_checkpoints(both):
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".step")) == []
 
 
-# One process, world 1: save step 1 and wait; start the save of step 2 with a writer that stalls
+# One process, world 1. Save step 1 with a writer held back until step 2 has changed the weights
+# (the snapshot must not see that); then start the save of step 2 with a writer that stalls
 # half-way through its file; the test kills the process there.
 KILLED_MID_WRITE = textwrap.dedent("""
-    import sys, time, torch
+    import sys, threading, time, torch
+    from pathlib import Path
+    from safetensors.torch import save_file
     from trainmesh import async_save
     from trainmesh.distributed import init_distributed
     from trainmesh.engine import Engine
@@ -86,11 +94,20 @@ KILLED_MID_WRITE = textwrap.dedent("""
                     loss_fn=lambda m, b: m(b).pow(2).mean())
     saver = async_save.AsyncSaver(engine.comm)
     def save():
-        engine.train_step(torch.randn(8, 64))
         saver.save(sys.argv[1], engine.grad_sync, step=engine.step_count,
                    layout=engine.config.layout(), trainer_state=engine.checkpoint_state())
+    real, go = async_save._write_piece, threading.Event()
+    def held_back(tmp, rank, tensors):
+        go.wait(60)
+        real(tmp, rank, tensors)
+    async_save._write_piece = held_back
+    engine.train_step(torch.randn(8, 64))
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     save()
+    engine.train_step(torch.randn(8, 64))   # changes the weights while the write waits
+    go.set()
     saver.wait()
+    save_file(saved, str(Path(sys.argv[1]).parent / "saved.safetensors"))
     def stalled(tmp, rank, tensors):
         (tmp / f"rank{rank:05d}.safetensors").write_bytes(b"half a file")
         print("WRITING", flush=True)
@@ -135,6 +152,9 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(tmp_pat
     reader = _Reader(newest)
     for key in reader.manifest["tensors"]:
         reader.get(key)   # every piece present and matching its sha256
+    from safetensors.torch import load_file
+    for name, want in load_file(str(tmp_path / "saved.safetensors")).items():
+        assert torch.equal(reader.get(f"param/{name}"), want), name   # the weights of step 1
     assert (root / ".step-00000002.tmp").is_dir()   # abandoned, never renamed into place
     assert remove_stale_tmp(root) == [root / ".step-00000002.tmp"]
 

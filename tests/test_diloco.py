@@ -1,7 +1,12 @@
 """DiLoCo through ``trainmesh train``: with one inner step, outer lr 1, no outer momentum and
 plain SGD it is DP step by step; at eight inner steps it sends an eighth of DP's bytes and
 still learns; a run resumed between two synchronisations (from an --async-save checkpoint)
-continues the uninterrupted one. One job per configuration, several checks on each."""
+continues the uninterrupted one. One job per configuration, several checks on each.
+
+Planted and seen failing: the outer gradient summed over the replicas, not averaged, and each
+replica's gradient scaled by the global token count instead of its own (both: the loss of step
+2 off by > 0.02 against DP); the inner-step count not restored on resume (the resumed run
+synchronises at step 36 instead of 32)."""
 from __future__ import annotations
 
 import shutil
