@@ -27,7 +27,7 @@ import logging
 import os
 import shutil
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -156,17 +156,55 @@ def _writer(key: str, comm: Comm) -> int:
     return zlib.crc32(key.encode()) % (comm.mesh.size("dp") * comm.mesh.size("tp"))
 
 
-def _logical_tensors(grad_sync: GradSync, comm: Comm, placements: Placements
-                     ) -> dict[str, torch.Tensor]:
-    """Collective over dp and tp: every logical tensor of this pipeline stage, whole."""
+def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
+           stage: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collective over tp: the logical tensors of this pipeline stage that this rank writes,
+    each whole and passed through ``stage(key, tensor)`` (a host copy). Tensors sharded over tp
+    are gathered on every rank of the group, in the strategy's parameter order and sorted state
+    keys, the same on every rank; replicated ones are touched only by their writer."""
+    mesh = comm.mesh
+    me = mesh.index("dp") * mesh.size("tp") + mesh.index("tp")
     params, optim = grad_sync.logical_state()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in params.items():   # the strategy's parameter order: the same on every rank
+    mine: dict[str, torch.Tensor] = {}
+    for name, t in params.items():
         placement = placements.get(name)
-        tensors[f"param/{name}"] = full_tensor(t, comm, placement=placement)
-        for key, v in sorted(optim.get(name, {}).items()):   # sorted: a gather per key, same order
-            tensors[f"optim/{name}/{key}"] = full_tensor(v, comm, placement=placement)
-    return tensors
+        items = [(f"param/{name}", t), *((f"optim/{name}/{k}", v)
+                                         for k, v in sorted(optim.get(name, {}).items()))]
+        for key, value in items:
+            writes = _writer(key, comm) == me
+            if shard_dim(placement) is not None and value.dim() > 0:
+                value = full_tensor(value, comm, placement=placement)   # collective over tp
+            if writes:
+                mine[key] = stage(key, value.detach())
+    return mine
+
+
+def manifest_of(entries: list[dict[str, Any] | None], **header: Any) -> dict[str, Any]:
+    """The manifest of a checkpoint from each writing rank's entry (file, sha256, keys)."""
+    return {"format": FORMAT, **header,
+            "files": {e["file"]: e["sha256"] for e in entries if e},
+            "tensors": {k: e["file"] for e in entries if e for k in e["keys"]}}
+
+
+def write_piece(tmp: Path, rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """This rank's file of the checkpoint being written in ``tmp``; its manifest entry."""
+    if not tensors:
+        return None
+    path = tmp / f"rank{rank:05d}.safetensors"
+    save_file(tensors, str(path))
+    usual_mode(path)
+    return {"file": path.name, "sha256": _sha256(path), "keys": sorted(tensors)}
+
+
+def publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Rank 0: the manifest written and synced, then ``tmp`` renamed to ``final`` (atomic: the
+    checkpoint appears whole or not at all)."""
+    with (tmp / MANIFEST).open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
 
 
 # ---------------------------------------------------------------- save
@@ -181,30 +219,15 @@ def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
     mesh = comm.mesh
     final = step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
-    tensors = _logical_tensors(grad_sync, comm, placements or Placements())
-    me = mesh.index("dp") * mesh.size("tp") + mesh.index("tp")
-    mine = {k: t.detach().cpu().contiguous() for k, t in tensors.items() if _writer(k, comm) == me}
+    mine = pieces(grad_sync, comm, placements or Placements(),
+                  lambda _, t: t.cpu().contiguous())
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     comm.barrier()
-    entry = None
-    if mine:
-        path = tmp / f"rank{mesh.rank:05d}.safetensors"
-        save_file(mine, str(path))
-        usual_mode(path)
-        entry = {"file": path.name, "sha256": _sha256(path), "keys": sorted(mine)}
-    entries = comm.all_gather_object(entry)
+    entries = comm.all_gather_object(write_piece(tmp, mesh.rank, mine))
     if mesh.rank == 0:
-        manifest = {"format": FORMAT, "step": step, "layout": layout, "trainer": trainer_state,
-                    "files": {e["file"]: e["sha256"] for e in entries if e},
-                    "tensors": {k: e["file"] for e in entries if e for k in e["keys"]}}
-        with (tmp / MANIFEST).open("w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)          # atomic: the checkpoint appears whole or not at all
+        publish(tmp, final, manifest_of(entries, step=step, layout=layout, trainer=trainer_state))
     comm.barrier()
     return final
 

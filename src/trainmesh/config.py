@@ -23,7 +23,7 @@ OFFLOAD = ("none", "cpu", "nvme")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest collective timeout accepted: a week (torch's timedelta-based timeouts overflow far
 beyond; no collective legitimately waits longer)."""
-STRATEGIES = ("mesh", "ps")
+STRATEGIES = ("mesh", "ps", "diloco")
 PS_MODES = ("sync", "async")
 ALLREDUCE = ("native", "ring", "tree", "naive")
 
@@ -72,14 +72,21 @@ class ParallelConfig:
     find_unused_parameters: bool = setting(False)
     """Reduce gradients of parameters that received none instead of raising an error (API only)."""
     # -- parameter server and all-reduce algorithms
-    strategy: str = setting("mesh", "mesh (dp x pp x tp) or ps (RPC parameter server: --dp trainers, "
-                                    "--ps-servers servers)", choices=STRATEGIES)
+    strategy: str = setting("mesh", "mesh (dp x pp x tp), ps (RPC parameter server: --dp trainers, "
+                                    "--ps-servers servers) or diloco (--dp replicas taking "
+                                    "--inner-steps local steps between synchronisations)",
+                            choices=STRATEGIES)
     ps_servers: int = setting(1, "parameter-server processes (strategy ps); parameters are sharded "
                                  "across them by bytes", ge=1)
     ps_mode: str = setting("sync", "sync (servers average every trainer's gradients of a step) or "
                                    "async (Hogwild-style; strategy ps)", choices=PS_MODES)
     ps_staleness: int | None = setting(None, "async: most steps a trainer may run ahead of the "
                                              "slowest (0 = sync; default unbounded)", ge=0)
+    inner_steps: int = setting(500, "DiLoCo: local optimizer steps of each replica between two "
+                                    "synchronisations (H)", ge=1)
+    outer_lr: float = setting(0.7, "DiLoCo: learning rate of the outer Nesterov-SGD step", gt=0)
+    outer_momentum: float = setting(0.9, "DiLoCo: momentum of the outer Nesterov-SGD step (0 = "
+                                         "plain SGD; below 1)", ge=0)
     allreduce: str = setting("native", "DDP's bucket reduction: native (the backend's), ring, tree "
                                        "or naive", choices=ALLREDUCE)
 
@@ -102,6 +109,7 @@ class ParallelConfig:
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError("--virtual-stages", "> 1 needs --schedule interleaved")
         self._check_ps()
+        self._check_diloco()
 
     def _check_offload(self) -> None:
         """Offload moves a ZeRO shard's optimizer: it needs one."""
@@ -119,7 +127,7 @@ class ParallelConfig:
 
     def _check_ps(self) -> None:
         """The parameter-server and all-reduce-algorithm rules between fields."""
-        if self.allreduce != "native" and (self.zero > 0 or self.strategy == "ps"):
+        if self.allreduce != "native" and (self.zero > 0 or self.strategy != "mesh"):
             raise ConfigError("--allreduce", f"{self.allreduce} reduces DDP's buckets; needs --zero 0 "
                               "and --strategy mesh (valid otherwise: native)")
         if self.strategy != "ps" and (self.ps_servers != 1 or self.ps_mode != "sync"):
@@ -136,6 +144,29 @@ class ParallelConfig:
                     raise ConfigError(f"--{name}", "must stay at its default with --strategy ps "
                                       "(fp32 replicas of whole parameters; --dp sets the trainers)")
 
+    def _check_diloco(self) -> None:
+        """DiLoCo's flags need it; it runs whole fp32 replicas over the DP axis only."""
+        if self.strategy != "diloco":
+            for name, changed in (("inner-steps", self.inner_steps != 500),
+                                  ("outer-lr", self.outer_lr != 0.7),
+                                  ("outer-momentum", self.outer_momentum != 0.9)):
+                if changed:
+                    raise ConfigError(f"--{name}", "sets DiLoCo's synchronisation; needs --strategy diloco")
+            return
+        if self.outer_momentum >= 1:
+            raise ConfigError("--outer-momentum", f"must be in [0, 1); got {self.outer_momentum}")
+        why = {"tp": "a replica is one process holding the whole model (--tp 1)",
+               "pp": "a replica is one process holding the whole model (--pp 1)",
+               "zero": "each replica keeps its own inner optimizer; sharding it over the replicas "
+                       "would mix them (--zero 0)",
+               "precision": "the outer step and the replicas are fp32 (--precision fp32)",
+               "min-dp": "the replicas' inner states do not survive a resize (leave --min-dp unset)"}
+        for name, changed in (("tp", self.tp > 1), ("pp", self.pp > 1), ("zero", self.zero > 0),
+                              ("precision", self.precision != "fp32"),
+                              ("min-dp", self.min_dp is not None)):
+            if changed:
+                raise ConfigError(f"--{name}", f"is not supported with --strategy diloco: {why[name]}")
+
     @property
     def world_size(self) -> int:
         """Processes of the job: dp*pp*tp, or dp trainers + ps_servers servers with strategy ps."""
@@ -145,6 +176,8 @@ class ParallelConfig:
         """The layout record of the metrics summary (CONTRACT.md)."""
         keys = ("dp", "pp", "tp", "zero", "microbatches", "schedule", "virtual_stages",
                 "sequence_parallel", "precision", "recompute", "offload", "zero3_reshard")
+        if self.strategy == "diloco":
+            keys += ("strategy", "inner_steps", "outer_lr", "outer_momentum")
         return {k: getattr(self, k) for k in keys}
 
     @classmethod

@@ -182,12 +182,13 @@ class Engine:
         totals = torch.tensor([loss_sum, count] if holds_loss else [0.0, 0.0], dtype=torch.float64)
         self.comm.all_reduce(totals, "world")
         global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
-        self.grad_sync.finish(1.0 / (global_count * self.precision.loss_scale))
+        diloco = self.config.strategy == "diloco"   # each replica: the mean over its own tokens
+        self.grad_sync.finish(1.0 / ((count if diloco else global_count) * self.precision.loss_scale))
         self._complete_partial_grads()
         self.state_bytes = self.measure_state()
         self.offloaded_bytes = self.grad_sync.offloaded_bytes()
         skip = self.precision.should_skip(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
-        norm = 0.0 if skip else self.grad_norm()
+        norm = 0.0 if skip else (self.grad_sync.local_norm() if diloco else self.grad_norm())
         nonfinite = self._nonfinite(global_loss, norm)   # never applied; the caller's policy decides
         skip = skip or nonfinite is not None
         if not skip:
@@ -201,6 +202,8 @@ class Engine:
         self.comm.ledger.end_step()
         self.step_count += 1
         self.last = {"loss": global_loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}
+        if diloco:   # no global gradient; "outer" marks the steps that synchronised
+            self.last.update(grad_norm=None, **({"outer": True} if self.grad_sync.synced else {}))
         if nonfinite:
             self.last["nonfinite"] = nonfinite
         return global_loss
@@ -245,11 +248,15 @@ class Engine:
         return {k: storage_bytes(held[k], seen) for k in ("params", "grads", "optimizer")}
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self, path: str, trainer_state: dict[str, Any] | None = None):
-        """Collective: write a checkpoint under ``path`` (see :mod:`trainmesh.checkpoint`)."""
-        return checkpoint.save(path, self.grad_sync, self.comm, step=self.step_count,
-                               layout=self.config.layout(), placements=self.placements,
-                               trainer_state={**self.checkpoint_state(), **(trainer_state or {})})
+    def save(self, path: str, trainer_state: dict[str, Any] | None = None, *,
+             saver: Any | None = None):
+        """Collective: write a checkpoint under ``path`` (see :mod:`trainmesh.checkpoint`);
+        returns its directory. ``saver``: an :class:`~trainmesh.async_save.AsyncSaver` that
+        snapshots the state and writes it in the background (returns the blocking seconds)."""
+        write = checkpoint.save if saver is None else saver.save
+        return write(path, self.grad_sync, self.comm, step=self.step_count,
+                     layout=self.config.layout(), placements=self.placements,
+                     trainer_state={**self.checkpoint_state(), **(trainer_state or {})})
 
     def load(self, path: str) -> dict[str, Any]:
         """Collective: resume from the newest checkpoint under ``path``, in this layout; returns

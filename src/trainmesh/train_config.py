@@ -66,6 +66,8 @@ class TrainConfig:
     save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0)
     keep_last: int = setting(0, "after each save keep only the newest N checkpoints (0: all)", ge=0)
     resume: bool = setting(False, "continue from the newest intact checkpoint in --save-dir")
+    async_save: bool = setting(False, "save in the background: snapshot the state to host memory "
+                                      "at each save, write it on a thread while training goes on")
     exit_after: int | None = setting(None, "stop cleanly after this step (planned preemption)", ge=1)
     max_restarts: int = setting(0, "restarts of failed workers (local runs)", ge=0)
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
@@ -104,6 +106,8 @@ class TrainConfig:
         if self.exit_after is not None and self.exit_after > self.steps:
             raise ConfigError("--exit-after", f"must be a step in 1..--steps ({self.steps}); "
                               f"got {self.exit_after}")
+        if self.async_save and not self.save_dir:
+            raise ConfigError("--async-save", "writes checkpoints in the background; needs --save-dir")
         if self.resume and not self.save_dir:
             raise ConfigError("--resume", "needs --save-dir (where the checkpoints are)")
         if self.timeline_out is not None:

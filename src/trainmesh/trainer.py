@@ -14,6 +14,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import elastic
+from .async_save import AsyncSaver, SaveRecord
 from .data import dp_slice, make_datasets
 from .distributed import init_distributed, shutdown
 from .engine import Engine
@@ -147,6 +148,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     peak = device_peak_tflops(device, p.precision, cfg.peak_tflops)
     first_loss = loss = float("nan")
     nonfinite_run = 0   # non-finite steps in a row
+    saver = AsyncSaver(engine.comm) if cfg.async_save else None
     timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
     with Progress(total=last, enabled=rank0, start=start - 1) as bar:
         for step in range(start, last + 1):
@@ -172,7 +174,12 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             _publish(row, engine, device, metrics, board, evaluator)
             nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
-                _save(cfg, engine, step)
+                _save(cfg, engine, step, saver, metrics)
+            if saver is not None:
+                _saves_done(cfg, engine, saver, metrics)
+    if saver is not None:   # the last write finishes before the run reports
+        saver.wait()
+        _saves_done(cfg, engine, saver, metrics)
     _draw(cfg, engine, tracer)
     summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem, init_peak)
     tps = timed[0] / timed[1] if timed[1] > 0 else 0.0
@@ -242,8 +249,10 @@ def _check_finite(cfg: TrainConfig, engine: Engine, step: int, run: int) -> int:
                          "the run stops, the newest checkpoint is from before it")
 
 
-def _save(cfg: TrainConfig, engine: Engine, step: int) -> None:
-    """Checkpoint, unless some rank's weights or optimizer states are not all finite."""
+def _save(cfg: TrainConfig, engine: Engine, step: int, saver: AsyncSaver | None,
+          metrics: MetricsWriter) -> None:
+    """Checkpoint, unless some rank's weights or optimizer states are not all finite: at once,
+    or (--async-save) a snapshot written in the background (its record comes when written)."""
     held = engine.grad_sync.held_tensors()
     finite = all(bool(torch.isfinite(t).all()) for k in ("params", "optimizer") for t in held[k])
     flag = torch.tensor([1.0 if finite else 0.0])
@@ -251,8 +260,27 @@ def _save(cfg: TrainConfig, engine: Engine, step: int) -> None:
     if flag.item() < 1.0:
         raise NonFiniteError(f"step {step}: non-finite weights or optimizer states; not saved, "
                              "the newest checkpoint is from before it")
-    written = engine.save(cfg.save_dir, {"run": run_record(cfg), "job": elastic_job()})
-    if cfg.keep_last and engine.mesh.rank == 0:   # every rank's pieces are in: the save is done
+    state = {"run": run_record(cfg), "job": elastic_job()}
+    if saver is not None:
+        engine.save(cfg.save_dir, state, saver=saver)
+        return
+    started = time.perf_counter()
+    path = engine.save(cfg.save_dir, state)
+    took = time.perf_counter() - started
+    metrics.write(SaveRecord(step, took, took, str(path)).event())
+    _prune(cfg, engine, path)
+
+
+def _saves_done(cfg: TrainConfig, engine: Engine, saver: AsyncSaver, metrics: MetricsWriter) -> None:
+    """The records of the background saves that completed (rank 0's are the published ones)."""
+    for record in saver.finished():
+        metrics.write(record.event())
+        _prune(cfg, engine, Path(record.path))
+
+
+def _prune(cfg: TrainConfig, engine: Engine, written: Path) -> None:
+    """--keep-last: rank 0 removes the oldest checkpoints once ``written`` is in place."""
+    if cfg.keep_last and engine.mesh.rank == 0:
         from .checkpoint import prune
         prune(cfg.save_dir, cfg.keep_last, protect=written)
 

@@ -10,6 +10,7 @@ from ..comm import Comm
 from ..config import ParallelConfig
 from .base import GradSync, SyncOptions, group_parameters, unique_named_parameters
 from .ddp import DDP
+from .diloco import DiLoCo
 from .sharded import ELEMENTWISE_OPTIMIZERS
 from .zero import Zero1, Zero2
 from .units import find_units
@@ -39,6 +40,9 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
                           param_dtype=precision.compute_dtype if mixed and cfg.zero < 3 else None,
                           device=device, offload=cfg.offload, offload_dir=cfg.offload_dir,
                           offload_params=cfg.offload_params)
+    if cfg.strategy == "diloco":   # validated: zero 0, fp32, no tp or pp
+        return DiLoCo(named_params, comm, options, inner_steps=cfg.inner_steps,
+                      outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
     if cfg.zero == 0:
         return DDP(named_params, comm, options, allreduce=cfg.allreduce)
     if cfg.zero == 1:
@@ -57,6 +61,6 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
                  materialize=materialize)
 
 
-__all__ = ["DDP", "ELEMENTWISE_OPTIMIZERS", "GradSync", "PipelineZero2", "PipelineZero3",
+__all__ = ["DDP", "DiLoCo", "ELEMENTWISE_OPTIMIZERS", "GradSync", "PipelineZero2", "PipelineZero3",
            "SyncOptions", "Zero1", "Zero2", "Zero3",
            "find_units", "group_parameters", "make_grad_sync", "unique_named_parameters"]
