@@ -110,10 +110,10 @@ def test_layout_mismatch_under_torchrun_exits_2_naming_flags_and_size(capsys, mo
 @pytest.mark.timeout(60)
 def test_layout_is_derived_from_the_world_size():
     from trainmesh.cli.train import derive_layout
-    assert derive_layout({}, 8)["dp"] == 8
-    assert derive_layout({"tp": 2, "pp": 2}, 8)["dp"] == 2
+    assert derive_layout({}, 8).get("dp") == 8
+    assert derive_layout({"tp": 2, "pp": 2}, 8).get("dp") == 2
     assert derive_layout({"dp": 2, "min_dp": 1}, 1) == {"dp": 2, "min_dp": 1}   # elastic: its rules
-    assert derive_layout({"strategy": "ps", "ps_servers": 1}, 3)["dp"] == 2
+    assert derive_layout({"strategy": "ps", "ps_servers": 1}, 3).get("dp") == 2
 
 
 @pytest.mark.timeout(60)
