@@ -74,9 +74,8 @@ def fmt_size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def run_header(*, params: int, world: int, layout: dict[str, Any], steps: int, start: int,
-               device: str) -> str:
-    """One readable line saying what is about to run (not a dict repr)."""
+def layout_text(layout: dict[str, Any]) -> str:
+    """A layout record in words: ``dp 2 x pp 1 x tp 1, zero 1, 2 microbatches, fp32``."""
     axes = " x ".join(f"{k} {layout[k]}" for k in ("dp", "pp", "tp"))
     extra = [f"zero {layout['zero']}" if layout.get("zero") else None,
              f"{layout['microbatches']} microbatches" if layout.get("microbatches", 1) > 1 else None,
@@ -85,9 +84,15 @@ def run_header(*, params: int, world: int, layout: dict[str, Any], steps: int, s
              f"recompute {layout['recompute']}" if layout.get("recompute", "none") != "none" else None,
              f"offload {layout['offload']}" if layout.get("offload", "none") != "none" else None,
              "sequence parallel" if layout.get("sequence_parallel") else None]
+    return ", ".join([axes, *(e for e in extra if e)])
+
+
+def run_header(*, params: int, world: int, layout: dict[str, Any], steps: int, start: int,
+               device: str) -> str:
+    """One readable line saying what is about to run (not a dict repr)."""
     steps_text = f"steps {start}-{steps}" if start > 1 else f"{steps} steps"
     return (f"trainmesh: {params:,} params on {world} process{'es' if world > 1 else ''} "
-            f"({device}): {axes}, {', '.join(e for e in extra if e)}; {steps_text}")
+            f"({device}): {layout_text(layout)}; {steps_text}")
 
 
 def print_summary(summary: dict[str, Any], *, first_loss: float, first_step: int = 1,
@@ -103,7 +108,7 @@ def print_summary(summary: dict[str, Any], *, first_loss: float, first_step: int
     cols = ["rank", "dp/pp/tp", "params", "grads", "optimizer", "peak memory", "comm/step"]
     if offload != "none":
         cols.insert(5, f"on {offload}")
-    table = wide_table(title, cols)
+    table = wide_table(None, cols)
     for r in summary["ranks"]:
         c, s = r["coords"], r["model_state_bytes"]
         comm = sum(b for ops in r["comm_bytes_per_step"].values() for b in ops.values())
@@ -114,6 +119,7 @@ def print_summary(summary: dict[str, Any], *, first_loss: float, first_step: int
             row.insert(5, fmt_size(sum(r.get("offloaded_bytes", {}).values())))
         table.add_row(*row)
     out = console()
+    out.print(title)
     out.print(table)
     if wall_s is not None:
         tps = summary.get("tokens_per_s") or 0.0
