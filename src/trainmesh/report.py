@@ -103,11 +103,12 @@ def charts(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return out
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+def _table(header: list[str] | None, rows: list[list[Any]]) -> str:
+    head = ("<thead><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+            + "</tr></thead>") if header else ""
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
                    for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<table>{head}<tbody>{body}</tbody></table>"
 
 
 def run_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
@@ -129,7 +130,7 @@ def run_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
         rows.append(["tokens/s", f"{summary['tokens_per_s']:,.0f}"])
     if summary.get("mfu") is not None:
         rows.append(["MFU", f"{summary['mfu']:.1%}"])
-    return "<h2>Run</h2>" + _table(["", ""], rows)
+    return "<h2>Run</h2>" + _table(None, rows)
 
 
 def ranks_table(summary: dict[str, Any]) -> str:
