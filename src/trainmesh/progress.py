@@ -57,10 +57,13 @@ def console(file: Any = None) -> Any:
 
 
 def wide_table(title: str | None, columns: list[str], *, left: tuple[str, ...] = ("", "offload",
-               "recompute", "comm bytes / step", "gpu")) -> Any:
-    """A rich Table whose cells fold (never cut with an ellipsis) when the width is short."""
+               "recompute", "comm bytes / step", "gpu"), compact: bool = False) -> Any:
+    """A rich Table whose cells fold (never cut with an ellipsis) when the width is short;
+    ``compact``: no vertical rules (a narrow terminal)."""
+    from rich import box
     from rich.table import Table
-    table = Table(title=title)
+    table = Table(title=title, box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD,
+                  padding=(0, 1) if not compact else (0, 0, 0, 1), pad_edge=not compact)
     for name in columns:
         table.add_column(name, justify="left" if name in left else "right", overflow="fold")
     return table

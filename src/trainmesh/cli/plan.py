@@ -49,6 +49,9 @@ CLUSTER: dict[str, tuple[Any, str]] = {
 }
 ADVISOR = {**ADVISOR_MODEL, **{k: v for k, v in CLUSTER.items() if k != "--peak-tflops"}}
 TABLE_ROWS = 15
+NARROW = 130
+"""Below this many columns the advisor's table keeps only the columns that decide."""
+DETAIL = ("params", "grads", "optim", "activ", "comm/step")
 
 
 def _plan_flags() -> list[str]:
@@ -217,19 +220,25 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_na
               f"est. {fmt_seconds(rec.time.total)} per step, {_mfu(rec, model, cluster, result)}",
               highlight=False)
     out.print(f"[bold]Why:[/bold] {result.why}", highlight=False)
-    table = wide_table(None, ["", "dp", "pp", "tp", "zero", "offload", "recompute", "mb", "params",
-                              "grads", "optim", "activ", "total", "fits", "comm/step", "step time"])
+    columns = ["", "dp", "pp", "tp", "zero", "offload", "recompute", "mb", "params", "grads",
+               "optim", "activ", "total", "fits", "comm/step", "step time"]
+    narrow = out.width < NARROW   # an 80-column terminal: the columns that decide
+    keep = [c for c in columns if not narrow or c not in DETAIL]
+    table = wide_table(None, keep, compact=narrow)
     shown = [rec] + [c for c in result.candidates if c is not rec][:TABLE_ROWS - 1]
     for c in shown:
         lay, mem = c.layout, c.memory
         mark = "->" if c is rec else ""
-        table.add_row(mark, str(lay.dp), str(lay.pp), str(lay.tp), str(lay.zero), lay.offload,
-                      lay.recompute, str(lay.microbatches), fmt_bytes(mem.params),
-                      fmt_bytes(mem.grads), fmt_bytes(mem.optimizer), fmt_bytes(mem.activations),
-                      fmt_bytes(mem.total), "yes" if c.fits else "no",
-                      fmt_bytes(c.comm_bytes_per_step), fmt_seconds(c.time.total),
-                      style="bold" if mark else None)
+        cells = dict(zip(columns, (
+            mark, str(lay.dp), str(lay.pp), str(lay.tp), str(lay.zero), lay.offload, lay.recompute,
+            str(lay.microbatches), fmt_bytes(mem.params), fmt_bytes(mem.grads),
+            fmt_bytes(mem.optimizer), fmt_bytes(mem.activations), fmt_bytes(mem.total),
+            "yes" if c.fits else "no", fmt_bytes(c.comm_bytes_per_step), fmt_seconds(c.time.total))))
+        table.add_row(*(cells[k] for k in keep), style="bold" if mark else None)
     out.print(table)
+    if narrow:
+        out.print(f"[dim]{out.width} columns: params, grads, optim, activ and comm/step left out "
+                  "(a wider terminal or --json shows them)[/dim]", highlight=False)
     _print_offload(result, model, cluster, out)
     for note in notes:
         out.print(f"[dim]note: {note}[/dim]", highlight=False)
