@@ -113,6 +113,7 @@ def test_layout_is_derived_from_the_world_size():
     assert derive_layout({}, 8).get("dp") == 8
     assert derive_layout({"tp": 2, "pp": 2}, 8).get("dp") == 2
     assert derive_layout({"dp": 2, "min_dp": 1}, 1) == {"dp": 2, "min_dp": 1}   # elastic: its rules
+    assert derive_layout({"pp": 2, "tp": 2, "min_dp": 1}, 2) == {"pp": 2, "tp": 2, "min_dp": 1}
     assert derive_layout({"strategy": "ps", "ps_servers": 1}, 3).get("dp") == 2
 
 

@@ -24,7 +24,7 @@ from rich.console import Console
 from ..config import PRECISIONS
 from ..errors import ConfigError
 from ..planner.units import fmt_bytes, fmt_seconds, parse_bandwidth, parse_count, parse_size
-from ..progress import console, wide_table
+from ..progress import console, fmt_size, wide_table
 from ..train_config import FLAGS
 from .train import add_train_flags, given_flags
 
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.params is not None and args.model is not None:
         raise ConfigError("--model", "give --params (and the shape) or --model NAME, not both")
     if args.model is not None and args.model in PRESETS:
-        wrong = _given(args, {**ADVISOR, "--gpu": 0, "--peak-tflops": 0})
+        wrong = _given(args, ADVISOR)   # --gpu and --peak-tflops: accepted (no time predicted)
         if wrong:
             raise ConfigError(wrong[0], "is an advisor flag; with --model tiny|small use "
                                         "the train flags (--dp, --d-model, ...)")
@@ -289,7 +289,7 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _ops(comm: dict[str, dict[str, int]]) -> str:
-    parts = [f"{axis}.{op} {fmt_bytes(b)}" for axis, ops in comm.items() for op, b in ops.items()]
+    parts = [f"{axis}.{op} {fmt_size(b)}" for axis, ops in comm.items() for op, b in ops.items()]
     return ", ".join(parts) or "none"
 
 
@@ -298,8 +298,8 @@ def _print_prediction(prediction: Any) -> None:
     lay = prediction.layout
     table = wide_table(f"trainmesh plan: predicted metrics, {prediction.params:,} params, "
                        f"dp={lay['dp']} pp={lay['pp']} tp={lay['tp']} zero={lay['zero']} "
-                       f"{lay['precision']}", ["ranks", "pp", "params B", "grads B", "optim B",
-                                               "comm bytes / step", "activ MiB", "peak MiB"])
+                       f"{lay['precision']}", ["ranks", "pp", "params", "grads", "optimizer",
+                                               "comm bytes / step", "activations", "peak memory"])
     per_stage: dict[int, list[Any]] = {}
     for r in prediction.ranks:
         per_stage.setdefault(r.coords["pp"], []).append(r)
@@ -307,11 +307,11 @@ def _print_prediction(prediction: Any) -> None:
         r = ranks[0]
         names = f"{ranks[0].rank}-{ranks[-1].rank}" if len(ranks) > 1 else str(r.rank)
         st = r.model_state_bytes
-        table.add_row(names, str(stage), f"{st['params']:,}", f"{st['grads']:,}",
-                      f"{st['optimizer']:,}", _ops(r.comm_bytes_per_step),
-                      f"{r.activation_bytes / 2**20:.1f}", f"{r.peak_mem_bytes / 2**20:.0f}")
+        table.add_row(names, str(stage), fmt_size(st["params"]), fmt_size(st["grads"]),
+                      fmt_size(st["optimizer"]), _ops(r.comm_bytes_per_step),
+                      fmt_size(r.activation_bytes), fmt_size(r.peak_mem_bytes))
     out.print(table)
     tol = prediction.tolerance
     out.print(f"[dim]tolerances: model states and traffic {tol['model_state_bytes']:.0%}, "
                   f"peak memory {tol['peak_mem_bytes']:.0%} (CPU: process RSS on this "
-                  "machine's measured base)[/dim]", highlight=False)
+                  "machine's measured base); --json gives exact bytes[/dim]", highlight=False)

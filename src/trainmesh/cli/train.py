@@ -86,7 +86,10 @@ def derive_layout(values: dict[str, Any], world: int) -> dict[str, Any]:
     if not isinstance(per_replica, int) or per_replica < 1 or not isinstance(servers, int):
         return out                       # a bad value: the config's own check names it
     trainers = world - servers
+    elastic = out.get("min_dp") is not None
     if "dp" not in out:
+        if elastic and (trainers < per_replica or trainers % per_replica):
+            return out                   # the elastic rules say which axis cannot shrink
         if trainers < per_replica or trainers % per_replica:
             raise ConfigError("--pp" if pp > 1 else "--tp",
                               f"pp {pp} x tp {tp} = {per_replica} does not divide the "
@@ -94,7 +97,7 @@ def derive_layout(values: dict[str, Any], world: int) -> dict[str, Any]:
                               f"{f' less {servers} servers' if servers else ''}); "
                               "give --pp and --tp whose product divides it")
         out["dp"] = trainers // per_replica
-    elif out.get("min_dp") is None and isinstance(out["dp"], int) \
+    elif not elastic and isinstance(out["dp"], int) \
             and out["dp"] * per_replica + servers != world:
         need = out["dp"] * per_replica + servers
         raise ConfigError("--dp", f"{out['dp']} x --pp {pp} x --tp {tp}"
