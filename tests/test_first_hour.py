@@ -68,8 +68,8 @@ def test_resumed_run_continues_and_its_summary_has_no_nan(runs):
     assert [r["step"] for r in steps(records)] == [3, 4]
     for mine, want in zip(steps(records), ref[2:]):
         assert abs(mine["loss"] - want["loss"]) <= LOSS_ABS, (mine, want)
-    assert "nan" not in proc.stdout.lower() and "(step 3)" in proc.stdout, proc.stdout
-    title = next(line for line in proc.stdout.splitlines() if "(step 3)" in line)
+    assert "nan" not in proc.stdout.lower() and "(from step 3)" in proc.stdout, proc.stdout
+    title = next(line for line in proc.stdout.splitlines() if "(from step 3)" in line)
     first = float(title.split("loss ")[1].split(" ")[0])
     assert math.isclose(first, ref[2]["loss"], abs_tol=1e-4)
 

@@ -102,9 +102,8 @@ def print_summary(summary: dict[str, Any], *, first_loss: float, first_step: int
                   wall_s: float | None = None, eval_loss: float | None = None) -> None:
     """A table of what every rank held and sent, the loss from the run's first step to its
     last (a resumed run: from the step it resumed at), the last eval loss and the wall time."""
-    span = f"step {first_step}" if first_step > 1 else "first"
     title = (f"trainmesh: {summary['params']:,} params, world {summary['world_size']}, loss "
-             f"{first_loss:.4f} ({span}) -> {summary['final_loss']:.4f}")
+             f"{first_loss:.4f} -> {summary['final_loss']:.4f} (from step {first_step})")
     if eval_loss is not None:
         title += f", eval loss {eval_loss:.4f}"
     offload = summary["layout"].get("offload", "none")
