@@ -165,3 +165,18 @@ def test_warmup_longer_than_the_run_is_one_warning(capsys):
     warn_warmup(build_train_config({"steps": 21}))
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--warmup-steps 20 >= --steps 20" in err
+
+
+@pytest.mark.timeout(60)
+def test_gpu_names_give_mfu_its_peak():
+    import torch
+
+    from trainmesh.flops import device_peak_tflops, peak_tflops
+    cpu = torch.device("cpu")
+    assert device_peak_tflops(cpu, "bf16") is None                      # CPU: no peak
+    assert device_peak_tflops(cpu, "bf16", gpu="a100-80gb") == 312.0
+    assert device_peak_tflops(cpu, "fp32", gpu="h100") == 67.0          # plain fp32, no TF32
+    assert device_peak_tflops(cpu, "bf16", 100.0, gpu="h100") == 100.0  # --peak-tflops wins
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert peak_tflops("NVIDIA L40S", "bf16") == 362.0 and peak_tflops("NVIDIA L4", "bf16") == 121.0
