@@ -19,7 +19,8 @@ def main() -> None:
     tm.init_distributed()
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=255, eos_token_id=255)   # inside the vocabulary
     model = transformers.GPT2LMHeadModel(config)
     if dist.get_rank() == 0:
         print("plan:", tm.hf_tp_plan(model))

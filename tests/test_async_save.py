@@ -96,11 +96,11 @@ KILLED_MID_WRITE = textwrap.dedent("""
     def save():
         saver.save(sys.argv[1], engine.grad_sync, step=engine.step_count,
                    layout=engine.config.layout(), trainer_state=engine.checkpoint_state())
-    real, go = async_save._write_piece, threading.Event()
+    real, go = async_save._write_entry, threading.Event()
     def held_back(tmp, rank, tensors):
         go.wait(60)
         real(tmp, rank, tensors)
-    async_save._write_piece = held_back
+    async_save._write_entry = held_back
     engine.train_step(torch.randn(8, 64))
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     save()
@@ -112,7 +112,7 @@ KILLED_MID_WRITE = textwrap.dedent("""
         (tmp / f"rank{rank:05d}.safetensors").write_bytes(b"half a file")
         print("WRITING", flush=True)
         time.sleep(120)
-    async_save._write_piece = stalled
+    async_save._write_entry = stalled
     save()
     time.sleep(120)
 """)

@@ -18,6 +18,7 @@ from trainmesh.planner.traffic import dp_ops, wire_bytes
 from trainmesh.planner.units import parse_bandwidth, parse_size
 
 GPT3 = dict(layers=96, hidden=12288, heads=96, seq_len=2048)
+SHAPE_7B = ("--layers", "32", "--hidden", "4096", "--heads", "32")
 
 
 def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
@@ -42,16 +43,16 @@ def layout_of(c: dict) -> dict:
 
 # ---------------------------------------------------------------- the ZeRO paper's table
 def test_zero_paper_table_7_5b_on_64_gpus(capsys):
-    result = plan_json(capsys, "--params", "7.5e9", "--gpus", "64")
+    result = plan_json(capsys, "--params", "7.5e9", "--gpus", "64", "--gpu-mem", "80GB", *SHAPE_7B)
     expected = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.88e9}
     for zero, want in expected.items():
         [c] = [c for c in result["candidates"]
                if layout_of(c) | {"zero": zero} == layout_of(c) and layout_of(c)["dp"] == 64
-               and layout_of(c)["offload"] == "none"]
+               and layout_of(c)["offload"] == "none" and layout_of(c)["recompute"] == "none"]
         mem = c["memory_per_gpu_bytes"]
         states = mem["params"] + mem["grads"] + mem["optimizer"]
         assert states == pytest.approx(want, rel=0.01), f"ZeRO-{zero}"
-        assert mem["activations"] == 0  # no shape given: activations not counted
+        assert mem["activations"] > 0  # the shape is given: activations counted
 
 
 def test_json_follows_the_contract(capsys):
@@ -71,7 +72,8 @@ def test_json_follows_the_contract(capsys):
 
 # ---------------------------------------------------------------- recommendations
 def test_one_gpu_model_does_not_fit_gives_zero3_offload(capsys):
-    rec = plan_json(capsys, "--params", "30e9", "--gpus", "1", "--gpu-mem", "80GB")["recommended"]
+    rec = plan_json(capsys, "--params", "30e9", "--gpus", "1", "--gpu-mem", "80GB", "--layers", "48",
+                    "--hidden", "7168", "--heads", "56", "--seq-len", "512")["recommended"]
     assert (rec["layout"]["zero"], rec["layout"]["offload"]) == (3, "cpu") and rec["fits"]
 
 
@@ -94,8 +96,8 @@ def test_175b_on_64_gpus_is_split_three_ways_inside_nodes(capsys):
     lay = shaped["recommended"]["layout"]
     assert lay["dp"] * lay["pp"] * lay["tp"] == 64 and shaped["recommended"]["fits"]
     assert 1 < lay["tp"] <= 8 and lay["pp"] > 1 and lay["zero"] <= 1
-    bare = plan_json(capsys, *args)["recommended"]["layout"]
-    assert bare["pp"] > 1 and bare["tp"] <= 8 and bare["dp"] * bare["pp"] * bare["tp"] == 64
+    code, out, err = run_cli(capsys, ["plan", *args])   # no shape: no activations to count
+    assert code == 2 and out == "" and "--layers, --hidden, --heads" in err
 
 
 def test_fast_links_between_nodes_favour_zero():
@@ -118,13 +120,17 @@ def test_tp_never_crosses_a_node(gpus, per_node):
 
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize("argv,field", [
-    (["--params", "7e9", "--gpus", "8", "--gpu-mem", "80XB"], "--gpu-mem"),
-    (["--params", "7e9", "--gpus", "8", "--gpu-mem=-5GB"], "--gpu-mem"),
-    (["--params", "7e9", "--gpus", "8", "--gpu-mem", "0GB"], "--gpu-mem"),
-    (["--params", "0", "--gpus", "8"], "--params"),
-    (["--params", "7e9", "--gpus", "0"], "--gpus"),
-    (["--params", "7e9", "--gpus", "12", "--gpus-per-node", "8"], "--gpus"),
-    (["--params", "7e9", "--gpus", "8", "--inter-node-bw", "25GB"], "--inter-node-bw"),
+    (["--params", "7e9", "--gpus", "8", "--gpu-mem", "80XB", *SHAPE_7B], "--gpu-mem"),
+    (["--params", "7e9", "--gpus", "8", "--gpu-mem=-5GB", *SHAPE_7B], "--gpu-mem"),
+    (["--params", "7e9", "--gpus", "8", "--gpu-mem", "0GB", *SHAPE_7B], "--gpu-mem"),
+    (["--params", "0", "--gpus", "8", *SHAPE_7B], "--params"),
+    (["--params", "7e9", "--gpus", "0", *SHAPE_7B], "--gpus"),
+    (["--params", "7e9", "--gpus", "12", "--gpus-per-node", "8", *SHAPE_7B], "--gpus"),
+    (["--params", "7e9", "--gpus", "8", "--inter-node-bw", "25GB", *SHAPE_7B], "--inter-node-bw"),
+    (["--params", "7e9", "--gpus", "8"], "--layers"),
+    (["--params", "7e9", "--gpus", "8", "--layers", "32"], "--hidden"),
+    (["--model", "gpt3-175b", "--gpus", "8", "--gpu", "h1000"], "--gpu"),
+    (["--model", "gpt5", "--gpus", "8"], "--model"),
     (["--params", "7e9", "--gpus", "8", "--hidden", "1000", "--heads", "3"], "--heads"),
     (["--params", "7e9", "--gpus", "8", "--dp", "2"], "--dp"),
     (["--params", "7e9"], "--gpus"),
@@ -218,8 +224,39 @@ def test_prediction_human_table(capsys):
 
 
 def test_advisor_human_table(capsys):
-    code, out, _ = run_cli(capsys, ["plan", "--params", "7.5B", "--gpus", "16"])
+    code, out, _ = run_cli(capsys, ["plan", "--params", "7.5B", "--gpus", "16", *SHAPE_7B])
     assert code == 0 and "Recommended:" in out and "Why:" in out and "->" in out
+    assert "no --gpu: assuming h100" in out        # the assumption is said, not silent
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert "->" in rows[0]                          # the recommended layout first
+    assert out.index("Recommended:") < out.index("Why:") < out.index(rows[0])
+    assert "…" not in out                           # a pipe: nothing cut
+
+
+def test_gpt3_175b_on_1024_a100s_matches_megatron(capsys):
+    """Narayanan et al. 2021 (Megatron-LM, table 1): GPT-3 175B on 1024 A100s, global batch 1536
+    of 2048 tokens, 138 TFLOP/s per GPU counted with recomputation (4/3 of the model FLOPs of
+    6N + 12 L h s per token): a step of 1536 * 2048 * (4/3) * 6.29e11... ~= 31 s."""
+    result = plan_json(capsys, "--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb")
+    rec = result["recommended"]
+    lay = rec["layout"]
+    assert lay["dp"] * lay["pp"] * lay["tp"] == 1024 and rec["fits"]
+    assert rec["memory_per_gpu_bytes"]["activations"] > 0
+    tokens, params = 1536 * 2048, 174.6e9
+    model_flops = tokens * (6 * params + 12 * 96 * 12288 * 2048)
+    published_s = model_flops * 4 / 3 / (1024 * 138e12)
+    assert published_s / 1.5 < rec["est_step_time_s"] < published_s * 1.5
+    assert result["why"].endswith(".") and "tp=" in result["why"]
+    code, out, _ = run_cli(capsys, ["plan", "--model", "gpt3-175b", "--gpus", "1024", "--gpu",
+                                    "a100-80gb", "--peak-tflops", "312"])
+    assert code == 0 and "1024 x a100-80gb" in out and "MFU" in out
+
+
+def test_list_gpus(capsys):
+    code, out, _ = run_cli(capsys, ["plan", "--list-gpus"])
+    assert code == 0
+    for name in ("h100", "h200", "a100-40gb", "a100-80gb", "l4", "mi300x"):
+        assert f"│ {name} " in out
 
 
 # ---------------------------------------------------------------- the models underneath

@@ -41,6 +41,9 @@ def test_report_is_self_contained_with_every_chart(page):
         m = re.search(rf'<g id="{gid}">\s*<path d="([^"]+)"', text)
         assert m and _points(m.group(1)) == n, gid
     assert re.search(r'id="traffic-bar-(dp|tp|pp|other)"', text)
+    assert "<pre" not in text and "{&quot;" not in text and '{"' not in text   # tables, not JSON
+    assert "<td>dp 2 x pp 2 x tp 2, 2 microbatches, schedule 1f1b, fp32 on 8 processes</td>" in text
+    assert re.search(r"<td>[\d.,]+ (KiB|MiB)</td>", text)                   # sizes, not bytes
 
 
 @pytest.mark.timeout(400)

@@ -135,8 +135,10 @@ def test_labels_and_grid() -> None:
     assert build_schedule("gpipe", 2, 2).labels()[0] == ["F0", "F1", "B0", "B1"]
     assert build_schedule("interleaved", 2, 2, 2).labels()[0][:2] == ["0F0", "0F1"]
     lines = format_grid(simulate(build_schedule("1f1b", 2, 2))).splitlines()
-    assert lines == ["rank 0 | F0 F1 .  .  B0 B0 .  B1 B1",
-                     "rank 1 | .  F0 B0 B0 F1 B1 B1 .  ."]
+    assert lines == ["stage 0 | F0 F1 .  .  B0 B0 .  B1 B1",
+                     "stage 1 | .  F0 B0 B0 F1 B1 B1 .  ."]
+    interleaved = format_grid(simulate(build_schedule("interleaved", 2, 2, 2))).splitlines()
+    assert interleaved[0].startswith("rank 0 |")     # a rank holding stages 0 and 2
 
 
 def test_draw_simulated_and_measured_timelines(tmp_path) -> None:
@@ -150,6 +152,23 @@ def test_draw_simulated_and_measured_timelines(tmp_path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError):
         draw_timeline(measured, tmp_path / "m.pdf")
+
+
+def test_pictures_share_one_time_scale(tmp_path) -> None:
+    """zb1p's short W passes do not stretch its picture: the same work, about the same width
+    (the planted bug, a scale from the shortest action, made zb1p's several times wider)."""
+    def width(timeline) -> float:
+        import re
+        path = draw_timeline(timeline, tmp_path / "w.svg")
+        return float(re.search(r'width="([0-9.]+)pt"', path.read_text()).group(1))
+    zb = simulate(build_schedule("zb1p", 4, 8))
+    for row in zb.ranks:     # a measured W is much shorter than its I
+        for i, t in enumerate(row):
+            if t.action.kind == "W":
+                row[i] = TimedAction(t.action, t.start, t.start + 0.1 * (t.end - t.start))
+    one = width(simulate(build_schedule("1f1b", 4, 8)))
+    assert 0.6 * one < width(zb) < 1.4 * one
+    assert 0.6 * one < width(simulate(build_schedule("interleaved", 4, 8, 2))) < 1.4 * one
 
 
 def test_cli_json(capsys) -> None:
@@ -170,7 +189,7 @@ def test_cli_text_and_svg(capsys, tmp_path) -> None:
     assert main(["schedule", "--pp", "3", "--microbatches", "4", "--schedule", "gpipe",
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "rank 2 |" in text and "bubble fraction 0.3333" in text
+    assert "stage 2 |" in text and "bubble fraction 0.3333" in text
     assert out.exists() and out.stat().st_size > 1000
 
 

@@ -69,13 +69,20 @@ def test_zero3_reshard_is_checked_naming_the_flag(capsys):
         ParallelConfig(pp=2, schedule="zb2p")
 
 
-def test_plan_takes_every_train_flag_from_the_one_table(capsys):
+def test_plan_takes_the_train_flags_it_uses_from_the_one_table(capsys):
+    """plan's prediction uses the layout, model, precision and memory flags of the one table
+    (and shows only those: no --lr, --save-dir or --metrics-out in `plan --help`)."""
+    from trainmesh.train_config import FLAGS
+
     def options(command: str) -> set[str]:
         sub = build_parser()._subparsers._group_actions[0].choices[command]
         return {o for a in sub._actions for o in a.option_strings}
-    assert options("train") - {"--config"} <= options("plan")
+    used = {f for f, flag in FLAGS.items()
+            if flag.group in ("layout", "model", "precision & memory")} - {"--model-dir"}
+    assert used | {"--global-batch", "--optimizer"} <= options("plan")
+    assert not {"--lr", "--save-dir", "--metrics-out", "--steps"} & options("plan")
     refused(capsys, ["plan", "--model", "tiny", "--seq-len", "0"], "--seq-len")
-    refused(capsys, ["plan", "--model", "tiny", "--lr", "nan"], "--lr")
+    refused(capsys, ["plan", "--model", "tiny", "--precision", "fp8"], "--precision")
 
 
 # ---------------------------------------------------------------- B. every field's type and range

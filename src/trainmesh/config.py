@@ -40,7 +40,7 @@ class ParallelConfig:
     microbatches: int = setting(1, "gradient accumulation (pp=1) or pipeline microbatches (pp>1)", ge=1)
     min_dp: int | None = setting(None, "elastic resize: the smallest dp the job may shrink to when "
                                        "it loses processes (default --dp: no resize)", ge=1)
-    schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
+    schedule: str = setting("1f1b", "pipeline schedule", choices=SCHEDULES)
     virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)", ge=1)
     zero3_reshard: str = setting("step", "ZeRO-3 with pp: step (gather each unit once per step, "
                                          "keep it for every microbatch) or microbatch (gather "
@@ -48,27 +48,30 @@ class ParallelConfig:
                                  choices=ZERO3_RESHARD)
     sequence_parallel: bool = setting(False, "Megatron sequence parallelism inside TP groups")
     precision: str = setting("fp32", "compute precision: fp32, bf16, fp16 (dynamic loss scaling)",
-                             choices=PRECISIONS)
+                             choices=PRECISIONS, group="precision & memory")
     reduce_dtype: str | None = setting(None, "dtype gradients are reduced in: fp32 or the compute "
-                                             "dtype (default)")
+                                             "dtype (default)", group="precision & memory")
     recompute: str = setting("none", "activation recomputation: none, full (keep layer inputs) or "
-                                     "selective (attention internals)", choices=RECOMPUTE)
-    recompute_segment: int = setting(1, "with full: recompute K layers from every K-th layer's input", ge=1)
+                                     "selective (attention internals)", choices=RECOMPUTE,
+                                     group="precision & memory")
+    recompute_segment: int = setting(1, "with full: recompute K layers from every K-th layer's input", ge=1,
+                                     group="precision & memory")
     offload: str = setting("none", "ZeRO >= 1: fp32 masters and optimizer states off the device, "
                                    "stepped on the CPU: none, cpu (host memory) or nvme (files)",
-                           choices=OFFLOAD)
+                           choices=OFFLOAD, group="precision & memory")
     offload_dir: str | None = setting(None, "directory for nvme offload files (default: a fresh "
-                                            "one under the system temp dir, removed at exit)", path=True)
+                                            "one under the system temp dir, removed at exit)", path=True,
+                                            group="precision & memory")
     offload_params: bool = setting(False, "ZeRO-3 with offload: parameter shards in host memory "
-                                          "too, gathered to the device per unit")
+                                          "too, gathered to the device per unit", group="precision & memory")
     bucket_mb: float = setting(25.0, "gradient bucket size in MiB (DDP all-reduce, ZeRO "
-                                     "reduce-scatter)", gt=0)
+                                     "reduce-scatter)", gt=0, group="precision & memory")
     grad_clip: float = setting(0.0, "global gradient-norm clip (0 = off; the norm is still "
-                                    "measured)", ge=0)
+                                    "measured)", ge=0, group="optimisation")
     timeout_s: float = setting(300.0, "every collective's timeout in seconds", flag="--timeout",
-                               gt=0, le=MAX_TIMEOUT_S)
+                               gt=0, le=MAX_TIMEOUT_S, group="launch")
     compile: bool = setting(False, "torch.compile each transformer block / pipeline layer "
-                                   "(collectives stay outside the graphs)")
+                                   "(collectives stay outside the graphs)", group="precision & memory")
     find_unused_parameters: bool = setting(False)
     """Reduce gradients of parameters that received none instead of raising an error (API only)."""
     # -- parameter server and all-reduce algorithms

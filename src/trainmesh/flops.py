@@ -10,30 +10,14 @@ parameter and token (2 forward, 4 backward) plus attention's score and value pro
 (``2·2·s·d`` per layer and token forward, doubled backward). The built-in GPT reports it through
 ``flops_per_token()``; another model passes its own number to the Engine.
 
-The peak comes from :data:`PEAK_TFLOPS`, dense (no sparsity) figures of NVIDIA's data sheets
-per compute precision, or from ``--peak-tflops``. CPUs have no entry: their MFU is null unless a
-peak is given.
+The peak comes from ``--peak-tflops``, else the ``--gpu`` row of the accelerator table
+(:data:`trainmesh.planner.gpus.GPUS`: dense data-sheet figures per precision; fp32 is the plain
+rate, trainmesh leaves TF32 matmuls off), else the row of the detected CUDA device. CPUs have no
+row: their MFU is null unless a peak is given.
 """
 from __future__ import annotations
 
 from typing import Any
-
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    # device-name fragment (most specific first) -> {precision: dense peak TFLOP/s}
-    # fp32 is the plain (non-tensor-core) rate: trainmesh leaves TF32 matmuls off.
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
-    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},          # SXM
-    "GH200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp32": 80.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
-    "V100": {"fp16": 125.0, "fp32": 15.7},
-}
-
 
 def transformer_flops_per_token(n_params: int, n_layers: int, seq_len: int, d_model: int) -> float:
     """Training FLOPs per token of a decoder: ``6N + 12·L·s·d`` (forward + backward)."""
@@ -51,19 +35,20 @@ def model_flops_per_token(model: Any, given: float | None = None) -> float | Non
 def peak_tflops(device_name: str | None, precision: str) -> float | None:
     """Dense peak TFLOP/s of one device named ``device_name`` (``torch.cuda.get_device_name``)
     in ``precision``; None when unknown (CPUs, unlisted GPUs or precisions)."""
-    if not device_name:
-        return None
-    for fragment, peaks in PEAK_TFLOPS.items():
-        if fragment in device_name:
-            return peaks.get(precision)
-    return None
+    from .planner.gpus import detect
+    row = detect(device_name)
+    return row.peak(precision) if row is not None else None
 
 
-def device_peak_tflops(device: Any, precision: str, given: float | None = None) -> float | None:
-    """The peak of one device for MFU: ``given`` (``--peak-tflops``), else the table's entry for
-    this CUDA device, else None (CPU)."""
+def device_peak_tflops(device: Any, precision: str, given: float | None = None,
+                       gpu: str | None = None) -> float | None:
+    """The peak of one device for MFU: ``given`` (``--peak-tflops``), else the ``gpu`` row
+    (``--gpu``), else the table's row for this CUDA device, else None (CPU)."""
     if given is not None:
         return given
+    if gpu is not None:
+        from .planner.gpus import gpu as gpu_row
+        return gpu_row(gpu).peak(precision)
     if getattr(device, "type", None) != "cuda":
         return None
     import torch

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -41,28 +42,103 @@ class Progress:
             self._bar.stop()
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f}"
+WIDE = 200
+"""Columns of a table written to a pipe or file (no terminal to measure, COLUMNS unset)."""
 
 
-def print_summary(summary: dict[str, Any], *, first_loss: float) -> None:
-    """A table of what every rank held and sent, and the loss from first to last step."""
+def console(file: Any = None) -> Any:
+    """A rich Console as wide as the terminal (or COLUMNS); a wide page when writing to a pipe,
+    so tables are never cut there."""
     from rich.console import Console
+    out = Console(file=file or sys.stdout, highlight=False)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(file=file or sys.stdout, width=WIDE, highlight=False)
+    return out
+
+
+def wide_table(title: str | None, columns: list[str], *, left: tuple[str, ...] = ("", "offload",
+               "recompute", "comm bytes / step", "gpu"), compact: bool = False) -> Any:
+    """A rich Table whose cells fold (never cut with an ellipsis) when the width is short;
+    ``compact``: no vertical rules (a narrow terminal)."""
+    from rich import box
     from rich.table import Table
-    table = Table(title=f"trainmesh: {summary['params']:,} params, world {summary['world_size']}, "
-                        f"loss {first_loss:.4f} -> {summary['final_loss']:.4f}")
+    table = Table(title=title, box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD,
+                  padding=(0, 1) if not compact else (0, 0, 0, 1), pad_edge=not compact)
+    for name in columns:
+        table.add_column(name, justify="left" if name in left else "right", overflow="fold")
+    return table
+
+
+def fmt_size(n: float) -> str:
+    """Bytes as a size: 512 B, 3.2 KiB, 12.5 MiB, 1.50 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}" if unit != "GiB" else f"{n / scale:,.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def layout_text(layout: dict[str, Any]) -> str:
+    """A layout record in words: ``dp 2 x pp 1 x tp 1, zero 1, 2 microbatches, fp32``."""
+    axes = " x ".join(f"{k} {layout[k]}" for k in ("dp", "pp", "tp"))
+    extra = [f"zero {layout['zero']}" if layout.get("zero") else None,
+             f"{layout['microbatches']} microbatches" if layout.get("microbatches", 1) > 1 else None,
+             f"schedule {layout['schedule']}" if layout.get("pp", 1) > 1 else None,
+             layout.get("precision"),
+             f"recompute {layout['recompute']}" if layout.get("recompute", "none") != "none" else None,
+             f"offload {layout['offload']}" if layout.get("offload", "none") != "none" else None,
+             "sequence parallel" if layout.get("sequence_parallel") else None]
+    return ", ".join([axes, *(e for e in extra if e)])
+
+
+def run_header(*, params: int, world: int, layout: dict[str, Any], steps: int, start: int,
+               device: str) -> str:
+    """One readable line saying what is about to run (not a dict repr)."""
+    steps_text = f"steps {start}-{steps}" if start > 1 else f"{steps} steps"
+    return (f"trainmesh: {params:,} params on {world} process{'es' if world > 1 else ''} "
+            f"({device}): {layout_text(layout)}; {steps_text}")
+
+
+def print_summary(summary: dict[str, Any], *, first_loss: float, first_step: int = 1,
+                  wall_s: float | None = None, eval_loss: float | None = None) -> None:
+    """A table of what every rank held and sent, the loss from the run's first step to its
+    last (a resumed run: from the step it resumed at), the last eval loss and the wall time."""
+    title = (f"trainmesh: {summary['params']:,} params, world {summary['world_size']}, loss "
+             f"{first_loss:.4f} -> {summary['final_loss']:.4f} (from step {first_step})")
+    if eval_loss is not None:
+        title += f", eval loss {eval_loss:.4f}"
     offload = summary["layout"].get("offload", "none")
-    cols = ["rank", "dp/pp/tp", "params MiB", "grads MiB", "optim MiB", "peak MiB", "comm MiB/step"]
+    cols = ["rank", "dp/pp/tp", "params", "grads", "optimizer", "peak memory", "comm/step"]
     if offload != "none":
-        cols.insert(5, f"{offload} MiB")
-    for col in cols:
-        table.add_column(col, justify="right")
+        cols.insert(5, f"on {offload}")
+    table = wide_table(None, cols)
     for r in summary["ranks"]:
         c, s = r["coords"], r["model_state_bytes"]
         comm = sum(b for ops in r["comm_bytes_per_step"].values() for b in ops.values())
-        row = [str(r["rank"]), f"{c['dp']}/{c['pp']}/{c['tp']}", _mib(s["params"]), _mib(s["grads"]),
-               _mib(s["optimizer"]), _mib(r["peak_mem_bytes"]), _mib(comm)]
+        row = [str(r["rank"]), f"{c['dp']}/{c['pp']}/{c['tp']}", fmt_size(s["params"]),
+               fmt_size(s["grads"]), fmt_size(s["optimizer"]), fmt_size(r["peak_mem_bytes"]),
+               fmt_size(comm)]
         if offload != "none":
-            row.insert(5, _mib(sum(r.get("offloaded_bytes", {}).values())))
+            row.insert(5, fmt_size(sum(r.get("offloaded_bytes", {}).values())))
         table.add_row(*row)
-    Console(file=sys.stdout).print(table)
+    out = console()
+    out.print(title)
+    out.print(table)
+    if wall_s is not None:
+        tps = summary.get("tokens_per_s") or 0.0
+        out.print(f"trainmesh: done in {wall_s:.1f} s ({tps:,.0f} tokens/s)")
+
+
+def print_outputs(paths: list[tuple[str, str]]) -> None:
+    """One list, on stderr, of the files a run wrote: (what, path)."""
+    if not paths:
+        return
+    width = max(len(what) for what, _ in paths)
+    lines = [f"  {what:<{width}}  {path}" for what, path in paths]
+    sys.stderr.write("trainmesh: wrote\n" + "\n".join(lines) + "\n")
+
+
+def outputs_of(cfg: Any) -> list[tuple[str, str]]:
+    """(what, path) of every file or directory a run of ``cfg`` writes."""
+    named = (("metrics", cfg.metrics_out), ("checkpoints", cfg.save_dir), ("trace", cfg.trace_out),
+             ("timeline", cfg.timeline_out), ("tensorboard", cfg.tensorboard))
+    return [(what, os.path.abspath(path)) for what, path in named if path]

@@ -103,22 +103,68 @@ def charts(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return out
 
 
+def _table(header: list[str] | None, rows: list[list[Any]]) -> str:
+    head = ("<thead><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+            + "</tr></thead>") if header else ""
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return f"<table>{head}<tbody>{body}</tbody></table>"
+
+
+def run_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """The run in one two-column table: layout, size, steps, losses, throughput."""
+    from .progress import layout_text
+    steps = [r for r in records if r.get("event") == "step"]
+    evals = [r for r in records if r.get("event") == "eval"]
+    rows: list[list[Any]] = []
+    if summary.get("layout"):
+        rows.append(["layout", f"{layout_text(summary['layout'])} on {summary.get('world_size')} "
+                               "processes"])
+    if "params" in summary:
+        rows.append(["parameters", f"{summary['params']:,}"])
+    rows.append(["steps", f"{steps[0]['step']}-{steps[-1]['step']}"])
+    rows.append(["loss", f"{steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"])
+    if evals:
+        rows.append(["eval loss (last)", f"{evals[-1]['loss']:.4f} at step {evals[-1]['step']}"])
+    if summary.get("tokens_per_s"):
+        rows.append(["tokens/s", f"{summary['tokens_per_s']:,.0f}"])
+    if summary.get("mfu") is not None:
+        rows.append(["MFU", f"{summary['mfu']:.1%}"])
+    return "<h2>Run</h2>" + _table(None, rows)
+
+
+def ranks_table(summary: dict[str, Any]) -> str:
+    """What every rank held and sent, as sizes."""
+    from .progress import fmt_size
+    if not summary.get("ranks"):
+        return ""
+    rows = []
+    for r in summary["ranks"]:
+        c, st = r["coords"], r["model_state_bytes"]
+        comm = sum(b for ops in r["comm_bytes_per_step"].values() for b in ops.values())
+        rows.append([r["rank"], f"{c['dp']}/{c['pp']}/{c['tp']}", fmt_size(st["params"]),
+                     fmt_size(st["grads"]), fmt_size(st["optimizer"]),
+                     fmt_size(r["peak_mem_bytes"]), fmt_size(comm)])
+    return "<h2>Ranks</h2>" + _table(["rank", "dp/pp/tp", "params", "grads", "optimizer",
+                                      "peak memory", "comm/step"], rows)
+
+
 def write_report(run: str, out: str) -> Path:
     """The HTML page of metrics file ``run``, written to ``out``."""
     records = read_records(run)
     if not any(r.get("event") == "step" for r in records):
         raise ConfigError("RUN.jsonl", f"{run!r} has no step records (a --metrics-out file?)")
     summary = next((r for r in records if r.get("event") == "summary"), {})
-    facts = {k: summary[k] for k in ("world_size", "layout", "params", "final_loss", "steps")
-             if k in summary}
     sections = "\n".join(f"<section><h2>{html.escape(h)}</h2>\n{svg}\n</section>"
                          for h, svg in charts(records))
     page = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>trainmesh run {html.escape(Path(run).name)}</title>"
             "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
-            "svg{max-width:100%;height:auto}</style>"
+            "svg{max-width:100%;height:auto}table{border-collapse:collapse;margin:1em 0}"
+            "th,td{border:1px solid #ccc;padding:.2em .6em;text-align:right}"
+            "th:first-child,td:first-child{text-align:left}</style>"
             f"</head><body><h1>trainmesh run: {html.escape(Path(run).name)}</h1>"
-            f"<pre>{html.escape(json.dumps(facts, indent=1))}</pre>\n{sections}\n</body></html>\n")
+            f"{run_table(records, summary)}\n{ranks_table(summary)}\n{sections}\n</body></html>\n")
     path = Path(out)
     path.write_text(page)
     return path

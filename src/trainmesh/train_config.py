@@ -36,60 +36,71 @@ class TrainConfig:
     """One training run: layout, model, data, optimizer, schedule, outputs."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    model: str = setting("tiny", f"built-in GPT preset: {', '.join(PRESETS)}", choices=tuple(PRESETS))
-    layers: int | None = setting(None, "override the preset's layer count", ge=1)
-    d_model: int | None = setting(None, "override the preset's hidden size", ge=1)
-    heads: int | None = setting(None, "override the preset's attention heads", ge=1)
-    seq_len: int | None = setting(None, "override the preset's sequence length", ge=1)
-    vocab_size: int | None = setting(None, "override the preset's vocabulary size", ge=1)
+    model: str = setting("tiny", f"built-in GPT preset: {', '.join(PRESETS)}", choices=tuple(PRESETS),
+                         group="model")
+    layers: int | None = setting(None, "override the preset's layer count", ge=1, group="model")
+    d_model: int | None = setting(None, "override the preset's hidden size", ge=1, group="model")
+    heads: int | None = setting(None, "override the preset's attention heads", ge=1, group="model")
+    seq_len: int | None = setting(None, "override the preset's sequence length", ge=1, group="model")
+    vocab_size: int | None = setting(None, "override the preset's vocabulary size", ge=1, group="model")
     data: str = setting("synthetic", "'synthetic', or a text file (bytes) / token file (.npy, "
-                                     ".bin uint16)", path=True)
+                                     ".bin uint16)", path=True, group="data")
     tokenizer: str = setting("bytes", "text --data as 'bytes' (vocab 256) or 'bpe:VOCAB' (a "
                                       "byte-level BPE trained on the file, cached beside it; "
-                                      "sets --vocab-size)")
+                                      "sets --vocab-size)", group="data")
     global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
-                                    "microbatches", ge=1)
-    optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS)
-    lr: float | None = setting(None, "peak learning rate (default 3e-3 for adamw, 0.3 for sgd)", gt=0)
-    warmup_steps: int = setting(20, "linear warm-up steps before cosine decay", ge=0)
-    steps: int = setting(200, "total optimizer steps", ge=1)
-    seed: int = setting(0, "seed of weights and data", ge=0)
+                                    "microbatches", ge=1, group="optimisation")
+    optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS, group="optimisation")
+    lr: float | None = setting(None, "peak learning rate (default 3e-3 for adamw, 0.3 for sgd)", gt=0,
+                               group="optimisation")
+    warmup_steps: int = setting(20, "linear warm-up steps before cosine decay", ge=0, group="optimisation")
+    steps: int = setting(200, "total optimizer steps", ge=1, group="optimisation")
+    seed: int = setting(0, "seed of weights and data", ge=0, group="data")
     init_from: str | None = setting(None, "start from pretrained weights: a safetensors file with "
                                           "the GPT's parameter names and shapes (e.g. `trainmesh "
-                                          "checkpoint consolidate` output)", path=True)
+                                          "checkpoint consolidate` output)", path=True, group="checkpoints")
     model_dir: str | None = setting(None, "train the Hugging Face causal LM (GPT-2 or Llama) of "
                                           "this directory instead of the built-in GPT: config.json "
                                           "+ model.safetensors, as save_pretrained writes (needs "
-                                          "transformers); dp and tp, not pp", path=True)
-    metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True)
-    save_dir: str | None = setting(None, "checkpoint directory", path=True)
-    save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0)
-    keep_last: int = setting(0, "after each save keep only the newest N checkpoints (0: all)", ge=0)
-    resume: bool = setting(False, "continue from the newest intact checkpoint in --save-dir")
+                                          "transformers); dp and tp, not pp", path=True, group="model")
+    metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True, group="observability")
+    save_dir: str | None = setting(None, "checkpoint directory", path=True, group="checkpoints")
+    save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0, group="checkpoints")
+    keep_last: int = setting(0, "after each save keep only the newest N checkpoints (0: all)", ge=0,
+                             group="checkpoints")
+    resume: bool = setting(False, "continue from the newest intact checkpoint in --save-dir",
+                           group="checkpoints")
     async_save: bool = setting(False, "save in the background: snapshot the state to host memory "
-                                      "at each save, write it on a thread while training goes on")
-    exit_after: int | None = setting(None, "stop cleanly after this step (planned preemption)", ge=1)
-    max_restarts: int = setting(0, "restarts of failed workers (local runs)", ge=0)
+                                      "at each save, write it on a thread while training goes on",
+                               group="checkpoints")
+    exit_after: int | None = setting(None, "stop cleanly after this step (planned preemption)", ge=1,
+                                     group="checkpoints")
+    max_restarts: int = setting(0, "restarts of failed workers (local runs)", ge=0, group="launch")
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
-                                             "(pipeline runs)", path=True)
+                                             "(pipeline runs)", path=True, group="observability")
     eval_every: int | None = setting(None, "validation loss on the held-out split (the last 5 percent "
                                            "of --data, or a disjoint synthetic stream) every N "
-                                           "steps", ge=1)
-    eval_batches: int = setting(4, "global batches per evaluation (--eval-every)", ge=1)
+                                           "steps", ge=1, group="observability")
+    eval_batches: int = setting(4, "global batches per evaluation (--eval-every)", ge=1,
+                                group="observability")
     trace_out: str | None = setting(None, "Chrome/Perfetto trace JSON of the last --trace-steps "
-                                          "steps, every rank in one file", path=True)
-    trace_steps: int = setting(2, "steps in the --trace-out trace (the run's last)", ge=1)
+                                          "steps, every rank in one file", path=True, group="observability")
+    trace_steps: int = setting(2, "steps in the --trace-out trace (the run's last)", ge=1,
+                               group="observability")
     tensorboard: str | None = setting(None, "directory for TensorBoard event files (needs the "
-                                            "tensorboard package)", path=True)
-    device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES)
+                                            "tensorboard package)", path=True, group="observability")
+    device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES, group="launch")
     on_nonfinite: str = setting("stop", "a non-finite loss or gradient norm: stop (exit 1, nothing "
                                         "non-finite saved) or skip the step (stop after a bound)",
-                                choices=("stop", "skip"))
+                                choices=("stop", "skip"), group="optimisation")
     peak_tflops: float | None = setting(None, "one device's peak TFLOP/s for MFU (default: a table "
-                                              "of known GPUs; none on CPU)", gt=0)
+                                              "of known GPUs; none on CPU)", gt=0, group="observability")
+    gpu: str | None = setting(None, "the accelerator, for MFU's peak: a name of `trainmesh plan "
+                                    "--list-gpus` (default: the detected CUDA device; none on "
+                                    "CPU)", group="observability")
     force: bool = setting(False, "start even when the planner predicts the run will not fit "
                                  "this machine, or --resume with another --data than the "
-                                 "checkpoint's")
+                                 "checkpoint's", group="launch")
 
     def __post_init__(self) -> None:
         if not isinstance(self.parallel, ParallelConfig):
@@ -108,6 +119,9 @@ class TrainConfig:
                               f"got {self.exit_after}")
         if self.async_save and not self.save_dir:
             raise ConfigError("--async-save", "writes checkpoints in the background; needs --save-dir")
+        if self.gpu is not None:
+            from .planner.gpus import gpu
+            self.gpu = gpu(self.gpu).name
         if self.resume and not self.save_dir:
             raise ConfigError("--resume", "needs --save-dir (where the checkpoints are)")
         if self.timeline_out is not None:
@@ -154,7 +168,10 @@ class TrainConfig:
         return asdict(self)
 
 
-FLAGS: dict[str, Flag] = {**flags_of(ParallelConfig), **flags_of(TrainConfig)}
+CLI_DEFAULTS = {"grad_clip": 1.0}
+"""Defaults of ``trainmesh train`` and TOML files that differ from the Python API's."""
+
+FLAGS: dict[str, Flag] = {**flags_of(ParallelConfig, group="layout"), **flags_of(TrainConfig)}
 """Every ``trainmesh train`` flag -> its config field (the flags of ``train`` and ``plan``, and
 the TOML keys)."""
 PARALLEL_FIELDS = ParallelConfig.field_names()
@@ -191,5 +208,6 @@ def build_train_config(values: dict[str, Any]) -> TrainConfig:
     """{field: value} (from TOML and flags) -> a validated TrainConfig."""
     par = {k: v for k, v in values.items() if k in PARALLEL_FIELDS}
     rest = {k: v for k, v in values.items() if k in TRAIN_FIELDS}
-    par.setdefault("grad_clip", 1.0)  # CONTRACT.md: --grad-clip defaults to 1.0
+    for name, value in CLI_DEFAULTS.items():
+        par.setdefault(name, value)
     return TrainConfig(parallel=ParallelConfig(**par), **rest)

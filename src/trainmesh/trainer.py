@@ -25,7 +25,7 @@ from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
 from .optimizers import no_decay, optimizer_factory
-from .progress import Progress, print_summary
+from .progress import Progress, outputs_of, print_outputs, print_summary, run_header
 from .resume import check_resume, elastic_job, run_record, same_job, schedule_changed
 from .savedir import SaveDirLock, remove_stale_tmp
 from .schedule_lr import warmup_cosine
@@ -123,6 +123,7 @@ def _exit_quietly_on_signals() -> None:
 
 def _train(cfg: TrainConfig, device: torch.device) -> int:
     p = cfg.parallel
+    began = time.perf_counter()
     mesh = ParallelMesh(dp=p.dp, pp=p.pp, tp=p.tp, timeout_s=p.timeout_s)
     rank0 = mesh.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(message)s",
@@ -143,10 +144,10 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
     tracer = make_tracer(engine, cfg, start, last)
-    log.info("trainmesh: %s params, world %d %s, %d steps", f"{cfg.num_params():,}", mesh.world_size,
-             {k: v for k, v in p.layout().items()}, cfg.steps)
-    peak = device_peak_tflops(device, p.precision, cfg.peak_tflops)
-    first_loss = loss = float("nan")
+    log.info(run_header(params=cfg.num_params(), world=mesh.world_size, layout=p.layout(),
+                        steps=last, start=start, device=device.type))
+    peak = device_peak_tflops(device, p.precision, cfg.peak_tflops, cfg.gpu)
+    first_loss = loss = eval_loss = float("nan")
     nonfinite_run = 0   # non-finite steps in a row
     saver = AsyncSaver(engine.comm) if cfg.async_save else None
     timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
@@ -161,7 +162,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             dt = time.perf_counter() - t0
             if tracer is not None:
                 tracer.after_step(step, t0, t0 + dt)
-            first_loss = loss if step == 1 else first_loss
+            first_loss = loss if step == start else first_loss
             timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
             tps = tokens / dt if dt > 0 else 0.0
             row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
@@ -171,7 +172,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             if elastic_run:
                 row.update(world_size=mesh.world_size, dp=p.dp)
             bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
-            _publish(row, engine, device, metrics, board, evaluator)
+            eval_loss = _publish(row, engine, device, metrics, board, evaluator) or eval_loss
             nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
                 _save(cfg, engine, step, saver, metrics)
@@ -187,7 +188,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     metrics.write(summary)
     board.close(summary)
     if rank0:
-        print_summary(summary, first_loss=first_loss)
+        print_summary(summary, first_loss=first_loss, first_step=start, eval_loss=eval_loss
+                      if evaluator is not None else None, wall_s=time.perf_counter() - began)
+        print_outputs(outputs_of(cfg))
     return 0
 
 
@@ -212,15 +215,18 @@ def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> Metr
 
 
 def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics: MetricsWriter,
-             board: TensorBoardLog, evaluator: Any) -> None:
+             board: TensorBoardLog, evaluator: Any) -> float | None:
     """A step's record to the metrics file and TensorBoard; the held-out loss when it is due
-    (collective)."""
+    (collective), returned."""
     metrics.write(row)
     board.step(row, engine.comm.ledger.steps[-1], memory_now(device))
     if evaluator is not None and evaluator.due(row["step"]):
         scored = evaluator.run(row["step"])
         metrics.write(scored)
         board.eval(scored)
+        log.info("step %d  eval loss %.4f", row["step"], scored["loss"])
+        return float(scored["loss"])
+    return None
 
 
 def _draw(cfg: TrainConfig, engine: Engine, tracer: Any) -> None:

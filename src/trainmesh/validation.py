@@ -25,16 +25,39 @@ INT64_MIN = -(2**63)
 
 def setting(default: Any = MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
             ge: float | None = None, gt: float | None = None, le: float | None = None,
-            choices: tuple | None = None, path: bool = False) -> Any:
+            choices: tuple | None = None, path: bool = False, group: str | None = None) -> Any:
     """A dataclass field with its flag, help text and valid range.
 
     ``ge``/``gt``/``le`` bound numbers; ``choices`` lists the valid values; ``path`` marks a
     string that names a file or directory (must be non-empty). ``flag`` overrides the flag
     derived from the field name (``timeout_s`` -> ``--timeout``). An empty ``help`` keeps the
-    field off the command line (Python API only).
+    field off the command line (Python API only). ``group`` is the ``--help`` section of the
+    flag (one of :data:`GROUPS`); a field without one gets :func:`default_group`.
     """
-    meta = dict(help=help, flag=flag, ge=ge, gt=gt, le=le, choices=choices, path=path)
+    meta = dict(help=help, flag=flag, ge=ge, gt=gt, le=le, choices=choices, path=path, group=group)
     return field(default=default, metadata=meta)
+
+
+GROUPS = ("layout", "model", "data", "optimisation", "precision & memory", "checkpoints",
+          "observability", "launch")
+"""The sections of ``trainmesh train --help``, in order."""
+
+_GROUP_HINTS = (("checkpoints", ("save", "resume", "keep", "checkpoint", "init_from")),
+                ("observability", ("_out", "metrics", "trace", "eval", "tensorboard", "log")),
+                ("data", ("data", "token")),
+                ("launch", ("restart", "timeout", "device", "node", "nproc", "master", "rdzv")))
+
+
+def default_group(f: Field, fallback: str) -> str:
+    """The ``--help`` section of a field: its ``group=``, else one its name suggests
+    (``keep_last`` -> checkpoints, ``foo_out`` -> observability), else ``fallback`` (the
+    section of the config class that declares it)."""
+    if f.metadata.get("group"):
+        return f.metadata["group"]
+    for group, words in _GROUP_HINTS:
+        if any(w in f.name for w in words):
+            return group
+    return fallback
 
 
 def flag_of(f: Field) -> str:
@@ -56,12 +79,20 @@ class Flag:
     kind: type
     """bool (a switch), int, float or str."""
     help: str
+    group: str = "launch"
+    """The ``--help`` section (:data:`GROUPS`)."""
+    default: Any = None
+    """The field's default (shown in ``--help``)."""
+    choices: tuple | None = None
 
 
-def flags_of(cls: type) -> dict[str, Flag]:
-    """The flags of a config dataclass: flag -> :class:`Flag`, in field order."""
+def flags_of(cls: type, *, group: str = "launch") -> dict[str, Flag]:
+    """The flags of a config dataclass: flag -> :class:`Flag`, in field order; ``group`` is the
+    section of fields that name none and suggest none (:func:`default_group`)."""
     hints = _hints(cls)
-    return {flag_of(f): Flag(f.name, _base(hints[f.name])[0] or str, f.metadata["help"])
+    return {flag_of(f): Flag(f.name, _base(hints[f.name])[0] or str, f.metadata["help"],
+                             default_group(f, group),
+                             None if f.default is MISSING else f.default, f.metadata.get("choices"))
             for f in fields(cls) if is_flag(f)}
 
 

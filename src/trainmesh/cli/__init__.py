@@ -31,8 +31,15 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: print the version and exit 0."""
+    from .. import __version__
+    parser.add_argument("--version", action="version", version=f"trainmesh {__version__}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainmesh", description=__doc__.splitlines()[0])
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, module in COMMANDS.items():
         try:
@@ -48,7 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # a misspelt flag: name the nearest valid one
+        from .flags import suggest
+        sub = _subparser(parser, args.command)
+        where = f"trainmesh {args.command}" if sub is not None else "trainmesh"
+        sys.stderr.write(f"{where}: error: {suggest(unknown[0], sub or parser)}\n")
+        return 2
     args.argv = argv
     if args.command is None:
         parser.print_help()
@@ -58,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"trainmesh {args.command}: error: {exc}\n")
         return 2
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if command in getattr(action, "choices", {}):
+            return action.choices[command]
+    return None
 
 
 if __name__ == "__main__":

@@ -20,143 +20,244 @@ import sys
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from ..config import PRECISIONS
 from ..errors import ConfigError
 from ..planner.units import fmt_bytes, fmt_seconds, parse_bandwidth, parse_count, parse_size
+from ..progress import console, fmt_size, wide_table
 from ..train_config import FLAGS
 from .train import add_train_flags, given_flags
 
-# The prediction mode takes every `trainmesh train` flag (one table: train_config.FLAGS); the
-# advisor shares these of them and adds its own.
-SHARED = ("--layers", "--heads", "--seq-len", "--vocab-size", "--global-batch", "--precision")
-ADVISOR: dict[str, tuple[Any, str]] = {
-    "--params": (str, "parameter count, e.g. 7.5e9 or 7.5B (advisor mode)"),
-    "--gpus": (int, "total GPUs"),
-    "--gpus-per-node": (int, "GPUs per node (default 8)"),
-    "--gpu-mem": (str, "memory per GPU, e.g. 80GB or 80GiB (default 80GB)"),
-    "--hidden": (int, "hidden size"),
-    "--micro-batch": (int, "sequences per microbatch per DP rank (default 1)"),
-    "--intra-node-bw": (str, "per-GPU bandwidth inside a node (default 300GB/s)"),
-    "--inter-node-bw": (str, "per-GPU bandwidth between nodes (default 25GB/s)"),
+# The prediction mode takes the `trainmesh train` flags the model of a run uses (one table:
+# train_config.FLAGS); the advisor shares the shape ones and adds its own.
+SHARED = ("--layers", "--heads", "--seq-len", "--vocab-size", "--global-batch", "--precision",
+          "--peak-tflops", "--gpu")
+PLAN_GROUPS = ("layout", "model", "precision & memory")
+OWN = ("--model", "--model-dir", "--peak-tflops", "--gpu")   # declared here, for both modes
+ADVISOR_MODEL: dict[str, tuple[Any, str]] = {
+    "--params": (str, "parameter count, e.g. 7.5e9 or 7.5B (advisor; give the shape too)"),
+    "--hidden": (int, "hidden size (advisor)"),
+    "--micro-batch": (int, "sequences per microbatch per DP rank (advisor; default 1)"),
 }
+CLUSTER: dict[str, tuple[Any, str]] = {
+    "--gpus": (int, "total GPUs (advisor)"),
+    "--gpus-per-node": (int, "GPUs per node (default: the --gpu row's, 8)"),
+    "--gpu-mem": (str, "memory per GPU, e.g. 80GB or 80GiB (default: the --gpu row's)"),
+    "--intra-node-bw": (str, "per-GPU bandwidth inside a node (default: the --gpu row's)"),
+    "--inter-node-bw": (str, "per-GPU bandwidth between nodes (default: the --gpu row's)"),
+    "--peak-tflops": (float, "one GPU's dense 16-bit peak TFLOP/s (default: the --gpu row's)"),
+}
+ADVISOR = {**ADVISOR_MODEL, **{k: v for k, v in CLUSTER.items() if k != "--peak-tflops"}}
 TABLE_ROWS = 15
+NARROW = 130
+"""Below this many columns the advisor's table keeps only the columns that decide."""
+DETAIL = ("params", "grads", "optim", "activ", "comm/step")
+
+
+def _plan_flags() -> list[str]:
+    """The train flags the prediction uses: layout, model shape, precision and memory, the
+    global batch and the optimizer (what the model of a run's bytes depends on)."""
+    keep = [flag for flag, f in FLAGS.items() if f.group in PLAN_GROUPS]
+    return [f for f in keep + ["--global-batch", "--optimizer"] if f not in OWN]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command."""
+    from ..planner.gpus import DEFAULT_GPU, GPUS
+    from ..planner.published import MODELS
     parser = subparsers.add_parser(
         "plan", help="which parallel layout to use: memory, traffic and time per layout",
-        description="With --params: rank every dp x pp x tp x ZeRO layout of a model on a cluster "
-                    "and recommend one. With --model: predict what `trainmesh train` measures for "
-                    "one layout of the built-in GPT.")
-    add_train_flags(parser)
-    for flag, (typ, text) in ADVISOR.items():
-        parser.add_argument(flag, type=typ, default=None, help=text)
-    parser.add_argument("--json", action="store_true", help="print only one JSON object on stdout")
+        usage="trainmesh plan (--model NAME | --params N --layers L --hidden H --heads A) "
+              "--gpus N [--gpu NAME] ... | trainmesh plan --model tiny [train layout flags]",
+        description="Advisor: with --model NAME (a published shape) or --params and the shape, "
+                    "rank every dp x pp x tp x ZeRO layout on a cluster and recommend one. "
+                    "Prediction: with --model tiny|small, predict what `trainmesh train` measures "
+                    "for one layout of the built-in GPT.")
+    groups = add_train_flags(parser, keep=_plan_flags(), titles={
+        "layout": "layout (prediction: --model tiny|small)",
+        "precision & memory": "precision & memory (--precision: both modes; the rest prediction)"})
+    model = groups.get("model") or parser.add_argument_group("model")
+    from ..models.gpt import PRESETS
+    model.add_argument("--model", default=None, metavar="NAME",
+                       help=f"a published shape for the advisor ({', '.join(MODELS)}) or a "
+                            f"built-in GPT preset to predict ({', '.join(PRESETS)})")
+    for flag, (typ, text) in ADVISOR_MODEL.items():
+        model.add_argument(flag, type=typ, default=None, help=text)
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--gpu", default=None, metavar="NAME",
+                         help=f"the accelerator: {', '.join(GPUS)} (default {DEFAULT_GPU}; "
+                              "--list-gpus shows the table)")
+    cluster.add_argument("--list-gpus", action="store_true",
+                         help="print the table of known accelerators and exit")
+    for flag, (typ, text) in CLUSTER.items():
+        cluster.add_argument(flag, type=typ, default=None, help=text)
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print only one JSON object on stdout")
     parser.set_defaults(run=run)
     return parser
 
 
 def _given(args: argparse.Namespace, flags: Any) -> list[str]:
-    return [f for f in flags if getattr(args, f[2:].replace("-", "_")) is not None]
+    return [f for f in flags if getattr(args, f[2:].replace("-", "_"), None) is not None]
 
 
 def run(args: argparse.Namespace) -> int:
     """Advisor or prediction by which of --params / --model is given; 0 on success."""
+    from ..models.gpt import PRESETS
+    if args.list_gpus:
+        _print_gpus()
+        return 0
     if args.params is not None and args.model is not None:
-        raise ConfigError("--model", "give --params (advisor) or --model (prediction), not both")
-    if args.model is not None:
-        wrong = _given(args, ADVISOR)
+        raise ConfigError("--model", "give --params (and the shape) or --model NAME, not both")
+    if args.model is not None and args.model in PRESETS:
+        wrong = _given(args, ADVISOR)   # --gpu and --peak-tflops: accepted (no time predicted)
         if wrong:
-            raise ConfigError(wrong[0], "is an advisor flag (with --params); with --model use "
+            raise ConfigError(wrong[0], "is an advisor flag; with --model tiny|small use "
                                         "the train flags (--dp, --d-model, ...)")
         return _predict(args)
-    if args.params is None:
-        raise ConfigError("--params", "give --params N to compare layouts, or --model NAME to "
-                                      "predict one layout of the built-in GPT")
-    wrong = [f for f in _given(args, FLAGS) if f not in SHARED]
+    if args.params is None and args.model is None:
+        raise ConfigError("--params", "give --model NAME (a published shape, or tiny|small to "
+                                      "predict one layout of the built-in GPT), or --params N "
+                                      "with --layers, --hidden and --heads")
+    wrong = [f for f in _given(args, FLAGS) if f not in SHARED and f != "--model"]
     if wrong:
-        raise ConfigError(wrong[0], "is a prediction flag (with --model); the advisor tries every "
-                                    "layout itself")
+        raise ConfigError(wrong[0], "is a prediction flag (with --model tiny|small); the advisor "
+                                    "tries every layout itself")
     return _advise(args)
 
 
 # ---------------------------------------------------------------- advisor
 def _advise(args: argparse.Namespace) -> int:
     from ..planner.advisor import plan
-    from ..planner.cluster import Cluster
-    from ..planner.shapes import ModelShape
+    from ..planner.gpus import DEFAULT_GPU, gpu
 
     if args.gpus is None:
-        raise ConfigError("--gpus", "is required with --params (total GPUs, e.g. --gpus 64)")
+        raise ConfigError("--gpus", "is required by the advisor (total GPUs, e.g. --gpus 64)")
     precision = args.precision or "bf16"
     if precision not in PRECISIONS:
         raise ConfigError("--precision", f"must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-    cluster = Cluster(
-        gpus=args.gpus, gpus_per_node=8 if args.gpus_per_node is None else args.gpus_per_node,
-        gpu_mem_bytes=parse_size("--gpu-mem", args.gpu_mem or "80GB"),
-        intra_node_bw=parse_bandwidth("--intra-node-bw", args.intra_node_bw or "300GB/s"),
-        inter_node_bw=parse_bandwidth("--inter-node-bw", args.inter_node_bw or "25GB/s"))
-    model = ModelShape(params=parse_count("--params", args.params), layers=args.layers,
-                       hidden=args.hidden, heads=args.heads,
-                       seq_len=2048 if args.seq_len is None else args.seq_len,
-                       micro_batch=1 if args.micro_batch is None else args.micro_batch,
-                       vocab=args.vocab_size)
+    row = gpu(args.gpu or DEFAULT_GPU)
+    model, batch = _shape(args)
+    cluster = _cluster(args, row)
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError("--global-batch", f"must be a positive integer; got {args.global_batch}")
-    result = plan(model, cluster, precision=precision, global_batch=args.global_batch)
+    result = plan(model, cluster, precision=precision, global_batch=batch)
+    notes = list(result.notes)
+    if args.gpu is None:
+        notes.insert(0, f"no --gpu: assuming {row.name} ({fmt_bytes(cluster.gpu_mem_bytes)}, "
+                        f"{cluster.peak_flops / 1e12:g} TFLOP/s 16-bit peak); --list-gpus shows others")
     if args.json:
-        for note in result.notes:
+        for note in notes:
             sys.stderr.write(f"trainmesh plan: note: {note}\n")
         print(json.dumps(result.to_json()))
         return 0
-    _print_plan(result, model, cluster, precision)
+    _print_plan(result, model, cluster, precision, gpu_name=row.name, notes=notes)
     return 0
 
 
-def _console() -> Console:
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
+def _shape(args: argparse.Namespace) -> tuple[Any, int | None]:
+    """(the model's shape, the global batch: --global-batch, the published run's, or None).
+    Without layers, hidden and heads activations cannot be estimated: exit 2 naming them."""
+    from ..planner.published import published
+    from ..planner.shapes import ModelShape
+    base: dict[str, Any] = {}
+    batch = args.global_batch
+    if args.model is not None:
+        pub = published(args.model)
+        base = dict(params=pub.params, layers=pub.layers, hidden=pub.hidden, heads=pub.heads,
+                    vocab=pub.vocab, seq_len=pub.seq_len)
+        batch = batch if batch is not None else pub.global_batch
+    given = dict(params=parse_count("--params", args.params) if args.params is not None else None,
+                 layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab_size,
+                 seq_len=args.seq_len)
+    base.update({k: v for k, v in given.items() if v is not None})
+    model = ModelShape(**{"seq_len": 2048, **base},
+                       micro_batch=1 if args.micro_batch is None else args.micro_batch)
+    missing = model.missing_shape_flags()
+    if missing:
+        raise ConfigError(missing[0], f"the advisor needs the model's shape to count activations: "
+                                      f"give {', '.join(missing)} (or --model NAME for a published "
+                                      "shape, `trainmesh plan --help` lists them)")
+    return model, batch
 
 
-def _print_plan(result: Any, model: Any, cluster: Any, precision: str) -> None:
-    console = _console()
+def _cluster(args: argparse.Namespace, row: Any) -> Any:
+    from ..planner.cluster import Cluster
+    return Cluster(
+        gpus=args.gpus, gpus_per_node=args.gpus_per_node or row.gpus_per_node,
+        gpu_mem_bytes=parse_size("--gpu-mem", args.gpu_mem) if args.gpu_mem else row.mem_bytes,
+        intra_node_bw=(parse_bandwidth("--intra-node-bw", args.intra_node_bw)
+                       if args.intra_node_bw else row.intra_node_bw),
+        inter_node_bw=(parse_bandwidth("--inter-node-bw", args.inter_node_bw)
+                       if args.inter_node_bw else row.inter_node_bw),
+        peak_flops=(args.peak_tflops if args.peak_tflops is not None
+                    else row.peak("bf16") or row.peak("fp16")) * 1e12)
+
+
+def _print_gpus() -> None:
+    from ..planner.gpus import TABLE_HEADER, table_rows
+    table = wide_table("trainmesh plan: known accelerators (dense peaks; bandwidth per GPU and "
+                       "direction)", TABLE_HEADER)
+    for row in table_rows():
+        table.add_row(*row)
+    console().print(table)
+
+
+def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_name: str,
+                notes: list[str]) -> None:
+    out = console()
+    rec = result.recommended
+    cfg = rec.layout
     nodes = f"{cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x {cluster.node_size}"
-    table = Table(title=f"trainmesh plan: {model.params / 1e9:.3g}B params, {cluster.gpus} GPUs "
-                        f"({nodes}), {fmt_bytes(cluster.gpu_mem_bytes)} each, {precision}, "
-                        f"global batch {result.global_batch}")
-    for name in ("", "dp", "pp", "tp", "zero", "offload", "recompute", "mb", "params", "grads",
-                 "optim", "activ", "total", "fits", "comm/step", "step time"):
-        table.add_column(name, justify="left" if name in ("", "offload", "recompute") else "right")
-    shown = result.candidates[:TABLE_ROWS]
-    if result.recommended not in shown:
-        shown.append(result.recommended)
+    out.print(f"[bold]trainmesh plan:[/bold] {model.params / 1e9:.4g}B params ({model.layers} "
+              f"layers, hidden {model.hidden}, {model.heads} heads, seq {model.seq_len}), "
+              f"{cluster.gpus} x {gpu_name} ({nodes}, {fmt_bytes(cluster.gpu_mem_bytes)} each), "
+              f"{precision}, global batch {result.global_batch}", highlight=False)
+    out.print(f"[bold]Recommended:[/bold] dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} zero={cfg.zero} "
+              f"offload={cfg.offload} recompute={cfg.recompute} "
+              f"sequence-parallel={'on' if cfg.sequence_parallel else 'off'} "
+              f"microbatches={cfg.microbatches}: {fmt_bytes(rec.memory.total)} per GPU, "
+              f"est. {fmt_seconds(rec.time.total)} per step, {_mfu(rec, model, cluster, result)}",
+              highlight=False)
+    out.print(f"[bold]Why:[/bold] {result.why}", highlight=False)
+    columns = ["", "dp", "pp", "tp", "zero", "offload", "recompute", "mb", "params", "grads",
+               "optim", "activ", "total", "fits", "comm/step", "step time"]
+    narrow = out.width < NARROW   # an 80-column terminal: the columns that decide
+    keep = [c for c in columns if not narrow or c not in DETAIL]
+    table = wide_table(None, keep, compact=narrow)
+    shown = [rec] + [c for c in result.candidates if c is not rec][:TABLE_ROWS - 1]
     for c in shown:
-        cfg, mem = c.layout, c.memory
-        mark = "->" if c is result.recommended else ""
-        table.add_row(mark, str(cfg.dp), str(cfg.pp), str(cfg.tp), str(cfg.zero), cfg.offload,
-                      cfg.recompute, str(cfg.microbatches), fmt_bytes(mem.params),
-                      fmt_bytes(mem.grads), fmt_bytes(mem.optimizer), fmt_bytes(mem.activations),
-                      fmt_bytes(mem.total), "yes" if c.fits else "no",
-                      fmt_bytes(c.comm_bytes_per_step), fmt_seconds(c.time.total),
-                      style="bold" if mark else None)
-    console.print(table)
-    rec = result.recommended.layout
-    console.print(f"[bold]Recommended:[/bold] dp={rec.dp} pp={rec.pp} tp={rec.tp} zero={rec.zero} "
-                  f"offload={rec.offload} recompute={rec.recompute} "
-                  f"sequence-parallel={'on' if rec.sequence_parallel else 'off'} "
-                  f"microbatches={rec.microbatches}")
-    console.print(f"[bold]Why:[/bold] {result.why}", highlight=False)
-    _print_offload(result, model, cluster, console)
-    for note in result.notes:
-        console.print(f"[dim]note: {note}[/dim]", highlight=False)
-    console.print(f"[dim]{len(result.candidates)} layouts considered, best {len(shown)} shown; "
-                  "memory per GPU includes framework overhead; --json lists all[/dim]")
+        lay, mem = c.layout, c.memory
+        mark = "->" if c is rec else ""
+        cells = dict(zip(columns, (
+            mark, str(lay.dp), str(lay.pp), str(lay.tp), str(lay.zero), lay.offload, lay.recompute,
+            str(lay.microbatches), fmt_bytes(mem.params), fmt_bytes(mem.grads),
+            fmt_bytes(mem.optimizer), fmt_bytes(mem.activations), fmt_bytes(mem.total),
+            "yes" if c.fits else "no", fmt_bytes(c.comm_bytes_per_step), fmt_seconds(c.time.total))))
+        table.add_row(*(cells[k] for k in keep), style="bold" if mark else None)
+    out.print(table)
+    if narrow:
+        out.print(f"[dim]{out.width} columns: params, grads, optim, activ and comm/step left out "
+                  "(a wider terminal or --json shows them)[/dim]", highlight=False)
+    _print_offload(result, model, cluster, out)
+    for note in notes:
+        out.print(f"[dim]note: {note}[/dim]", highlight=False)
+    out.print(f"[dim]{len(result.candidates)} layouts considered: the recommended first, then the "
+              f"fastest {len(shown) - 1}; memory per GPU includes framework overhead; --json lists "
+              "all[/dim]", highlight=False)
 
 
-def _print_offload(result: Any, model: Any, cluster: Any, console: Console) -> None:
+def _mfu(c: Any, model: Any, cluster: Any, result: Any) -> str:
+    """Model FLOP/s per GPU and MFU the estimate implies (6N + attention, no recompute)."""
+    from ..planner.steptime import flops_per_token
+    tokens = result.global_batch * model.seq_len
+    flops = tokens * flops_per_token(model.params, layers=model.layers, hidden=model.hidden,
+                                     seq_len=model.seq_len)
+    per_gpu = flops / c.time.total / cluster.gpus
+    return f"{per_gpu / 1e12:.0f} TFLOP/s per GPU ({per_gpu / cluster.peak_flops:.0%} MFU)"
+
+
+def _print_offload(result: Any, model: Any, cluster: Any, out: Console) -> None:
     """What offloading the recommended layout's optimizer (ZeRO >= 1) to host memory or NVMe
     would free per GPU and cost per step."""
     from dataclasses import replace
@@ -171,7 +272,7 @@ def _print_offload(result: Any, model: Any, cluster: Any, console: Console) -> N
         c = evaluate(replace(base, offload=kind, offload_params=base.zero == 3), model, cluster)
         parts.append(f"{kind} frees {fmt_bytes(rec.memory.total - c.memory.total)} per GPU for "
                      f"{fmt_seconds(c.time.total - rec.time.total)} more per step")
-    console.print(f"[bold]Offload (ZeRO-{base.zero}):[/bold] {'; '.join(parts)}", highlight=False)
+    out.print(f"[bold]Offload (ZeRO-{base.zero}):[/bold] {'; '.join(parts)}", highlight=False)
 
 
 # ---------------------------------------------------------------- prediction
@@ -188,19 +289,17 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _ops(comm: dict[str, dict[str, int]]) -> str:
-    parts = [f"{axis}.{op} {fmt_bytes(b)}" for axis, ops in comm.items() for op, b in ops.items()]
+    parts = [f"{axis}.{op} {fmt_size(b)}" for axis, ops in comm.items() for op, b in ops.items()]
     return ", ".join(parts) or "none"
 
 
 def _print_prediction(prediction: Any) -> None:
-    console = _console()
+    out = console()
     lay = prediction.layout
-    table = Table(title=f"trainmesh plan: predicted metrics, {prediction.params:,} params, "
-                        f"dp={lay['dp']} pp={lay['pp']} tp={lay['tp']} zero={lay['zero']} "
-                        f"{lay['precision']}")
-    for name in ("ranks", "pp", "params B", "grads B", "optim B", "comm bytes / step",
-                 "activ MiB", "peak MiB"):
-        table.add_column(name, justify="left" if name == "comm bytes / step" else "right")
+    table = wide_table(f"trainmesh plan: predicted metrics, {prediction.params:,} params, "
+                       f"dp={lay['dp']} pp={lay['pp']} tp={lay['tp']} zero={lay['zero']} "
+                       f"{lay['precision']}", ["ranks", "pp", "params", "grads", "optimizer",
+                                               "comm bytes / step", "activations", "peak memory"])
     per_stage: dict[int, list[Any]] = {}
     for r in prediction.ranks:
         per_stage.setdefault(r.coords["pp"], []).append(r)
@@ -208,11 +307,11 @@ def _print_prediction(prediction: Any) -> None:
         r = ranks[0]
         names = f"{ranks[0].rank}-{ranks[-1].rank}" if len(ranks) > 1 else str(r.rank)
         st = r.model_state_bytes
-        table.add_row(names, str(stage), f"{st['params']:,}", f"{st['grads']:,}",
-                      f"{st['optimizer']:,}", _ops(r.comm_bytes_per_step),
-                      f"{r.activation_bytes / 2**20:.1f}", f"{r.peak_mem_bytes / 2**20:.0f}")
-    console.print(table)
+        table.add_row(names, str(stage), fmt_size(st["params"]), fmt_size(st["grads"]),
+                      fmt_size(st["optimizer"]), _ops(r.comm_bytes_per_step),
+                      fmt_size(r.activation_bytes), fmt_size(r.peak_mem_bytes))
+    out.print(table)
     tol = prediction.tolerance
-    console.print(f"[dim]tolerances: model states and traffic {tol['model_state_bytes']:.0%}, "
+    out.print(f"[dim]tolerances: model states and traffic {tol['model_state_bytes']:.0%}, "
                   f"peak memory {tol['peak_mem_bytes']:.0%} (CPU: process RSS on this "
-                  "machine's measured base)[/dim]", highlight=False)
+                  "machine's measured base); --json gives exact bytes[/dim]", highlight=False)

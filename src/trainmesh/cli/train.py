@@ -13,29 +13,33 @@ from typing import Any
 
 from ..errors import ConfigError
 
-DEMO = {"dp": 2}  # a bare `trainmesh train`: the 2-process demo layout
+DEMO = {"dp": 2}  # a bare `trainmesh train` run locally: the 2-process demo layout
+LAYOUT_RULE = ("A bare `trainmesh train` runs the demo: dp 2 on 2 local processes. With any flag, "
+               "layout flags left unset are 1 locally; under torchrun or srun they are derived from "
+               "the world size (dp = world size / (pp x tp)).")
 
 
 def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
-def add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """Every ``trainmesh train`` flag, each defaulting to None so that "given" is visible."""
-    from ..train_config import FLAGS
-    for flag, f in FLAGS.items():
-        if f.kind is bool:
-            parser.add_argument(flag, action="store_const", const=True, default=None, help=f.help)
-        else:
-            parser.add_argument(flag, type=f.kind, default=None, help=f.help)
+def add_train_flags(parser: argparse.ArgumentParser, keep: Any = None,
+                    titles: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ``trainmesh train`` flags (those in ``keep`` when given) in their ``--help`` groups,
+    each defaulting to None so that "given" is visible; returns the groups."""
+    from .flags import add_flags
+    return add_flags(parser, keep=keep, titles=titles)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from . import add_version
     p = sub.add_parser("train", help="train a model under a parallel layout",
+                       usage="trainmesh train [--config FILE.toml] [FLAG VALUE ...]",
                        description="Train the built-in GPT (or a Hugging Face model, --model-dir) "
-                                   "under a dp x pp x tp layout.")
-    p.add_argument("--config", help="TOML file setting any of these flags (keys: the flag names "
-                                    "without '--'); flags win")
+                                   "under a dp x pp x tp layout. " + LAYOUT_RULE)
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file setting any of these flags "
+                   "(keys: the flag names without '--'); flags win")
+    add_version(p)
     add_train_flags(p)
     p.set_defaults(run=run)
 
@@ -47,14 +51,69 @@ def given_flags(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, _dest(flag), None) is not None}
 
 
-def collect(args: argparse.Namespace, argv_given: bool) -> dict[str, Any]:
-    """TOML values, overridden by the flags given; the bare demo's layout when nothing is."""
+def collect(args: argparse.Namespace, argv_given: bool, *, world: int | None = None) -> dict[str, Any]:
+    """TOML values, overridden by the flags given; under torchrun/srun (``world``: its world
+    size) the unset layout flags derived from it; else the bare demo's layout when nothing is
+    given."""
     from ..train_config import read_toml
     values: dict[str, Any] = read_toml(args.config) if getattr(args, "config", None) else {}
     values.update(given_flags(args))
+    if world is not None:
+        return derive_layout(values, world)
     if not argv_given:
         values.update(DEMO)
     return values
+
+
+def launcher_world() -> int | None:
+    """The world size when this process is a worker of torchrun or srun, else None."""
+    if "RANK" in os.environ:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    if "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ:
+        return int(os.environ.get("SLURM_NTASKS", "1"))
+    return None
+
+
+def derive_layout(values: dict[str, Any], world: int) -> dict[str, Any]:
+    """``values`` with the layout flags left unset derived from the launcher's ``world`` size
+    (pp and tp 1, dp = world / (pp x tp), minus the servers under --strategy ps); a layout
+    that cannot fill it raises ConfigError naming the flags and the size. An elastic job
+    (--min-dp) may run below --dp: its own rules apply (:mod:`trainmesh.elastic`)."""
+    out = dict(values)
+    pp, tp = out.get("pp", 1), out.get("tp", 1)
+    servers = out.get("ps_servers", 1) if out.get("strategy") == "ps" else 0
+    per_replica = pp * tp
+    if not isinstance(per_replica, int) or per_replica < 1 or not isinstance(servers, int):
+        return out                       # a bad value: the config's own check names it
+    trainers = world - servers
+    elastic = out.get("min_dp") is not None
+    if "dp" not in out:
+        if elastic and (trainers < per_replica or trainers % per_replica):
+            return out                   # the elastic rules say which axis cannot shrink
+        if trainers < per_replica or trainers % per_replica:
+            raise ConfigError("--pp" if pp > 1 else "--tp",
+                              f"pp {pp} x tp {tp} = {per_replica} does not divide the "
+                              f"{trainers} processes of this job (world size {world}"
+                              f"{f' less {servers} servers' if servers else ''}); "
+                              "give --pp and --tp whose product divides it")
+        out["dp"] = trainers // per_replica
+    elif not elastic and isinstance(out["dp"], int) \
+            and out["dp"] * per_replica + servers != world:
+        need = out["dp"] * per_replica + servers
+        raise ConfigError("--dp", f"{out['dp']} x --pp {pp} x --tp {tp}"
+                          f"{f' + {servers} servers' if servers else ''} = {need} processes, but "
+                          f"this torchrun/srun job has world size {world}; leave --dp unset to derive it "
+                          f"({world} / (pp x tp)) or start {need} processes")
+    return out
+
+
+def warn_warmup(cfg) -> None:
+    """One line when the warm-up is as long as the run (the learning rate never peaks)."""
+    import sys
+    if cfg.warmup_steps >= cfg.steps:
+        sys.stderr.write(f"trainmesh train: warning: --warmup-steps {cfg.warmup_steps} >= --steps "
+                         f"{cfg.steps}: the whole run is warm-up and the learning rate never "
+                         f"reaches {cfg.peak_lr:g} (lower --warmup-steps)\n")
 
 
 def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
@@ -127,15 +186,19 @@ def _check_nvme_space(cfg, local_ranks: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..train_config import build_train_config
     given = bool(given_flags(args)) or args.config is not None
-    cfg = build_train_config(collect(args, given))
-    if "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ):
+    world = launcher_world()
+    cfg = build_train_config(collect(args, given, world=world))
+    if world is not None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")))
         preflight(cfg, local_ranks=local, launching=False)
+        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+            warn_warmup(cfg)
         if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun: die with its agent
             from ..launch import die_with_parent
             die_with_parent(os.getppid())
         from ..trainer import worker_main
         return worker_main(cfg)
     preflight(cfg, local_ranks=cfg.parallel.world_size, launching=True)
+    warn_warmup(cfg)
     from ..launch import launch_local
     return launch_local(cfg, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts)

@@ -17,7 +17,7 @@ from rich.text import Text
 from .analysis import bubble_fraction
 from .schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Timeline
 
-__all__ = ["IDLE", "IMAGE_SUFFIXES", "draw_timeline", "format_grid", "grid_cells", "rich_grid"]
+__all__ = ["IDLE", "IMAGE_SUFFIXES", "draw_timeline", "format_grid", "grid_cells", "rich_grid", "row_label"]
 
 IDLE = "."
 """Cell text of an idle time step."""
@@ -33,15 +33,27 @@ _RICH_STYLES = {FORWARD: "bold blue", BACKWARD: "bold green", BACKWARD_INPUT: "b
 
 
 def _default_tick(timeline: Timeline) -> float:
+    """The mean forward duration (one chunk's forward): every schedule's grid and picture of the
+    same work then share one time scale, however short its other actions (zb1p's W)."""
+    forwards = [t.end - t.start for row in timeline.ranks for t in row
+                if t.end > t.start and t.action.kind == FORWARD]
+    if forwards:
+        return sum(forwards) / len(forwards)
     durations = [t.end - t.start for row in timeline.ranks for t in row if t.end > t.start]
     return min(durations) if durations else 1.0
+
+
+def row_label(timeline: Timeline, row: int) -> str:
+    """What a row is: ``stage r`` when each pipeline rank holds one stage, else ``rank r`` (its
+    stages r, r+pp, ...)."""
+    return f"stage {row}" if timeline.virtual_stages <= 1 else f"rank {row}"
 
 
 def grid_cells(timeline: Timeline, *, tick: float | None = None,
                max_columns: int = 2000) -> list[list[tuple[str, str] | None]]:
     """Per rank, per time step: ``(label, kind)`` of the running action, or ``None`` when idle.
 
-    ``tick`` defaults to the shortest action; it is widened if the grid would exceed
+    ``tick`` defaults to the mean forward (:func:`_default_tick`); it is widened if the grid would exceed
     ``max_columns`` (long measured timelines).
     """
     span, t0 = timeline.makespan, timeline.start
@@ -60,7 +72,7 @@ def grid_cells(timeline: Timeline, *, tick: float | None = None,
 
 
 def format_grid(timeline: Timeline, *, tick: float | None = None) -> str:
-    """The grid as plain text, one line per rank: ``rank 0 | F0 F1 .  B0 B0 ...``."""
+    """The grid as plain text, one line per row: ``stage 0 | F0 F1 .  B0 B0 ...``."""
     return "\n".join(line.plain.rstrip() for line in rich_grid(timeline, tick=tick))
 
 
@@ -68,10 +80,10 @@ def rich_grid(timeline: Timeline, *, tick: float | None = None) -> list[Text]:
     """The grid as one :class:`rich.text.Text` per rank, forwards and backwards coloured."""
     cells = grid_cells(timeline, tick=tick)
     width = max((len(c[0]) for row in cells for c in row if c), default=1)
-    prefix = len(f"rank {timeline.pp - 1}")
+    prefix = len(row_label(timeline, timeline.pp - 1))
     lines = []
     for rank, row in enumerate(cells):
-        line = Text(f"rank {rank}".ljust(prefix) + " |")
+        line = Text(row_label(timeline, rank).ljust(prefix) + " |")
         for cell in row:
             line.append(" ")
             if cell is None:
@@ -83,7 +95,7 @@ def rich_grid(timeline: Timeline, *, tick: float | None = None) -> list[Text]:
 
 
 def draw_timeline(timeline: Timeline, path: str | Path, *, title: str | None = None) -> Path:
-    """Draw one row per rank, a box per action (microbatch number inside), to SVG or PNG.
+    """Draw one row per pipeline rank (stage), a box per action (microbatch number inside), to SVG or PNG.
 
     The title carries the bubble fraction. With virtual stages, later chunks are drawn lighter.
     Uses matplotlib's Agg canvas without pyplot, so no global figure state is touched.
@@ -96,8 +108,8 @@ def draw_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     from matplotlib.patches import Patch
 
     t0, span = timeline.start, max(timeline.makespan, 1e-12)
-    tick = _default_tick(timeline)
-    width_in = min(max(8.0, 0.3 * span / tick + 1.5), 40.0)
+    stage_forward = _default_tick(timeline) * max(timeline.virtual_stages, 1)
+    width_in = min(max(8.0, 0.3 * span / stage_forward + 1.5), 40.0)   # one scale for all
     fig = Figure(figsize=(width_in, 1.0 + 0.55 * max(timeline.pp, 1)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -118,7 +130,7 @@ def draw_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
                         color="white" if sum(face) < 2.0 else "#222222")
     ax.set_ylim(timeline.pp - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, span)
-    ax.set_yticks(range(timeline.pp), [f"rank {r}" for r in range(timeline.pp)])
+    ax.set_yticks(range(timeline.pp), [row_label(timeline, r) for r in range(timeline.pp)])
     ax.set_xlabel(f"time ({timeline.time_unit})")
     heading = title if title is not None else (timeline.name or "pipeline timeline")
     ax.set_title(f"{heading} — bubble {bubble_fraction(timeline):.1%}", loc="left", fontsize=10)
