@@ -28,7 +28,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .comm.stores import LOOPBACK, STORE_ENV, server_store
 
@@ -36,9 +36,12 @@ if TYPE_CHECKING:
     from .train_config import TrainConfig
 
 SHUTDOWN_GRACE_S = 2
-"""After a failure or a signal, seconds the agent gives the other workers to end by themselves
-and again after SIGTERM, before SIGKILL. Short: a stopped worker, or one stuck in a collective,
-never ends on SIGTERM."""
+"""After a signal (Ctrl-C, SIGTERM), seconds the agent gives the workers to end after SIGTERM,
+before SIGKILL."""
+FAILURE_GRACE_S = 0.5
+"""After a worker failed, seconds the agent gives the others to end by themselves, and again
+after SIGTERM, before SIGKILL. Short: the failure is already recorded, and a stopped worker, or
+one stuck in a collective, never ends on SIGTERM."""
 MONITOR_INTERVAL_S = 0.1
 """How often the agent checks its workers."""
 PR_SET_PDEATHSIG = 1
@@ -52,8 +55,29 @@ def _quiet_agent() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0) -> int:
-    """Run :func:`worker_entry` on ``nproc`` local workers; return the exit code."""
+def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0,
+                 end_process_on_failure: bool = True) -> int:
+    """Run :func:`worker_entry` on ``nproc`` local workers; return the exit code.
+
+    A failed or signalled run ends this process right there (``end_process_on_failure``), once
+    the headline is written, the ``--save-dir`` lock released and the exit handlers run: the
+    interpreter's own teardown after importing torch takes seconds on a loaded machine."""
+    code = _launch(cfg, nproc=nproc, max_restarts=max_restarts)
+    if code and end_process_on_failure:
+        end_process(code)
+    return code
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit now with ``code``: exit handlers run and output flushed, module teardown skipped."""
+    import atexit
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -62,7 +86,7 @@ def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0) -> int:
 
     with SaveDirLock(cfg.save_dir) if cfg.save_dir else contextlib.nullcontext():
         _quiet_agent()
-        bound_worker_shutdown(SHUTDOWN_GRACE_S)
+        bound_worker_shutdown(FAILURE_GRACE_S)
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}   # where torch has it; else 30 s on signals
@@ -162,10 +186,17 @@ def worker_entry(cfg: TrainConfig, launcher_pid: int) -> int:
     try:
         return worker_main(cfg, lock_save_dir=False)   # the launcher holds the lock
     except (CommTimeout, NonFiniteError):
-        raise SystemExit(1) from None   # reported in full by the headline (the error file)
+        _exit_failed()                  # reported in full by the headline (the error file)
     except Exception:
         traceback.print_exc()           # an unexpected error: its traceback, once, from this rank
-        raise SystemExit(1) from None
+        _exit_failed()
+
+
+def _exit_failed() -> NoReturn:
+    """End a failed worker at once, exit status 1. Its error is already recorded (the error
+    file ``worker_main`` writes, stderr); the interpreter's teardown would first destroy process
+    groups whose peers may be stopped, which takes seconds."""
+    end_process(1)
 
 
 def die_with_parent(parent_pid: int) -> None:

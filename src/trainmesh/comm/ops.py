@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..errors import CommTimeout
 from ..mesh import ParallelMesh
-from .diagnose import exchange, silent_ranks, verdict
+from .diagnose import EXCHANGE_WAIT_S, exchange, silent_ranks, verdict
 from .ledger import Ledger, Span, canonical_axis
 
 ReduceOp = dist.ReduceOp
@@ -92,7 +92,7 @@ class Comm:
         (the launcher prints its first line as the headline), else with this rank."""
         history = [(s, o, a, tuple(shape)) for s, o, a, shape in self.recent]
         world = self.mesh.world_size
-        seen = exchange(self.mesh.rank, world, history, wait_s=min(5.0, self.timeout_s / 2))
+        seen = exchange(self.mesh.rank, world, history, wait_s=min(EXCHANGE_WAIT_S, self.timeout_s / 2))
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         silent = silent_ranks(seen, world)
         who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
