@@ -181,11 +181,12 @@ def _signal_exit_code(exc: BaseException) -> int | None:
 def worker_entry(cfg: TrainConfig, launcher_pid: int) -> int:
     """What each local worker runs: die with the launcher, then train under ``cfg``."""
     die_with_parent(launcher_pid)
+    from .comm.check import CollectiveOrderError
     from .errors import CommTimeout
     from .trainer import NonFiniteError, worker_main
     try:
         return worker_main(cfg, lock_save_dir=False)   # the launcher holds the lock
-    except (CommTimeout, NonFiniteError):
+    except (CommTimeout, NonFiniteError, CollectiveOrderError):
         _exit_failed()                  # reported in full by the headline (the error file)
     except Exception:
         traceback.print_exc()           # an unexpected error: its traceback, once, from this rank
