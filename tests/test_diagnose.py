@@ -96,6 +96,7 @@ def _rank_dependent_order() -> int:
     return comm.order_check.checks
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_check_collectives_names_the_first_op_that_differs(monkeypatch):
     from trainmesh.comm.check import CHECK_ENV

@@ -59,12 +59,12 @@ def _is_loopback(addr: str) -> bool:
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
-def _run_and_watch(args: list[str], tmp: Path, name: str, seen: dict) -> None:
+def _run_and_watch(args: list[str], env: dict[str, str], tmp: Path, name: str, seen: dict) -> None:
     """Run `trainmesh train ARGS`; while it runs, record every listening socket of its processes."""
     metrics = tmp / f"{name}.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *T, *args, "--metrics-out",
                              str(metrics)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=ENV, start_new_session=True)
+                            text=True, env={**ENV, **env}, start_new_session=True)
     sockets: set = set()
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
@@ -82,13 +82,16 @@ def _run_and_watch(args: list[str], tmp: Path, name: str, seen: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_local_runs_listen_on_loopback_only_and_never_collide(tmp_path):
-    """Three runs started at once (two dp=2 meshes, one parameter server): each ends well, and
-    every socket their launchers and workers listen on is a loopback address."""
-    runs = {"mesh_a": ["--dp", "2", "--steps", "6"], "mesh_b": ["--dp", "2", "--steps", "6"],
-            "ps": ["--strategy", "ps", "--dp", "2", "--ps-servers", "1", "--steps", "6"]}
+    """Three runs started at once (dp 2, pp 2 and a parameter server): each ends well, and every
+    socket their launchers and workers listen on is a loopback address. The pipeline run also
+    has the collective-order check on: a real layout passes it (no false alarm)."""
+    from trainmesh.comm.check import CHECK_ENV
+    runs = {"dp": (["--dp", "2", "--steps", "6"], {}),
+            "pp": (["--pp", "2", "--microbatches", "2", "--steps", "6"], {CHECK_ENV: "1"}),
+            "ps": (["--strategy", "ps", "--dp", "2", "--ps-servers", "1", "--steps", "6"], {})}
     seen: dict = {}
-    threads = [threading.Thread(target=_run_and_watch, args=(args, tmp_path, name, seen))
-               for name, args in runs.items()]
+    threads = [threading.Thread(target=_run_and_watch, args=(args, env, tmp_path, name, seen))
+               for name, (args, env) in runs.items()]
     for t in threads:
         t.start()
     for t in threads:
@@ -110,6 +113,7 @@ def _all_reduce_ones() -> list[float]:
     return t.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_port_picked_early_is_never_bound_later(monkeypatch):
     """Another program takes every port torch's launcher picks (as a run started at the same
