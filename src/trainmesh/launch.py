@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 SHUTDOWN_GRACE_S = 2
 """After a signal (Ctrl-C, SIGTERM), seconds the agent gives the workers to end after SIGTERM,
 before SIGKILL."""
-FAILURE_GRACE_S = 0.5
+FAILURE_GRACE_S = 0.25
 """After a worker failed, seconds the agent gives the others to end by themselves, and again
 after SIGTERM, before SIGKILL. Short: the failure is already recorded, and a stopped worker, or
 one stuck in a collective, never ends on SIGTERM."""

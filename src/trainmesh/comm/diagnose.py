@@ -25,7 +25,7 @@ from ..compat import default_store
 from .stores import STORE_ENV, client_store
 
 History = list[tuple[int, str, str, tuple[int, ...]]]
-EXCHANGE_WAIT_S = 2.0
+EXCHANGE_WAIT_S = 1.0
 """How long a failing rank waits for its peers' histories. Ranks in the same broken collective
 time out together, within far less; a rank still silent after it is stopped or dead."""
 CALL_TIMEOUT_S = 2.0   # one store call; a store that does not answer within it is unreachable
