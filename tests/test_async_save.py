@@ -94,8 +94,7 @@ KILLED_MID_WRITE = textwrap.dedent("""
                     loss_fn=lambda m, b: m(b).pow(2).mean())
     saver = async_save.AsyncSaver(engine.comm)
     def save():
-        saver.save(sys.argv[1], engine.grad_sync, step=engine.step_count,
-                   layout=engine.config.layout(), trainer_state=engine.checkpoint_state())
+        engine.save(sys.argv[1], saver=saver)
     real, go = async_save._write_entry, threading.Event()
     def held_back(tmp, rank, tensors):
         go.wait(60)

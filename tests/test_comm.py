@@ -145,3 +145,36 @@ def test_world_axis_is_reported_as_other():
     ledger.end_step()
     assert ledger.bytes_per_step() == {"dp": {"all_reduce": 4.0}, "tp": {}, "pp": {},
                                        "other": {"all_reduce": 24.0}}
+
+
+def test_ledger_memory_is_bounded_and_averages_cover_every_step():
+    """A long run: the ledger's memory stops growing once its window is full, while the
+    per-step averages still cover every step (step k sends k bytes: the mean is (n + 1) / 2)."""
+    import tracemalloc
+
+    from trainmesh.comm import Ledger
+
+    def run(ledger: Ledger, first: int, last: int) -> None:
+        for k in range(first, last + 1):
+            ledger.begin_step()
+            for axis in ("dp", "tp", "pp", "world"):
+                ledger.record(axis, "all_reduce", k if axis == "dp" else 0, seconds=1e-3)
+                ledger.record(axis, "all_gather", 0)
+            ledger.end_step()
+
+    ledger = Ledger()
+    tracemalloc.start()
+    try:
+        run(ledger, 1, 1000)      # (the window's tables, allocated while traced)
+        before = tracemalloc.get_traced_memory()[0]
+        run(ledger, 1001, 3000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 10_000, f"2000 more steps grew the ledger by {grown} bytes"
+    assert ledger.closed == 3000 and len(ledger.steps) == ledger.keep
+    assert ledger.bytes_per_step()["dp"]["all_reduce"] == pytest.approx(3001 / 2)
+    assert ledger.seconds_per_step() == pytest.approx(4e-3)
+    assert ledger.step_bytes(2999) == 3000
+    with pytest.raises(IndexError, match="not kept"):
+        ledger.step_bytes(0)

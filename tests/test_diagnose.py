@@ -75,3 +75,49 @@ def test_exchange_through_the_launchers_store(monkeypatch):
     b = [(1, "broadcast", "dp", (6,))]
     assert exchange(0, 2, a, wait_s=0.2) == {0: a}          # rank 1 has not reported yet
     assert exchange(1, 2, b, wait_s=5.0) == {0: a, 1: b}
+
+
+# ---------------------------------------------------------------- TRAINMESH_CHECK_COLLECTIVES=1
+def _rank_dependent_order() -> int:
+    """Step 1: both ranks all-reduce on dp, then on the world. Step 2: rank 1 swaps the order
+    (asynchronous ops on two groups, so nothing hangs: only the check can tell)."""
+    comm = Comm(ParallelMesh(dp=dist.get_world_size(), timeout_s=30))
+    assert comm.order_check is not None
+    x, y = torch.ones(6), torch.ones(3, dtype=torch.float64)
+    for step in (1, 2):
+        comm.ledger.begin_step()
+        order = [(x, "dp"), (y, "world")]
+        if step == 2 and dist.get_rank() == 1:
+            order.reverse()
+        handles = [comm.all_reduce(t, axis, async_op=True) for t, axis in order]
+        for h in handles:
+            h.wait()
+        comm.end_step()
+    return comm.order_check.checks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_check_collectives_names_the_first_op_that_differs(monkeypatch):
+    from trainmesh.comm.check import CHECK_ENV
+    monkeypatch.setenv(CHECK_ENV, "1")
+    with pytest.raises(ChildFailedError) as info:
+        run_distributed(_rank_dependent_order, 2, timeout_s=30)
+    messages = " ".join(str(f.message) for f in info.value.failures.values())
+    assert ("rank 1 and rank 0 issued different collectives: at collective #1 on the groups they "
+            "share, in step 2 of this process, rank 0 ran all_reduce@dp[ranks 0,1] float32(6,) while "
+            "rank 1 ran all_reduce@world[ranks 0,1] float64(3,)") in messages, messages
+
+
+def test_check_collectives_compares_only_shared_groups():
+    """Ranks on different groups (two dp groups of a 2x2 mesh, say) issue different collectives
+    legitimately; only the collectives on groups a pair shares are compared."""
+    from trainmesh.comm.check import first_difference
+    dp0 = ("all_reduce", "dp", (0, 2), "float32", (6,))
+    dp1 = ("all_reduce", "dp", (1, 3), "float32", (8,))
+    world = ("all_reduce", "world", (0, 1, 2, 3), "float32", (2,))
+    same = {0: [dp0, world], 1: [dp1, world], 2: [dp0, world], 3: [dp1, world]}
+    assert first_difference(same) is None
+    swapped = {**same, 2: [world, dp0]}
+    assert first_difference(swapped) == (0, 2, 0, "all_reduce@dp[ranks 0,2] float32(6,)",
+                                         "all_reduce@world[ranks 0,1,2,3] float32(2,)")

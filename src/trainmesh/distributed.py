@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .comm.stores import process_group_store
 from .errors import ConfigError
 
 log = logging.getLogger("trainmesh")
@@ -76,20 +77,22 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0,
     dev = pick_device(device)
     if dist.is_initialized():
         return dev
-    if "RANK" not in os.environ:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                            device_id=dev if dev.type == "cuda" else None)
+    timeout = timedelta(seconds=timeout_s)
+    device_id = dev if dev.type == "cuda" else None
+    if "RANK" not in os.environ:   # a world of one: an in-process store, nothing listens
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1"})
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout, device_id=device_id)
+        return dev
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = process_group_store(rank, world, timeout_s=timeout_s)
+    if store is None:   # torchrun's agent store (env://)
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout, device_id=device_id)
     return dev
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shutdown(*, barrier: bool = True) -> None:

@@ -199,7 +199,7 @@ class Engine:
         if self.lr_scheduler is not None and not skip:
             self.lr_scheduler.step()
         self.grad_sync.zero_grad()
-        self.comm.ledger.end_step()
+        self.comm.end_step()   # with TRAINMESH_CHECK_COLLECTIVES=1: the ranks compare their collectives
         self.step_count += 1
         self.last = {"loss": global_loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}
         if diloco:   # no global gradient; "outer" marks the steps that synchronised

@@ -1,11 +1,14 @@
 """Local workers through PyTorch's elastic launcher (the machinery behind ``torchrun``).
 
-``trainmesh train`` started directly runs ``dp*pp*tp`` workers under an elastic agent (c10d
-rendezvous on loopback); each worker runs :func:`worker_entry` with the ``TrainConfig`` the
+``trainmesh train`` started directly runs ``dp*pp*tp`` workers under an elastic agent; each
+worker runs :func:`worker_entry` with the ``TrainConfig`` the
 launcher already validated. The launcher
 
 - holds the ``--save-dir`` lock for the run's lifetime (:mod:`trainmesh.savedir`);
-- hosts the hang-diagnosis store, so a stalled worker cannot block its peers' diagnosis;
+- hosts one key-value store, listening on the loopback address only, on a port the kernel
+  picked at bind time (:mod:`trainmesh.comm.stores`): torch's dynamic rendezvous runs over it,
+  rank 0 hands its process-group store's port to the others through it, and the workers' hang
+  diagnosis uses it (so a stalled worker cannot block its peers' diagnosis);
 - turns a worker failure into exit 1 with a headline naming the rank (the suspect, when a rank
   stopped answering), and kills the remaining workers after a short grace;
 - exits 130 after Ctrl-C and 143 after SIGTERM, once every worker is gone.
@@ -24,18 +27,26 @@ import threading
 import time
 import traceback
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from .comm.diagnose import STORE_ENV
+from .comm.stores import LOOPBACK, STORE_ENV, server_store
 
 if TYPE_CHECKING:
     from .train_config import TrainConfig
 
 SHUTDOWN_GRACE_S = 2
-"""After a failure or a signal, seconds the agent gives the other workers to end by themselves
-and again after SIGTERM, before SIGKILL. Short: a stopped worker, or one stuck in a collective,
-never ends on SIGTERM."""
+"""After a signal (Ctrl-C, SIGTERM), seconds the agent gives the workers to end after SIGTERM,
+before SIGKILL."""
+FAILURE_GRACE_S = 0.25
+"""After a worker failed, seconds the agent gives the others to end by themselves, and again
+after SIGTERM, before SIGKILL. Short: the failure is already recorded, and a stopped worker, or
+one stuck in a collective, never ends on SIGTERM."""
+MONITOR_INTERVAL_S = 0.1
+"""How often the agent checks its workers."""
 PR_SET_PDEATHSIG = 1
+RDZV_BACKEND = "trainmesh-loopback"
+"""The elastic agent's rendezvous: torch's dynamic rendezvous over the launcher's own store."""
 
 
 def _quiet_agent() -> None:
@@ -44,8 +55,29 @@ def _quiet_agent() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0) -> int:
-    """Run :func:`worker_entry` on ``nproc`` local workers; return the exit code."""
+def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0,
+                 end_process_on_failure: bool = True) -> int:
+    """Run :func:`worker_entry` on ``nproc`` local workers; return the exit code.
+
+    A failed or signalled run ends this process right there (``end_process_on_failure``), once
+    the headline is written, the ``--save-dir`` lock released and the exit handlers run: the
+    interpreter's own teardown after importing torch takes seconds on a loaded machine."""
+    code = _launch(cfg, nproc=nproc, max_restarts=max_restarts)
+    if code and end_process_on_failure:
+        end_process(code)
+    return code
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit now with ``code``: exit handlers run and output flushed, module teardown skipped."""
+    import atexit
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -54,41 +86,69 @@ def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0) -> int:
 
     with SaveDirLock(cfg.save_dir) if cfg.save_dir else contextlib.nullcontext():
         _quiet_agent()
-        bound_worker_shutdown(SHUTDOWN_GRACE_S)
-        # Restarted workers must not reuse the dead attempt's store (flaky gloo reconnects otherwise).
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        bound_worker_shutdown(FAILURE_GRACE_S)
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        diag_store = _diagnosis_store()   # serves while referenced
-        os.environ[STORE_ENV] = f"127.0.0.1:{diag_store.port}"
         grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}   # where torch has it; else 30 s on signals
                  if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
-        config = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-            rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", run_id=f"trainmesh-{uuid.uuid4().hex[:8]}",
-            max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn", **grace)
-        try:
-            elastic_launch(config, worker_entry)(cfg, os.getpid())
-        except ChildFailedError as exc:
-            sys.stderr.write(f"trainmesh train: {_headline(exc)}\n")
-            return 1
-        except BaseException as exc:   # noqa: BLE001 - SignalException / KeyboardInterrupt only
-            code = _signal_exit_code(exc)
-            if code is None:
-                raise
-            sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(code - 128).name}; "
-                             "workers stopped\n")
-            return code
+        with local_rendezvous() as rendezvous:
+            config = LaunchConfig(
+                min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"trainmesh-{uuid.uuid4().hex[:8]}",
+                max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
+                **rendezvous, **grace)
+            try:
+                elastic_launch(config, worker_entry)(cfg, os.getpid())
+            except ChildFailedError as exc:
+                sys.stderr.write(f"trainmesh train: {_headline(exc)}\n")
+                return 1
+            except BaseException as exc:   # noqa: BLE001 - SignalException / KeyboardInterrupt only
+                code = _signal_exit_code(exc)
+                if code is None:
+                    raise
+                sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(code - 128).name}; "
+                                 "workers stopped\n")
+                return code
     return 0
 
 
-def _diagnosis_store():
-    """A key-value store in this process for the workers' hang diagnosis (see comm.diagnose)."""
-    from datetime import timedelta
+@contextlib.contextmanager
+def local_rendezvous(timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
+    """The rendezvous fields of a single-node ``LaunchConfig``, over a store this process serves
+    on the loopback address (port picked by the kernel at bind time) until the block ends.
 
-    import torch.distributed as dist
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=30))
+    Workers started inside the block find the store through ``TRAINMESH_LAUNCHER_STORE``. The
+    agent's own store sharing must be off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: it would
+    listen on every interface); rank 0 of the workers then serves the process group's store on
+    loopback (:func:`trainmesh.comm.stores.process_group_store`)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    rendezvous_handler_registry.register(RDZV_BACKEND, _loopback_rendezvous)
+    store = server_store(LOOPBACK, timeout_s=timeout_s, multi_tenant=True)
+    before = os.environ.get(STORE_ENV)
+    os.environ[STORE_ENV] = f"{LOOPBACK}:{store.port}"
+    try:
+        yield {"rdzv_backend": RDZV_BACKEND, "rdzv_endpoint": f"{LOOPBACK}:{store.port}",
+               "rdzv_configs": {"store": store}, "local_addr": LOOPBACK}
+    finally:
+        if before is None:
+            os.environ.pop(STORE_ENV, None)
+        else:
+            os.environ[STORE_ENV] = before
+
+
+def _loopback_rendezvous(params):
+    """torch's dynamic rendezvous handler over the store in ``params`` (see local_rendezvous)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:   # the registry checks the handler's backend against its key
+            return RDZV_BACKEND
+
+    store = params.config["store"]
+    return create_handler(store, LoopbackBackend(store, params.run_id), params)
 
 
 def _headline(exc) -> str:
@@ -121,15 +181,23 @@ def _signal_exit_code(exc: BaseException) -> int | None:
 def worker_entry(cfg: TrainConfig, launcher_pid: int) -> int:
     """What each local worker runs: die with the launcher, then train under ``cfg``."""
     die_with_parent(launcher_pid)
+    from .comm.check import CollectiveOrderError
     from .errors import CommTimeout
     from .trainer import NonFiniteError, worker_main
     try:
         return worker_main(cfg, lock_save_dir=False)   # the launcher holds the lock
-    except (CommTimeout, NonFiniteError):
-        raise SystemExit(1) from None   # reported in full by the headline (the error file)
+    except (CommTimeout, NonFiniteError, CollectiveOrderError):
+        _exit_failed()                  # reported in full by the headline (the error file)
     except Exception:
         traceback.print_exc()           # an unexpected error: its traceback, once, from this rank
-        raise SystemExit(1) from None
+        _exit_failed()
+
+
+def _exit_failed() -> NoReturn:
+    """End a failed worker at once, exit status 1. Its error is already recorded (the error
+    file ``worker_main`` writes, stderr); the interpreter's teardown would first destroy process
+    groups whose peers may be stopped, which takes seconds."""
+    end_process(1)
 
 
 def die_with_parent(parent_pid: int) -> None:

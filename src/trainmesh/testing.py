@@ -11,7 +11,6 @@ that rank and its error.
 """
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -41,9 +40,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(*args)`` on ``world_size`` fresh processes; return {rank: result}."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                          run_id=f"tm-{uuid.uuid4().hex[:8]}", max_restarts=0,
-                          monitor_interval=0.05, start_method="spawn")
-    return elastic_launch(config, _worker)(fn, timeout_s, threads, args)
+    from .launch import local_rendezvous
+    with local_rendezvous() as rendezvous:
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
+                              run_id=f"tm-{uuid.uuid4().hex[:8]}", max_restarts=0,
+                              monitor_interval=0.05, start_method="spawn", **rendezvous)
+        return elastic_launch(config, _worker)(fn, timeout_s, threads, args)

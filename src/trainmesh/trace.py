@@ -33,6 +33,7 @@ class Tracer:
     first: int
     """The first traced step."""
     _windows: list[int] = field(default_factory=list)
+    _ledger_bytes: int = 0
     _compute: list[tuple[str, str, float, float, dict]] = field(default_factory=list)
 
     def before_step(self, step: int) -> None:
@@ -43,7 +44,8 @@ class Tracer:
         """Book step ``step`` (run between ``start`` and ``end``, ``perf_counter`` seconds)."""
         if step < self.first:
             return
-        self._windows.append(len(self.engine.comm.ledger.steps) - 1)
+        self._windows.append(self.engine.comm.ledger.closed - 1)
+        self._ledger_bytes += self.engine.comm.ledger.step_bytes(self._windows[-1])
         timeline = self.engine.executor.last_timeline
         row = timeline.ranks[min(self.engine.mesh.index("pp"), timeline.pp - 1)] if timeline else []
         for t in row:
@@ -66,7 +68,7 @@ class Tracer:
                 "comm": [(s.axis, s.op, s.nbytes, s.start + offset,
                           (s.end if s.end is not None else s.start) + offset,
                           self._windows.index(s.step)) for s in spans],
-                "ledger_bytes": sum(ledger.step_bytes(w) for w in self._windows)}
+                "ledger_bytes": self._ledger_bytes}
         ledger.tracing = False
         gathered = comm.all_gather_object(mine)
         if mesh.rank != 0:

@@ -38,7 +38,9 @@ def sbatch_script(*, nodes: int, gpus_per_node: int, job_name: str, partition: s
     lines += [
         "set -euo pipefail",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "# restarted workers get a fresh store (gloo reconnects to stale peers otherwise)",
+        "# restarted workers get a fresh store (gloo reconnects to stale peers otherwise); rank 0",
+        "# then serves it on the interface of the master address only. Stores have no",
+        "# authentication: keep the job inside a private cluster network (docs/SECURITY.md).",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         "srun torchrun \\",
         '  --nnodes "$SLURM_NNODES" \\',

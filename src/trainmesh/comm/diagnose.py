@@ -8,7 +8,7 @@ is named as silent: it is the suspect when the others merely timed out waiting.
 
 The exchange is bounded whatever the peers do: every store call carries a short timeout, and
 the exchange runs in a thread that is abandoned after ``wait_s`` plus a little. Local runs use a store hosted by the launcher
-(``TRAINMESH_DIAG_STORE=host:port``), so a stalled worker cannot block it; under torchrun it is
+(``TRAINMESH_LAUNCHER_STORE=host:port``), so a stalled worker cannot block it; under torchrun it is
 the default group's store (torchrun's agent hosts it unless sharing is disabled).
 """
 from __future__ import annotations
@@ -22,9 +22,12 @@ from datetime import timedelta
 from typing import Any
 
 from ..compat import default_store
+from .stores import STORE_ENV, client_store
 
 History = list[tuple[int, str, str, tuple[int, ...]]]
-STORE_ENV = "TRAINMESH_DIAG_STORE"
+EXCHANGE_WAIT_S = 1.0
+"""How long a failing rank waits for its peers' histories. Ranks in the same broken collective
+time out together, within far less; a rank still silent after it is stopped or dead."""
 CALL_TIMEOUT_S = 2.0   # one store call; a store that does not answer within it is unreachable
 
 
@@ -39,10 +42,7 @@ def _store() -> Any | None:
     address = os.environ.get(STORE_ENV)
     try:
         if address:
-            import torch.distributed as dist
-            host, port = address.rsplit(":", 1)
-            return dist.TCPStore(host, int(port), is_master=False, timeout=timeout,
-                                 wait_for_workers=False)
+            return client_store(address, timeout_s=CALL_TIMEOUT_S)
         store = default_store()
         if store is not None:
             store.set_timeout(timeout)

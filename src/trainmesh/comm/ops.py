@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from ..errors import CommTimeout
 from ..mesh import ParallelMesh
-from .diagnose import exchange, silent_ranks, verdict
+from .check import OrderCheck, enabled as order_check_enabled
+from .diagnose import EXCHANGE_WAIT_S, exchange, silent_ranks, verdict
 from .ledger import Ledger, Span, canonical_axis
 
 ReduceOp = dist.ReduceOp
@@ -73,6 +74,18 @@ class Comm:
         self.timeout_s = mesh.timeout_s
         self.seq = 0
         self.recent: deque[tuple[int, str, str, tuple[int, ...]]] = deque(maxlen=history)
+        self.order_check = (OrderCheck(mesh.rank, mesh.world_size, mesh.group("world"))
+                            if order_check_enabled() else None)
+        """Set with ``TRAINMESH_CHECK_COLLECTIVES=1``: the ranks compare their collectives at
+        each :meth:`end_step` (:mod:`trainmesh.comm.check`)."""
+
+    def end_step(self) -> dict:
+        """Close the ledger's step window (returns its table); with the order check on, the
+        ranks then compare the collectives they issued since the last check."""
+        window = self.ledger.end_step()
+        if self.order_check is not None:
+            self.order_check.verify()
+        return window
 
     # ---------------------------------------------------------------- plumbing
     def _group(self, axis: str, group: Any) -> Any:
@@ -92,7 +105,7 @@ class Comm:
         (the launcher prints its first line as the headline), else with this rank."""
         history = [(s, o, a, tuple(shape)) for s, o, a, shape in self.recent]
         world = self.mesh.world_size
-        seen = exchange(self.mesh.rank, world, history, wait_s=min(5.0, self.timeout_s / 2))
+        seen = exchange(self.mesh.rank, world, history, wait_s=min(EXCHANGE_WAIT_S, self.timeout_s / 2))
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         silent = silent_ranks(seen, world)
         who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
@@ -101,7 +114,10 @@ class Comm:
                            f"{first_line[:300]}; diagnosis: {verdict(seen, world)}")
 
     def _run(self, op: str, axis: str, payload: int, fn, shape: tuple[int, ...],
-             async_op: bool) -> Handle | None:
+             async_op: bool, *, collective: tuple[Any, torch.Tensor] | None = None) -> Handle | None:
+        """Issue ``fn``; ``collective`` = (its group, its tensor) for the order check."""
+        if collective is not None and self.order_check is not None:
+            self.order_check.note(op, canonical_axis(axis), *collective)
         self.seq += 1
         self.recent.append((self.seq, op, axis, shape))
         self.ledger.record(axis, op, payload)
@@ -126,7 +142,8 @@ class Comm:
             return Handle(self, None, axis, "all_reduce", 0.0) if async_op else None
         g = self._group(axis, group)
         return self._run("all_reduce", axis, nbytes(t),
-                         lambda a: dist.all_reduce(t, op=op, group=g, async_op=a), t.shape, async_op)
+                         lambda a: dist.all_reduce(t, op=op, group=g, async_op=a), t.shape, async_op,
+                         collective=(g, t))
 
     def broadcast(self, t: torch.Tensor, axis: str, *, src: int, group=None,
                   async_op: bool = False) -> Handle | None:
@@ -135,7 +152,8 @@ class Comm:
             return None
         g = self._group(axis, group)
         return self._run("broadcast", axis, nbytes(t),
-                         lambda a: dist.broadcast(t, src=src, group=g, async_op=a), t.shape, async_op)
+                         lambda a: dist.broadcast(t, src=src, group=g, async_op=a), t.shape, async_op,
+                         collective=(g, t))
 
     def reduce(self, t: torch.Tensor, axis: str, *, dst: int, op=ReduceOp.SUM, group=None,
                async_op: bool = False) -> Handle | None:
@@ -144,7 +162,8 @@ class Comm:
             return None
         g = self._group(axis, group)
         return self._run("reduce", axis, nbytes(t),
-                         lambda a: dist.reduce(t, dst=dst, op=op, group=g, async_op=a), t.shape, async_op)
+                         lambda a: dist.reduce(t, dst=dst, op=op, group=g, async_op=a), t.shape, async_op,
+                         collective=(g, t))
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, axis: str, *, group=None,
                    async_op: bool = False) -> Handle | None:
@@ -157,7 +176,8 @@ class Comm:
             return None
         g = self._group(axis, group)
         return self._run("all_gather", axis, nbytes(out),
-                         lambda a: _ALL_GATHER(out, t, group=g, async_op=a), out.shape, async_op)
+                         lambda a: _ALL_GATHER(out, t, group=g, async_op=a), out.shape, async_op,
+                         collective=(g, t))
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, axis: str, *, op=ReduceOp.SUM,
                        group=None, async_op: bool = False) -> Handle | None:
@@ -170,7 +190,8 @@ class Comm:
             return None
         g = self._group(axis, group)
         return self._run("reduce_scatter", axis, nbytes(t),
-                         lambda a: _REDUCE_SCATTER(out, t, op=op, group=g, async_op=a), t.shape, async_op)
+                         lambda a: _REDUCE_SCATTER(out, t, op=op, group=g, async_op=a), t.shape, async_op,
+                         collective=(g, t))
 
     def scatter(self, out: torch.Tensor, chunks: list[torch.Tensor] | None, axis: str, *, src: int,
                 group=None) -> None:
@@ -181,7 +202,8 @@ class Comm:
             return None
         g = self._group(axis, group)
         self._run("scatter", axis, nbytes(out) * n,
-                  lambda a: dist.scatter(out, chunks, src=src, group=g, async_op=a), out.shape, False)
+                  lambda a: dist.scatter(out, chunks, src=src, group=g, async_op=a), out.shape, False,
+                  collective=(g, out))
         return None
 
     def gather(self, t: torch.Tensor, chunks: list[torch.Tensor] | None, axis: str, *, dst: int,
@@ -193,7 +215,8 @@ class Comm:
             return None
         g = self._group(axis, group)
         self._run("gather", axis, nbytes(t) * n,
-                  lambda a: dist.gather(t, chunks, dst=dst, group=g, async_op=a), t.shape, False)
+                  lambda a: dist.gather(t, chunks, dst=dst, group=g, async_op=a), t.shape, False,
+                  collective=(g, t))
         return None
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, axis: str, *, group=None,
@@ -204,13 +227,15 @@ class Comm:
             return None
         g = self._group(axis, group)
         return self._run("all_to_all", axis, nbytes(t),
-                         lambda a: dist.all_to_all_single(out, t, group=g, async_op=a), t.shape, async_op)
+                         lambda a: dist.all_to_all_single(out, t, group=g, async_op=a), t.shape, async_op,
+                         collective=(g, t))
 
     def barrier(self, axis: str = "world", *, group=None) -> None:
         if self._size(axis, group) == 1:
             return
         g = self._group(axis, group)
-        self._run("barrier", axis, 0, lambda a: dist.barrier(group=g, async_op=a), (), False)
+        self._run("barrier", axis, 0, lambda a: dist.barrier(group=g, async_op=a), (), False,
+                  collective=(g, None))
 
     def all_gather_object(self, obj: Any, axis: str = "world") -> list[Any]:
         """Every rank's picklable ``obj``, in group order (metadata, never tensors of a step)."""
@@ -218,11 +243,14 @@ class Comm:
         if n == 1:
             return [obj]
         out: list[Any] = [None] * n
+        group = self._group(axis, None)
+        if self.order_check is not None:
+            self.order_check.note("all_gather_object", canonical_axis(axis), group, None)
         self.seq += 1
         self.recent.append((self.seq, "all_gather_object", axis, ()))
         started = time.perf_counter()
         try:
-            dist.all_gather_object(out, obj, group=self._group(axis, None))
+            dist.all_gather_object(out, obj, group=group)
         except RuntimeError as exc:
             raise self.failure("all_gather_object", axis, exc) from exc
         self.ledger.record(axis, "all_gather_object", 0, time.perf_counter() - started)

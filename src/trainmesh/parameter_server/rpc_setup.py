@@ -1,12 +1,24 @@
-"""Joining the RPC world: trainers and servers are ranks of one job (trainers first)."""
+"""Joining the RPC world: trainers and servers are ranks of one job (trainers first).
+
+The RPC agent meets its peers over the default process group's store (under its own key
+prefix), through a rendezvous handler registered with ``torch.distributed``: no store of its
+own, so nothing new listens and no port is picked. TensorPipe's transports listen on the
+address of the interface it resolves; a single-node run sets ``TP_SOCKET_IFNAME`` to the
+loopback interface (see docs/SECURITY.md).
+"""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from ..distributed import _free_port
+from ..compat import default_store
+
+RDZV_SCHEME = "trainmesh-pg"
+"""``init_method`` scheme of the rendezvous over the default process group's store."""
 
 
 def worker_name(rank: int, n_trainers: int) -> str:
@@ -14,12 +26,35 @@ def worker_name(rank: int, n_trainers: int) -> str:
     return f"trainer{rank}" if rank < n_trainers else f"server{rank - n_trainers}"
 
 
+def _pg_store_rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+    """Yield (the default group's store under the ``trainmesh/rpc/`` prefix, rank, world)."""
+    store = default_store()
+    if store is None:
+        raise RuntimeError(f"{RDZV_SCHEME}:// needs an initialised default process group")
+    yield dist.PrefixStore("trainmesh/rpc/", store), dist.get_rank(), dist.get_world_size()
+
+
+def _register_rendezvous() -> None:
+    try:
+        dist.register_rendezvous_handler(RDZV_SCHEME, _pg_store_rendezvous)
+    except RuntimeError:   # registered by an earlier call in this process
+        pass
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), or None."""
+    import socket
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
 def start_rpc(n_trainers: int, timeout_s: float) -> None:
-    """init_rpc on every rank of the (already initialised) process group; rank 0 picks the port."""
+    """init_rpc on every rank of the (already initialised) process group."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    port = [_free_port() if rank == 0 else 0]
-    dist.broadcast_object_list(port, src=0)
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{addr}:{port[0]}",
-                                              rpc_timeout=timeout_s, num_worker_threads=max(8, 2 * world))
+    _register_rendezvous()
+    loopback = _loopback_interface()
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world and loopback:   # one node
+        os.environ.setdefault("TP_SOCKET_IFNAME", loopback)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"{RDZV_SCHEME}://", rpc_timeout=timeout_s,
+                                              num_worker_threads=max(8, 2 * world))
     rpc.init_rpc(worker_name(rank, n_trainers), rank=rank, world_size=world, rpc_backend_options=options)

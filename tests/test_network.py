@@ -1,0 +1,148 @@
+"""Nothing listens beyond what the run needs: a local run's sockets are on loopback, and ports
+are bound where they are picked (two runs started together never collide). Linux only
+(reads /proc)."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import worker_pids
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+T = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
+     "--global-batch", "8"]
+ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+LISTEN = "0A"
+
+
+def _address(hex_addr: str) -> str:
+    """/proc/net/tcp's little-endian-per-word hex address -> its text form."""
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return str(ipaddress.IPv6Address(words))
+
+
+def listening_sockets(pids: list[int]) -> set[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket in LISTEN state that ``pids`` hold."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owner[target[8:-1]] = pid
+        except OSError:
+            continue   # the process ended meanwhile
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == LISTEN and cols[9] in owner:
+                addr, port = cols[1].rsplit(":", 1)
+                found.add((_address(addr), int(port, 16), owner[cols[9]]))
+    return found
+
+
+def _is_loopback(addr: str) -> bool:
+    ip = ipaddress.ip_address(addr)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def _run_and_watch(args: list[str], env: dict[str, str], tmp: Path, name: str, seen: dict) -> None:
+    """Run `trainmesh train ARGS`; while it runs, record every listening socket of its processes."""
+    metrics = tmp / f"{name}.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *T, *args, "--metrics-out",
+                             str(metrics)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**ENV, **env}, start_new_session=True)
+    sockets: set = set()
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            sockets |= listening_sockets([proc.pid, *worker_pids(proc.pid)])
+        except OSError:
+            pass
+        time.sleep(0.3)
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+    seen[name] = (proc.wait(), proc.stderr.read()[-3000:], sockets,
+                  metrics.read_text().count('"event": "step"') if metrics.exists() else 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_local_runs_listen_on_loopback_only_and_never_collide(tmp_path):
+    """Three runs started at once (dp 2, pp 2 and a parameter server): each ends well, and every
+    socket their launchers and workers listen on is a loopback address. The pipeline run also
+    has the collective-order check on: a real layout passes it (no false alarm)."""
+    from trainmesh.comm.check import CHECK_ENV
+    runs = {"dp": (["--dp", "2", "--steps", "6"], {}),
+            "pp": (["--pp", "2", "--microbatches", "2", "--steps", "6"], {CHECK_ENV: "1"}),
+            "ps": (["--strategy", "ps", "--dp", "2", "--ps-servers", "1", "--steps", "6"], {})}
+    seen: dict = {}
+    threads = [threading.Thread(target=_run_and_watch, args=(args, env, tmp_path, name, seen))
+               for name, (args, env) in runs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in runs:
+        code, err, sockets, steps = seen[name]
+        assert code == 0, f"{name}: exit {code}: {err}"
+        assert steps == 6, f"{name}: {steps} steps logged"
+        assert sockets, f"{name}: no listening socket seen"
+        exposed = sorted((a, p) for a, p, _ in sockets if not _is_loopback(a))
+        assert not exposed, f"{name} listens beyond loopback: {exposed}"
+
+
+def _all_reduce_ones() -> list[float]:
+    import torch
+    import torch.distributed as dist
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_port_picked_early_is_never_bound_later(monkeypatch):
+    """Another program takes every port torch's launcher picks (as a run started at the same
+    time would, between the pick and the bind): the job still forms, since each store binds its
+    own kernel-picked port at once."""
+    import torch.distributed.elastic.rendezvous.api as rdzv_api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from trainmesh.testing import run_distributed
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(rdzv_api, "get_free_port", lambda: port)
+        try:
+            result = run_distributed(_all_reduce_ones, 2, timeout_s=30)
+        except ChildFailedError as exc:
+            result = exc.get_first_failure()[1].message
+    assert result == {0: [2.0] * 3, 1: [2.0] * 3}, f"the job did not form: {result}"
+
+
+def test_listening_sockets_reads_proc():
+    """The reader itself: a socket this process listens on, on loopback and on every interface."""
+    with socket.socket() as lo, socket.socket(socket.AF_INET6) as anywhere:
+        lo.bind(("127.0.0.1", 0))
+        lo.listen()
+        anywhere.bind(("::", 0))
+        anywhere.listen()
+        mine = listening_sockets([os.getpid()])
+        assert ("127.0.0.1", lo.getsockname()[1], os.getpid()) in mine
+        assert ("::", anywhere.getsockname()[1], os.getpid()) in mine
+    assert _is_loopback("127.0.0.1") and _is_loopback("::ffff:127.0.0.1") and not _is_loopback("::")
