@@ -94,7 +94,7 @@ def test_batches_and_split_are_those_of_the_whole_array(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_text_file_is_never_held_whole(tmp_path, monkeypatch):
-    """20 MB of text: reading it, checking its ids and drawing batches allocates a small
+    """About 18 MB of text: reading it, checking its ids and drawing batches allocates a small
     fraction of it (tracemalloc sees numpy's buffers), with reads no larger than a scan chunk."""
     path = tmp_path / "big.txt"
     path.write_bytes(_words(3_000_000)[: 20 << 20])
@@ -172,6 +172,37 @@ def test_changed_file_raises_data_error_in_process(tmp_path):
     os.replace(tmp_path / "other.npy", path)          # replaced by another file of the same size
     with pytest.raises(DataError, match="--data: .*replaced"):
         train.batch(SEED, 2, BATCH)
+
+
+@pytest.mark.timeout(60)
+def test_memory_preflight_counts_the_data_path_not_the_file(tmp_path, monkeypatch):
+    """Each local rank's data path is a few MiB whatever the file's size (it is read window by
+    window), and the host memory check adds it: one byte short is refused."""
+    import trainmesh.planner.fit as fit
+    from trainmesh.cli import build_parser
+    from trainmesh.cli.train import given_flags
+    from trainmesh.errors import ConfigError
+    from trainmesh.planner.predict import predict_run
+    from trainmesh.train_config import build_train_config
+    small, big = tmp_path / "small.txt", tmp_path / "big.txt"
+    small.write_bytes(_words(1000))
+    big.write_bytes(_words(1_000_000))
+
+    def cfg(data: str):
+        return build_train_config(given_flags(build_parser().parse_args(
+            ["train", "--dp", "2", "--global-batch", "8", "--data", data])))
+    per_rank = fit.data_bytes(cfg(str(big)))
+    assert per_rank == fit.data_bytes(cfg(str(small))) and 0 < per_rank < 32 * 2**20
+    assert 0 < fit.data_bytes(cfg("synthetic")) < 32 * 2**20
+    base = 300 * 2**20
+    monkeypatch.setattr(fit, "measured_base_bytes", lambda: base)
+    run = cfg(str(big))
+    need = sum(r.peak_mem_bytes for r in predict_run(run, base_bytes=base).ranks) + 2 * per_rank
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: need - 1)
+    with pytest.raises(ConfigError, match="memory"):
+        fit.check_memory(run, local_ranks=2, cuda=False)
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: need)
+    fit.check_memory(run, local_ranks=2, cuda=False)
 
 
 @pytest.mark.slow
