@@ -235,3 +235,15 @@ def test_token_file_truncated_mid_run_exits_1_naming_data(tmp_path):
     assert len(lines) == 1 and "--data" in lines[0] and "rank" in lines[0], err[-2000:]
     assert "tokens.npy" in lines[0] and "SIG" not in err and "Traceback" not in err, err[-2000:]
     assert steps and steps[-1]["step"] < 100000
+
+
+@pytest.mark.timeout(30)
+def test_cache_goes_to_the_user_cache_when_the_text_dir_is_read_only(tmp_path, monkeypatch):
+    text = tmp_path / "ro" / "t.txt"
+    text.parent.mkdir()
+    text.write_bytes(_words(100))
+    assert tokenizer.cache_paths(str(text), 300)[1].parent == text.parent.resolve()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(token_cache.os, "access", lambda path, mode: Path(path) != text.parent.resolve())
+    tok, ids = tokenizer.cache_paths(str(text), 300)
+    assert tok.parent == ids.parent == tmp_path / "cache" / "trainmesh" and ids.name.startswith("t.txt.bpe300-")
