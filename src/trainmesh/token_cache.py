@@ -54,6 +54,7 @@ class TokenFile:
     def __init__(self, path: str, *, dtype: np.dtype, offset: int, shape: tuple[int, ...]) -> None:
         self.path, self.dtype, self.offset, self.shape = path, np.dtype(dtype), offset, shape
         self.count = int(np.prod(shape)) if shape else 1
+        self._fd = -1
         self._fd = os.open(path, os.O_RDONLY)
         self.identity = FileIdentity.of(os.fstat(self._fd))
         if offset + self.count * self.dtype.itemsize > self.identity.size:
