@@ -206,7 +206,7 @@ def test_memory_preflight_counts_the_data_path_not_the_file(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(400)
 def test_token_file_truncated_mid_run_exits_1_naming_data(tmp_path):
     """`trainmesh train --dp 2` on a .npy token file cut to a tenth after the first steps: the
     launcher exits 1 naming --data and the rank (no worker dies of a signal)."""
@@ -220,13 +220,13 @@ def test_token_file_truncated_mid_run_exits_1_naming_data(tmp_path):
          "--dp", "2", "--data", str(path), "--metrics-out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300     # start-up on a loaded machine
         while not (out.exists() and '"step"' in out.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size // 10)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=90)
     finally:
         proc.kill()
     steps = [json.loads(line) for line in out.read_text().splitlines()]
