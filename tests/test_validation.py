@@ -209,7 +209,8 @@ def test_memory_counts_every_local_rank(capsys, machine, monkeypatch):
     cfg = build_train_config(given(args))
     base = 300 * 2**20   # the worker's footprint before the model, pinned for the check
     monkeypatch.setattr(fit, "measured_base_bytes", lambda: base)
-    need = sum(r.peak_mem_bytes for r in predict_run(cfg, base_bytes=base).ranks)
+    need = sum(r.peak_mem_bytes for r in predict_run(cfg, base_bytes=base).ranks) \
+        + 16 * fit.data_bytes(cfg)                  # each rank's data path
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: need - 1)
     refused(capsys, ["train", *args], "memory")
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: need)

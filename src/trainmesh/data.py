@@ -3,7 +3,8 @@
 The global batch of step k is a function of (seed, k) only, whatever the layout; each DP rank
 takes its contiguous slice of rows (:func:`dp_slice`). Evaluation reads a held-out split
 (:func:`make_datasets`): the last 5% of a token stream, or a disjoint seed stream of the
-synthetic language. A batch is a dict with ``input_ids`` and
+synthetic language. Files are read window by window (:mod:`trainmesh.token_cache`), never
+loaded whole. A batch is a dict with ``input_ids`` and
 ``labels`` (the next tokens), both (batch, seq) int64.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
+from .token_cache import SCAN_TOKENS, TokenView, id_range, open_tokens
 
 Batch = dict[str, torch.Tensor]
 
@@ -66,22 +68,24 @@ class SyntheticCorpus:
 
 @dataclass
 class TokenStream:
-    """Random windows of a token array (a text file read as bytes, or a token file)."""
+    """Random windows of a token stream (a text file read as bytes, a token file or the token
+    cache of a tokenised text), read from the file window by window."""
 
-    tokens: np.ndarray
+    tokens: TokenView
     seq_len: int
 
     def batch(self, seed: int, step: int, batch_size: int) -> Batch:
         g = _generator(seed, step)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (batch_size,), generator=g)
-        rows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
-        rows_t = torch.from_numpy(rows.astype(np.int64))
+        self.tokens.file.check()   # truncated or replaced since it was opened: DataError
+        rows = np.stack([self.tokens.window(s, self.seq_len + 1) for s in starts.tolist()])
+        rows_t = torch.from_numpy(rows.astype(np.int64))      # (batch, seq + 1)
         return {"input_ids": rows_t[:, :-1].contiguous(), "labels": rows_t[:, 1:].contiguous()}
 
 
-def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
+def load_tokens(path: str, tokenizer: str = "bytes") -> TokenView:
     """Token file (.npy, or .bin as uint16 like nanoGPT) or a text file read as bytes (vocab 256)
-    or tokenised by ``tokenizer`` (:mod:`trainmesh.tokenizer`)."""
+    or tokenised by ``tokenizer`` (:mod:`trainmesh.tokenizer`, cached): opened, never loaded."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError("--data", f"no such file {path!r}; use 'synthetic' or a text/token file")
@@ -90,28 +94,23 @@ def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
             raise ConfigError("--tokenizer", f"tokenises text files; {path!r} holds token ids already")
         from .tokenizer import bpe_tokens, bpe_vocab
         return bpe_tokens(path, bpe_vocab(tokenizer))  # type: ignore[arg-type]
-    try:
-        if p.suffix == ".npy":
-            return np.load(p, mmap_mode="r", allow_pickle=False)
-        if p.suffix == ".bin":
-            return np.memmap(p, dtype=np.uint16, mode="r")
-        return np.frombuffer(p.read_bytes(), dtype=np.uint8)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("--data", f"cannot read {path!r}: {exc}") from None
+    return open_tokens(path)
 
 
-def check_tokens(tokens: np.ndarray, path: str, *, vocab_size: int, seq_len: int) -> None:
-    """A token array fit to train on: integer ids, one dimension, 0 <= id < vocab, long enough."""
+def check_tokens(tokens: TokenView, path: str, *, vocab_size: int, seq_len: int) -> None:
+    """A token stream fit to train on: integer ids, one dimension, 0 <= id < vocab, long enough
+    (the ids are scanned in chunks)."""
     if tokens.dtype.kind not in "iu":
         raise ConfigError("--data", f"{path!r} holds {tokens.dtype} values; token ids must be an "
                           "integer array (int or uint)")
-    if tokens.ndim != 1:
-        raise ConfigError("--data", f"{path!r} has shape {tokens.shape}; a token file must be one "
+    shape = tokens.file.shape
+    if len(shape) != 1:
+        raise ConfigError("--data", f"{path!r} has shape {shape}; a token file must be one "
                           "flat (1-D) sequence of ids")
     if len(tokens) < seq_len + 2:
         raise ConfigError("--data", f"{path!r} has {len(tokens)} tokens; need more than "
                           f"--seq-len + 1 = {seq_len + 1}")
-    low, top = int(tokens.min()), int(tokens.max())
+    low, top = id_range(tokens)
     if low < 0:
         raise ConfigError("--data", f"{path!r} holds a negative token id ({low}); ids must be "
                           f"in 0..--vocab-size - 1")
@@ -129,14 +128,14 @@ def make_dataset(data: str, *, vocab_size: int, seq_len: int):
     return TokenStream(tokens, seq_len)
 
 
-def split_tokens(tokens: np.ndarray, path: str, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def split_tokens(tokens: TokenView, path: str, seq_len: int) -> tuple[TokenView, TokenView]:
     """(training tokens, held-out tokens): the held-out split is the stream's last 5%, at least
     one window of ``seq_len + 2`` tokens."""
     held = max(int(len(tokens) * HELD_OUT_FRACTION), seq_len + 2)
     if len(tokens) - held < seq_len + 2:
         raise ConfigError("--eval-every", f"needs --data long enough to hold out {held} tokens "
                           f"and train on {seq_len + 2}; {path!r} has {len(tokens)}")
-    return tokens[: len(tokens) - held], tokens[len(tokens) - held :]
+    return tokens.split(len(tokens) - held)
 
 
 def make_datasets(data: str, *, vocab_size: int, seq_len: int, held_out: bool,
@@ -152,6 +151,16 @@ def make_datasets(data: str, *, vocab_size: int, seq_len: int, held_out: bool,
         return TokenStream(tokens, seq_len), None
     train, val = split_tokens(tokens, data, seq_len)
     return TokenStream(train, seq_len), TokenStream(val, seq_len)
+
+
+def resident_bytes(data: str, *, vocab_size: int, seq_len: int, global_batch: int) -> int:
+    """What a worker's data path keeps in its own memory: a batch's windows and their int64
+    copies, plus the scan buffer of a file or the synthetic language's successor table. A file
+    is read window by window, never held; the page cache it warms is not the process's."""
+    batch = global_batch * (seq_len + 1) * 8 * 4     # windows, stacked, int64, inputs + labels
+    if data == "synthetic":
+        return batch + vocab_size * 4 * 8
+    return batch + SCAN_TOKENS * 8 * 2               # a chunk of the id scan and its min/max
 
 
 def dp_slice(batch: Batch, dp_rank: int, dp: int) -> Batch:

@@ -13,3 +13,7 @@ class ConfigError(ValueError):
 
 class CommTimeout(RuntimeError):
     """A collective or point-to-point op did not finish within the mesh's timeout."""
+
+
+class DataError(RuntimeError):
+    """The --data file changed, shrank or went away while the run read it: the run stops (exit 1)."""

@@ -160,7 +160,7 @@ def _headline(exc) -> str:
         message = message.get("message", message)
     text = str(message).strip()
     first = text.splitlines()[0] if text else f"exit code {failure.exitcode}"
-    for prefix in ("CommTimeout: ", "NonFiniteError: "):
+    for prefix in ("CommTimeout: ", "NonFiniteError: ", "DataError: "):
         first = first.removeprefix(prefix)
     if first.startswith("rank "):
         return f"{first} (exit code {failure.exitcode} of rank {rank})"
@@ -182,11 +182,11 @@ def worker_entry(cfg: TrainConfig, launcher_pid: int) -> int:
     """What each local worker runs: die with the launcher, then train under ``cfg``."""
     die_with_parent(launcher_pid)
     from .comm.check import CollectiveOrderError
-    from .errors import CommTimeout
+    from .errors import CommTimeout, DataError
     from .trainer import NonFiniteError, worker_main
     try:
         return worker_main(cfg, lock_save_dir=False)   # the launcher holds the lock
-    except (CommTimeout, NonFiniteError, CollectiveOrderError):
+    except (CommTimeout, NonFiniteError, CollectiveOrderError, DataError):
         _exit_failed()                  # reported in full by the headline (the error file)
     except Exception:
         traceback.print_exc()           # an unexpected error: its traceback, once, from this rank

@@ -5,7 +5,9 @@ Checked before any worker starts (``--force`` skips it), from the config alone: 
 * Host memory: on CPU the local ranks' predicted peaks (:func:`~.predict.predict_run`, process
   RSS) must sum to at most the machine's physical memory (``/proc/meminfo``-equivalent
   ``sysconf``, or the cgroup's ``memory.max`` when lower). Physical memory, not what is free
-  now: the answer is the same on every call and in every worker.
+  now: the answer is the same on every call and in every worker. Each rank's data path adds
+  :func:`~trainmesh.data.resident_bytes` (a few MiB whatever the file's size: files are read
+  window by window, and the page cache they warm is not a process's own memory).
 * GPU memory: on CUDA each rank's predicted peak must fit its GPU (the smallest local one).
 * Processes: a local launch may start at most :data:`PROCS_PER_CORE` processes per CPU core
   (gloo workers past that spend their time switching, and collectives time out). On CUDA each
@@ -63,6 +65,14 @@ def check_processes(nproc: int) -> None:
                           f"{PROCS_PER_CORE * cores}); --force to try anyway")
 
 
+def data_bytes(cfg: Any) -> int:
+    """One rank's resident memory for ``cfg.data`` (:func:`trainmesh.data.resident_bytes`)."""
+    from ..data import resident_bytes
+    gpt = cfg.gpt_config()
+    return resident_bytes(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
+                          global_batch=cfg.global_batch)
+
+
 def check_memory(cfg: Any, *, local_ranks: int, cuda: bool) -> None:
     """Refuse a run whose predicted memory exceeds what this machine has (ConfigError)."""
     ranks = predict_run(cfg, base_bytes=0 if cuda else measured_base_bytes()).ranks
@@ -74,7 +84,8 @@ def check_memory(cfg: Any, *, local_ranks: int, cuda: bool) -> None:
                               "--pp), shrink the model or the batch, or --force to try anyway")
         return
     peaks = sorted((r.peak_mem_bytes for r in ranks), reverse=True)
-    need, have = sum(peaks[:local_ranks]), host_memory_bytes()
+    need = sum(peaks[:local_ranks]) + min(local_ranks, len(ranks)) * data_bytes(cfg)
+    have = host_memory_bytes()
     if need > have:
         ranks_here = f"{local_ranks} local rank{'s' if local_ranks > 1 else ''}"
         raise ConfigError(MEMORY, f"the planner predicts {fmt_bytes(need)} at the peak for the "
