@@ -8,6 +8,7 @@ naming the flag and what would be valid.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -70,7 +71,16 @@ class ParallelConfig:
     compile: bool = setting(False, "torch.compile each transformer block / pipeline layer "
                                    "(collectives stay outside the graphs)")
     find_unused_parameters: bool = setting(False)
-    """Reduce gradients of parameters that received none instead of raising an error (API only)."""
+    """Parameters that received no gradient in a step are allowed instead of raising an error:
+    one no DP rank used gets no update that step (its gradient is None, as DDP's
+    ``find_unused_parameters``); one used on some ranks is reduced as usual (API only)."""
+    broadcast_buffers: bool = setting(True)
+    """Buffers (e.g. BatchNorm running statistics) are broadcast from the DP root at start and
+    before every forward with gradients, as DDP's ``broadcast_buffers`` (API only)."""
+    zero3_units: "Sequence[str | type] | Callable[[str, Any], bool] | None" = setting(None)
+    """ZeRO-3: which modules are units — module names, module classes, or a predicate
+    ``(name, module) -> bool`` (None: each child of the model's largest ``nn.ModuleList`` and
+    the other modules that run once; API only)."""
     # -- parameter server and all-reduce algorithms
     strategy: str = setting("mesh", "mesh (dp x pp x tp) or ps (RPC parameter server: --dp trainers, "
                                     "--ps-servers servers)", choices=STRATEGIES)

@@ -66,6 +66,9 @@ class Engine:
         fill = self._sharded_init(named, init_fn or getattr(model, "init_parameter", None))
         if broadcast_init and fill is None:
             self._broadcast_from_dp_root(named)
+        if cfg.broadcast_buffers and self.mesh.size("dp") > 1:
+            self._broadcast_buffers()
+            self.module.register_forward_pre_hook(self._buffers_before_forward)
         if self.executor.tied_parameters and cfg.zero >= 2:
             raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
                               "(their gradients are summed over stages before sharding)")
@@ -135,6 +138,19 @@ class Engine:
         for _, p in named:
             self.comm.broadcast(p.data, "dp", src=root)
 
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """Every floating or integer buffer (BatchNorm statistics, counters) from the DP root,
+        as DDP's ``broadcast_buffers``; one collective per buffer, in registration order."""
+        root = self.mesh.ranks("dp")[0]
+        for _, b in self.module.named_buffers():
+            if b.numel() and not b.is_meta:
+                self.comm.broadcast(b.data, "dp", src=root)
+
+    def _buffers_before_forward(self, _module: nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled():       # a training forward (evaluation keeps its own)
+            self._broadcast_buffers()
+
     def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p`` in the global norm: duplicates only once."""
         if getattr(p, "_tm_duplicate", False):
@@ -153,9 +169,12 @@ class Engine:
         self.comm.ledger.begin_step()
         loss_sum, count = self.executor.run(microbatches, self.hooks)
         holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
-        totals = torch.tensor([loss_sum, count] if holds_loss else [0.0, 0.0], dtype=torch.float64)
+        unused = float(self.grad_sync.local_unused())    # rides along: the unused check's "any?"
+        totals = torch.tensor([loss_sum, count, unused] if holds_loss else [0.0, 0.0, unused],
+                              dtype=torch.float64)
         self.comm.all_reduce(totals, "world")
         global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
+        self.grad_sync.agree_unused(totals[2].item() > 0)
         self.grad_sync.finish(1.0 / (global_count * self.precision.loss_scale))
         self.state_bytes = self.measure_state()
         self.offloaded_bytes = self.grad_sync.offloaded_bytes()
