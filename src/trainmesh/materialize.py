@@ -43,12 +43,16 @@ def pieces_of(p: nn.Parameter) -> tuple[tuple[int, ...], list[tuple[slice, ...]]
         return shape, [tuple(slice(0, n) for n in shape)]
     dim, start = p._tm_tp_dim, p._tm_tp_start   # type: ignore[attr-defined]
     parts = getattr(p, "_tm_tp_parts", 1)
-    block, width = shape[dim] // parts, p.shape[dim] // parts
-    pieces = []
-    for j in range(parts):
-        index = [slice(0, n) for n in shape]
-        index[dim] = slice(j * block + start, j * block + start + width)
+    blocks = [shape[dim] // parts] * parts if isinstance(parts, int) else list(parts)
+    n = shape[dim] // p.shape[dim]                      # the TP degree
+    rank = start // (blocks[0] // n)
+    pieces, offset = [], 0
+    for block in blocks:                                # a fused projection: one slice per block
+        width = block // n
+        index = [slice(0, size) for size in shape]
+        index[dim] = slice(offset + rank * width, offset + (rank + 1) * width)
         pieces.append(tuple(index))
+        offset += block
     return shape, pieces
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from ..comm import Comm
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence, scatter_to_region)
-from .state import shard_of
+from .state import part_sizes, shard_of
 
 
 @dataclass
@@ -68,17 +68,18 @@ class TPState:
             return reduce_scatter_to_sequence(y, self.comm, self.axis)  # (b, s, h) -> (b, s/n, h)
         return reduce_from_region(y, self.comm, self.axis)
 
-    def shard(self, full: torch.Tensor, dim: int, parts: int = 1) -> nn.Parameter:
+    def shard(self, full: torch.Tensor, dim: int, parts: int | tuple[int, ...] = 1) -> nn.Parameter:
         """This rank's slice of ``full`` along ``dim``, as a fresh (1/n-sized) sharded parameter;
-        with ``parts`` > 1, its slice of each of ``parts`` equal blocks along ``dim``, concatenated."""
-        width = full.shape[dim] // (parts * self.size)
+        with several ``parts`` (a count of equal blocks, or block sizes), its slice of each
+        block along ``dim``, concatenated."""
+        width = part_sizes(full.shape[dim], parts)[0] // self.size
         piece = shard_of(full.detach(), dim, self.rank, self.size, parts).clone()
         p = nn.Parameter(piece, requires_grad=full.requires_grad)
         p._tm_tp_sharded = True  # type: ignore[attr-defined]
         p._tm_tp_dim = dim       # type: ignore[attr-defined]
         p._tm_full_shape = tuple(full.shape)    # type: ignore[attr-defined]  # sharded init:
         p._tm_tp_start = self.rank * width      # type: ignore[attr-defined]  # full[.., start:+w]
-        if parts > 1:                           # ... of each block of full.shape[dim] / parts
+        if parts != 1:                          # ... of each block (offsets: the block sizes)
             p._tm_tp_parts = parts              # type: ignore[attr-defined]
         return p
 
@@ -131,11 +132,13 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, state: TPState, *, gather_output: bool = False,
-                    parts: int = 1) -> "ColumnParallelLinear":
-        """From an ``nn.Linear`` or ``Conv1D``; ``parts`` > 1: a fused projection of that many
-        equal output blocks, each split (every rank keeps its slice of each)."""
+                    parts: int | tuple[int, ...] = 1) -> "ColumnParallelLinear":
+        """From an ``nn.Linear`` or ``Conv1D``; several ``parts``: a fused projection of that
+        many equal output blocks, or of blocks of the given sizes (q, k, v of grouped-query
+        attention), each split (every rank keeps its slice of each)."""
         weight, transposed = _weight_of(linear)
-        _check_divisible("out_features / parts", features(linear)[1] // parts, state)
+        for size in part_sizes(features(linear)[1], parts):
+            _check_divisible("a fused block's out_features", size, state)
         bias = state.shard(linear.bias, 0, parts) if linear.bias is not None else None
         return cls(state.shard(weight, 1 if transposed else 0, parts), bias, state,
                    gather_output=gather_output, transposed=transposed)

@@ -20,8 +20,8 @@ from ..mesh import ParallelMesh
 from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
 from .loss import VocabParallelCrossEntropy
 from .mappings import gather_from_sequence, scatter_to_sequence
-from .hf import check_hf_tp, hf_model_type
-from .plan import HEAD_ATTRS, REPLACING, Plan, check_divisible, default_plan, resolve
+from .hf import check_hf_tp, hf_model_type, localize_config
+from .plan import HEAD_ATTRS, Plan, check_divisible, default_plan, fused_parts, is_layer_style, resolve
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan | None = None,
@@ -48,7 +48,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
     for layers_first in (True, False):        # replace layers, then hook whatever is there now
         for name, _, styles in resolved:
             for style in styles:
-                if (style in REPLACING) == layers_first:
+                if is_layer_style(style) == layers_first:
                     _apply(model, name, model.get_submodule(name), style, state)
     model._tm_tp_plan = {name: styles for name, _, styles in resolved}  # type: ignore[assignment]
     return model
@@ -63,12 +63,14 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TPState) -> nn.Module:
     """Apply one style to the module at ``name``; returns the module now at that name."""
     sp = state.sequence_parallel
-    if style in ("colwise", "vocab_head", "colwise_gather", "colwise_qkv"):
+    parts = fused_parts(style)
+    if style in ("colwise", "vocab_head", "colwise_gather", "colwise_qkv") or parts is not None:
         new = ColumnParallelLinear.from_linear(module, state, gather_output=style == "colwise_gather",
-                                               parts=3 if style == "colwise_qkv" else 1)
+                                               parts=3 if style == "colwise_qkv" else parts or 1)
         return _replace(model, name, new)
-    if style == "rowwise":
-        new = RowParallelLinear.from_linear(module, state)  # type: ignore[arg-type]
+    if style in ("rowwise", "rowwise_split_input"):
+        new = RowParallelLinear.from_linear(module, state,  # type: ignore[arg-type]
+                                            input_is_parallel=style == "rowwise")
         if sp and new.bias is not None:
             _sum_partial_grads(new.bias, state)
         return _replace(model, name, new)
@@ -84,6 +86,11 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TP
             value = getattr(module, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(module, attr, value // state.size)     # this rank's heads (checked: divides)
+        localize_config(module, state.size)
+    elif style == "partial_grad":
+        for p in module.parameters():
+            if not getattr(p, "_tm_tp_sharded", False):
+                _sum_partial_grads(p, state)
     elif style == "sequence_parallel" and sp:
         for p in module.parameters():
             if not getattr(p, "_tm_tp_sharded", False):
