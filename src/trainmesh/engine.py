@@ -31,6 +31,7 @@ from .data_parallel import make_grad_sync, unique_named_parameters
 from .data_parallel.base import OptimizerFactory
 from .errors import ConfigError
 from .executor import LocalExecutor
+from .export_hf import model_record
 from .flops import model_flops_per_token
 from .mesh import ParallelMesh
 from .materialize import InitFn, materialize
@@ -258,6 +259,7 @@ class Engine:
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = {"last_epoch": self.lr_scheduler.last_epoch,
                                      "last_lr": self.lr_scheduler.get_last_lr()}
+        state.update(model_record(self.module))      # tied aliases, a Hugging Face config
         return state
 
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:

@@ -62,7 +62,11 @@ def full_tensor(p: torch.Tensor, comm: Comm, axis: str = "tp", *,
 
 
 def full_state_dict(module: nn.Module, comm: Comm, axis: str = "tp") -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``module`` unsharded, under its tp=1 name, on every rank."""
+    """Every parameter and buffer of ``module`` unsharded, under its tp=1 name, on every rank;
+    a tied parameter under each of its names (gathered once)."""
     out = {name: full_tensor(p, comm, axis) for name, p in module.named_parameters()}
+    first = {id(p): name for name, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(name, out[first[id(p)]])
     out.update({name: b.detach().clone() for name, b in module.named_buffers()})
     return out

@@ -1,0 +1,132 @@
+"""From trainmesh back to Hugging Face: tied aliases in full weights, ``checkpoint export-hf``.
+
+- ``trainmesh train --model-dir`` takes a family it has no table for (Qwen2) at dp 2 under
+  ZeRO-3; ``trainmesh checkpoint export-hf`` turns its checkpoint into a directory that
+  ``from_pretrained`` loads with no missing or unexpected keys and whose logits are those of the
+  consolidated weights loaded into the plain model (``consolidate`` keeps the tied alias).
+- A GPT-2 with tied embeddings at tp 2 (Python API): ``full_state_dict()`` holds ``lm_head.weight``
+  too, equal to ``transformer.wte.weight``; its export loads and gives the engine's logits.
+- The built-in GPT exports as GPT-2 and gives the same logits; a model of one's own is refused.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB, SEQ = 64, 16
+LOGITS_ABS = 1e-4
+"""The exported model's logits vs the same weights in the model that wrote them: identical
+arithmetic up to kernel choice (the GPT's fused SDPA vs GPT-2's eager attention, Conv1D's addmm
+vs F.linear): float32 rounding of sums of ~32-64 terms of magnitude ~1 is ~1e-6, x100 headroom.
+A mis-transposed or mis-fused projection changes logits by ~1e-1."""
+
+
+def _loaded(directory: str):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    return model.eval(), {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys")}
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+def test_model_dir_any_family_trains_and_exports(tmp_path):
+    from safetensors.torch import load_file
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=SEQ, tie_word_embeddings=True,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    src = tmp_path / "qwen2"
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(src)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    train = [sys.executable, "-m", "trainmesh", "train", "--model-dir", str(src), "--dp", "2",
+             "--zero", "3", "--seq-len", str(SEQ), "--global-batch", "4", "--steps", "2",
+             "--save-dir", str(tmp_path / "run"), "--save-every", "2"]
+    proc = subprocess.run(train, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for action, out in (("consolidate", tmp_path / "whole.safetensors"), ("export-hf", tmp_path / "hf")):
+        proc = subprocess.run([sys.executable, "-m", "trainmesh", "checkpoint", action,
+                               str(tmp_path / "run"), str(out)], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    whole = load_file(str(tmp_path / "whole.safetensors"))
+    assert torch.equal(whole["lm_head.weight"], whole["model.embed_tokens.weight"])   # tied alias
+    exported, info = _loaded(str(tmp_path / "hf"))
+    assert info == {"missing_keys": [], "unexpected_keys": []}, info
+    plain = transformers.Qwen2ForCausalLM(cfg).eval()
+    plain.load_state_dict(whole)
+    assert not torch.equal(whole["model.norm.weight"], torch.ones(32)), "the run did not train"
+    with torch.no_grad():
+        a, b = exported(_ids()).logits, plain(_ids()).logits
+    assert float((a - b).abs().max()) <= LOGITS_ABS
+
+
+def _tp_gpt2(out: str) -> dict:
+    try:
+        import trainmesh as tm
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        engine = tm.Engine(transformers.GPT2LMHeadModel(cfg), lambda ps: torch.optim.SGD(ps, lr=0.5),
+                           tm.causal_lm_loss, tm.ParallelConfig(tp=2))
+        ids = _ids()
+        engine.train_step({"input_ids": ids, "labels": ids})
+        full = engine.full_state_dict()
+        engine.save(out)
+        return {"keys": sorted(full), "tied_equal": torch.equal(full["lm_head.weight"],
+                                                                full["transformer.wte.weight"]),
+                "state": full}
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_tied_alias_under_tp_and_gpt2_export(tmp_path):
+    from trainmesh.export_hf import export_hf
+    from trainmesh.testing import run_distributed
+    res = run_distributed(_tp_gpt2, 2, str(tmp_path / "ckpt"), timeout_s=120)[0]
+    assert "error" not in res, res.get("error")
+    assert "lm_head.weight" in res["keys"] and res["tied_equal"], res["keys"]
+    model, info = _loaded(str(export_hf(tmp_path / "ckpt", tmp_path / "hf")))
+    assert info == {"missing_keys": [], "unexpected_keys": []}, info
+    plain = transformers.GPT2LMHeadModel(model.config).eval()
+    plain.load_state_dict(res["state"])
+    with torch.no_grad():
+        assert float((model(_ids()).logits - plain(_ids()).logits).abs().max()) <= LOGITS_ABS
+
+
+def test_builtin_gpt_exports_as_gpt2_and_others_are_refused(tmp_path):
+    import trainmesh as tm
+    from trainmesh import ConfigError, ParallelMesh
+    from trainmesh.export_hf import export_hf
+    from trainmesh.models.gpt import GPT, GPTConfig
+    gcfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layers=2, n_heads=4)
+    engine = tm.Engine(GPT(gcfg, seed=0), lambda ps: torch.optim.SGD(ps, lr=0.5),
+                       lambda m, b: m(b["input_ids"], b["labels"]), tm.ParallelConfig(),
+                       mesh=ParallelMesh(local=True))
+    ids = _ids()
+    engine.train_step({"input_ids": ids, "labels": ids})
+    engine.save(str(tmp_path / "ckpt"), {"run": {"heads": gcfg.n_heads}})
+    model, info = _loaded(str(export_hf(tmp_path / "ckpt", tmp_path / "hf")))
+    assert info == {"missing_keys": [], "unexpected_keys": []}, info
+    with torch.no_grad():
+        want = engine.module(ids)                                   # (b, s, vocab) logits
+        assert float((model(ids).logits - want).abs().max()) <= LOGITS_ABS
+    own = tm.Engine(torch.nn.Linear(4, 4), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    lambda m, b: m(b).sum(), tm.ParallelConfig(), mesh=ParallelMesh(local=True))
+    own.save(str(tmp_path / "own"))
+    with pytest.raises(ConfigError, match="not a Hugging Face model") as err:
+        export_hf(tmp_path / "own", tmp_path / "own-hf")
+    assert err.value.field == "DIR"
+    assert not Path(tmp_path / "own-hf").exists()
