@@ -39,6 +39,8 @@ def _ids() -> torch.Tensor:
     return torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_model_dir_any_family_trains_and_exports(tmp_path):
     from safetensors.torch import load_file
     torch.manual_seed(0)
