@@ -170,12 +170,13 @@ class Engine:
         self.comm.ledger.begin_step()
         loss_sum, count = self.executor.run(microbatches, self.hooks)
         holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
-        unused = float(self.grad_sync.local_unused())    # rides along: the unused check's "any?"
-        totals = torch.tensor([loss_sum, count, unused] if holds_loss else [0.0, 0.0, unused],
-                              dtype=torch.float64)
+        sums = [loss_sum, count] if holds_loss else [0.0, 0.0]
+        if self.config.find_unused_parameters:          # rides along: the unused check's "any?"
+            sums.append(float(self.grad_sync.local_unused()))
+        totals = torch.tensor(sums, dtype=torch.float64)
         self.comm.all_reduce(totals, "world")
         global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
-        self.grad_sync.agree_unused(totals[2].item() > 0)
+        self.grad_sync.agree_unused(len(sums) > 2 and totals[2].item() > 0)
         self.grad_sync.finish(1.0 / (global_count * self.precision.loss_scale))
         self.state_bytes = self.measure_state()
         self.offloaded_bytes = self.grad_sync.offloaded_bytes()
