@@ -117,6 +117,10 @@ def test_builtin_gpt_exports_as_gpt2_and_others_are_refused(tmp_path):
     engine = tm.Engine(GPT(gcfg, seed=0), lambda ps: torch.optim.SGD(ps, lr=0.5),
                        lambda m, b: m(b["input_ids"], b["labels"]), tm.ParallelConfig(),
                        mesh=ParallelMesh(local=True))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():       # weights of size ~0.3, not ~0.02: attention far from uniform,
+        for p in engine.module.parameters():          # so a swapped q/k shows in the logits
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     ids = _ids()
     engine.train_step({"input_ids": ids, "labels": ids})
     engine.save(str(tmp_path / "ckpt"), {"run": {"heads": gcfg.n_heads}})
