@@ -4,8 +4,7 @@
   ZeRO-3; ``trainmesh checkpoint export-hf`` turns its checkpoint into a directory that
   ``from_pretrained`` loads with no missing or unexpected keys and whose logits are those of the
   consolidated weights loaded into the plain model (``consolidate`` keeps the tied alias).
-- A GPT-2 with tied embeddings at tp 2 (Python API): ``full_state_dict()`` holds ``lm_head.weight``
-  too, equal to ``transformer.wte.weight``; its export loads and gives the engine's logits.
+- (A GPT-2 with tied embeddings at tp 2 and its export: in test_hf_families' launch.)
 - The built-in GPT exports as GPT-2 and gives the same logits; a model of one's own is refused.
 """
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -56,12 +54,12 @@ def test_model_dir_any_family_trains_and_exports(tmp_path):
              "--save-dir", str(tmp_path / "run"), "--save-every", "2"]
     proc = subprocess.run(train, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for action, out in (("consolidate", tmp_path / "whole.safetensors"), ("export-hf", tmp_path / "hf")):
-        proc = subprocess.run([sys.executable, "-m", "trainmesh", "checkpoint", action,
-                               str(tmp_path / "run"), str(out)], env=env, capture_output=True, text=True,
-                              timeout=60)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    whole = load_file(str(tmp_path / "whole.safetensors"))
+    proc = subprocess.run([sys.executable, "-m", "trainmesh", "checkpoint", "export-hf",
+                           str(tmp_path / "run"), str(tmp_path / "hf")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from trainmesh.checkpoint import consolidate
+    whole = load_file(str(consolidate(tmp_path / "run", tmp_path / "whole.safetensors")))
     assert torch.equal(whole["lm_head.weight"], whole["model.embed_tokens.weight"])   # tied alias
     exported, info = _loaded(str(tmp_path / "hf"))
     assert info == {"missing_keys": [], "unexpected_keys": []}, info
@@ -71,41 +69,6 @@ def test_model_dir_any_family_trains_and_exports(tmp_path):
     with torch.no_grad():
         a, b = exported(_ids()).logits, plain(_ids()).logits
     assert float((a - b).abs().max()) <= LOGITS_ABS
-
-
-def _tp_gpt2(out: str) -> dict:
-    try:
-        import trainmesh as tm
-        torch.manual_seed(0)
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-        engine = tm.Engine(transformers.GPT2LMHeadModel(cfg), lambda ps: torch.optim.SGD(ps, lr=0.5),
-                           tm.causal_lm_loss, tm.ParallelConfig(tp=2))
-        ids = _ids()
-        engine.train_step({"input_ids": ids, "labels": ids})
-        full = engine.full_state_dict()
-        engine.save(out)
-        return {"keys": sorted(full), "tied_equal": torch.equal(full["lm_head.weight"],
-                                                                full["transformer.wte.weight"]),
-                "state": full}
-    except Exception:
-        return {"error": traceback.format_exc()}
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_tied_alias_under_tp_and_gpt2_export(tmp_path):
-    from trainmesh.export_hf import export_hf
-    from trainmesh.testing import run_distributed
-    res = run_distributed(_tp_gpt2, 2, str(tmp_path / "ckpt"), timeout_s=120)[0]
-    assert "error" not in res, res.get("error")
-    assert "lm_head.weight" in res["keys"] and res["tied_equal"], res["keys"]
-    model, info = _loaded(str(export_hf(tmp_path / "ckpt", tmp_path / "hf")))
-    assert info == {"missing_keys": [], "unexpected_keys": []}, info
-    plain = transformers.GPT2LMHeadModel(model.config).eval()
-    plain.load_state_dict(res["state"])
-    with torch.no_grad():
-        assert float((model(_ids()).logits - plain(_ids()).logits).abs().max()) <= LOGITS_ABS
 
 
 def test_builtin_gpt_exports_as_gpt2_and_others_are_refused(tmp_path):

@@ -68,7 +68,7 @@ no agreement on the unit before a gather       test_any_model: module_on_some_ra
 Phi-3 fused qkv split as one slice             test_hf_families: phi3 (loss off by 1.6e-2)
 Phi-3 attention config left global             test_hf_families: phi3 (its error reported)
 Qwen3 q/k norm gradients not all-reduced       test_hf_families: qwen3 (k_norm off by 1.7e-3)
-tied alias missing from full_state_dict (tp)   test_export_hf: tied_alias_under_tp_...
+tied alias missing from full_state_dict (tp)   test_hf_families: tied_alias_under_tp_...
 GPT -> GPT-2 export fusing q, k, v misordered  test_export_hf: builtin_gpt_exports_... (0.2)
 ============================================  ==================================================
 """
