@@ -313,3 +313,19 @@ def test_module_on_some_ranks_is_named():
     for rank, res in results.items():
         msg = res["raised"]
         assert msg is not None and "'extra'" in msg and "different units" in msg, msg
+
+
+def test_zero3_units_choice_is_checked():
+    """``zero3_units=``: classes, names or a predicate; a name that is not a module, or a choice
+    that picks nothing, is a ConfigError naming zero3_units (before any communication)."""
+    from trainmesh import ConfigError
+    from trainmesh.data_parallel.units import find_units
+    model = NanoGPT()
+    assert find_units(model, lambda name, m: isinstance(m, NanoBlock)) == [
+        "", "transformer.h.0", "transformer.h.1"]
+    for bad in (["transformer.h.9"], [nn.Conv2d]):
+        with pytest.raises(ConfigError) as err:
+            find_units(model, bad)
+        assert err.value.field == "zero3_units", err.value
+    assert find_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))) == ["", "0", "2"]
+    assert find_units(BNNet()) == [""]

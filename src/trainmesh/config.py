@@ -106,6 +106,8 @@ class ParallelConfig:
             raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
                               f"--min-dp the smallest it may shrink to); got {self.min_dp}")
         self._check_offload()
+        if self.zero3_units is not None and self.zero != 3:
+            raise ConfigError("zero3_units", f"chooses ZeRO-3's units; needs zero=3 (got zero={self.zero})")
         if self.zero3_reshard != "step" and (self.zero != 3 or self.pp == 1):
             raise ConfigError("--zero3-reshard", "chooses when ZeRO-3 re-gathers under a pipeline; "
                               "needs --zero 3 and --pp > 1 (valid otherwise: step)")
