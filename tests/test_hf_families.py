@@ -189,3 +189,19 @@ def test_tied_alias_under_tp_and_its_export(world2, tmp_path):
     ids = _batch(1)["input_ids"]
     with torch.no_grad():   # the same weights: identical arithmetic, ~1e-6 rounding at most
         assert float((model.eval()(ids).logits - plain(ids).logits).abs().max()) <= 1e-4
+
+
+def test_user_plan_names_a_fused_projection_with_its_parts():
+    """``colwise_parts:A,B,..`` in a user plan: sizes that do not add up to the layer, or do not
+    divide by tp, are a ConfigError naming tp; an unreadable one a ValueError."""
+    from trainmesh import ConfigError
+    from trainmesh.tensor_parallel.plan import check_divisible, resolve
+    phi = family_model("phi3")
+    qkv = "model.layers.*.self_attn.qkv_proj"
+    check_divisible(resolve(phi, {qkv: "colwise_parts:32,16,16"}), 2)
+    for sizes in ("32,16,8", "32,15,17"):
+        with pytest.raises(ConfigError, match="not the blocks") as err:
+            check_divisible(resolve(phi, {qkv: f"colwise_parts:{sizes}"}), 2)
+        assert err.value.field == "tp"
+    with pytest.raises(ValueError, match="part count or the sizes"):
+        resolve(phi, {qkv: "colwise_parts:q,k,v"})
