@@ -99,3 +99,14 @@ def test_builtin_gpt_exports_as_gpt2_and_others_are_refused(tmp_path):
         export_hf(tmp_path / "own", tmp_path / "own-hf")
     assert err.value.field == "DIR"
     assert not Path(tmp_path / "own-hf").exists()
+
+
+def test_export_hf_bad_input_exits_2(tmp_path, capsys):
+    from trainmesh.cli import main
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("taken")
+    for args, field in (([str(tmp_path / "none"), str(tmp_path / "out")], "DIR"),
+                        ([str(tmp_path), str(tmp_path / "full")], "OUTDIR")):
+        assert main(["checkpoint", "export-hf", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{field}:" in err[0] and "Traceback" not in err[0], err
