@@ -69,6 +69,7 @@ Phi-3 fused qkv split as one slice             test_hf_families: phi3 (loss off 
 Phi-3 attention config left global             test_hf_families: phi3 (its error reported)
 Qwen3 q/k norm gradients not all-reduced       test_hf_families: qwen3 (k_norm off by 1.7e-3)
 tied alias missing from full_state_dict (tp)   test_hf_families: tied_alias_under_tp_...
+tied alias missing from consolidate           test_hf_families: model_dir_any_family_...
 GPT -> GPT-2 export fusing q, k, v misordered  test_export_hf: builtin_gpt_exports_... (0.2)
 ============================================  ==================================================
 """
