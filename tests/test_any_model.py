@@ -225,6 +225,12 @@ def _batchnorm() -> dict:
         out[f"zero{zero}"] = {"err": _max_diff(full, want),
                               "buffers": _max_diff({k: full[k] for k in ("bn.running_mean", "bn.running_var")},
                                                    {k: want[k] for k in ("bn.running_mean", "bn.running_var")})}
+    own = BNNet()                             # broadcast_buffers=False: each rank keeps its own
+    own.bn.running_mean.fill_(float(rank))
+    engine = tm.Engine(own, lambda ps: torch.optim.SGD(ps, lr=0.1), lambda m, b: m(b),
+                       tm.ParallelConfig(dp=2, broadcast_buffers=False))
+    engine.train_step(torch.randn(6, 8, generator=torch.Generator().manual_seed(7)))
+    out["own_mean"] = own.bn.running_mean.clone()
     return out
 
 
@@ -293,11 +299,16 @@ def test_unused_parameters_get_no_update(world2):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_buffers_follow_ddp_broadcast_buffers(world2):
-    """Bug: buffers never broadcast (each rank keeps its own statistics: off by ~1)."""
+    """Bug: buffers never broadcast (each rank keeps its own statistics: off by ~1); with
+    broadcast_buffers=False they are not."""
     for rank, res in world2.items():
         for zero, r in _ok(res["batchnorm"], f"rank {rank} batchnorm").items():
+            if zero == "own_mean":
+                continue
             assert r["buffers"] <= 1e-6, f"rank {rank} {zero}: running stats differ from DDP by {r['buffers']}"
             assert r["err"] <= 1e-5, f"rank {rank} {zero}: weights differ from DDP by {r['err']}"
+    own = [res["batchnorm"]["own_mean"] for res in world2.values()]
+    assert float((own[0] - own[1]).abs().max()) > 0.5, own       # started 1 apart, kept apart
 
 
 @pytest.mark.slow
