@@ -305,6 +305,8 @@ def test_buffers_follow_ddp_broadcast_buffers(world2):
         for zero, r in _ok(res["batchnorm"], f"rank {rank} batchnorm").items():
             if zero == "own_mean":
                 continue
+            # the same arithmetic as DDP (sum of two gradients, then the mean): one float32
+            # rounding per step on weights ~1, 4 SGD steps: ~4 x 6e-8; missing broadcasts err by ~1
             assert r["buffers"] <= 1e-6, f"rank {rank} {zero}: running stats differ from DDP by {r['buffers']}"
             assert r["err"] <= 1e-5, f"rank {rank} {zero}: weights differ from DDP by {r['err']}"
     own = [res["batchnorm"]["own_mean"] for res in world2.values()]
