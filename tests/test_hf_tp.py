@@ -205,6 +205,7 @@ def test_plans_refuse_indivisible_heads_and_sequence_parallel():
         parallelize(hf_model("gpt2"), _FakeMesh(2), None, sequence_parallel=True)  # type: ignore[arg-type]
     assert err.value.field == "sequence-parallel"
     assert hf_tp_plan(llama)["model.layers.*.self_attn"] == ("parallel_input", "local_heads")
+    assert hf_tp_plan(llama)["model.layers.*.self_attn.q_proj"] == "colwise"   # as Llama declares
     with pytest.raises(ValueError, match="no Hugging Face tensor-parallel plan"):
         hf_tp_plan(torch.nn.Linear(2, 2))
 

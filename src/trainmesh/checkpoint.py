@@ -352,11 +352,20 @@ def consolidate(root: str | Path, out: str | Path) -> Path:
     if directory is None:
         raise CheckpointError(_none_intact(root, skipped)[1:])
     with reading(directory):
-        reader = _Reader(directory)
-        weights = {k[len("param/"):]: reader.get(k) for k in sorted(reader.manifest["tensors"])
-                   if k.startswith("param/")}
+        weights, manifest = read_weights(directory)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out), metadata={"step": str(reader.manifest["step"])})
+    save_file(weights, str(out), metadata={"step": str(manifest["step"])})
     usual_mode(out)
     return out
+
+
+def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(the full weights by parameter name, tied aliases included; the manifest) of one
+    checkpoint directory."""
+    reader = _Reader(directory)
+    weights = {k[len("param/"):]: reader.get(k) for k in sorted(reader.manifest["tensors"]) if k.startswith("param/")}
+    for alias, name in sorted(reader.manifest["trainer"].get("tied", {}).items()):
+        if name in weights:                    # a tied weight under each of its names
+            weights.setdefault(alias, weights[name].clone())
+    return weights, reader.manifest

@@ -8,6 +8,7 @@ naming the flag and what would be valid.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -73,7 +74,16 @@ class ParallelConfig:
     compile: bool = setting(False, "torch.compile each transformer block / pipeline layer "
                                    "(collectives stay outside the graphs)", group="precision & memory")
     find_unused_parameters: bool = setting(False)
-    """Reduce gradients of parameters that received none instead of raising an error (API only)."""
+    """Parameters that received no gradient in a step are allowed instead of raising an error:
+    one no DP rank used gets no update that step (its gradient is None, as DDP's
+    ``find_unused_parameters``); one used on some ranks is reduced as usual (API only)."""
+    broadcast_buffers: bool = setting(True)
+    """Buffers (e.g. BatchNorm running statistics) are broadcast from the DP root at start and
+    before every forward with gradients, as DDP's ``broadcast_buffers`` (API only)."""
+    zero3_units: "Sequence[str | type] | Callable[[str, Any], bool] | None" = setting(None)
+    """ZeRO-3: which modules are units — module names, module classes, or a predicate
+    ``(name, module) -> bool`` (None: each child of the model's largest ``nn.ModuleList`` and
+    the other modules that run once; API only)."""
     # -- parameter server and all-reduce algorithms
     strategy: str = setting("mesh", "mesh (dp x pp x tp), ps (RPC parameter server: --dp trainers, "
                                     "--ps-servers servers) or diloco (--dp replicas taking "
@@ -106,6 +116,8 @@ class ParallelConfig:
             raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
                               f"--min-dp the smallest it may shrink to); got {self.min_dp}")
         self._check_offload()
+        if self.zero3_units is not None and self.zero != 3:
+            raise ConfigError("zero3_units", f"chooses ZeRO-3's units; needs zero=3 (got zero={self.zero})")
         if self.zero3_reshard != "step" and (self.zero != 3 or self.pp == 1):
             raise ConfigError("--zero3-reshard", "chooses when ZeRO-3 re-gathers under a pipeline; "
                               "needs --zero 3 and --pp > 1 (valid otherwise: step)")

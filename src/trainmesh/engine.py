@@ -34,6 +34,7 @@ from .data_parallel import make_grad_sync, unique_named_parameters
 from .data_parallel.base import OptimizerFactory
 from .errors import ConfigError
 from .executor import LocalExecutor
+from .export_hf import model_record
 from .flops import model_flops_per_token
 from .mesh import ParallelMesh
 from .materialize import InitFn, materialize
@@ -73,6 +74,9 @@ class Engine:
         fill = self._sharded_init(named, init_fn or getattr(model, "init_parameter", None))
         if broadcast_init and fill is None:
             self._broadcast_from_dp_root(named)
+        if cfg.broadcast_buffers and self.mesh.size("dp") > 1:
+            self._broadcast_buffers()
+            self.module.register_forward_pre_hook(self._buffers_before_forward)
         if self.executor.tied_parameters and cfg.zero >= 2:
             raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
                               "(their gradients are summed over stages before sharding)")
@@ -149,6 +153,19 @@ class Engine:
             if id(p) in duplicates:
                 self.placements.mark(name, tuple(p.shape), duplicate=True)
 
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """Every floating or integer buffer (BatchNorm statistics, counters) from the DP root,
+        as DDP's ``broadcast_buffers``; one collective per buffer, in registration order."""
+        root = self.mesh.ranks("dp")[0]
+        for _, b in self.module.named_buffers():
+            if b.numel() and not b.is_meta:
+                self.comm.broadcast(b.data, "dp", src=root)
+
+    def _buffers_before_forward(self, _module: nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled():       # a training forward (evaluation keeps its own)
+            self._broadcast_buffers()
+
     def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p`` in the global norm: duplicates only once."""
         placement = self.placements.get(name)
@@ -179,9 +196,13 @@ class Engine:
         self.comm.ledger.begin_step()
         loss_sum, count = self.executor.run(microbatches, self.hooks)
         holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
-        totals = torch.tensor([loss_sum, count] if holds_loss else [0.0, 0.0], dtype=torch.float64)
+        sums = [loss_sum, count] if holds_loss else [0.0, 0.0]
+        if self.config.find_unused_parameters:          # rides along: the unused check's "any?"
+            sums.append(float(self.grad_sync.local_unused()))
+        totals = torch.tensor(sums, dtype=torch.float64)
         self.comm.all_reduce(totals, "world")
         global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
+        self.grad_sync.agree_unused(len(sums) > 2 and totals[2].item() > 0)
         diloco = self.config.strategy == "diloco"   # each replica: the mean over its own tokens
         self.grad_sync.finish(1.0 / ((count if diloco else global_count) * self.precision.loss_scale))
         self._complete_partial_grads()
@@ -273,6 +294,7 @@ class Engine:
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = {"last_epoch": self.lr_scheduler.last_epoch,
                                      "last_lr": self.lr_scheduler.get_last_lr()}
+        state.update(model_record(self.module))      # tied aliases, a Hugging Face config
         return state
 
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:

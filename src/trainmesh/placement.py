@@ -34,16 +34,18 @@ class Placement:
     """Dimension of the full tensor split over tp; None: replicated over tp."""
     tp_start: int = 0
     """First index this rank holds along ``tp_dim`` (of each block when ``tp_parts`` > 1)."""
-    tp_parts: int = 1
-    """Equal blocks of ``tp_dim`` each split separately (3: a fused ``[q | k | v]``)."""
+    tp_parts: int | tuple[int, ...] = 1
+    """Blocks of ``tp_dim`` each split separately: a count of equal blocks (3: a fused
+    ``[q | k | v]``) or the blocks' sizes in the full tensor (grouped-query q, k, v)."""
     partial_grad: bool = False
     """Sequence parallel: this rank's gradient covers its sequence chunk; summed over tp."""
     duplicate: bool = False
     """A pipeline tie's copy whose gradient another rank already counts in the norm."""
 
     def __post_init__(self) -> None:
-        if self.tp_parts < 1:
-            raise ValueError(f"tp_parts must be >= 1, got {self.tp_parts}")
+        parts = self.tp_parts
+        if (parts < 1) if isinstance(parts, int) else (not parts or min(parts) < 1):
+            raise ValueError(f"tp_parts must be >= 1 or positive block sizes, got {parts}")
         if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.full_shape):
             raise ValueError(f"tp_dim {self.tp_dim} outside full shape {self.full_shape}")
 
@@ -58,13 +60,17 @@ class Placement:
         whole = [slice(0, n) for n in self.full_shape]
         if self.tp_dim is None:
             return [tuple(whole)]
-        dim, parts = self.tp_dim, self.tp_parts
-        block, width = self.full_shape[dim] // parts, local_shape[dim] // parts
-        out = []
-        for j in range(parts):
+        dim, parts, total = self.tp_dim, self.tp_parts, self.full_shape[self.tp_dim]
+        blocks = [total // parts] * parts if isinstance(parts, int) else list(parts)
+        n = total // local_shape[dim]                   # the TP degree
+        rank = self.tp_start // (blocks[0] // n)
+        out, offset = [], 0
+        for block in blocks:                            # a fused projection: one slice per block
+            width = block // n
             index = list(whole)
-            index[dim] = slice(j * block + self.tp_start, j * block + self.tp_start + width)
+            index[dim] = slice(offset + rank * width, offset + (rank + 1) * width)
             out.append(tuple(index))
+            offset += block
         return out
 
 

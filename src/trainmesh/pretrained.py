@@ -1,6 +1,7 @@
 """Hugging Face causal LMs from a local model directory, built so each rank holds only its part.
 
-A model directory is what ``save_pretrained`` writes: ``config.json`` and ``model.safetensors``.
+Any Hugging Face causal LM (``AutoModelForCausalLM``) works under dp and every ZeRO stage,
+under tp where it declares a plan. A model directory is what ``save_pretrained`` writes: ``config.json`` and ``model.safetensors``.
 :func:`from_pretrained` builds the model from its config with every parameter on the meta
 device (buffers, such as Llama's rotary frequencies, are built for real: they are small and
 derived from the config) and gives it ``init_parameter`` reading the weights slice by slice
@@ -32,8 +33,6 @@ from .errors import ConfigError
 from .materialize import safetensors_init
 
 WEIGHTS = "model.safetensors"
-MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-"""config.json ``model_type`` -> the causal-LM class built for it."""
 FIELD = "--model-dir"
 
 
@@ -52,9 +51,9 @@ def read_model_config(path: str, field: str = FIELD) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(field, f"cannot read {directory / 'config.json'}: {exc}") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
-    if kind not in MODEL_TYPES:
-        raise ConfigError(field, f"{path!r}: model_type {kind!r} is not supported; valid: "
-                          f"{', '.join(MODEL_TYPES)}")
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(field, f"{path!r}: config.json names no model_type; valid: a Hugging "
+                          "Face causal LM's config.json")
     return config
 
 
@@ -127,9 +126,9 @@ def _transformers(field: str) -> Any:
 
 
 def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
-    """The causal LM of model directory ``path`` (GPT-2 or Llama), float32 parameters on the
-    meta device, with ``init_parameter(name, shape, index)`` reading its weights slice by slice
-    (the engine calls it for what each rank holds)."""
+    """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
+    parameters on the meta device, with ``init_parameter(name, shape, index)`` reading its
+    weights slice by slice (the engine calls it for what each rank holds)."""
     read_model_config(path, field)
     weights = Path(path) / WEIGHTS
     if not weights.is_file():
@@ -137,9 +136,13 @@ def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
                           "with safetensors weights)")
     check_weights_header(weights, field)
     transformers = _transformers(field)
-    config = transformers.AutoConfig.from_pretrained(path)
-    with params_on_meta():
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        with params_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(field, f"{path!r} is not a causal LM transformers can build: {first}") from None
     model.float()   # fp32 parameters whatever config.json's dtype: --precision sets the compute's
     model.init_parameter = safetensors_init(str(weights), field=field)
     return model
@@ -157,12 +160,20 @@ def check_weights_header(weights: Path, field: str = FIELD) -> None:
         raise ConfigError(field, f"cannot read {weights} as safetensors: {exc}") from None
 
 
-def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD) -> None:
+def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD,
+                    tp: int = 1) -> None:
     """Every parameter of the model (built from ``path`` on meta unless given) is in
-    ``model.safetensors`` with its shape: checked before any worker starts."""
+    ``model.safetensors`` with its shape, and with ``tp`` > 1 the model has a plan trainmesh
+    maps (GPT-2's, or the one its config declares): checked before any worker starts."""
     from .materialize import check_safetensors
     model = model if model is not None else from_pretrained(path, field=field)
     check_safetensors(str(Path(path) / WEIGHTS), model, field=field)
+    if tp > 1:
+        from .tensor_parallel.hf import declared_plan, hf_model_type, hf_tp_plan
+        if hf_model_type(model) != "gpt2" and declared_plan(model) is None:
+            raise ConfigError("--tp", f"{type(model).__name__} declares no tensor-parallel plan "
+                              "(config.base_model_tp_plan); valid for it: --tp 1 (dp and ZeRO)")
+        hf_tp_plan(model)                  # a declared style trainmesh cannot map: ConfigError
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:

@@ -1,7 +1,8 @@
-"""``trainmesh checkpoint consolidate DIR OUT.safetensors``: the full, unsharded model.
+"""``trainmesh checkpoint consolidate DIR OUT.safetensors``: the full, unsharded model;
+``trainmesh checkpoint export-hf DIR OUTDIR``: a Hugging Face model directory.
 
-It never destroys: an existing OUT is refused unless ``--force``, and OUT inside DIR (where it
-could replace a piece of a checkpoint) is refused always."""
+Neither destroys: an existing OUT is refused unless ``--force``, and OUT inside DIR (where it
+could replace a piece of a checkpoint) is refused always; OUTDIR must be new or empty."""
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("dir", metavar="DIR", help="a --save-dir, or one step-NNNNNNNN directory in it")
     c.add_argument("out", metavar="OUT", help="output .safetensors file (not inside DIR)")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    e = what.add_parser("export-hf", help="write the newest checkpoint as a Hugging Face model "
+                        "directory (config.json + model.safetensors)")
+    e.add_argument("dir", metavar="DIR", help="a --save-dir, or one step-NNNNNNNN directory in it")
+    e.add_argument("out", metavar="OUTDIR", help="output directory (must not exist or be empty)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "what", None) == "export-hf":
+        return _export_hf(args)
     if getattr(args, "what", None) != "consolidate":
-        raise ConfigError("checkpoint", "name the action: trainmesh checkpoint consolidate DIR OUT")
+        raise ConfigError("checkpoint", "name the action: trainmesh checkpoint consolidate DIR OUT, "
+                          "or trainmesh checkpoint export-hf DIR OUTDIR")
     if not args.out.endswith(".safetensors"):
         raise ConfigError("OUT", f"must end in .safetensors; got {args.out!r}")
     check_output_file("OUT", args.out)
@@ -45,3 +53,15 @@ def _check_destination(src: Path, out: Path, *, force: bool) -> None:
                           "model outside the checkpoint directory")
     if (out.exists() or out.is_symlink()) and not force:
         raise ConfigError("OUT", f"{str(out)!r} exists; choose a new file or pass --force to replace it")
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if (out.parent.resolve() / out.name).is_relative_to(Path(args.dir).resolve()):
+        raise ConfigError("OUTDIR", f"{args.out!r} is inside DIR {args.dir!r}; write the export "
+                          "outside the checkpoint directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("OUTDIR", f"{args.out!r} exists and is not an empty directory")
+    from ..export_hf import export_hf
+    print(f"wrote {export_hf(args.dir, out)}")
+    return 0

@@ -164,7 +164,7 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         check_safetensors(cfg.init_from, GPT(cfg.gpt_config(), device="meta"))
     if cfg.model_dir:   # transformers present, every parameter in model.safetensors
         from ..pretrained import check_model_dir
-        check_model_dir(cfg.model_dir)
+        check_model_dir(cfg.model_dir, tp=cfg.parallel.tp)
     if cfg.data != "synthetic":
         from ..data import make_datasets
         gpt = cfg.gpt_config()

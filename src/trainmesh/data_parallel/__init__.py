@@ -58,7 +58,7 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
                              options=options, materialize=materialize)
     return Zero3(named_params, comm, module=module,
                  param_dtype=precision.compute_dtype if mixed else None, options=options,
-                 materialize=materialize)
+                 materialize=materialize, units=cfg.zero3_units)
 
 
 __all__ = ["DDP", "DiLoCo", "ELEMENTWISE_OPTIMIZERS", "GradSync", "PipelineZero2", "PipelineZero3",

@@ -124,6 +124,8 @@ class GradSync(ABC):
         self.comm_buffer_peak_bytes = 0
         self.master: MasterWeights | None = None         # mixed precision at ZeRO 0-2
         self._ready: set[int] = set()                   # params whose gradient is final
+        self._used: set[int] = set()                    # ... in any backward of this step
+        self._unused: list[nn.Parameter] = []           # no DP rank gave them a gradient
         self._remaining: dict[int, int] | None = None   # pipeline mode: backwards left per param
 
     def _grad_final(self, p: nn.Parameter) -> bool:
@@ -134,17 +136,45 @@ class GradSync(ABC):
             if self._remaining[id(p)] > 0:
                 return False
         self._ready.add(id(p))
+        self._used.add(id(p))
         return True
 
     def _check_unused(self) -> None:
-        """Raise naming the parameters without a gradient in the last backward (unless the
+        """Raise naming the parameters without a gradient in this step's backwards (unless the
         options ask to reduce them anyway)."""
-        missing = [n for n, p in self.named_params if id(p) not in self._ready]
+        missing = [n for n, p in self.named_params if id(p) not in self._used]
         if missing and not self.options.find_unused_parameters:
             raise RuntimeError(
                 f"rank {self.comm.mesh.rank}: parameters received no gradient: "
                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
                 "(pass find_unused_parameters=True to reduce them anyway)")
+
+    def local_unused(self) -> int:
+        """How many of this rank's parameters received no gradient in this step (0 unless
+        ``find_unused_parameters``: otherwise :meth:`_check_unused` raises)."""
+        if not self.options.find_unused_parameters:
+            return 0
+        return sum(id(p) not in self._used for _, p in self.named_params)
+
+    def agree_unused(self, anywhere: bool) -> None:
+        """The unused check: ``anywhere`` (some rank of the world has an unused parameter, from
+        the engine's one reduction of the step's totals) costs one all-reduce over DP of a flag
+        per parameter; a parameter no DP rank used gets no update this step (:meth:`step`), one
+        used on some ranks keeps its reduced gradient, as DDP's ``find_unused_parameters``."""
+        self._unused = []
+        if not anywhere:
+            return
+        device = self.options.device or (self.named_params[0][1].device if self.named_params
+                                         else torch.device("cpu"))
+        flags = torch.tensor([float(id(p) in self._used) for _, p in self.named_params],
+                             dtype=torch.float32, device=device)
+        if self.dp > 1 and flags.numel():
+            self.comm.all_reduce(flags, "dp")
+        self._unused = [p for (_, p), f in zip(self.named_params, flags.tolist()) if f == 0.0]
+
+    def _end_step(self) -> None:
+        """``zero_grad``: the next step starts with no parameter used."""
+        self._used, self._unused = set(), []
 
     @abstractmethod
     def build_optimizer(self, factory: OptimizerFactory,

@@ -169,9 +169,21 @@ class DDP(GradSync):
         return [self.buffer]
 
     def step(self) -> None:
+        """The optimizer step; parameters no DP rank used this step have no gradient in it
+        (``None``), so element-wise optimizers leave them and their states alone."""
+        hidden = [self._opt_param(p) for p in self._unused]
+        if self.master is not None:
+            self.master.step(self.optimizer, skip={id(m) for m in hidden})
+            return
+        grads = [p.grad for p in hidden]
+        for p in hidden:
+            p.grad = None
         self._optimizer_step()
+        for p, g in zip(hidden, grads):
+            p.grad = g                            # the view into the buffer again
 
     def zero_grad(self) -> None:
+        self._end_step()
         self.buffer.zero_()
         if self.master is not None:
             self.master.scale = 1.0

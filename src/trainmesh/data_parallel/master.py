@@ -29,10 +29,11 @@ class MasterWeights:
         self.scale = 1.0
         """The factor the 16-bit gradients still have to be multiplied by."""
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale the gradients into the masters, step them, cast them back into the params."""
+    def step(self, optimizer: torch.optim.Optimizer, *, skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """Unscale the gradients into the masters, step them, cast them back into the params
+        (masters whose id is in ``skip`` get no gradient: unused this step)."""
         for m, g in zip(self.masters, self.grads):
-            m.grad = g.detach().to(m.dtype).mul_(self.scale)
+            m.grad = None if id(m) in skip else g.detach().to(m.dtype).mul_(self.scale)
         optimizer.step()
         for m in self.masters:
             m.grad = None

@@ -214,8 +214,44 @@ class ShardedSync(GradSync):
         return total * self._pending_sq()
 
     def step(self) -> None:
+        """The optimizer step on the flat shards, then :meth:`_after_step`. An element-wise
+        optimizer updates every element of a shard: the elements of parameters no DP rank used
+        this step get their values and optimizer states back afterwards (zeros where the step
+        created the states), as if they had no gradient."""
+        saved = self._save_unused()
         self._optimizer_step()
+        if saved:
+            self._restore_unused(saved)
         self._after_step()
+
+    def _shard_ranges(self, p: nn.Parameter) -> list[tuple[int, Any]]:
+        """(group, index into the group's shard) of each stretch of ``p`` this rank holds."""
+        return []
+
+    @torch.no_grad()
+    def _save_unused(self) -> list[tuple[int, Any, torch.Tensor, dict[str, torch.Tensor]]]:
+        if not self._unused or self.offloaded is not None:
+            return []
+        saved = []
+        for p in self._unused:
+            for gi, index in self._shard_ranges(p):
+                sp = self.shard_params[gi]
+                state = self.optimizer.state.get(sp, {}) if self.optimizer is not None else {}
+                states = {k: v[index].clone() for k, v in state.items()
+                          if torch.is_tensor(v) and v.shape == sp.shape}
+                saved.append((gi, index, sp.data[index].clone(), states))
+        return saved
+
+    @torch.no_grad()
+    def _restore_unused(self, saved: list[tuple[int, Any, torch.Tensor, dict[str, torch.Tensor]]]) -> None:
+        for gi, index, value, states in saved:
+            sp = self.shard_params[gi]
+            sp.data[index] = value
+            for k, v in self.optimizer.state.get(sp, {}).items():
+                if torch.is_tensor(v) and v.shape == sp.shape:
+                    v[index] = states[k] if k in states else 0
+        if self.master is not None:
+            self.master.copy_to_params()
 
     def _after_step(self) -> None:
         """Make the parameters whole again (ZeRO-1/2 all-gather); nothing at ZeRO-3."""

@@ -165,6 +165,7 @@ class FlatZero(ShardedSync):
                 h.wait()
 
     def zero_grad(self) -> None:
+        self._end_step()
         for g in self.groups:
             g.grads.zero_()
         self._reset_master()
@@ -172,6 +173,10 @@ class FlatZero(ShardedSync):
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [g.params for g in self.groups], "grads": [g.grads for g in self.groups],
                 "optimizer": self._optimizer_tensors()}
+
+    def _shard_ranges(self, p: nn.Parameter) -> list[tuple[int, tuple[int, slice]]]:
+        return [(gi, (pc.bucket, slice(pc.lo, pc.hi))) for gi, g in enumerate(self.groups)
+                for pc in g.layout.shard_pieces() if pc.slot.param is p]
 
     # ---------------------------------------------------------------- checkpoints
     def _slots(self, gi: int) -> list[Slot]:

@@ -41,7 +41,7 @@ from ..step import tensors_in
 from .flat import FlatLayout, Slot
 from .base import SyncOptions
 from .sharded import Groups, ShardedSync
-from .units import find_units, owner
+from .units import UnitSpec, find_units, owner
 
 
 class _State(enum.Enum):
@@ -88,9 +88,12 @@ class Zero3(ShardedSync):
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
                  module: nn.Module, param_dtype: torch.dtype | None = None,
                  options: SyncOptions | None = None,
-                 materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None = None) -> None:
+                 materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None = None,
+                 units: UnitSpec | None = None) -> None:
         super().__init__(named_params, comm, options)
         self.module = module
+        self.unit_spec = units
+        """``zero3_units=``: which modules are units (None: :func:`find_units`'s default)."""
         self.param_dtype = param_dtype
         self.materialize = materialize
         """Sharded init: gives a unit's meta parameters their values before it is sharded."""
@@ -155,7 +158,7 @@ class Zero3(ShardedSync):
 
     def _unit_names(self) -> list[str]:
         """Module paths of the units (:func:`find_units`)."""
-        return find_units(self.module)
+        return find_units(self.module, self.unit_spec)
 
     def _shard_unit(self, unit: _Unit) -> None:
         """Keep this rank's chunk of the unit's parameters; point them at the gathered buffer."""
@@ -183,8 +186,28 @@ class Zero3(ShardedSync):
         return self.group_shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
 
     # ---------------------------------------------------------------- gather / free
+    def _agree(self, unit: _Unit) -> None:
+        """Before a unit's all-gather, the DP ranks agree on which unit it is (one all-gather
+        of its index): a module whose forward (or backward) ran on some ranks and not others
+        is named here rather than left to mismatched collectives inside the backend."""
+        if self.dp == 1:
+            return
+        mine = torch.tensor([self.units.index(unit)], dtype=torch.int64, device=self.device)
+        everyone = torch.zeros(self.dp, dtype=torch.int64, device=self.device)
+        self.comm.all_gather(everyone, mine, "dp")
+        if bool((everyone != mine).any()):
+            names = ", ".join(f"dp rank {r}: {self.units[i].name or '<root>'!r}"
+                              for r, i in enumerate(everyone.tolist()))
+            raise RuntimeError(
+                f"ZeRO-3: the DP ranks gather different units ({names}): a module ran on some "
+                f"ranks and not on others (rank {self.rank_in_dp} is at {unit.name or '<root>'!r}). "
+                "Every DP rank must run the same modules in the same order; run the module on "
+                "every rank (e.g. with a zero-weighted contribution) or put it inside a unit that "
+                "always runs (zero3_units=)")
+
     def _gather(self, unit: _Unit, *, wait: bool) -> None:
         if unit.state is _State.FREE:
+            self._agree(unit)
             unit.full.untyped_storage().resize_(unit.nbytes)
             self._count(unit.nbytes)
             unit.handles, unit.sends = [], []
@@ -261,6 +284,7 @@ class Zero3(ShardedSync):
     def _on_grad(self, p: nn.Parameter) -> None:
         unit = self._unit_of[id(p)]
         self._ready.add(id(p))
+        self._used.add(id(p))
         pi, slot = self._slot_of[id(p)]
         if unit.reduce_bufs is None:
             unit.reduce_bufs = [self._alloc(pc.layout.padded, self.reduce_dtype or p.grad.dtype)
@@ -318,6 +342,7 @@ class Zero3(ShardedSync):
         self._scale(scale)
 
     def zero_grad(self) -> None:
+        self._end_step()
         for g in self.shard_grads:
             g.zero_()
         self._reset_master()
@@ -332,6 +357,14 @@ class Zero3(ShardedSync):
         if self.options.offload_params:
             out["cpu"] += storage_bytes(self.group_shards)
         return out
+
+    def _shard_ranges(self, p: nn.Parameter) -> list[tuple[int, slice]]:
+        unit = self._unit_of.get(id(p))
+        if unit is None:
+            return []
+        pc = unit.pieces[self._slot_of[id(p)][0]]
+        return [(pc.group, slice(pc.shard_start + piece.lo, pc.shard_start + piece.hi))
+                for piece in pc.layout.shard_pieces() if piece.slot.param is p]
 
     # ---------------------------------------------------------------- checkpoints
     def _group_pieces(self, gi: int) -> list[_Piece]:

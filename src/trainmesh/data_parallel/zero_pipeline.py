@@ -62,6 +62,7 @@ class PipelineZero2(Zero2):
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self._ready.add(id(p))
+        self._used.add(id(p))
         buckets = self._buckets_of[id(p)]
         self._take_grad(p, buckets)               # added into the transient buckets, dropped
         for b in buckets:

@@ -1,57 +1,160 @@
-"""Tensor-parallel plans for Hugging Face GPT-2 and Llama (Megatron style, vocab replicated).
+"""Tensor-parallel plans of Hugging Face models: the one the model declares, mapped onto ours.
 
-Recognised by ``model.config.model_type`` (no transformers import): ``GPT2LMHeadModel`` /
-``GPT2Model`` and ``LlamaForCausalLM`` / ``LlamaModel``. What each plan splits:
+A Hugging Face model declares its plan in ``config.base_model_tp_plan`` (``{"layers.*.self_attn.
+q_proj": "colwise", ...}``, patterns relative to the base model): :func:`hf_tp_plan` reads it,
+prefixes the patterns with the base model's attribute (``model.``) and maps each style onto
+trainmesh's (:mod:`.plan`), so every family that declares a plan (Llama, Qwen2/Qwen3, Mistral,
+Gemma/Gemma2, Phi-3, ...) runs without a table here:
 
-- GPT-2: the fused ``attn.c_attn`` (a ``Conv1D``, weight ``(d, 3d)`` = [q | k | v]) column-split
-  per block (``colwise_qkv``), so each rank holds whole heads of q, k and v; ``attn.c_proj``
-  row-parallel; the attention's ``num_heads`` and ``split_size`` become the local ones
-  (``local_heads``); ``mlp.c_fc`` column-, ``mlp.c_proj`` row-parallel.
-- Llama: ``q_proj``, ``k_proj``, ``v_proj`` column-parallel (grouped-query attention: the
-  ``num_key_value_heads`` are split too, each rank keeping the kv heads its q heads use), one
-  entry into the region for all three (``parallel_input``: Llama passes ``hidden_states=`` by
-  keyword), ``o_proj`` row-parallel; ``gate_proj``/``up_proj`` column-, ``down_proj`` row-parallel.
-  Rotary embeddings act per head and RMSNorm on replicated activations: both stay as they are.
+==============================  =====================================================
+Hugging Face style              trainmesh
+==============================  =====================================================
+``colwise`` / ``rowwise``       ``colwise`` / ``rowwise``
+``colwise_gather_output`` +     a fused projection split per part and no gather where the
+``rowwise_split_input``         parts are known (Phi-3: ``qkv_proj`` = q, k, v of grouped-query
+                                sizes, ``gate_up_proj`` = gate, up) -> ``colwise_parts:...`` +
+                                ``rowwise``; otherwise ``colwise_gather`` + ``rowwise_split_input``
+``replicated_with_grad_allreduce``  ``partial_grad`` (Qwen3's per-head q/k norms)
+``embedding_rowwise``           ``vocab_embedding``
+anything else (``packed_colwise``, ``moe_tp_experts``, ...)  ConfigError naming it
+==============================  =====================================================
 
-Embeddings, final norm and ``lm_head`` stay replicated (the loss is the model's own). Each
-attention's head counts must divide by tp (ConfigError naming ``tp``); sequence parallelism is
-refused (ConfigError naming ``sequence-parallel``): these plans have no sequence-sharded region.
+Each attention module whose projections are split gets ``parallel_input`` (q, k and v enter the
+region once) and ``local_heads`` (its head counts, and a copy of its ``config``, become this
+rank's: Phi-3 reads ``config.num_attention_heads`` in forward); an MLP with several column
+layers gets ``parallel_input``. Embeddings, norms and ``lm_head`` stay replicated (the loss is
+the model's own). GPT-2 declares no plan: its own is kept here (the fused ``Conv1D`` ``c_attn``
+split per q/k/v block, local head counts). Head counts must divide by tp (ConfigError naming
+``tp``); sequence parallelism is refused (ConfigError naming ``sequence-parallel``).
 """
 from __future__ import annotations
+
+import copy
 
 from torch import nn
 
 from ..errors import ConfigError
-MODEL_TYPES = ("gpt2", "llama")
+
+STYLE_MAP = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab_embedding",
+             "replicated_with_grad_allreduce": "partial_grad",
+             "colwise_gather_output": "colwise_gather", "rowwise_split_input": "rowwise_split_input"}
+"""Hugging Face tensor-parallel style -> trainmesh style (fused pairs refined by :func:`_fuse`)."""
 
 
 def hf_model_type(model: nn.Module) -> str | None:
-    """``"gpt2"`` or ``"llama"`` for a Hugging Face model these plans cover, else None."""
+    """``config.model_type`` of a Hugging Face model (recognised without importing
+    transformers), else None."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
-    return kind if kind in MODEL_TYPES else None
+    return kind if isinstance(kind, str) else None
+
+
+def declared_plan(model: nn.Module) -> dict[str, str] | None:
+    """The model's own ``config.base_model_tp_plan`` (Hugging Face names), or None."""
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    return dict(plan) if plan else None
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str | tuple[str, ...]]:
-    """The tensor-parallel plan of a Hugging Face GPT-2 or Llama model (module docstring);
-    ValueError for another model."""
-    kind = hf_model_type(model)
+    """The tensor-parallel plan of a Hugging Face model (module docstring); ValueError for a
+    model that declares none (other than GPT-2), ConfigError naming ``tp_plan=`` for a declared
+    style trainmesh cannot map."""
     names = dict(model.named_modules())
-    if kind == "gpt2":
+    if hf_model_type(model) == "gpt2":
         p = "transformer." if "transformer" in names else ""
         return {f"{p}h.*.attn": ("parallel_input", "local_heads"),
                 f"{p}h.*.attn.c_attn": "colwise_qkv", f"{p}h.*.attn.c_proj": "rowwise",
                 f"{p}h.*.mlp.c_fc": "colwise", f"{p}h.*.mlp.c_proj": "rowwise"}
-    if kind == "llama":
-        p = "model." if "model" in names else ""
-        return {f"{p}layers.*.self_attn": ("parallel_input", "local_heads"),
-                f"{p}layers.*.self_attn.[qkv]_proj": "colwise",
-                f"{p}layers.*.self_attn.o_proj": "rowwise",
-                f"{p}layers.*.mlp": "parallel_input",
-                f"{p}layers.*.mlp.gate_proj": "colwise", f"{p}layers.*.mlp.up_proj": "colwise",
-                f"{p}layers.*.mlp.down_proj": "rowwise"}
-    raise ValueError(f"no Hugging Face tensor-parallel plan for {type(model).__name__} (model_type "
-                     f"{getattr(getattr(model, 'config', None), 'model_type', None)!r}); covered: "
-                     f"{', '.join(MODEL_TYPES)}. Pass a plan of your own (tp_plan=...)")
+    declared = declared_plan(model)
+    if declared is None:
+        raise ValueError(f"no Hugging Face tensor-parallel plan for {type(model).__name__} (model_type "
+                         f"{hf_model_type(model)!r}: its config declares no base_model_tp_plan). "
+                         "Pass a plan of your own (tp_plan=...)")
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = prefix + "." if prefix and prefix in names else ""
+    plan: dict[str, str | tuple[str, ...]] = {}
+    for pattern, style in declared.items():
+        if style not in STYLE_MAP:
+            raise ConfigError("tp_plan", f"the model's declared style {style!r} (for {pattern!r}, "
+                              f"config.base_model_tp_plan) has no trainmesh counterpart; mapped: "
+                              f"{', '.join(STYLE_MAP)}. Pass a plan of your own (tp_plan=...)")
+        plan[prefix + pattern] = STYLE_MAP[style]
+    return _fuse(model, plan)
+
+
+def _parent(pattern: str) -> str:
+    return pattern.rpartition(".")[0]
+
+
+def _fuse(model: nn.Module, plan: dict[str, str | tuple[str, ...]]) -> dict[str, str | tuple[str, ...]]:
+    """Fused projections split per part (so no output is gathered), attention parents."""
+    from fnmatch import fnmatchcase
+    modules = dict(model.named_modules())
+
+    def first(pattern: str) -> tuple[str, nn.Module] | None:
+        return next(((n, m) for n, m in modules.items() if n and fnmatchcase(n, pattern)), None)
+
+    out = dict(plan)
+    for pattern, style in plan.items():
+        if style != "colwise_gather":
+            continue
+        split_input = [q for q, s in plan.items() if s == "rowwise_split_input"
+                       and _parent(q) == _parent(pattern)]
+        found, parent = first(pattern), first(_parent(pattern))
+        if not split_input or found is None or parent is None:
+            continue
+        parts = _fused_parts(found[1], parent[1])
+        if parts is not None:
+            out[pattern] = "colwise_parts:" + ",".join(map(str, parts))
+            out[split_input[0]] = "rowwise"
+    columns: dict[str, int] = {}
+    for pattern, style in out.items():
+        if isinstance(style, str) and style.startswith(("colwise", "colwise_parts")) and style != "colwise_gather":
+            columns[_parent(pattern)] = columns.get(_parent(pattern), 0) + 1
+    for parent_pattern, n in columns.items():
+        found = first(parent_pattern)
+        if found is None:
+            continue
+        styles: tuple[str, ...] = ("parallel_input",) if n > 1 else ()
+        if _is_attention(*found):
+            styles += ("local_heads",)
+        if styles:
+            out[parent_pattern] = styles
+    return out
+
+
+def _fused_parts(linear: nn.Module, parent: nn.Module) -> tuple[int, ...] | None:
+    """The output blocks of a fused projection: q, k, v (grouped-query sizes) of an attention,
+    or two equal halves (gate, up) of an MLP; None when they cannot be told."""
+    out = getattr(linear, "out_features", None)
+    config = getattr(parent, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(parent, "head_dim", None)
+    if isinstance(out, int) and heads and head_dim and out == (heads + 2 * kv) * head_dim:
+        return heads * head_dim, kv * head_dim, kv * head_dim
+    inter = getattr(config, "intermediate_size", None)
+    if isinstance(out, int) and inter and out == 2 * inter:
+        return inter, inter
+    return None
+
+
+def _is_attention(name: str, module: nn.Module) -> bool:
+    leaf = name.rpartition(".")[2].lower()
+    return hasattr(module, "head_dim") or "attn" in leaf or "attention" in leaf
+
+
+def localize_config(module: nn.Module, tp: int) -> None:
+    """``local_heads`` on a Hugging Face attention: its own copy of the config with this rank's
+    head counts (the model's config, shared by every layer, stays whole)."""
+    config = getattr(module, "config", None)
+    if config is None or not isinstance(getattr(config, "num_attention_heads", None), int):
+        return
+    local = copy.copy(config)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(local, attr, value // tp)
+    module.config = local
 
 
 def head_counts(module: nn.Module) -> dict[str, int]:

@@ -34,7 +34,7 @@ from ..comm import Comm
 from ..placement import Placement, Placements
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence, scatter_to_region)
-from .state import shard_of
+from .state import part_sizes, shard_of
 
 
 @dataclass
@@ -70,11 +70,12 @@ class TPState:
             return reduce_scatter_to_sequence(y, self.comm, self.axis)  # (b, s, h) -> (b, s/n, h)
         return reduce_from_region(y, self.comm, self.axis)
 
-    def shard(self, full: torch.Tensor, dim: int, parts: int = 1) -> tuple[nn.Parameter, Placement]:
+    def shard(self, full: torch.Tensor, dim: int, parts: int | tuple[int, ...] = 1
+              ) -> tuple[nn.Parameter, Placement]:
         """This rank's slice of ``full`` along ``dim``, as a fresh (1/n-sized) parameter, and its
-        record; with ``parts`` > 1, its slice of each of ``parts`` equal blocks along ``dim``,
-        concatenated."""
-        width = full.shape[dim] // (parts * self.size)
+        record; with several ``parts`` (a count of equal blocks, or block sizes), its slice of
+        each block along ``dim``, concatenated."""
+        width = part_sizes(full.shape[dim], parts)[0] // self.size
         piece = shard_of(full.detach(), dim, self.rank, self.size, parts).clone()
         p = nn.Parameter(piece, requires_grad=full.requires_grad)
         return p, Placement(full_shape=tuple(full.shape), tp_dim=dim,   # full[.., start:+width]
@@ -131,11 +132,13 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, state: TPState, *, gather_output: bool = False,
-                    parts: int = 1) -> "ColumnParallelLinear":
-        """From an ``nn.Linear`` or ``Conv1D``; ``parts`` > 1: a fused projection of that many
-        equal output blocks, each split (every rank keeps its slice of each)."""
+                    parts: int | tuple[int, ...] = 1) -> "ColumnParallelLinear":
+        """From an ``nn.Linear`` or ``Conv1D``; several ``parts``: a fused projection of that
+        many equal output blocks, or of blocks of the given sizes (q, k, v of grouped-query
+        attention), each split (every rank keeps its slice of each)."""
         weight, transposed = _weight_of(linear)
-        _check_divisible("out_features / parts", features(linear)[1] // parts, state)
+        for size in part_sizes(features(linear)[1], parts):
+            _check_divisible("a fused block's out_features", size, state)
         records = {"weight": state.shard(weight, 1 if transposed else 0, parts)}
         if linear.bias is not None:
             records["bias"] = state.shard(linear.bias, 0, parts)

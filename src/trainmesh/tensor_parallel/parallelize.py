@@ -21,8 +21,8 @@ from ..placement import Placements
 from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
 from .loss import VocabParallelCrossEntropy
 from .mappings import gather_from_sequence, scatter_to_sequence
-from .hf import check_hf_tp, hf_model_type
-from .plan import HEAD_ATTRS, REPLACING, Plan, check_divisible, default_plan, resolve
+from .hf import check_hf_tp, hf_model_type, localize_config
+from .plan import HEAD_ATTRS, Plan, check_divisible, default_plan, fused_parts, is_layer_style, resolve
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan | None = None,
@@ -55,7 +55,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
     for layers_first in (True, False):        # replace layers, then hook whatever is there now
         for name, _, styles in resolved:
             for style in styles:
-                if (style in REPLACING) == layers_first:
+                if is_layer_style(style) == layers_first:
                     _apply(model, name, model.get_submodule(name), style, state, records)
     return model
 
@@ -71,11 +71,13 @@ def _apply(model: nn.Module, name: str, module: nn.Module, style: str, state: TP
     """Apply one style to the module at ``name``; returns the module now at that name."""
     sp = state.sequence_parallel
     new: ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
-    if style in ("colwise", "vocab_head", "colwise_gather", "colwise_qkv"):
+    parts = fused_parts(style)
+    if style in ("colwise", "vocab_head", "colwise_gather", "colwise_qkv") or parts is not None:
         new = ColumnParallelLinear.from_linear(module, state, gather_output=style == "colwise_gather",
-                                               parts=3 if style == "colwise_qkv" else 1)
-    elif style == "rowwise":
-        new = RowParallelLinear.from_linear(module, state)  # type: ignore[arg-type]
+                                               parts=3 if style == "colwise_qkv" else parts or 1)
+    elif style in ("rowwise", "rowwise_split_input"):
+        new = RowParallelLinear.from_linear(module, state,  # type: ignore[arg-type]
+                                            input_is_parallel=style == "rowwise")
         if sp and new.bias is not None:      # added after the reduce-scatter: a chunk's grad
             records.mark(f"{name}.bias", tuple(new.bias.shape), partial_grad=True)
     elif style == "vocab_embedding":
@@ -99,6 +101,12 @@ def _hook(module: nn.Module, style: str, state: TPState, records: Placements, na
             value = getattr(module, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(module, attr, value // state.size)     # this rank's heads (checked: divides)
+        localize_config(module, state.size)
+    elif style == "partial_grad":               # replicated, used on head shards: always partial
+        for local, p in module.named_parameters():
+            full = f"{name}.{local}" if name else local
+            if p.requires_grad and not records.sharded(full):
+                records.mark(full, tuple(p.shape), partial_grad=True)
     elif style == "sequence_parallel" and sp:
         for local, p in module.named_parameters():
             full = f"{name}.{local}" if name else local

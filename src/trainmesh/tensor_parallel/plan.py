@@ -10,7 +10,14 @@ pattern must match at least one module. The styles:
 ``colwise_gather``    the same, output all-gathered along the last dim (replicated)
 ``colwise_qkv``       a fused [q | k | v] projection (three equal output blocks): each block split,
                       so every rank holds whole heads of q, of k and of v (GPT-2's ``c_attn``)
+``colwise_parts:A,B,..``  a fused projection of output blocks of sizes A, B, ... (unequal:
+                      q, k, v of grouped-query attention; ``colwise_parts:3`` = three equal
+                      blocks): each block split, every rank keeps its slice of each
 ``rowwise``           nn.Linear -> RowParallelLinear (input features split, output reduced)
+``rowwise_split_input``  the same, taking a full (replicated) input it splits itself (after a
+                      ``colwise_gather``)
+``partial_grad``      any module with replicated parameters that each TP rank uses on its own
+                      part (Qwen3's per-head q/k norms): their gradients are all-reduced over tp
 ``vocab_embedding``   nn.Embedding -> VocabParallelEmbedding (vocab rows split)
 ``vocab_head``        nn.Linear -> ColumnParallelLinear whose vocab-split logits feed ``vocab_ce``
 ``vocab_ce``          a ``(logits, labels) -> (loss_sum, count)`` criterion -> VocabParallelCrossEntropy
@@ -36,30 +43,45 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from ..errors import ConfigError
-from .hf import head_counts, hf_model_type, hf_tp_plan
+from .hf import declared_plan, head_counts, hf_model_type, hf_tp_plan
 from .layers import features, is_conv1d
 
-STYLES = ("colwise", "colwise_gather", "colwise_qkv", "rowwise", "vocab_embedding", "vocab_head",
-          "vocab_ce", "parallel_input", "local_heads", "sequence_parallel", "sequence_scatter",
-          "sequence_gather")
-LINEAR_STYLES = ("colwise", "colwise_gather", "colwise_qkv", "rowwise", "vocab_head")
+STYLES = ("colwise", "colwise_gather", "colwise_qkv", "colwise_parts:A,B,...", "rowwise",
+          "rowwise_split_input", "vocab_embedding", "vocab_head", "vocab_ce", "parallel_input",
+          "local_heads", "partial_grad", "sequence_parallel", "sequence_scatter", "sequence_gather")
+PARTS = "colwise_parts:"
+LINEAR_STYLES = ("colwise", "colwise_gather", "colwise_qkv", "rowwise", "rowwise_split_input",
+                 "vocab_head")
 HEAD_ATTRS = ("num_heads", "num_key_value_heads", "split_size", "embed_dim", "hidden_size")
 """What ``local_heads`` divides by tp, where the module has it: head counts and head widths."""
 REPLACING = (*LINEAR_STYLES, "vocab_embedding", "vocab_ce")
+
+
+def fused_parts(style: str) -> int | tuple[int, ...] | None:
+    """The parts of a ``colwise_parts:`` style (a count, or block sizes), else None."""
+    if not style.startswith(PARTS):
+        return None
+    values = tuple(int(v) for v in style[len(PARTS):].split(","))
+    return values[0] if len(values) == 1 else values
+
+
+def is_layer_style(style: str) -> bool:
+    """A style that replaces the module by a parallel layer."""
+    return style in REPLACING or style.startswith(PARTS)
 
 Plan = Mapping[str, "str | tuple[str, ...] | list[str]"]
 
 
 def default_plan(model: nn.Module) -> dict[str, str | tuple[str, ...]]:
-    """The plan the model carries: ``model.tp_plan()`` (the built-in GPT has one), or the
-    Hugging Face GPT-2 / Llama plan (:mod:`.hf`) for those models."""
+    """The plan the model carries: ``model.tp_plan()`` (the built-in GPT has one), or the plan a
+    Hugging Face model declares (``config.base_model_tp_plan``; GPT-2's own, :mod:`.hf`)."""
     own = getattr(model, "tp_plan", None)
     if callable(own):
         return dict(own())
-    if hf_model_type(model):
+    if hf_model_type(model) == "gpt2" or declared_plan(model) is not None:
         return hf_tp_plan(model)
     raise ValueError(
-        f"tensor parallelism needs a plan for {type(model).__name__}: pass plan={{module-name "
+        f"tensor parallelism needs a plan for {type(model).__name__}: pass tp_plan={{module-name "
         f"pattern: style}} (styles: {', '.join(STYLES)}), or give the model a tp_plan() method "
         "as the built-in GPT has")
 
@@ -69,10 +91,19 @@ def _styles(pattern: str, value: object) -> tuple[str, ...]:
     if not styles:
         raise ValueError(f"tensor-parallel plan: pattern {pattern!r} has no style")
     for style in styles:
-        if style not in STYLES:
+        if style.startswith(PARTS):
+            try:
+                parts = fused_parts(style)
+            except ValueError:
+                parts = None
+            if not parts or min((parts,) if isinstance(parts, int) else parts) < 1:
+                raise ValueError(f"tensor-parallel plan: {style!r} for {pattern!r}: give the part "
+                                 "count or the sizes of the fused output blocks, e.g. "
+                                 "'colwise_parts:512,128,128'")
+        elif style not in STYLES:
             raise ValueError(f"tensor-parallel plan: unknown style {style!r} for {pattern!r}; "
                              f"valid: {', '.join(STYLES)}")
-    if sum(s in REPLACING for s in styles) > 1:
+    if sum(is_layer_style(s) for s in styles) > 1:
         raise ValueError(f"tensor-parallel plan: {pattern!r} combines two layer styles {styles}")
     return styles
 
@@ -111,7 +142,8 @@ def resolve(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, tuple[st
 
 def _check_kind(name: str, module: nn.Module, styles: tuple[str, ...]) -> None:
     for style in styles:
-        if style in LINEAR_STYLES and type(module) is not nn.Linear and not is_conv1d(module):
+        if (style in LINEAR_STYLES or style.startswith(PARTS)) and type(module) is not nn.Linear \
+                and not is_conv1d(module):
             raise ValueError(f"tensor-parallel plan: {name} is a {type(module).__name__}; "
                              f"style {style!r} needs an nn.Linear or a Hugging Face Conv1D")
         if style == "local_heads" and not head_counts(module):
@@ -127,15 +159,21 @@ def check_divisible(resolved: list[tuple[str, nn.Module, tuple[str, ...]]], tp: 
     """Every split dimension of the resolved plan must divide by ``tp`` (ConfigError)."""
     for name, module, styles in resolved:
         for style in styles:
-            if style in LINEAR_STYLES:
+            if style in LINEAR_STYLES or style.startswith(PARTS):
                 in_f, out_f = features(module)
             if style in ("colwise", "colwise_gather") and out_f % tp:
                 raise ConfigError("tp", f"{name} has {out_f} output features, "
                                   f"not divisible by --tp {tp}")
+            parts = fused_parts(style)
+            if parts is not None:
+                sizes = [out_f // parts] * parts if isinstance(parts, int) else list(parts)
+                if sum(sizes) != out_f or any(n % tp for n in sizes):
+                    raise ConfigError("tp", f"{name} has {out_f} output features: not the blocks "
+                                      f"{sizes} of {style!r}, each divisible by --tp {tp}")
             if style == "colwise_qkv" and out_f % (3 * tp):
                 raise ConfigError("tp", f"{name} has {out_f} output features: not three equal "
                                   f"blocks (q, k, v) each divisible by --tp {tp}")
-            if style == "rowwise" and in_f % tp:
+            if style in ("rowwise", "rowwise_split_input") and in_f % tp:
                 raise ConfigError("tp", f"{name} has {in_f} input features, "
                                   f"not divisible by --tp {tp}")
             if style == "local_heads":

@@ -21,18 +21,26 @@ def shard_dim(placement: Placement | None) -> int | None:
     return placement.tp_dim if placement is not None else None
 
 
-def shard_parts(placement: Placement | None) -> int:
-    """How many equal blocks the sharded dimension is split in (1: one plain slice)."""
+def shard_parts(placement: Placement | None) -> int | tuple[int, ...]:
+    """The blocks the sharded dimension is split in: a count of equal blocks (1: one plain
+    slice) or the block sizes of the full tensor (a fused q, k, v of unequal sizes)."""
     return placement.tp_parts if placement is not None else 1
 
 
-def shard_of(full: torch.Tensor, dim: int | None, rank: int, n: int, parts: int = 1) -> torch.Tensor:
+def part_sizes(total: int, parts: int | tuple[int, ...]) -> list[int]:
+    """The block sizes of a dimension of ``total`` elements split in ``parts``."""
+    return [total // parts] * parts if isinstance(parts, int) else list(parts)
+
+
+def shard_of(full: torch.Tensor, dim: int | None, rank: int, n: int,
+             parts: int | tuple[int, ...] = 1) -> torch.Tensor:
     """Rank ``rank``'s slice of ``full`` along ``dim`` (the whole tensor when ``dim`` is None);
-    ``parts`` > 1: its slice of each of ``parts`` equal blocks along ``dim``, concatenated."""
+    several ``parts``: its slice of each block along ``dim``, concatenated."""
     if dim is None:
         return full
-    if parts > 1:   # (.., P·L, ..) -> P blocks (.., L, ..) -> (.., P·L/n, ..)
-        return torch.cat([shard_of(b, dim, rank, n) for b in full.chunk(parts, dim)], dim)
+    if parts != 1:   # (.., ΣL, ..) -> blocks (.., L_j, ..) -> (.., ΣL_j/n, ..)
+        blocks = full.split(part_sizes(full.shape[dim], parts), dim)
+        return torch.cat([shard_of(b, dim, rank, n) for b in blocks], dim)
     width = full.shape[dim] // n
     return full.narrow(dim, rank * width, width)
 
@@ -50,15 +58,21 @@ def full_tensor(p: torch.Tensor, comm: Comm, axis: str = "tp", *,
     parts = shard_parts(placement)
     if parts == 1:
         return gathered
-    ranks = [r.chunk(parts, dim) for r in gathered.chunk(comm.mesh.size(axis), dim)]
-    return torch.cat([torch.cat([r[j] for r in ranks], dim) for j in range(parts)], dim)  # block-major
+    n = comm.mesh.size(axis)
+    local = [size // n for size in part_sizes(gathered.shape[dim], parts)]
+    ranks = [r.split(local, dim) for r in gathered.chunk(n, dim)]
+    return torch.cat([torch.cat([r[j] for r in ranks], dim) for j in range(len(local))], dim)  # block-major
 
 
 def full_state_dict(module: nn.Module, comm: Comm, placements: Placements,
                     axis: str = "tp") -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``module`` unsharded, under its tp=1 name, on every rank."""
+    """Every parameter and buffer of ``module`` unsharded, under its tp=1 name, on every rank;
+    a tied parameter under each of its names (gathered once)."""
     out = {name: full_tensor(p, comm, axis, placement=placements.get(name))
            for name, p in module.named_parameters()}
+    first = {id(p): name for name, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(name, out[first[id(p)]])
     out.update({name: b.detach().clone() for name, b in module.named_buffers()})
     return out
 
