@@ -88,10 +88,11 @@ def _family(kind: str) -> dict:
     missing = sorted(set(want) - set(full))
     diffs = {n: float((full[n] - want[n]).abs().max()) for n in want if n in full}
     worst = max(diffs, key=diffs.__getitem__)
-    plan = getattr(engine.module, "_tm_tp_plan", {})
+    plan = tm.hf_tp_plan(family_model(kind))          # the plan the engine applied
+    styles = {s for v in plan.values() for s in ((v,) if isinstance(v, str) else v)}
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "missing": missing,
-            "worst": (worst, diffs[worst]),
-            "styles": sorted({s for styles in plan.values() for s in styles})}
+            "worst": (worst, diffs[worst]), "styles": sorted(styles),
+            "partial": engine.placements.partial_grad_names()}
 
 
 def _tied_gpt2(out: str) -> dict:
@@ -180,6 +181,8 @@ def test_family_under_tp2_with_its_declared_plan(world2, kind):
         assert "colwise_gather" not in styles and "rowwise_split_input" not in styles, styles
     if kind == "qwen3":
         assert "partial_grad" in styles, styles
+        partial = world2[0][kind]["partial"]            # the engine sums these over tp
+        assert any("q_norm" in n for n in partial) and any("k_norm" in n for n in partial), partial
 
 
 def test_declared_styles_map_or_are_refused():
