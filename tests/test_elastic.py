@@ -70,15 +70,16 @@ def test_fit_world_changes_only_dp_and_microbatches():
 
 def test_join_leaves_out_the_ranks_beyond_the_layout(monkeypatch):
     """3 processes for a dp 4 job: dp 2 x 2 microbatches on ranks 0-1, whose process group
-    holds 2 (WORLD_SIZE), and rank 2 ends at once."""
+    holds 2 (the fitted world size, passed to init_distributed), and rank 2 ends at once. The
+    environment is left alone (no hidden global state)."""
     from trainmesh.elastic import join
     cfg = build_train_config({"dp": 4, "min_dp": 1, "global_batch": 8})
     monkeypatch.setenv("WORLD_SIZE", "3")
     fitted, takes_part = join(cfg, rank=2, world=3)
-    assert not takes_part and fitted.parallel.dp == 2 and os.environ["WORLD_SIZE"] == "3"
+    assert not takes_part and fitted.parallel.dp == 2
     fitted, takes_part = join(cfg, rank=1, world=3)
     assert takes_part and (fitted.parallel.dp, fitted.parallel.microbatches) == (2, 2)
-    assert os.environ["WORLD_SIZE"] == "2"
+    assert fitted.parallel.world_size == 2 and os.environ["WORLD_SIZE"] == "3"
     fixed = build_train_config({"dp": 4, "global_batch": 8})
     assert join(fixed, rank=3, world=3) == (fixed, True)   # not elastic: untouched
 

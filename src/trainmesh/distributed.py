@@ -59,12 +59,13 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0,
-                     device: str = "auto") -> torch.device:
+                     device: str = "auto", world_size: int | None = None) -> torch.device:
     """Join the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
     gloo on CPU, nccl on CUDA unless ``backend`` says otherwise. Without a torchrun
-    environment it starts a world of one (a single process needs no launcher). Returns the
-    device this worker computes on.
+    environment it starts a world of one (a single process needs no launcher). ``world_size``
+    overrides the environment's (an elastic job using fewer processes than it has). Returns
+    the device this worker computes on.
     """
     if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
         os.environ["RANK"] = os.environ["SLURM_PROCID"]
@@ -80,8 +81,9 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0,
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    sized = {} if world_size is None else {"rank": int(os.environ["RANK"]), "world_size": world_size}
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                            device_id=dev if dev.type == "cuda" else None)
+                            device_id=dev if dev.type == "cuda" else None, **sized)
     return dev
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any
 
@@ -25,8 +24,6 @@ def train_ps(cfg: TrainConfig, device: torch.device) -> int:
     """Ranks 0..dp-1 train, the rest serve; rank 0 writes the metrics."""
     p = cfg.parallel
     rank = dist.get_rank()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
-                        stream=sys.stdout)
     engine = PSEngine(GPT(cfg.gpt_config(), seed=cfg.seed, device=device), optimizer_factory(cfg, device),
                       lambda m, batch: m(**batch), p, param_groups=no_decay,
                       lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps,

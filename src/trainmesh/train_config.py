@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .config import ParallelConfig
+from .config import GRAD_CLIP, ParallelConfig
 from .errors import ConfigError
 from .models.gpt import PRESETS, GPTConfig
 from .validation import Flag, check_fields, flags_of, setting
@@ -185,5 +185,5 @@ def build_train_config(values: dict[str, Any]) -> TrainConfig:
     """{field: value} (from TOML and flags) -> a validated TrainConfig."""
     par = {k: v for k, v in values.items() if k in PARALLEL_FIELDS}
     rest = {k: v for k, v in values.items() if k in TRAIN_FIELDS}
-    par.setdefault("grad_clip", 1.0)  # CONTRACT.md: --grad-clip defaults to 1.0
+    par.setdefault("grad_clip", GRAD_CLIP)   # trainmesh train's default (docs/CLI.md)
     return TrainConfig(parallel=ParallelConfig(**par), **rest)

@@ -78,8 +78,10 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
     cfg = _elastic_layout(cfg, rank)
     if cfg is None:
         return 0
+    elastic_world = cfg.parallel.world_size if cfg.parallel.min_dp is not None else None
     with SaveDirLock(cfg.save_dir) if lock_save_dir and cfg.save_dir and rank == 0 else nullcontext():
-        device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device)
+        device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device,
+                                  world_size=elastic_world)
         try:
             if cfg.parallel.strategy == "ps":   # a parameter-server job: trainers and servers
                 from .ps_trainer import train_ps
@@ -124,8 +126,6 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     p = cfg.parallel
     mesh = ParallelMesh(dp=p.dp, pp=p.pp, tp=p.tp, timeout_s=p.timeout_s)
     rank0 = mesh.rank == 0
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(message)s",
-                        stream=sys.stdout)
     base_mem = memory_now(device)   # runtime's own footprint (torch, gloo), before the model
     with returning_freed_memory():
         engine = build_engine(cfg, device, mesh)
@@ -204,7 +204,7 @@ def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics:
     """A step's record to the metrics file and TensorBoard; the held-out loss when it is due
     (collective)."""
     metrics.write(row)
-    board.step(row, engine.comm.ledger.steps[-1], memory_now(device))
+    board.step(row, engine.last_step_traffic(), memory_now(device))
     if evaluator is not None and evaluator.due(row["step"]):
         scored = evaluator.run(row["step"])
         metrics.write(scored)
@@ -217,8 +217,7 @@ def _draw(cfg: TrainConfig, engine: Engine, tracer: Any) -> None:
     if tracer is not None:
         tracer.write()
     if cfg.timeline_out:
-        from .pipeline_parallel.timeline import write_timeline
-        write_timeline(engine.executor, engine.comm, cfg.timeline_out)
+        engine.write_timeline(cfg.timeline_out)
 
 
 def _check_finite(cfg: TrainConfig, engine: Engine, step: int, run: int) -> int:
@@ -239,11 +238,7 @@ def _check_finite(cfg: TrainConfig, engine: Engine, step: int, run: int) -> int:
 
 def _save(cfg: TrainConfig, engine: Engine, step: int) -> None:
     """Checkpoint, unless some rank's weights or optimizer states are not all finite."""
-    held = engine.grad_sync.held_tensors()
-    finite = all(bool(torch.isfinite(t).all()) for k in ("params", "optimizer") for t in held[k])
-    flag = torch.tensor([1.0 if finite else 0.0])
-    engine.comm.all_reduce(flag, "world", op=torch.distributed.ReduceOp.MIN)
-    if flag.item() < 1.0:
+    if not engine.state_is_finite():
         raise NonFiniteError(f"step {step}: non-finite weights or optimizer states; not saved, "
                              "the newest checkpoint is from before it")
     engine.save(cfg.save_dir, {"run": run_record(cfg), "job": elastic_job()})
@@ -268,19 +263,12 @@ def _resume(cfg: TrainConfig, engine: Engine) -> int:
     notice = check_resume(cfg)  # a checkpoint of another model or optimizer: ConfigError
     changed = schedule_changed(cfg)
     state = engine.load(cfg.save_dir)
-    if changed:
-        _apply_new_schedule(engine)
+    if changed:   # the next step's LR from this run's schedule, not the checkpoint's
+        engine.apply_lr_schedule()
     log.info("trainmesh: resumed from step %d of %s", state["step"], cfg.save_dir)
     if notice:
         log.info(notice)
     return int(state["step"])
-
-
-def _apply_new_schedule(engine: Engine) -> None:
-    """After loading: the LR of the next step from this run's schedule, not the checkpoint's."""
-    sched = engine.lr_scheduler
-    for group, base, factor in zip(engine.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-        group["lr"] = base * factor(sched.last_epoch)
 
 
 def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch.device,
@@ -290,9 +278,9 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
             "setup_mem_bytes": setup_mem,
             "peak_mem_bytes": memory_peak(device), "model_state_bytes": engine.state_bytes,
             "offloaded_bytes": engine.offloaded_bytes,
-            "comm_buffer_peak_bytes": engine.grad_sync.comm_buffer_peak_bytes,
-            "comm_bytes_per_step": engine.comm.ledger.bytes_per_step()}
-    ranks = engine.comm.all_gather_object(mine)
+            "comm_buffer_peak_bytes": engine.comm_buffer_peak_bytes,
+            "comm_bytes_per_step": engine.comm_bytes_per_step()}
+    ranks = engine.gather_object(mine)
     return {"event": "summary", "world_size": mesh.world_size, "layout": cfg.parallel.layout(),
             "params": cfg.num_params(), "final_loss": final_loss,
             "steps": engine.step_count, "ranks": ranks}
