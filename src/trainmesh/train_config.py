@@ -151,6 +151,8 @@ class TrainConfig:
 FLAGS: dict[str, Flag] = {**flags_of(ParallelConfig), **flags_of(TrainConfig)}
 """Every ``trainmesh train`` flag -> its config field (the flags of ``train`` and ``plan``, and
 the TOML keys)."""
+TRAIN_DEFAULTS: dict[str, Any] = {"grad_clip": GRAD_CLIP}
+"""ParallelConfig fields whose ``trainmesh train`` default differs from the Python API's."""
 PARALLEL_FIELDS = ParallelConfig.field_names()
 TRAIN_FIELDS = {f.name for f in fields(TrainConfig)} - {"parallel"}
 
@@ -185,5 +187,6 @@ def build_train_config(values: dict[str, Any]) -> TrainConfig:
     """{field: value} (from TOML and flags) -> a validated TrainConfig."""
     par = {k: v for k, v in values.items() if k in PARALLEL_FIELDS}
     rest = {k: v for k, v in values.items() if k in TRAIN_FIELDS}
-    par.setdefault("grad_clip", GRAD_CLIP)   # trainmesh train's default (docs/CLI.md)
+    for name, value in TRAIN_DEFAULTS.items():   # trainmesh train's own defaults (docs/CLI.md)
+        par.setdefault(name, value)
     return TrainConfig(parallel=ParallelConfig(**par), **rest)
