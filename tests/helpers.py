@@ -1,4 +1,4 @@
-"""Shared test helpers: run `trainmesh train` end to end and compare runs per CONTRACT.md."""
+"""Shared test helpers: run `trainmesh train` end to end and compare runs by the README's promise."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,7 @@ def summary(records: list[dict]) -> dict:
 
 def assert_equivalent(ref: list[dict], run: list[dict], *, loss_tol: float = LOSS_ABS, norm_rtol: float = NORM_REL,
                       min_steps: int = 20) -> None:
-    """CONTRACT.md: per step, loss within 1e-3 absolute and grad_norm within 1e-3 relative, over
+    """README.md: per step, loss within 1e-3 absolute and grad_norm within 1e-3 relative, over
     at least ``min_steps`` steps."""
     a, b = steps(ref), steps(run)
     assert len(a) == len(b) and len(a) >= min_steps, (len(a), len(b))

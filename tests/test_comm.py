@@ -135,7 +135,7 @@ def test_mesh_rejects_bad_degrees():
 
 def test_world_axis_is_reported_as_other():
     """The ledger keys the whole world's traffic "world"; the metrics file calls it "other"
-    (CONTRACT.md comm_bytes_per_step), and code that says "other" lands in the same row."""
+    (docs/METRICS.md comm_bytes_per_step), and code that says "other" lands in the same row."""
     from trainmesh.comm import Ledger
     ledger = Ledger()
     ledger.begin_step()

@@ -1,4 +1,4 @@
-"""3D composition: dp x pp x tp (+ZeRO) on one mesh equals the single process (CONTRACT.md)."""
+"""3D composition: dp x pp x tp (+ZeRO) on one mesh equals the single process (README.md)."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """ZeRO-Offload (--offload cpu / nvme, --offload-params) in real processes: the same training run
-as one process (CONTRACT.md, fp32, 20 steps, AdamW and SGD), the bytes each rank keeps off the
+as one process (README.md's promise, fp32, 20 steps, AdamW and SGD), the bytes each rank keeps off the
 device (measured from its tensors and files) and none on it, the NVMe files on disk and gone
 after, the gradient shards streamed to the host bucket by bucket during backward (counted when
 backward returns), a full disk mid-run (the job ends naming the rank, its last checkpoint

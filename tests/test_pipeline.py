@@ -1,7 +1,7 @@
 """The pipeline runtime against the single-process engine, in real gloo processes.
 
 Three launches (world 2, 3 and 4), each running many checks, since a launch costs ~8 s here:
-equivalence (CONTRACT.md "Numerical equivalence": loss within 1e-3 absolute, grad norm within
+equivalence (README.md, the numerical promise: loss within 1e-3 absolute, grad norm within
 1e-3 relative, 20 steps, fp32, AdamW and SGD; also tied weights, an nn.Sequential model and
 tp x pp; the zero-bubble zb1p at pp 2 and 4; ZeRO-2 and ZeRO-3 in both reshard modes at pp 2 x
 dp 2), pipeline traffic per stage, ZeRO's memory and traffic inside a pipeline against the

@@ -59,7 +59,7 @@ PSI = sum(p.numel() for p in GPT(CFG, seed=0).parameters())
 
 
 def paper_bytes(zero: int, n: int) -> dict[str, float]:
-    """CONTRACT.md model_state_bytes, mixed-precision AdamW: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ
+    """docs/ZERO.md model_state_bytes, mixed-precision AdamW: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ
     split by stage at ZeRO 0-2; FSDP2-style fp32 shards at ZeRO-3 (4Ψ + 4Ψ + 8Ψ, over N)."""
     if zero == 3:
         return {"params": 4 * PSI / n, "grads": 4 * PSI / n, "optimizer": 8 * PSI / n}

@@ -6,7 +6,7 @@ the pytest process. Checked: layer parity (outputs, input grads, parameter grads
 full ones), GPT and a Llama-like model under a plan (with and without SP), initial weights =
 slices of tp=1 weights, the vocab-parallel loss never building (b, s, vocab) tensors, Engine
 equivalence (loss 1e-3 abs, grad norm 1e-3 rel, 20 steps, AdamW and SGD) for tp 2, tp 2 + SP
-(2 microbatches), tp 4, dp 2 x tp 2 (and + SP), tp traffic against CONTRACT.md, parameter memory, and the
+(2 microbatches), tp 4, dp 2 x tp 2 (and + SP), tp traffic against docs/TENSOR_PARALLEL.md, parameter memory, and the
 errors of bad plans and shapes.
 """
 from __future__ import annotations
@@ -457,7 +457,7 @@ def test_engine_equivalence(reference, world2, world4):
 
 
 def _expected_tp_bytes(layout: dict) -> tuple[float, dict[str, float]]:
-    """(the CONTRACT.md formula's total, this implementation's exact per-op bytes) per step."""
+    """(the docs/TENSOR_PARALLEL.md formula's total, this implementation's exact per-op bytes) per step."""
     L, s, h = CFG["n_layers"], CFG["seq_len"], CFG["d_model"]
     m = layout.get("microbatches", 1)
     b = GLOBAL_BATCH // layout.get("dp", 1) // m

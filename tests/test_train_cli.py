@@ -59,7 +59,7 @@ def test_lr_column_is_the_lr_each_step_used(reference):
 
 
 def check_ddp_accounting(s: dict) -> None:
-    """CONTRACT.md: dp.all_reduce 4Ψ per step; params 4Ψ, grads 4Ψ, optimizer 8Ψ (AdamW)."""
+    """docs/METRICS.md: dp.all_reduce 4Ψ per step; params 4Ψ, grads 4Ψ, optimizer 8Ψ (AdamW)."""
     psi = s["params"]
     for r in s["ranks"]:
         assert r["comm_bytes_per_step"]["dp"]["all_reduce"] == pytest.approx(4 * psi, rel=0.02)

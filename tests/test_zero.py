@@ -1,6 +1,6 @@
-"""ZeRO stages 1-3 in real processes: the same training run as one process (CONTRACT.md:
+"""ZeRO stages 1-3 in real processes: the same training run as one process (README.md:
 loss within 1e-3, grad_norm within 1e-3 relative, 20 steps, AdamW and SGD), the model state
-each rank holds and the DP traffic it sends (CONTRACT.md numbers), parameter groups,
+each rank holds and the DP traffic it sends (docs/METRICS.md numbers), parameter groups,
 gradient accumulation, recomputation, consolidated weights, and refused optimizers."""
 from __future__ import annotations
 
@@ -72,14 +72,14 @@ def _run_configs(configs: list[tuple[str, str, bool, dict]]) -> dict:
 
 
 def expected_state(zero: int, n: int, optimizer: str) -> dict[str, float]:
-    """CONTRACT.md model_state_bytes, fp32: DDP 4Ψ/4Ψ/8Ψ (AdamW; SGD momentum 4Ψ), by stage."""
+    """docs/METRICS.md model_state_bytes, fp32: DDP 4Ψ/4Ψ/8Ψ (AdamW; SGD momentum 4Ψ), by stage."""
     opt = (8 if optimizer == "adamw" else 4) * PSI / n
     return {"params": 4 * PSI / (n if zero >= 3 else 1), "grads": 4 * PSI / (n if zero >= 2 else 1),
             "optimizer": opt}
 
 
 def expected_traffic(zero: int, m: int) -> dict[str, float]:
-    """CONTRACT.md comm_bytes_per_step on the DP axis, fp32, m microbatches."""
+    """docs/METRICS.md comm_bytes_per_step on the DP axis, fp32, m microbatches."""
     return {1: {"reduce_scatter": 4 * PSI, "all_gather": 4 * PSI},
             2: {"reduce_scatter": m * 4 * PSI, "all_gather": 4 * PSI},
             3: {"reduce_scatter": m * 4 * PSI, "all_gather": 2 * m * 4 * PSI}}[zero]

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def to_json(summary: ScheduleSummary) -> dict[str, Any]:
-    """The ``--json`` object of CONTRACT.md (rank keys as strings)."""
+    """The ``--json`` object (docs/PIPELINE.md) (rank keys as strings)."""
     s = summary.schedule
     return {
         "schedule": s.name,
