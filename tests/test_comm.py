@@ -61,6 +61,7 @@ def _expected(rank: int, n: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_op_matches_torch_and_is_accounted(world):
@@ -107,6 +108,7 @@ def _mesh_check() -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_mesh_groups_and_coordinates():
     results = run_distributed(_mesh_check, 4)

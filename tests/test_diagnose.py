@@ -22,6 +22,7 @@ def _skip_one(skipper: int) -> None:
     comm.all_reduce(x, "dp")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_skipped_collective_is_named():
     with pytest.raises(ChildFailedError) as info:

@@ -97,6 +97,7 @@ def test_min_dp_beyond_the_layout_exits_2_naming_it(capsys, monkeypatch, args):
 
 
 # ---------------------------------------------------------------- real processes
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_no_layout_left_ends_the_job_with_one_line(tmp_path):
     """pp 2 x tp 2 cannot run on the 2 processes torchrun gives: exit 1, the reason in one line."""
@@ -114,6 +115,7 @@ def test_no_layout_left_ends_the_job_with_one_line(tmp_path):
     assert "ResizeError" not in proc.stderr and "trainmesh/" not in proc.stderr  # no worker traceback
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_lose_a_node_then_get_it_back(tmp_path):
     """dp 4 over two agents; one is killed after step 10 (dp 2 goes on), started again (dp 4

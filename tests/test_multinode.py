@@ -19,6 +19,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_agents_rendezvous_and_train(tmp_path):
     port, run_id = _free_port(), uuid.uuid4().hex[:8]

@@ -40,6 +40,7 @@ def reference(tmp_path_factory) -> dict[str, list[dict]]:
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_sync_is_data_parallel(optimizer, reference, tmp_path):
@@ -52,6 +53,7 @@ def test_sync_is_data_parallel(optimizer, reference, tmp_path):
         _ps_bytes_ok(run)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_async_with_one_trainer_is_the_single_process(reference, tmp_path):
     """No other trainer, no staleness: async's clipping, scaling and LR schedule are the engine's."""
@@ -62,6 +64,7 @@ def test_async_with_one_trainer_is_the_single_process(reference, tmp_path):
     assert_equivalent(ref, run)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_async_learns_within_staleness(tmp_path):
     """The default model, 2 trainers, 2 servers, at most 1 step ahead of the slowest."""
@@ -105,6 +108,7 @@ def test_bad_input(args, field, capsys):
     assert f"{field}:" in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
 @pytest.mark.timeout(300)
 def test_killed_server_ends_the_job(tmp_path):
@@ -153,6 +157,7 @@ def _api_check() -> dict | None:
             "ps_bytes": engine.ledger.bytes_per_step(("ps",))["ps"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_python_api_any_model():
     import torch

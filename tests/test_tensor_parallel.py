@@ -436,17 +436,20 @@ def _assert_equivalent(run: dict, ref: dict, what: str) -> None:
 
 
 # ============================================================== tests
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_parity_tp2(world2):
     assert set(world2[0]["checks"]) >= {"gpt_model_sp", "llama_model_sp", "vocab_cross_entropy"}
     assert not _failures(world2), _failures(world2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_parity_tp4(world4):
     assert not _failures(world4), _failures(world4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_engine_equivalence(reference, world2, world4):
     assert reference["adamw"]["loss"][-1] < reference["adamw"]["loss"][0] - 0.3   # it learns
@@ -472,6 +475,7 @@ def _expected_tp_bytes(layout: dict) -> tuple[float, dict[str, float]]:
     return contract, exact
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_traffic_matches_contract(world2, world4):
     for results in (world2, world4):
@@ -483,6 +487,7 @@ def test_traffic_matches_contract(world2, world4):
                 assert got == pytest.approx(exact), (label, got, exact)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_memory_is_one_over_tp(world2, world4):
     from trainmesh.models.gpt import GPT, GPTConfig

@@ -25,6 +25,7 @@ def text(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bpe_run_at_dp2_equals_one_process(text, tmp_path):
     args = [*NO_VOCAB, "--data", str(text), "--tokenizer", "bpe:512"]

@@ -26,6 +26,7 @@ def reference(request, tmp_path_factory):
     return request.param, records
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_is_equivalent_to_one_process(reference, layout, tmp_path):
@@ -38,6 +39,7 @@ def test_layout_is_equivalent_to_one_process(reference, layout, tmp_path):
     check_prediction([*SMALL, "--optimizer", optimizer, *LAYOUTS[layout]], summary(run))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_lr_column_is_the_lr_each_step_used(reference):
     """The metrics' ``lr``: linear warm-up to the peak on step --warmup-steps (5 here), then a
@@ -71,6 +73,7 @@ def check_ddp_accounting(s: dict) -> None:
         assert r["peak_mem_bytes"] >= r["setup_mem_bytes"] >= r["base_mem_bytes"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bare_demo_learns(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -139,6 +142,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_killed_worker_fails_the_run_naming_the_rank(tmp_path):
     metrics = tmp_path / "m.jsonl"

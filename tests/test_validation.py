@@ -298,6 +298,7 @@ def sgd_checkpoint(tmp_path_factory):
     return tmp / "ck"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_resume_end_to_end(capsys, sgd_checkpoint, tmp_path):
     from trainmesh.checkpoint import MANIFEST, latest
@@ -321,6 +322,7 @@ def test_resume_end_to_end(capsys, sgd_checkpoint, tmp_path):
     assert all(math.isfinite(r["loss"]) for r in steps(records))
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_without_traceback_as_a_process(tmp_path):
     """The same refusal from a real `trainmesh train` process: exit 2, one line."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

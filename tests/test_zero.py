@@ -109,6 +109,7 @@ DP2 = [(f"zero{z}-{opt}", opt, False, {"zero": z}) for z in (1, 2, 3) for opt in
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_zero_stages_match_one_process_at_dp2():
     res = run_distributed(_run_configs, 2, DP2, timeout_s=140)
@@ -123,6 +124,7 @@ def test_zero_stages_match_one_process_at_dp2():
                 assert r["largest_unit"] <= r["peak"] < 2 * 4 * PSI, (name, r["peak"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_zero3_matches_one_process_at_dp4():
     res = run_distributed(_run_configs, 4, [("zero3-adamw", "adamw", False, {"zero": 3}),
@@ -202,6 +204,7 @@ def _hf_runs(kinds: list[str], configs: list[dict]) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_hf_gpt2_and_llama_train_under_every_stage():
     pytest.importorskip("transformers")
@@ -274,6 +277,7 @@ def _resume_across_stages(root: str, pairs: list[tuple[int, int]]) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_checkpoint_resumes_across_zero_stages(tmp_path):
     pytest.importorskip("safetensors")
