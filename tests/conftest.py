@@ -13,13 +13,14 @@ fast tier is ``pytest -m "not slow"``.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-LAUNCHED = 99
-"""What ``trainmesh train`` returns under :func:`no_launch` once validation has passed."""
+from helpers import LAUNCHED, assert_refused
+
 WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID")
 
 
@@ -50,15 +51,7 @@ def no_launch(monkeypatch) -> list:
 def refused(capsys) -> Callable[[list[str], str], str]:
     """``refused(argv, flag)``: ``trainmesh ARGV`` (in process) exits 2 with exactly one line on
     stderr naming ``flag``, without a traceback; returns that line."""
-    from trainmesh.cli import main
-
-    def check(argv: list[str], flag: str) -> str:
-        code = main(argv)
-        err = capsys.readouterr().err.strip().splitlines()
-        assert code == 2, (code, err)
-        assert len(err) == 1 and flag in err[0] and "Traceback" not in err[0], err
-        return err[0]
-    return check
+    return lambda argv, flag: assert_refused(capsys, argv, flag)
 
 
 @pytest.fixture
@@ -81,5 +74,5 @@ def reference_run(tmp_path_factory) -> Callable[..., list[dict]]:
                                       timeout=timeout)
             assert proc.returncode == 0, proc.stderr[-3000:]
             cache[key] = records
-        return cache[key]
+        return copy.deepcopy(cache[key])   # a test may edit its records
     return get

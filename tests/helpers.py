@@ -9,9 +9,18 @@ from pathlib import Path
 
 from tolerances import LOSS_ABS, NORM_REL
 
+LAUNCHED = 99
+"""What ``trainmesh train`` returns under the ``no_launch`` fixture once validation has passed."""
+
 # A small but real GPT for end-to-end runs (fast on 2 cores).
 SMALL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
          "--vocab-size", "64", "--global-batch", "8", "--steps", "20", "--warmup-steps", "5"]
+
+
+def one_process(optimizer: str = "adamw") -> list[str]:
+    """The arguments of the one-process reference run of :data:`SMALL` that several modules
+    compare layouts with (the ``reference_run`` fixture runs it once per session)."""
+    return [*SMALL, "--optimizer", optimizer]
 
 
 def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "m") -> tuple[subprocess.CompletedProcess, list[dict]]:
@@ -22,6 +31,17 @@ def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "
                           capture_output=True, text=True, timeout=timeout, env=env)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return proc, records
+
+
+def assert_refused(capsys, argv: list[str], flag: str) -> str:
+    """``trainmesh ARGV`` (in process) exits 2 with exactly one line on stderr naming ``flag``,
+    without a traceback; returns that line."""
+    from trainmesh.cli import main
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert len(err) == 1 and flag in err[0] and "Traceback" not in err[0], err
+    return err[0]
 
 
 def steps(records: list[dict]) -> list[dict]:

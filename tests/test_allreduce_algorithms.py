@@ -82,6 +82,7 @@ def test_theory_of_tree_and_naive():
     assert theory_sent_bytes("tree", 100, 8) == 100 * math.log2(8)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_comm_algorithms_json(capsys):
     assert main(["bench", "comm", "--ops", "all_reduce", "--sizes", "4001B", "--iters", "1",

@@ -15,16 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_LOSS_ABS
-from helpers import SMALL, assert_equivalent, check_prediction, run_train, steps, summary
+from helpers import SMALL, assert_equivalent, check_prediction, one_process, run_train, steps, summary
 from trainmesh.checkpoint import CheckpointError, _Reader, consolidate, latest
 from trainmesh.cli import main
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    proc, records = run_train(SMALL, tmp_path_factory.mktemp("ref"))
-    assert proc.returncode == 0, proc.stderr
-    return records
+def reference(reference_run):
+    return reference_run(one_process("adamw"))
 
 
 # Layout A runs steps 1-10, saves and exits (a planned preemption); layout B resumes to step 20.

@@ -16,7 +16,6 @@ import pytest
 from elastic_run import ARGS, STEPS, last_per_step, run_trial
 from helpers import SMALL, run_train, steps
 from tolerances import LOSS_ABS, NORM_REL
-from trainmesh.cli import main
 from trainmesh.elastic import Layout, ResizeError, fit_world, layout_change, resize
 from trainmesh.train_config import build_train_config
 
@@ -86,14 +85,9 @@ def test_join_leaves_out_the_ranks_beyond_the_layout(monkeypatch):
 
 @pytest.mark.parametrize("args", [["--dp", "2", "--min-dp", "3"], ["--min-dp", "2"],
                                   ["--dp", "2", "--min-dp", "0"]])
-def test_min_dp_beyond_the_layout_exits_2_naming_it(capsys, monkeypatch, args):
-    import trainmesh.launch
-    monkeypatch.setattr(trainmesh.launch, "launch_local", lambda *a, **k: pytest.fail("launched"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
-    assert main(["train", *SMALL, *args]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--min-dp" in err[0], err
+def test_min_dp_beyond_the_layout_exits_2_naming_it(no_launch, refused, args):
+    refused(["train", *SMALL, *args], "--min-dp")
+    assert no_launch == []
 
 
 # ---------------------------------------------------------------- real processes

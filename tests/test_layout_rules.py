@@ -70,7 +70,7 @@ def test_bad_virtual_stages_from_a_toml_file(no_launch, refused, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_valid_layouts_get_past_validation(no_launch):
-    from conftest import LAUNCHED
+    from helpers import LAUNCHED
     from trainmesh.cli import main
     assert main(["train", *T, "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
                  "--microbatches", "2", *FOUR]) == LAUNCHED

@@ -24,8 +24,9 @@ from trainmesh.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
 EVAL = ["--eval-every", "5", "--eval-batches", "2", "--microbatches", "2"]
-LAYOUTS = {"one": [], "dp2": ["--dp", "2"], "zero3": ["--dp", "2", "--zero", "3"],
-           "tp2": ["--tp", "2"], "dp2pp2": ["--dp", "2", "--pp", "2"]}
+LAYOUTS = {"one": [], "dp2": ["--dp", "2"], "dp2tp2zero3": ["--dp", "2", "--tp", "2", "--zero", "3"],
+           "dp2pp2": ["--dp", "2", "--pp", "2"]}
+"""One launch per layout, each checked for several things; tp and ZeRO-3 share a launch."""
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import SMALL, assert_equivalent, run_train, steps, summary, worker_pids
+from helpers import SMALL, assert_equivalent, one_process, run_train, steps, summary, worker_pids
 from trainmesh.cli import main
 from trainmesh.parameter_server import shard_by_bytes
 
@@ -30,14 +30,9 @@ def _ps_bytes_ok(run: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, list[dict]]:
-    """The one-process runs, per optimizer (computed once for the module)."""
-    tmp = tmp_path_factory.mktemp("ref")
-    runs = {}
-    for optimizer in ("sgd", "adamw"):
-        proc, runs[optimizer] = run_train([*SMALL, "--optimizer", optimizer], tmp, name=optimizer)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    return runs
+def reference(reference_run) -> dict[str, list[dict]]:
+    """The one-process runs, per optimizer (shared with the other modules for the session)."""
+    return {optimizer: reference_run(one_process(optimizer)) for optimizer in ("sgd", "adamw")}
 
 
 @pytest.mark.slow

@@ -42,6 +42,7 @@ def _tokens(path: str) -> bytes:
     return bpe_tokens(path, 300).tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bpe_cache_is_keyed_atomic_and_shared(text, tmp_path):
     path = tmp_path / "t.txt"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL, assert_equivalent, check_prediction, run_train, steps, summary
+from helpers import SMALL, assert_equivalent, check_prediction, one_process, run_train, steps, summary
 from trainmesh.cli import main
 
 LAYOUTS = {"dp2": ["--dp", "2"], "dp4": ["--dp", "4"], "mb4": ["--microbatches", "4"],
@@ -19,11 +19,8 @@ LAYOUTS = {"dp2": ["--dp", "2"], "dp4": ["--dp", "4"], "mb4": ["--microbatches",
 
 
 @pytest.fixture(scope="module", params=["adamw", "sgd"])
-def reference(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"ref-{request.param}")
-    proc, records = run_train([*SMALL, "--optimizer", request.param], tmp)
-    assert proc.returncode == 0, proc.stderr
-    return request.param, records
+def reference(request, reference_run):
+    return request.param, reference_run(one_process(request.param))
 
 
 @pytest.mark.slow
