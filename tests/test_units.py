@@ -79,3 +79,29 @@ def test_p2p_plan_pairs_every_send_with_the_next_or_previous_stage():
     acts = [m for msgs in plan for m in msgs if m.key[0] == "act"]
     assert len(acts) == 4 * (s.num_stages - 1)               # every microbatch into every later stage
     assert sum(m.header for m in acts) == s.num_stages - 1   # a header on each stage's first one
+
+
+@pytest.mark.timeout(60)
+def test_init_distributed_reads_the_environment_and_never_writes_it(monkeypatch):
+    import os
+
+    import torch.distributed as dist
+
+    from trainmesh.distributed import env_job, init_distributed, local_world_size, shutdown
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert env_job() is None and local_world_size(3) == 3
+    before = dict(os.environ)
+    init_distributed(device="cpu", timeout_s=30)   # a world of one, no launcher
+    try:
+        assert dist.get_world_size() == 1 and dict(os.environ) == before
+    finally:
+        shutdown()
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+    assert env_job() == (3, 8, 1, 4) and local_world_size() == 4
