@@ -24,6 +24,8 @@ ZERO3_RESHARD = ("step", "microbatch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full", "selective")
 OFFLOAD = ("none", "cpu", "nvme")
+TIMEOUT_S = 300.0
+"""Every collective's default timeout (``--timeout``; the mesh and ``init_distributed`` too)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest collective timeout accepted: a week (torch's timedelta-based timeouts overflow far
 beyond; no collective legitimately waits longer)."""
@@ -70,7 +72,7 @@ class ParallelConfig:
     grad_clip: float = setting(0.0, f"global gradient-norm clip, 0 = off (the norm is still "
                                     f"measured); default {GRAD_CLIP} for trainmesh train, 0 in "
                                     f"the Python API", ge=0)
-    timeout_s: float = setting(300.0, "every collective's timeout in seconds", flag="--timeout",
+    timeout_s: float = setting(TIMEOUT_S, "every collective's timeout in seconds", flag="--timeout",
                                gt=0, le=MAX_TIMEOUT_S)
     compile: bool = setting(False, "torch.compile each transformer block / pipeline layer "
                                    "(collectives stay outside the graphs)")

@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .config import TIMEOUT_S
 from .errors import ConfigError
 
 log = logging.getLogger("trainmesh")
@@ -77,7 +78,7 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device("cuda", local)
 
 
-def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0,
+def init_distributed(backend: str | None = None, *, timeout_s: float = TIMEOUT_S,
                      device: str = "auto", world_size: int | None = None) -> torch.device:
     """Join the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), which
     is read, never written.

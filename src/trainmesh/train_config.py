@@ -50,7 +50,8 @@ class TrainConfig:
     global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
                                     "microbatches", ge=1)
     optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS)
-    lr: float | None = setting(None, "peak learning rate (default 3e-3 for adamw, 0.3 for sgd)", gt=0)
+    lr: float | None = setting(None, "peak learning rate (default " + ", ".join(
+        f"{v:g} for {k}" for k, v in DEFAULT_LR.items()) + ")", gt=0)
     warmup_steps: int = setting(20, "linear warm-up steps before cosine decay", ge=0)
     steps: int = setting(200, "total optimizer steps", ge=1)
     seed: int = setting(0, "seed of weights and data", ge=0)
