@@ -5,7 +5,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
 from .optimizers import no_decay, optimizer_factory
-from .progress import Progress, print_summary
+from .progress import print_summary, timed_steps
 from .resume import check_resume, elastic_job, run_record, same_job, schedule_changed
 from .savedir import SaveDirLock, remove_stale_tmp
 from .schedule_lr import warmup_cosine
@@ -148,31 +147,29 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     first_loss = loss = float("nan")
     nonfinite_run = 0   # non-finite steps in a row
     timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
-    with Progress(total=last, enabled=rank0, start=start - 1) as bar:
-        for step in range(start, last + 1):
-            batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            if tracer is not None:
-                tracer.before_step(step)
-            t0 = time.perf_counter()
-            loss = engine.train_step(batch)
-            dt = time.perf_counter() - t0
-            if tracer is not None:
-                tracer.after_step(step, t0, t0 + dt)
-            first_loss = loss if step == 1 else first_loss
-            timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
-            tps = tokens / dt if dt > 0 else 0.0
-            row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
-                   "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
-                   "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
-                   **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
-            if elastic_run:
-                row.update(world_size=mesh.world_size, dp=p.dp)
-            bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
-            _publish(row, engine, device, metrics, board, evaluator)
-            nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
-            if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
-                _save(cfg, engine, step)
+
+    def batch_of(step: int) -> dict[str, torch.Tensor]:
+        batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
+        return {k: v.to(device) for k, v in batch.items()}
+
+    for step, loss, t0, dt in timed_steps(engine.train_step, batch_of, start=start, last=last,
+                                          tokens=tokens, enabled=rank0,
+                                          before_step=tracer.before_step if tracer else None):
+        if tracer is not None:
+            tracer.after_step(step, t0, t0 + dt)
+        first_loss = loss if step == 1 else first_loss
+        timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
+        tps = tokens / dt if dt > 0 else 0.0
+        row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
+               "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
+               "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
+               **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
+        if elastic_run:
+            row.update(world_size=mesh.world_size, dp=p.dp)
+        _publish(row, engine, device, metrics, board, evaluator)
+        nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
+        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
+            _save(cfg, engine, step)
     _draw(cfg, engine, tracer)
     summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem, init_peak)
     tps = timed[0] / timed[1] if timed[1] > 0 else 0.0
