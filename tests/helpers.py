@@ -65,7 +65,7 @@ def assert_equivalent(ref: list[dict], run: list[dict], *, loss_tol: float = LOS
 
 
 def check_prediction(args: list[str], measured: dict) -> None:
-    """`trainmesh plan`'s model predicts what the run measured (issue: plan vs measurement)."""
+    """`trainmesh plan`'s model predicts what the run measured (plan vs measurement)."""
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import collect
     from trainmesh.planner.predict import compare, predict_run
