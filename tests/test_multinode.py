@@ -21,11 +21,11 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_agents_rendezvous_and_train(tmp_path, reference_run):
+def test_two_agents_rendezvous_and_train(metrics_path, reference_run):
     port, run_id = _free_port(), uuid.uuid4().hex[:8]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    metrics = tmp_path / "multi.jsonl"
+    metrics = metrics_path
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,

@@ -106,8 +106,8 @@ def test_bad_input(args, field, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
 @pytest.mark.timeout(300)
-def test_killed_server_ends_the_job(tmp_path):
-    out = tmp_path / "m.jsonl"
+def test_killed_server_ends_the_job(metrics_path):
+    out = metrics_path
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *SMALL, "--steps", "100000",
                              "--strategy", "ps", "--dp", "2", "--ps-servers", "2", "--timeout", "60",

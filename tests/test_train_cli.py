@@ -142,8 +142,8 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_killed_worker_fails_the_run_naming_the_rank(tmp_path):
-    metrics = tmp_path / "m.jsonl"
+def test_killed_worker_fails_the_run_naming_the_rank(metrics_path):
+    metrics = metrics_path
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *SMALL[:-4], "--steps", "100000",
                              "--dp", "2", "--metrics-out", str(metrics), "--timeout", "30"],
