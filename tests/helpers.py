@@ -1,4 +1,4 @@
-"""Shared test helpers: run `trainmesh train` end to end and compare runs per CONTRACT.md."""
+"""Shared test helpers: run `trainmesh train` end to end and compare runs by the README's promise."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,18 @@ from pathlib import Path
 
 from tolerances import LOSS_ABS, NORM_REL
 
+LAUNCHED = 99
+"""What ``trainmesh train`` returns under the ``no_launch`` fixture once validation has passed."""
+
 # A small but real GPT for end-to-end runs (fast on 2 cores).
 SMALL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
          "--vocab-size", "64", "--global-batch", "8", "--steps", "20", "--warmup-steps", "5"]
+
+
+def one_process(optimizer: str = "adamw") -> list[str]:
+    """The arguments of the one-process reference run of :data:`SMALL` that several modules
+    compare layouts with (the ``reference_run`` fixture runs it once per session)."""
+    return [*SMALL, "--optimizer", optimizer]
 
 
 def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "m") -> tuple[subprocess.CompletedProcess, list[dict]]:
@@ -24,6 +33,17 @@ def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "
     return proc, records
 
 
+def assert_refused(capsys, argv: list[str], flag: str) -> str:
+    """``trainmesh ARGV`` (in process) exits 2 with exactly one line on stderr naming ``flag``,
+    without a traceback; returns that line."""
+    from trainmesh.cli import main
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert len(err) == 1 and flag in err[0] and "Traceback" not in err[0], err
+    return err[0]
+
+
 def steps(records: list[dict]) -> list[dict]:
     return [r for r in records if r["event"] == "step"]
 
@@ -34,7 +54,7 @@ def summary(records: list[dict]) -> dict:
 
 def assert_equivalent(ref: list[dict], run: list[dict], *, loss_tol: float = LOSS_ABS, norm_rtol: float = NORM_REL,
                       min_steps: int = 20) -> None:
-    """CONTRACT.md: per step, loss within 1e-3 absolute and grad_norm within 1e-3 relative, over
+    """README.md: per step, loss within 1e-3 absolute and grad_norm within 1e-3 relative, over
     at least ``min_steps`` steps."""
     a, b = steps(ref), steps(run)
     assert len(a) == len(b) and len(a) >= min_steps, (len(a), len(b))
@@ -45,7 +65,7 @@ def assert_equivalent(ref: list[dict], run: list[dict], *, loss_tol: float = LOS
 
 
 def check_prediction(args: list[str], measured: dict) -> None:
-    """`trainmesh plan`'s model predicts what the run measured (issue: plan vs measurement)."""
+    """`trainmesh plan`'s model predicts what the run measured (plan vs measurement)."""
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import collect
     from trainmesh.planner.predict import compare, predict_run

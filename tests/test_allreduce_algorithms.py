@@ -51,6 +51,7 @@ def _check_all() -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_algorithms_match_native_and_theory(n):
@@ -81,6 +82,7 @@ def test_theory_of_tree_and_naive():
     assert theory_sent_bytes("tree", 100, 8) == 100 * math.log2(8)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_comm_algorithms_json(capsys):
     assert main(["bench", "comm", "--ops", "all_reduce", "--sizes", "4001B", "--iters", "1",
@@ -96,6 +98,7 @@ def test_bench_comm_algorithms_json(capsys):
             assert r["sent_bytes_max_rank"] == pytest.approx(r["sent_bytes_theory"], rel=0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_ddp_with_algorithms_is_equivalent(tmp_path):
     """SGD (sensitive to any gradient error), 12 sequences, ~12 buckets of 2,621 elements (not

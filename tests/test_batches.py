@@ -1,4 +1,4 @@
-"""``Engine.train_step(batch)`` (CONTRACT.md "Python API"): a tensor, a tuple/list of tensors or a
+"""``Engine.train_step(batch)`` (docs/API.md): a tensor, a tuple/list of tensors or a
 dict is this DP rank's batch, split along dim 0 into ``microbatches``; pre-split microbatches
 only through ``train_step(microbatches=[...])``."""
 from __future__ import annotations

@@ -15,16 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_LOSS_ABS
-from helpers import SMALL, assert_equivalent, check_prediction, run_train, steps, summary
+from helpers import SMALL, assert_equivalent, check_prediction, one_process, run_train, steps, summary
 from trainmesh.checkpoint import CheckpointError, _Reader, consolidate, latest
 from trainmesh.cli import main
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    proc, records = run_train(SMALL, tmp_path_factory.mktemp("ref"))
-    assert proc.returncode == 0, proc.stderr
-    return records
+def reference(reference_run):
+    return reference_run(one_process("adamw"))
 
 
 # Layout A runs steps 1-10, saves and exits (a planned preemption); layout B resumes to step 20.
@@ -54,6 +52,7 @@ def saved(tmp_path_factory):
     return save_in(CHAINS["dp2-zero2->pp2-tp2"][0], tmp_path_factory.mktemp("ckpt"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("chain", list(CHAINS))
 def test_resume_under_another_layout(reference, chain, tmp_path):
@@ -70,6 +69,7 @@ def test_resume_under_another_layout(reference, chain, tmp_path):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= NORM_REL * a["grad_norm"], (chain, a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_consolidated_weights_give_the_sharded_loss(reference, saved, tmp_path):
     from trainmesh.data import SyntheticCorpus
@@ -83,6 +83,7 @@ def test_consolidated_weights_give_the_sharded_loss(reference, saved, tmp_path):
     assert abs(loss_sum.item() / count.item() - steps(reference)[10]["loss"]) <= TRAINED_WEIGHTS_LOSS_ABS
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_damaged_piece_is_refused(saved, tmp_path, damage):
@@ -122,6 +123,7 @@ def _save_dies_midway(root: str) -> None:
     engine.save(root)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
     from trainmesh.testing import run_distributed
@@ -163,6 +165,7 @@ def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str
     return proc.returncode, records, err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_elastic_restart_resumes_exactly(tmp_path):
     proc, ref = run_train([*SMALL[:-4], "--steps", "30", "--warmup-steps", "5"], tmp_path, name="ref30")

@@ -8,6 +8,7 @@ import pytest
 from trainmesh.cli import main
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_comm_json(capsys):
     assert main(["bench", "comm", "--sizes", "4KB,64KB", "--iters", "2", "--json"]) == 0

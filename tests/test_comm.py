@@ -61,6 +61,7 @@ def _expected(rank: int, n: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_op_matches_torch_and_is_accounted(world):
@@ -107,6 +108,7 @@ def _mesh_check() -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_mesh_groups_and_coordinates():
     results = run_distributed(_mesh_check, 4)
@@ -135,7 +137,7 @@ def test_mesh_rejects_bad_degrees():
 
 def test_world_axis_is_reported_as_other():
     """The ledger keys the whole world's traffic "world"; the metrics file calls it "other"
-    (CONTRACT.md comm_bytes_per_step), and code that says "other" lands in the same row."""
+    (docs/METRICS.md comm_bytes_per_step), and code that says "other" lands in the same row."""
     from trainmesh.comm import Ledger
     ledger = Ledger()
     ledger.begin_step()

@@ -46,10 +46,12 @@ def check_mfu(records: list[dict], world: int) -> None:
     assert s["mfu"] == pytest.approx(hand_mfu(run_tps, s["params"], world), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_mfu_follows_the_formula(eager):
     check_mfu(eager, world=1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_compiled_layouts_match_one_process(eager, tmp_path):
     """DP (bucket hooks), ZeRO-3 (gather/free hooks around compiled units) and TP (collectives

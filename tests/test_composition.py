@@ -1,4 +1,4 @@
-"""3D composition: dp x pp x tp (+ZeRO) on one mesh equals the single process (CONTRACT.md)."""
+"""3D composition: dp x pp x tp (+ZeRO) on one mesh equals the single process (README.md)."""
 from __future__ import annotations
 
 import pytest
@@ -59,11 +59,13 @@ def _check(world: int, layouts: list[dict]) -> None:
                 _assert_same(ref, out[optimizer, str(kw)], f"{optimizer} rank {rank} {kw}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_dp2_pp2_tp2_zero1():
     _check(8, [dict(dp=2, pp=2, tp=2, zero=1, microbatches=2)])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_world4_compositions():
     _check(4, [dict(dp=2, tp=2, zero=3), dict(pp=2, tp=2, microbatches=2),

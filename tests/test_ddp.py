@@ -102,6 +102,7 @@ def equivalent(rows) -> bool:
     return all(abs(a - b) <= LOSS_ABS and abs(na - nb) <= NORM_REL * na for a, na, b, nb in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ddp_gradients_buckets_and_accumulation():
     for microbatches in (1, 2):
@@ -117,6 +118,7 @@ def test_ddp_gradients_buckets_and_accumulation():
             assert out["dp_bytes"] == {"all_reduce": 4 * out["psi"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_unused_parameters_are_named():
     res = run_distributed(_unused_check, 2)
@@ -125,6 +127,7 @@ def test_unused_parameters_are_named():
         assert out[True] == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_equivalence_check_catches_a_planted_scale_bug():
     good = run_distributed(_planted_bug, 2, False)

@@ -1,4 +1,4 @@
-"""Device choice (CONTRACT.md ``--device``): CUDA only when every local rank gets its own GPU.
+"""Device choice (``--device``, docs/CLI.md): CUDA only when every local rank gets its own GPU.
 
 No GPU is needed: the GPU count is monkeypatched, and so is ``torch.cuda.set_device`` where a
 worker would call it. The real CUDA path runs on GPU machines only.

@@ -22,6 +22,7 @@ def _skip_one(skipper: int) -> None:
     comm.all_reduce(x, "dp")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_skipped_collective_is_named():
     with pytest.raises(ChildFailedError) as info:
@@ -39,6 +40,7 @@ def test_verdict_names_minority_and_silent_ranks():
     assert "rank 2 diverged at op #2: rank 2 ran broadcast@dp(6,) while ranks 0, 1 ran all_reduce@dp(6,)" in text
 
 
+@pytest.mark.slow
 def test_exchange_is_bounded_when_the_store_stops_answering(monkeypatch):
     """A store whose host is stalled (it accepts connections, never answers): the exchange
     gives up within its bounds and reports only this rank, so the peers are the suspects."""

@@ -16,7 +16,6 @@ import pytest
 from elastic_run import ARGS, STEPS, last_per_step, run_trial
 from helpers import SMALL, run_train, steps
 from tolerances import LOSS_ABS, NORM_REL
-from trainmesh.cli import main
 from trainmesh.elastic import Layout, ResizeError, fit_world, layout_change, resize
 from trainmesh.train_config import build_train_config
 
@@ -70,32 +69,29 @@ def test_fit_world_changes_only_dp_and_microbatches():
 
 def test_join_leaves_out_the_ranks_beyond_the_layout(monkeypatch):
     """3 processes for a dp 4 job: dp 2 x 2 microbatches on ranks 0-1, whose process group
-    holds 2 (WORLD_SIZE), and rank 2 ends at once."""
+    holds 2 (the fitted world size, passed to init_distributed), and rank 2 ends at once. The
+    environment is left alone (no hidden global state)."""
     from trainmesh.elastic import join
     cfg = build_train_config({"dp": 4, "min_dp": 1, "global_batch": 8})
     monkeypatch.setenv("WORLD_SIZE", "3")
     fitted, takes_part = join(cfg, rank=2, world=3)
-    assert not takes_part and fitted.parallel.dp == 2 and os.environ["WORLD_SIZE"] == "3"
+    assert not takes_part and fitted.parallel.dp == 2
     fitted, takes_part = join(cfg, rank=1, world=3)
     assert takes_part and (fitted.parallel.dp, fitted.parallel.microbatches) == (2, 2)
-    assert os.environ["WORLD_SIZE"] == "2"
+    assert fitted.parallel.world_size == 2 and os.environ["WORLD_SIZE"] == "3"
     fixed = build_train_config({"dp": 4, "global_batch": 8})
     assert join(fixed, rank=3, world=3) == (fixed, True)   # not elastic: untouched
 
 
 @pytest.mark.parametrize("args", [["--dp", "2", "--min-dp", "3"], ["--min-dp", "2"],
                                   ["--dp", "2", "--min-dp", "0"]])
-def test_min_dp_beyond_the_layout_exits_2_naming_it(capsys, monkeypatch, args):
-    import trainmesh.launch
-    monkeypatch.setattr(trainmesh.launch, "launch_local", lambda *a, **k: pytest.fail("launched"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
-    assert main(["train", *SMALL, *args]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--min-dp" in err[0], err
+def test_min_dp_beyond_the_layout_exits_2_naming_it(no_launch, refused, args):
+    refused(["train", *SMALL, *args], "--min-dp")
+    assert no_launch == []
 
 
 # ---------------------------------------------------------------- real processes
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_no_layout_left_ends_the_job_with_one_line(tmp_path):
     """pp 2 x tp 2 cannot run on the 2 processes torchrun gives: exit 1, the reason in one line."""
@@ -113,6 +109,7 @@ def test_no_layout_left_ends_the_job_with_one_line(tmp_path):
     assert "ResizeError" not in proc.stderr and "trainmesh/" not in proc.stderr  # no worker traceback
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_lose_a_node_then_get_it_back(tmp_path):
     """dp 4 over two agents; one is killed after step 10 (dp 2 goes on), started again (dp 4

@@ -122,6 +122,7 @@ def _stall(victim: int, tmp: Path) -> None:
     assert not any(alive(pid) for pid in pids), "a worker outlived the launcher"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     in_threads(lambda: _stall(0, tmp_path), lambda: _stall(1, tmp_path))
@@ -161,6 +162,7 @@ def _signalled(sig: signal.Signals, tmp: Path) -> None:
     assert not any(alive(pid) for pid in pids), "a worker outlived the launcher"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_workers_end_with_their_launcher(tmp_path):
     in_threads(lambda: _launcher_killed(tmp_path), lambda: _signalled(signal.SIGINT, tmp_path),
@@ -207,6 +209,7 @@ def _fp16_skip_is_bounded(tmp: Path) -> None:
     assert all("nonfinite" in r for r in steps[-MAX_NONFINITE_SKIPS:])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_divergence_stops_the_run_and_is_never_saved(tmp_path):
     in_threads(lambda: _diverge_and_stop(tmp_path), lambda: _fp16_skip_is_bounded(tmp_path))
@@ -225,6 +228,7 @@ def test_fp16_overflow_at_the_minimum_scale_is_nonfinite():
 
 
 # ---------------------------------------------------------------- a busy --save-dir
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path):
     ck = tmp_path / "ck"

@@ -165,6 +165,7 @@ def _assert_matches(results: dict[int, dict], ref: dict[str, Any], layouts: dict
                     assert load[diff] == 0.0, f"rank {rank} {kind}: {diff} from the saved weights {load[diff]}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hf_models_under_tp2(references):
     from safetensors.torch import load_file
@@ -179,6 +180,7 @@ def test_hf_models_under_tp2(references):
                 assert torch.equal(whole[name], value), f"{kind} checkpoint: {name}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hf_models_under_dp2_tp2(references):
     results = run_distributed(_rank, 4, DP2_TP2, references["dirs"], timeout_s=120)

@@ -1,4 +1,4 @@
-"""Dependencies point one way (STYLE.md): communication -> parallel building blocks -> engine -> CLI.
+"""Dependencies point one way (README.md, Architecture): communication -> parallel building blocks -> engine -> CLI.
 
 Walks every module's imports with ``ast`` (nothing is imported, so no torch): no module may
 reach itself through imports, and no parallel building block may import the engine, the

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from helpers import SMALL, assert_equivalent, run_train
+from helpers import SMALL, assert_equivalent, one_process
 
 
 def _free_port() -> int:
@@ -19,12 +19,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_agents_rendezvous_and_train(tmp_path):
+def test_two_agents_rendezvous_and_train(metrics_path, reference_run):
     port, run_id = _free_port(), uuid.uuid4().hex[:8]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    metrics = tmp_path / "multi.jsonl"
+    metrics = metrics_path
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
@@ -41,8 +42,6 @@ def test_two_agents_rendezvous_and_train(tmp_path):
         assert p.returncode == 0, err[-3000:]
     import json
     multi = [json.loads(line) for line in metrics.read_text().splitlines()]
-    proc, ref = run_train(SMALL, tmp_path, name="ref")
-    assert proc.returncode == 0, proc.stderr
-    assert_equivalent(ref, multi)
+    assert_equivalent(reference_run(one_process("adamw")), multi)
     summary = multi[-1]
     assert summary["world_size"] == 2

@@ -24,8 +24,9 @@ from trainmesh.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
 EVAL = ["--eval-every", "5", "--eval-batches", "2", "--microbatches", "2"]
-LAYOUTS = {"one": [], "dp2": ["--dp", "2"], "zero3": ["--dp", "2", "--zero", "3"],
-           "tp2": ["--tp", "2"], "dp2pp2": ["--dp", "2", "--pp", "2"]}
+LAYOUTS = {"one": [], "dp2": ["--dp", "2"], "dp2tp2zero3": ["--dp", "2", "--tp", "2", "--zero", "3"],
+           "dp2pp2": ["--dp", "2", "--pp", "2"]}
+"""One launch per layout, each checked for several things; tp and ZeRO-3 share a launch."""
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
@@ -50,6 +51,7 @@ def evals(records: list[dict]) -> list[dict]:
     return [r for r in records if r["event"] == "eval"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "one"])
 def test_eval_loss_is_the_same_under_every_layout(runs, layout):
@@ -108,6 +110,7 @@ def spans(trace: dict, **match) -> list[dict]:
             and all(e.get(k) == v or e["args"].get(k) == v for k, v in match.items())]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_trace_of_dp2_pp2_is_valid_and_books_every_byte(runs):
     trace = runs["dp2pp2.trace"]
@@ -129,6 +132,7 @@ def test_trace_of_dp2_pp2_is_valid_and_books_every_byte(runs):
         assert len(spans(trace, pid=r, cat="forward")) == len(spans(trace, pid=r, cat="backward")) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_trace_of_ddp_shows_all_reduce_overlapping_backward(runs):
     trace, summary = runs["dp2.trace"], runs["dp2"][-1]
@@ -142,6 +146,7 @@ def test_trace_of_ddp_shows_all_reduce_overlapping_backward(runs):
         assert overlapped, "no gradient all-reduce starts before the backward ends"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason="the tensorboard package (extra [tensorboard])")
 def test_tensorboard_scalars_match_the_metrics_file(runs):
@@ -175,6 +180,7 @@ def test_bad_observation_input_exits_2_naming_the_flag(args, field, capsys):
     assert len(err) == 1 and field in err[0] and "Traceback" not in err[0], err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_tensorboard_missing_exits_2_naming_the_flag(tmp_path):
     """Without the tensorboard package, --tensorboard is refused before any worker starts."""

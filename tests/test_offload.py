@@ -1,5 +1,5 @@
 """ZeRO-Offload (--offload cpu / nvme, --offload-params) in real processes: the same training run
-as one process (CONTRACT.md, fp32, 20 steps, AdamW and SGD), the bytes each rank keeps off the
+as one process (README.md's promise, fp32, 20 steps, AdamW and SGD), the bytes each rank keeps off the
 device (measured from its tensors and files) and none on it, the NVMe files on disk and gone
 after, the gradient shards streamed to the host bucket by bucket during backward (counted when
 backward returns), a full disk mid-run (the job ends naming the rank, its last checkpoint
@@ -99,6 +99,7 @@ def expected_offloaded(r: dict, n: int) -> int:
     return per_param * PSI // n
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_offload_matches_one_process_and_holds_its_shard_off_the_device(tmp_path):
     res = run_distributed(_run, 2, CONFIGS, str(tmp_path), timeout_s=230)
@@ -153,6 +154,7 @@ def _assert_continues(ref: list[dict], records: list[dict], what: str) -> None:
         assert abs(a["grad_norm"] - b["grad_norm"]) <= NORM_REL * a["grad_norm"], (what, a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_full_disk_keeps_the_checkpoint_and_resume_crosses_offload(reference, tmp_path, monkeypatch):
     from trainmesh.data_parallel.nvme import FAULT_ENV

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import SMALL, assert_equivalent, run_train, steps, summary, worker_pids
+from helpers import SMALL, assert_equivalent, one_process, run_train, steps, summary, worker_pids
 from trainmesh.cli import main
 from trainmesh.parameter_server import shard_by_bytes
 
@@ -30,16 +30,12 @@ def _ps_bytes_ok(run: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, list[dict]]:
-    """The one-process runs, per optimizer (computed once for the module)."""
-    tmp = tmp_path_factory.mktemp("ref")
-    runs = {}
-    for optimizer in ("sgd", "adamw"):
-        proc, runs[optimizer] = run_train([*SMALL, "--optimizer", optimizer], tmp, name=optimizer)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    return runs
+def reference(reference_run) -> dict[str, list[dict]]:
+    """The one-process runs, per optimizer (shared with the other modules for the session)."""
+    return {optimizer: reference_run(one_process(optimizer)) for optimizer in ("sgd", "adamw")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_sync_is_data_parallel(optimizer, reference, tmp_path):
@@ -52,6 +48,7 @@ def test_sync_is_data_parallel(optimizer, reference, tmp_path):
         _ps_bytes_ok(run)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_async_with_one_trainer_is_the_single_process(reference, tmp_path):
     """No other trainer, no staleness: async's clipping, scaling and LR schedule are the engine's."""
@@ -62,6 +59,7 @@ def test_async_with_one_trainer_is_the_single_process(reference, tmp_path):
     assert_equivalent(ref, run)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_async_learns_within_staleness(tmp_path):
     """The default model, 2 trainers, 2 servers, at most 1 step ahead of the slowest."""
@@ -105,10 +103,11 @@ def test_bad_input(args, field, capsys):
     assert f"{field}:" in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
 @pytest.mark.timeout(300)
-def test_killed_server_ends_the_job(tmp_path):
-    out = tmp_path / "m.jsonl"
+def test_killed_server_ends_the_job(metrics_path):
+    out = metrics_path
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *SMALL, "--steps", "100000",
                              "--strategy", "ps", "--dp", "2", "--ps-servers", "2", "--timeout", "60",
@@ -153,6 +152,7 @@ def _api_check() -> dict | None:
             "ps_bytes": engine.ledger.bytes_per_step(("ps",))["ps"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_python_api_any_model():
     import torch

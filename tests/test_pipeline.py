@@ -1,7 +1,7 @@
 """The pipeline runtime against the single-process engine, in real gloo processes.
 
 Three launches (world 2, 3 and 4), each running many checks, since a launch costs ~8 s here:
-equivalence (CONTRACT.md "Numerical equivalence": loss within 1e-3 absolute, grad norm within
+equivalence (README.md, the numerical promise: loss within 1e-3 absolute, grad norm within
 1e-3 relative, 20 steps, fp32, AdamW and SGD; also tied weights, an nn.Sequential model and
 tp x pp; the zero-bubble zb1p at pp 2 and 4; ZeRO-2 and ZeRO-3 in both reshard modes at pp 2 x
 dp 2), pipeline traffic per stage, ZeRO's memory and traffic inside a pipeline against the
@@ -252,6 +252,7 @@ def _assert_same_run(curve, ref, what) -> None:
 
 
 # --------------------------------------------------------------------------- tests
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_equivalence_world2(world2, reference) -> None:
     for rank, res in world2.items():
@@ -267,6 +268,7 @@ def test_equivalence_world2(world2, reference) -> None:
     assert reference[("adamw", False)][-1][0] < reference[("adamw", False)][0][0] - 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_equivalence_world4(world4, reference) -> None:
     for rank, res in world4.items():
@@ -274,6 +276,7 @@ def test_equivalence_world4(world4, reference) -> None:
             _assert_same_run(r["curve"], reference[(opt, False)], f"rank {rank} {name} {opt}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_stages_hold_their_share_of_parameters(world2, world4) -> None:
     total = _gpt(GPT_KW).cfg.num_params()
@@ -284,12 +287,14 @@ def test_stages_hold_their_share_of_parameters(world2, world4) -> None:
         assert max(held.values()) < 0.6 * total
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_tied_weights_counted_once(world2) -> None:
     assert world2[0]["tied_duplicate"] == []
     assert world2[1]["tied_duplicate"] == ["head.out.weight"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_pp_traffic_per_stage(world2, world4) -> None:
     """pp.send = pp.recv = m * A * ([s < p-1] + [s > 0]), A = b*s*d*4 per microbatch."""
@@ -313,6 +318,7 @@ ZERO_IN_PIPELINE = {"dp2-pp2-zero2-m2": dict(zero=2, bucket_mb=0.01, schedule="z
                     "dp2-pp2-zero3-microbatch-m2": dict(zero=3, zero3_reshard="microbatch")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_zero_inside_pipeline_memory_and_traffic(world4) -> None:
     """docs/ZERO.md "ZeRO inside a pipeline": per rank, the persistent model states (ZeRO-2:
@@ -343,6 +349,7 @@ def test_zero_inside_pipeline_memory_and_traffic(world4) -> None:
                 assert r["comm_peak"] <= 8 * bucket < 0.5 * full_grads, (name, r["comm_peak"], bucket)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_no_deadlock_any_schedule(world2, world4, reference) -> None:
     world3 = run_distributed(world3_worker, 3, timeout_s=90)
@@ -359,6 +366,7 @@ def test_no_deadlock_any_schedule(world2, world4, reference) -> None:
             assert abs(loss - refs[m]) <= loss_one_step_atol(refs[m], tokens), (p, name, v, m)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_1f1b_holds_fewer_activations_than_gpipe(world4) -> None:
     """Stage 0 at pp 4, m 8: GPipe keeps 8 microbatches' activations, 1F1B 4."""
@@ -368,6 +376,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe(world4) -> None:
     assert one_f_one_b <= 0.6 * gpipe, (one_f_one_b, gpipe)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_measured_timeline(world2) -> None:
     tl = world2[0]["timeline"]
@@ -379,13 +388,15 @@ def test_measured_timeline(world2) -> None:
     assert Path(world2[0]["svg"]).stat().st_size > 1000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_bad_input_is_a_config_error(world2) -> None:
     for res in world2.values():
         assert res["errors"] == {"too_few_layers": "pp", "microbatches_not_dividing": "microbatches",
-                                 "interleaved_not_multiple": "microbatches", "tied_zero3": "zero"}
+                                 "interleaved_not_multiple": "--microbatches", "tied_zero3": "zero"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_loss_fn_is_the_loss_under_pp(world2) -> None:
     """The engine's loss_fn, not the model's own criterion, scores the last stage."""

@@ -1,4 +1,4 @@
-"""The planner: ZeRO paper numbers, recommendations, bad input, and the CONTRACT.md predictions.
+"""The planner: ZeRO paper numbers, recommendations, bad input, and the predictions of docs/PLANNER.md.
 
 All in-process and single-process: the whole file runs in a few seconds.
 """

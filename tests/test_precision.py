@@ -59,7 +59,7 @@ PSI = sum(p.numel() for p in GPT(CFG, seed=0).parameters())
 
 
 def paper_bytes(zero: int, n: int) -> dict[str, float]:
-    """CONTRACT.md model_state_bytes, mixed-precision AdamW: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ
+    """docs/ZERO.md model_state_bytes, mixed-precision AdamW: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ
     split by stage at ZeRO 0-2; FSDP2-style fp32 shards at ZeRO-3 (4Ψ + 4Ψ + 8Ψ, over N)."""
     if zero == 3:
         return {"params": 4 * PSI / n, "grads": 4 * PSI / n, "optimizer": 8 * PSI / n}
@@ -67,6 +67,7 @@ def paper_bytes(zero: int, n: int) -> dict[str, float]:
             "optimizer": 12 * PSI / (n if zero >= 1 else 1)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_bf16_and_fp16_follow_the_fp32_curve():
     res = run_distributed(_curves, 2, [0, 1, 2, 3], timeout_s=140)
@@ -147,6 +148,7 @@ def _overflow_rows(zero: int) -> list[tuple]:
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_overflow_on_one_rank_skips_the_step_everywhere():
     res = run_distributed(_overflow_on_one_rank, 2, [0, 1, 2, 3], timeout_s=140)
@@ -195,6 +197,7 @@ def test_a_precision_the_device_cannot_do_is_refused():
            mesh=ParallelMesh(local=True))   # the CPU can: no error
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_mixed_precision_run_matches_the_planner(tmp_path):
     """`trainmesh train` in bf16 at ZeRO-2, reducing in fp32: the summary's held bytes

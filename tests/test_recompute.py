@@ -67,6 +67,7 @@ def _working_set(mode: str, segment: int) -> float:
     return (peak - base) / 2**20
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS reset needs Linux")
 def test_full_recompute_shrinks_the_working_set():
     """An activation-dominated GPT (activations ~70 MiB, parameters ~1 MiB). glibc is told to

@@ -31,6 +31,7 @@ def _points(svg_path_d: str) -> int:
     return len(re.findall(r"[ML]\s*[-\d.]+\s+[-\d.]+", svg_path_d))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_report_is_self_contained_with_every_chart(page):
     text = page.read_text()
@@ -46,6 +47,7 @@ def test_report_is_self_contained_with_every_chart(page):
     assert re.search(r"<td>[\d.,]+ (KiB|MiB)</td>", text)                   # sizes, not bytes
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
 def test_report_loads_in_a_browser_without_errors(page):

@@ -127,7 +127,7 @@ def test_incomplete_and_deadlocked_schedules_raise() -> None:
 def test_invalid_combinations_raise_config_error(name, p, m, v, field) -> None:
     with pytest.raises(ConfigError) as exc:
         build_schedule(name, p, m, v)
-    assert exc.value.field == field
+    assert exc.value.field == "--" + field
 
 
 def test_labels_and_grid() -> None:

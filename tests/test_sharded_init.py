@@ -62,6 +62,7 @@ def _shards_and_losses(layouts: list[dict], path: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_every_layout_starts_from_the_slices_of_one_process(tmp_path):
     path = str(tmp_path / "model.safetensors")
@@ -147,6 +148,7 @@ def check_init_peaks(res: dict) -> None:
         assert max(abs(a - b) for a, b in zip(losses, res["one"][1])) <= 1e-3, (name, losses)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_no_rank_materialises_the_whole_model(tmp_path):
     check_init_peaks(init_peaks(tmp_path))

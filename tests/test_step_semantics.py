@@ -198,6 +198,7 @@ def world2() -> dict:
     return run_distributed(_world2, 2, timeout_s=120)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dp_replicas_start_from_rank0_weights(world2):
     """Bug: the initial DP broadcast of weights skipped (every other test seeds all ranks alike)."""
@@ -205,6 +206,7 @@ def test_dp_replicas_start_from_rank0_weights(world2):
         assert res["broadcast"] == 0.0, f"rank {rank} starts {res['broadcast']} away from rank 0"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bucket_with_an_unused_parameter_is_reduced(world2):
     """Bug: a DDP bucket holding an unused parameter never all-reduced (its used neighbours keep
@@ -215,6 +217,7 @@ def test_bucket_with_an_unused_parameter_is_reduced(world2):
         assert u["err"] <= u["tol"], f"rank {rank}: weights differ from one process by {u['err']}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_clipping_uses_the_global_norm(world2):
     """Bug: clipping with the local norm (a rank's shard, or DP rank 0's count only): with a clip

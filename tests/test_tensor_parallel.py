@@ -6,7 +6,7 @@ the pytest process. Checked: layer parity (outputs, input grads, parameter grads
 full ones), GPT and a Llama-like model under a plan (with and without SP), initial weights =
 slices of tp=1 weights, the vocab-parallel loss never building (b, s, vocab) tensors, Engine
 equivalence (loss 1e-3 abs, grad norm 1e-3 rel, 20 steps, AdamW and SGD) for tp 2, tp 2 + SP
-(2 microbatches), tp 4, dp 2 x tp 2 (and + SP), tp traffic against CONTRACT.md, parameter memory, and the
+(2 microbatches), tp 4, dp 2 x tp 2 (and + SP), tp traffic against docs/TENSOR_PARALLEL.md, parameter memory, and the
 errors of bad plans and shapes.
 """
 from __future__ import annotations
@@ -446,17 +446,20 @@ def _assert_equivalent(run: dict, ref: dict, what: str) -> None:
 
 
 # ============================================================== tests
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_parity_tp2(world2):
     assert set(world2[0]["checks"]) >= {"gpt_model_sp", "llama_model_sp", "vocab_cross_entropy"}
     assert not _failures(world2), _failures(world2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_parity_tp4(world4):
     assert not _failures(world4), _failures(world4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_engine_equivalence(reference, world2, world4):
     assert reference["adamw"]["loss"][-1] < reference["adamw"]["loss"][0] - 0.3   # it learns
@@ -467,7 +470,7 @@ def test_engine_equivalence(reference, world2, world4):
 
 
 def _expected_tp_bytes(layout: dict) -> tuple[float, dict[str, float]]:
-    """(the CONTRACT.md formula's total, this implementation's exact per-op bytes) per step."""
+    """(the docs/TENSOR_PARALLEL.md formula's total, this implementation's exact per-op bytes) per step."""
     L, s, h = CFG["n_layers"], CFG["seq_len"], CFG["d_model"]
     m = layout.get("microbatches", 1)
     b = GLOBAL_BATCH // layout.get("dp", 1) // m
@@ -483,6 +486,7 @@ def _expected_tp_bytes(layout: dict) -> tuple[float, dict[str, float]]:
     return contract, exact
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_traffic_matches_contract(world2, world4):
     for results in (world2, world4):
@@ -494,6 +498,7 @@ def test_traffic_matches_contract(world2, world4):
                 assert got == pytest.approx(exact), (label, got, exact)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_memory_is_one_over_tp(world2, world4):
     from trainmesh.models.gpt import GPT, GPTConfig

@@ -25,6 +25,7 @@ def text(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bpe_run_at_dp2_equals_one_process(text, tmp_path):
     args = [*NO_VOCAB, "--data", str(text), "--tokenizer", "bpe:512"]
@@ -41,6 +42,7 @@ def _tokens(path: str) -> bytes:
     return np.asarray(bpe_tokens(path, 300), dtype=np.int64).tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bpe_cache_is_keyed_atomic_and_shared(text, tmp_path):
     path = tmp_path / "t.txt"

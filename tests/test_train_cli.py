@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL, assert_equivalent, check_prediction, run_train, steps, summary
+from helpers import SMALL, assert_equivalent, check_prediction, one_process, run_train, steps, summary
 from trainmesh.cli import main
 
 LAYOUTS = {"dp2": ["--dp", "2"], "dp4": ["--dp", "4"], "mb4": ["--microbatches", "4"],
@@ -19,13 +19,11 @@ LAYOUTS = {"dp2": ["--dp", "2"], "dp4": ["--dp", "4"], "mb4": ["--microbatches",
 
 
 @pytest.fixture(scope="module", params=["adamw", "sgd"])
-def reference(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"ref-{request.param}")
-    proc, records = run_train([*SMALL, "--optimizer", request.param], tmp)
-    assert proc.returncode == 0, proc.stderr
-    return request.param, records
+def reference(request, reference_run):
+    return request.param, reference_run(one_process(request.param))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_is_equivalent_to_one_process(reference, layout, tmp_path):
@@ -38,6 +36,7 @@ def test_layout_is_equivalent_to_one_process(reference, layout, tmp_path):
     check_prediction([*SMALL, "--optimizer", optimizer, *LAYOUTS[layout]], summary(run))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_lr_column_is_the_lr_each_step_used(reference):
     """The metrics' ``lr``: linear warm-up to the peak on step --warmup-steps (5 here), then a
@@ -59,7 +58,7 @@ def test_lr_column_is_the_lr_each_step_used(reference):
 
 
 def check_ddp_accounting(s: dict) -> None:
-    """CONTRACT.md: dp.all_reduce 4Ψ per step; params 4Ψ, grads 4Ψ, optimizer 8Ψ (AdamW)."""
+    """docs/METRICS.md: dp.all_reduce 4Ψ per step; params 4Ψ, grads 4Ψ, optimizer 8Ψ (AdamW)."""
     psi = s["params"]
     for r in s["ranks"]:
         assert r["comm_bytes_per_step"]["dp"]["all_reduce"] == pytest.approx(4 * psi, rel=0.02)
@@ -71,6 +70,7 @@ def check_ddp_accounting(s: dict) -> None:
         assert r["peak_mem_bytes"] >= r["setup_mem_bytes"] >= r["base_mem_bytes"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bare_demo_learns(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -79,6 +79,7 @@ def test_bare_demo_learns(tmp_path):
                           capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr
     assert "world 2" in proc.stdout
+    assert "world 2 {'dp': 2" in proc.stdout   # rank 0's log line: the CLI set up its logging
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
     assert last < 0.6 * first, (first, last)
     assert time.time() - t0 < 110
@@ -139,9 +140,10 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_killed_worker_fails_the_run_naming_the_rank(tmp_path):
-    metrics = tmp_path / "m.jsonl"
+def test_killed_worker_fails_the_run_naming_the_rank(metrics_path):
+    metrics = metrics_path
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *SMALL[:-4], "--steps", "100000",
                              "--dp", "2", "--metrics-out", str(metrics), "--timeout", "30"],

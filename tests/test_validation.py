@@ -19,35 +19,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import run_train, steps
+from helpers import LAUNCHED, assert_refused as refused, run_train, steps
 from trainmesh.cli import build_parser, main
 from trainmesh.config import ParallelConfig
 from trainmesh.errors import ConfigError
 
 T = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
      "--global-batch", "8"]
-LAUNCHED = 99
 GiB = 2**30
 
 
 @pytest.fixture(autouse=True)
-def no_launch(monkeypatch):
-    """Validation only: no worker ever starts; the process is a launcher, not a worker."""
-    import trainmesh.launch
-    import trainmesh.trainer
-    monkeypatch.setattr(trainmesh.launch, "launch_local", lambda *a, **k: LAUNCHED)
-    monkeypatch.setattr(trainmesh.trainer, "worker_main", lambda cfg: LAUNCHED)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
-
-
-def refused(capsys, argv: list[str], flag: str) -> str:
-    """``trainmesh ARGV`` exits 2 with one line naming ``flag``; returns that line."""
-    code = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2, (code, err)
-    assert len(err) == 1 and flag in err[0] and "Traceback" not in err[0], err
-    return err[0]
+def validation_only(no_launch):
+    """Every test here: no worker ever starts; the process is a launcher, not a worker."""
 
 
 # ---------------------------------------------------------------- A. one place for layout rules
@@ -306,6 +290,7 @@ def sgd_checkpoint(tmp_path_factory):
     return tmp / "ck"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_resume_end_to_end(capsys, sgd_checkpoint, tmp_path):
     from trainmesh.checkpoint import MANIFEST, latest
@@ -329,6 +314,7 @@ def test_resume_end_to_end(capsys, sgd_checkpoint, tmp_path):
     assert all(math.isfinite(r["loss"]) for r in steps(records))
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_without_traceback_as_a_process(tmp_path):
     """The same refusal from a real `trainmesh train` process: exit 2, one line."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

@@ -1,6 +1,6 @@
-"""ZeRO stages 1-3 in real processes: the same training run as one process (CONTRACT.md:
+"""ZeRO stages 1-3 in real processes: the same training run as one process (README.md:
 loss within 1e-3, grad_norm within 1e-3 relative, 20 steps, AdamW and SGD), the model state
-each rank holds and the DP traffic it sends (CONTRACT.md numbers), parameter groups,
+each rank holds and the DP traffic it sends (docs/METRICS.md numbers), parameter groups,
 gradient accumulation, recomputation, consolidated weights, and refused optimizers."""
 from __future__ import annotations
 
@@ -72,14 +72,14 @@ def _run_configs(configs: list[tuple[str, str, bool, dict]]) -> dict:
 
 
 def expected_state(zero: int, n: int, optimizer: str) -> dict[str, float]:
-    """CONTRACT.md model_state_bytes, fp32: DDP 4Ψ/4Ψ/8Ψ (AdamW; SGD momentum 4Ψ), by stage."""
+    """docs/METRICS.md model_state_bytes, fp32: DDP 4Ψ/4Ψ/8Ψ (AdamW; SGD momentum 4Ψ), by stage."""
     opt = (8 if optimizer == "adamw" else 4) * PSI / n
     return {"params": 4 * PSI / (n if zero >= 3 else 1), "grads": 4 * PSI / (n if zero >= 2 else 1),
             "optimizer": opt}
 
 
 def expected_traffic(zero: int, m: int) -> dict[str, float]:
-    """CONTRACT.md comm_bytes_per_step on the DP axis, fp32, m microbatches."""
+    """docs/METRICS.md comm_bytes_per_step on the DP axis, fp32, m microbatches."""
     return {1: {"reduce_scatter": 4 * PSI, "all_gather": 4 * PSI},
             2: {"reduce_scatter": m * 4 * PSI, "all_gather": 4 * PSI},
             3: {"reduce_scatter": m * 4 * PSI, "all_gather": 2 * m * 4 * PSI}}[zero]
@@ -109,6 +109,7 @@ DP2 = [(f"zero{z}-{opt}", opt, False, {"zero": z}) for z in (1, 2, 3) for opt in
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_zero_stages_match_one_process_at_dp2():
     res = run_distributed(_run_configs, 2, DP2, timeout_s=140)
@@ -123,6 +124,7 @@ def test_zero_stages_match_one_process_at_dp2():
                 assert r["largest_unit"] <= r["peak"] < 2 * 4 * PSI, (name, r["peak"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_zero3_matches_one_process_at_dp4():
     res = run_distributed(_run_configs, 4, [("zero3-adamw", "adamw", False, {"zero": 3}),
@@ -202,6 +204,7 @@ def _hf_runs(kinds: list[str], configs: list[dict]) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_hf_gpt2_and_llama_train_under_every_stage():
     pytest.importorskip("transformers")
@@ -274,6 +277,7 @@ def _resume_across_stages(root: str, pairs: list[tuple[int, int]]) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_checkpoint_resumes_across_zero_stages(tmp_path):
     pytest.importorskip("safetensors")

@@ -2,7 +2,7 @@
 
 Two kinds of comparison:
 
-* **Training runs** (Engine or ``trainmesh train``, many steps): CONTRACT.md's promise, loss within
+* **Training runs** (Engine or ``trainmesh train``, many steps): the README's promise, loss within
   ``LOSS_ABS`` and grad norm within ``NORM_REL``. Reduction-order noise (~1e-7 relative per step)
   grows through AdamW's normalisation to ~1e-5 over 20 steps; every planted bug below moves a loss
   or a norm by more than 1e-2 within a few steps.
@@ -90,11 +90,11 @@ import math
 import torch
 
 LOSS_ABS = 1e-3
-"""CONTRACT.md: per-step loss of a layout vs one process (absolute). Catches a DP sum instead of a
+"""README.md: per-step loss of a layout vs one process (absolute). Catches a DP sum instead of a
 mean (the loss drifts by > 1e-2 within 5 AdamW steps), a missing all-reduce, a wrong LR."""
 
 NORM_REL = 1e-3
-"""CONTRACT.md: per-step grad norm vs one process (relative). A sum instead of a mean is x dp;
+"""README.md: per-step grad norm vs one process (relative). A sum instead of a mean is x dp;
 a TP-replicated parameter counted twice moves it by > 1e-2."""
 
 MOMENT_REL = 2 * NORM_REL

@@ -16,11 +16,17 @@ from .errors import ConfigError
 from .validation import check_fields, setting
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p")
-"""Pipeline schedules the training runtime runs (``trainmesh schedule`` draws the same)."""
+"""Pipeline schedules the training runtime runs (``trainmesh schedule`` draws the same); the one
+list, which :mod:`trainmesh.pipeline_parallel.schedules` builds from."""
+GRAD_CLIP = 1.0
+"""The gradient-norm clip of ``trainmesh train`` (``--grad-clip``); :class:`ParallelConfig` in
+the Python API defaults to no clipping (0.0), as a plain PyTorch loop does (docs/API.md)."""
 ZERO3_RESHARD = ("step", "microbatch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full", "selective")
 OFFLOAD = ("none", "cpu", "nvme")
+TIMEOUT_S = 300.0
+"""Every collective's default timeout (``--timeout``; the mesh and ``init_distributed`` too)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest collective timeout accepted: a week (torch's timedelta-based timeouts overflow far
 beyond; no collective legitimately waits longer)."""
@@ -67,9 +73,10 @@ class ParallelConfig:
                                           "too, gathered to the device per unit", group="precision & memory")
     bucket_mb: float = setting(25.0, "gradient bucket size in MiB (DDP all-reduce, ZeRO "
                                      "reduce-scatter)", gt=0, group="precision & memory")
-    grad_clip: float = setting(0.0, "global gradient-norm clip (0 = off; the norm is still "
-                                    "measured)", ge=0, group="optimisation")
-    timeout_s: float = setting(300.0, "every collective's timeout in seconds", flag="--timeout",
+    grad_clip: float = setting(0.0, f"global gradient-norm clip, 0 = off (the norm is still "
+                                    f"measured); default {GRAD_CLIP} for trainmesh train, 0 in "
+                                    f"the Python API", ge=0, group="optimisation")
+    timeout_s: float = setting(TIMEOUT_S, "every collective's timeout in seconds", flag="--timeout",
                                gt=0, le=MAX_TIMEOUT_S, group="launch")
     compile: bool = setting(False, "torch.compile each transformer block / pipeline layer "
                                    "(collectives stay outside the graphs)", group="precision & memory")
@@ -105,8 +112,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.schedule not in SCHEDULES:
-            raise ConfigError("--schedule", f"must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        check_pipeline(self.schedule, pp=self.pp, microbatches=self.microbatches,
+                       virtual_stages=self.virtual_stages)
         if self.reduce_dtype not in (None, "fp32", self.precision):
             raise ConfigError("--reduce-dtype", f"must be fp32 or the compute dtype "
                               f"({self.precision}); got {self.reduce_dtype!r}")
@@ -121,8 +128,6 @@ class ParallelConfig:
         if self.zero3_reshard != "step" and (self.zero != 3 or self.pp == 1):
             raise ConfigError("--zero3-reshard", "chooses when ZeRO-3 re-gathers under a pipeline; "
                               "needs --zero 3 and --pp > 1 (valid otherwise: step)")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise ConfigError("--virtual-stages", "> 1 needs --schedule interleaved")
         self._check_ps()
         self._check_diloco()
 
@@ -183,12 +188,17 @@ class ParallelConfig:
                 raise ConfigError(f"--{name}", f"is not supported with --strategy diloco: {why[name]}")
 
     @property
+    def microbatch_multiple(self) -> int:
+        """The microbatch count must be a multiple of this: pp with the interleaved schedule."""
+        return microbatch_multiple(self.schedule, self.pp)
+
+    @property
     def world_size(self) -> int:
         """Processes of the job: dp*pp*tp, or dp trainers + ps_servers servers with strategy ps."""
         return self.dp * self.pp * self.tp + (self.ps_servers if self.strategy == "ps" else 0)
 
     def layout(self) -> dict[str, Any]:
-        """The layout record of the metrics summary (CONTRACT.md)."""
+        """The layout record of the metrics summary (docs/METRICS.md)."""
         keys = ("dp", "pp", "tp", "zero", "microbatches", "schedule", "virtual_stages",
                 "sequence_parallel", "precision", "recompute", "offload", "zero3_reshard")
         if self.strategy == "diloco":
@@ -198,3 +208,22 @@ class ParallelConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+def microbatch_multiple(schedule: str, pp: int) -> int:
+    """Interleaved 1F1B runs microbatches in rounds of pp: their count is a multiple of this."""
+    return pp if schedule == "interleaved" else 1
+
+
+def check_pipeline(schedule: str, *, pp: int, microbatches: int, virtual_stages: int) -> None:
+    """The rules of a pipeline schedule, for the flags and for schedules built directly
+    (:func:`~trainmesh.pipeline_parallel.schedules.build_schedule`). Raises ConfigError."""
+    if schedule not in SCHEDULES:
+        raise ConfigError("--schedule", f"must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ConfigError("--virtual-stages", f"> 1 needs --schedule interleaved; got {virtual_stages} "
+                          f"with {schedule} (valid with it: 1)")
+    multiple = microbatch_multiple(schedule, pp)
+    if microbatches % multiple:
+        raise ConfigError("--microbatches", f"with --schedule interleaved must be a multiple of --pp "
+                          f"({pp}): microbatches go through the chunks in rounds of pp; got {microbatches}")

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .comm.stores import process_group_store
+from .config import TIMEOUT_S
 from .errors import ConfigError
 
 log = logging.getLogger("trainmesh")
@@ -19,10 +20,28 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def env_job() -> tuple[int, int, int, int] | None:
+    """(rank, world size, local rank, local world size) of the job torchrun's (``RANK``, ...) or
+    srun's (``SLURM_PROCID``, ...) environment describes; None outside a launcher. Read only:
+    the environment is never written."""
+    env = os.environ
+    if "RANK" in env:
+        return (int(env["RANK"]), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0")),
+                int(env.get("LOCAL_WORLD_SIZE", "1")))
+    if "SLURM_PROCID" in env:
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        return (int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", "1")),
+                int(env.get("SLURM_LOCALID", "0")), int(per_node) if per_node.isdigit() else 1)
+    return None
+
+
 def local_world_size(default: int = 1) -> int:
-    """Ranks of this job on this machine: LOCAL_WORLD_SIZE under torchrun, else ``default``
-    (the workers a local launch is about to start)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+    """Ranks of this job on this machine, from the launcher's environment; ``default`` (the
+    workers a local launch is about to start) when it does not say."""
+    job = env_job()
+    known = "LOCAL_WORLD_SIZE" in os.environ or os.environ.get(
+        "SLURM_NTASKS_PER_NODE", "").split("(")[0].isdigit()
+    return job[3] if job is not None and known else int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
 def choose_device(device: str, *, local_ranks: int, gpus: int) -> tuple[str, str | None]:
@@ -50,45 +69,42 @@ def choose_device(device: str, *, local_ranks: int, gpus: int) -> tuple[str, str
 def pick_device(device: str = "auto") -> torch.device:
     """This worker's device by :func:`choose_device`; the fallback reason logged once, on rank 0."""
     kind, reason = choose_device(device, local_ranks=local_world_size(), gpus=visible_gpus())
-    if reason and int(os.environ.get("RANK", "0")) == 0:
+    job = env_job() or (0, 1, 0, 1)
+    rank, local = job[0], int(os.environ.get("LOCAL_RANK", job[2]))
+    if reason and rank == 0:
         log.warning("trainmesh: --device %s: %s", device, reason)
     if kind == "cpu":
         return torch.device("cpu")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
 
 
-def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0,
-                     device: str = "auto") -> torch.device:
-    """Join the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+def init_distributed(backend: str | None = None, *, timeout_s: float = TIMEOUT_S,
+                     device: str = "auto", world_size: int | None = None) -> torch.device:
+    """Join the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), which
+    is read, never written.
 
     gloo on CPU, nccl on CUDA unless ``backend`` says otherwise. Without a torchrun
-    environment it starts a world of one (a single process needs no launcher). Returns the
-    device this worker computes on.
+    environment it starts a world of one (a single process needs no launcher). ``world_size``
+    overrides the environment's (an elastic job using fewer processes than it has). Returns
+    the device this worker computes on.
     """
-    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
-        os.environ["RANK"] = os.environ["SLURM_PROCID"]
-        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        if per_node.isdigit():
-            os.environ.setdefault("LOCAL_WORLD_SIZE", per_node)
     dev = pick_device(device)
     if dist.is_initialized():
         return dev
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     timeout = timedelta(seconds=timeout_s)
     device_id = dev if dev.type == "cuda" else None
-    if "RANK" not in os.environ:   # a world of one: an in-process store, nothing listens
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1"})
+    job = env_job()
+    if job is None:   # no launcher: a world of one on an in-process store, nothing listens
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout, device_id=device_id)
         return dev
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = job[0], world_size or job[1]
     store = process_group_store(rank, world, timeout_s=timeout_s)
     if store is None:   # torchrun's agent store (env://)
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device_id)
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout, device_id=device_id)

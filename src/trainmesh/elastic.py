@@ -16,7 +16,6 @@ a multiple of pp microbatches.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,9 +67,8 @@ def fit_world(cfg: TrainConfig, world: int) -> TrainConfig:
     p = cfg.parallel
     if p.min_dp is None:
         return cfg
-    multiple = p.pp if p.schedule == "interleaved" else 1
     layout = resize(world, dp=p.dp, pp=p.pp, tp=p.tp, microbatches=p.microbatches,
-                    min_dp=p.min_dp, microbatch_multiple=multiple)
+                    min_dp=p.min_dp, microbatch_multiple=p.microbatch_multiple)
     if (layout.dp, layout.microbatches) == (p.dp, p.microbatches):
         return cfg
     parallel = dataclasses.replace(p, dp=layout.dp, microbatches=layout.microbatches)
@@ -90,16 +88,13 @@ def layout_change(saved: dict[str, Any] | None, now: dict[str, Any], *, step: in
 
 def join(cfg: TrainConfig, *, rank: int, world: int) -> tuple[TrainConfig, bool]:
     """(this worker's config at world size ``world`` (:func:`fit_world`), whether this rank
-    takes part): ranks beyond the layout's ``dp x pp x tp`` end at once. In an elastic job
-    ``WORLD_SIZE`` becomes the processes the layout uses, so the process group holds exactly
-    the mesh. Raises :class:`ResizeError`."""
+    takes part): ranks beyond the layout's ``dp x pp x tp`` end at once. The caller joins the
+    process group with ``cfg.parallel.world_size`` processes (not the launcher's
+    ``WORLD_SIZE``), so it holds exactly the mesh. Raises :class:`ResizeError`."""
     if cfg.parallel.min_dp is None:
         return cfg, True
     cfg = fit_world(cfg, world)
-    if rank >= cfg.parallel.world_size:
-        return cfg, False
-    os.environ["WORLD_SIZE"] = str(cfg.parallel.world_size)
-    return cfg, True
+    return cfg, rank < cfg.parallel.world_size
 
 
 def resize_record(cfg: TrainConfig, *, step: int, world: int) -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
 """Engine: composes the mesh, tensor/pipeline parallelism and a DP strategy into one train step.
 
-One step (DESIGN.md "One training step"): split this DP rank's batch into microbatches; run
+One step (README.md, "Architecture"): split this DP rank's batch into microbatches; run
 forward and backward (locally, or through the pipeline schedule) while the DP strategy reduces
 gradients in buckets; sum the loss and token count over the world; scale gradients to the mean
 over every token of the global batch; under sequence parallelism, sum the partial gradients of
@@ -45,7 +45,7 @@ from .step import Executor, LossFn, StepHooks
 
 
 class Engine:
-    """Trains ``model`` under ``config`` on the mesh (CONTRACT.md, "Python API")."""
+    """Trains ``model`` under ``config`` on the mesh (docs/API.md)."""
 
     def __init__(self, model: nn.Module, optimizer: OptimizerFactory, loss_fn: LossFn,
                  config: ParallelConfig | None = None, *,
@@ -268,6 +268,37 @@ class Engine:
         seen: set[int] = set()
         return {k: storage_bytes(held[k], seen) for k in ("params", "grads", "optimizer")}
 
+    @property
+    def comm_buffer_peak_bytes(self) -> int:
+        """Peak bytes of transient communication buffers (buckets, gathered ZeRO-3 units)."""
+        return self.grad_sync.comm_buffer_peak_bytes
+
+    def comm_bytes_per_step(self) -> dict[str, dict[str, float]]:
+        """Payload bytes this rank passed to each op, averaged over the steps, by mesh axis."""
+        return self.comm.ledger.bytes_per_step()
+
+    def last_step_traffic(self) -> dict[str, Any]:
+        """The communication ledger's record of the last step (axis -> op -> stats)."""
+        return self.comm.ledger.steps[-1]
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Collective: ``obj`` of every rank of the world, in rank order."""
+        return self.comm.all_gather_object(obj)
+
+    def state_is_finite(self) -> bool:
+        """Collective: whether every rank's parameters and optimizer states are all finite."""
+        held = self.grad_sync.held_tensors()
+        finite = all(bool(torch.isfinite(t).all()) for k in ("params", "optimizer") for t in held[k])
+        flag = torch.tensor([1.0 if finite else 0.0])
+        self._all_reduce_min(flag)
+        return flag.item() >= 1.0
+
+    def write_timeline(self, path: str) -> None:
+        """Collective (pipeline runs): the measured per-rank timeline of the last step, drawn
+        by rank 0 to ``path`` (.svg or .png)."""
+        from .pipeline_parallel.timeline import write_timeline
+        write_timeline(self.executor, self.comm, path)
+
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str, trainer_state: dict[str, Any] | None = None, *,
              saver: Any | None = None):
@@ -296,6 +327,15 @@ class Engine:
                                      "last_lr": self.lr_scheduler.get_last_lr()}
         state.update(model_record(self.module))      # tied aliases, a Hugging Face config
         return state
+
+    def apply_lr_schedule(self) -> None:
+        """Set each group's learning rate from the LR scheduler at its current step (after
+        :meth:`load` under a changed schedule: the next step follows this run's schedule)."""
+        sched = self.lr_scheduler
+        if sched is None:
+            return
+        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
 
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.step_count = state["step"]

@@ -181,6 +181,8 @@ def _signal_exit_code(exc: BaseException) -> int | None:
 def worker_entry(cfg: TrainConfig, launcher_pid: int) -> int:
     """What each local worker runs: die with the launcher, then train under ``cfg``."""
     die_with_parent(launcher_pid)
+    from .cli.logs import configure_worker_logging
+    configure_worker_logging()
     from .comm.check import CollectiveOrderError
     from .errors import CommTimeout, DataError
     from .trainer import NonFiniteError, worker_main

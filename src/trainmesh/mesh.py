@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .config import TIMEOUT_S
 from .errors import ConfigError
 
 AXES = ("pp", "dp", "tp")
@@ -28,7 +29,7 @@ class ParallelMesh:
     dp: int = 1
     pp: int = 1
     tp: int = 1
-    timeout_s: float = 300.0
+    timeout_s: float = TIMEOUT_S
     local: bool = False
     """A mesh of this process alone (dp=pp=tp=1), usable beside the job's mesh (references)."""
     rank: int = field(init=False)

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import logging
-import sys
-import time
 from typing import Any
 
 import torch
@@ -14,7 +12,7 @@ from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
 from .optimizers import no_decay, optimizer_factory
 from .parameter_server import PSEngine
-from .progress import Progress, print_summary
+from .progress import print_summary, timed_steps
 from .schedule_lr import warmup_cosine
 from .train_config import TrainConfig
 
@@ -25,8 +23,6 @@ def train_ps(cfg: TrainConfig, device: torch.device) -> int:
     """Ranks 0..dp-1 train, the rest serve; rank 0 writes the metrics."""
     p = cfg.parallel
     rank = dist.get_rank()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
-                        stream=sys.stdout)
     engine = PSEngine(GPT(cfg.gpt_config(), seed=cfg.seed, device=device), optimizer_factory(cfg, device),
                       lambda m, batch: m(**batch), p, param_groups=no_decay,
                       lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps,
@@ -42,16 +38,15 @@ def train_ps(cfg: TrainConfig, device: torch.device) -> int:
     log.info("trainmesh: %s params, %d trainers + %d servers, ps %s, %d steps",
              f"{gpt.num_params():,}", p.dp, p.ps_servers, p.ps_mode, cfg.steps)
     first_loss = loss = float("nan")
-    with Progress(total=last, enabled=rank == 0) as bar:
-        for step in range(1, last + 1):
-            batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), rank, p.dp)
-            t0 = time.perf_counter()
-            loss = engine.train_step({k: v.to(device) for k, v in batch.items()})
-            dt = time.perf_counter() - t0
-            first_loss = loss if step == 1 else first_loss
-            metrics.write({"event": "step", "step": step, "tokens": tokens, "step_time_s": dt,
-                           "tokens_per_s": tokens / dt if dt > 0 else 0.0, "mfu": None, **engine.last})
-            bar.update(step, loss=loss, tokens_per_s=tokens / dt if dt > 0 else 0.0)
+    def batch_of(step: int) -> dict[str, torch.Tensor]:
+        batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), rank, p.dp)
+        return {k: v.to(device) for k, v in batch.items()}
+
+    for step, loss, _, dt in timed_steps(engine.train_step, batch_of, start=1, last=last,
+                                         tokens=tokens, enabled=rank == 0):
+        first_loss = loss if step == 1 else first_loss
+        metrics.write({"event": "step", "step": step, "tokens": tokens, "step_time_s": dt,
+                       "tokens_per_s": tokens / dt if dt > 0 else 0.0, "mfu": None, **engine.last})
     summary = _summary(cfg, engine, device, setup_mem, loss)
     metrics.write(summary)
     if rank == 0:

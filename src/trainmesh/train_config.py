@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .config import ParallelConfig
+from .config import GRAD_CLIP, ParallelConfig
 from .errors import ConfigError
 from .models.gpt import PRESETS, GPTConfig
 from .validation import Flag, check_fields, flags_of, setting
@@ -51,8 +51,8 @@ class TrainConfig:
     global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
                                     "microbatches", ge=1, group="optimisation")
     optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS, group="optimisation")
-    lr: float | None = setting(None, "peak learning rate (default 3e-3 for adamw, 0.3 for sgd)", gt=0,
-                               group="optimisation")
+    lr: float | None = setting(None, "peak learning rate (default " + ", ".join(
+        f"{v:g} for {k}" for k, v in DEFAULT_LR.items()) + ")", gt=0, group="optimisation")
     warmup_steps: int = setting(20, "linear warm-up steps before cosine decay", ge=0, group="optimisation")
     steps: int = setting(200, "total optimizer steps", ge=1, group="optimisation")
     seed: int = setting(0, "seed of weights and data", ge=0, group="data")
@@ -168,12 +168,11 @@ class TrainConfig:
         return asdict(self)
 
 
-CLI_DEFAULTS = {"grad_clip": 1.0}
-"""Defaults of ``trainmesh train`` and TOML files that differ from the Python API's."""
-
 FLAGS: dict[str, Flag] = {**flags_of(ParallelConfig, group="layout"), **flags_of(TrainConfig)}
 """Every ``trainmesh train`` flag -> its config field (the flags of ``train`` and ``plan``, and
 the TOML keys)."""
+TRAIN_DEFAULTS: dict[str, Any] = {"grad_clip": GRAD_CLIP}
+"""ParallelConfig fields whose ``trainmesh train`` default differs from the Python API's."""
 PARALLEL_FIELDS = ParallelConfig.field_names()
 TRAIN_FIELDS = {f.name for f in fields(TrainConfig)} - {"parallel"}
 
@@ -208,6 +207,6 @@ def build_train_config(values: dict[str, Any]) -> TrainConfig:
     """{field: value} (from TOML and flags) -> a validated TrainConfig."""
     par = {k: v for k, v in values.items() if k in PARALLEL_FIELDS}
     rest = {k: v for k, v in values.items() if k in TRAIN_FIELDS}
-    for name, value in CLI_DEFAULTS.items():
+    for name, value in TRAIN_DEFAULTS.items():   # trainmesh train's own defaults (docs/CLI.md)
         par.setdefault(name, value)
     return TrainConfig(parallel=ParallelConfig(**par), **rest)

@@ -5,7 +5,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from .mesh import ParallelMesh
 from .metrics import MetricsWriter, memory_now, memory_peak
 from .models.gpt import GPT
 from .optimizers import no_decay, optimizer_factory
-from .progress import Progress, outputs_of, print_outputs, print_summary, run_header
+from .progress import outputs_of, print_outputs, print_summary, run_header, timed_steps
 from .resume import check_resume, elastic_job, run_record, same_job, schedule_changed
 from .savedir import SaveDirLock, remove_stale_tmp
 from .schedule_lr import warmup_cosine
@@ -79,8 +78,10 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
     cfg = _elastic_layout(cfg, rank)
     if cfg is None:
         return 0
+    elastic_world = cfg.parallel.world_size if cfg.parallel.min_dp is not None else None
     with SaveDirLock(cfg.save_dir) if lock_save_dir and cfg.save_dir and rank == 0 else nullcontext():
-        device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device)
+        device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device,
+                                  world_size=elastic_world)
         try:
             if cfg.parallel.strategy == "ps":   # a parameter-server job: trainers and servers
                 from .ps_trainer import train_ps
@@ -126,8 +127,6 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     began = time.perf_counter()
     mesh = ParallelMesh(dp=p.dp, pp=p.pp, tp=p.tp, timeout_s=p.timeout_s)
     rank0 = mesh.rank == 0
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(message)s",
-                        stream=sys.stdout)
     base_mem = memory_now(device)   # runtime's own footprint (torch, gloo), before the model
     with returning_freed_memory():
         engine = build_engine(cfg, device, mesh)
@@ -151,33 +150,31 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     nonfinite_run = 0   # non-finite steps in a row
     saver = AsyncSaver(engine.comm) if cfg.async_save else None
     timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
-    with Progress(total=last, enabled=rank0, start=start - 1) as bar:
-        for step in range(start, last + 1):
-            batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            if tracer is not None:
-                tracer.before_step(step)
-            t0 = time.perf_counter()
-            loss = engine.train_step(batch)
-            dt = time.perf_counter() - t0
-            if tracer is not None:
-                tracer.after_step(step, t0, t0 + dt)
-            first_loss = loss if step == start else first_loss
-            timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
-            tps = tokens / dt if dt > 0 else 0.0
-            row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
-                   "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
-                   "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
-                   **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
-            if elastic_run:
-                row.update(world_size=mesh.world_size, dp=p.dp)
-            bar.update(step, loss=loss, tokens_per_s=row["tokens_per_s"])
-            eval_loss = _publish(row, engine, device, metrics, board, evaluator) or eval_loss
-            nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
-            if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
-                _save(cfg, engine, step, saver, metrics)
-            if saver is not None:
-                _saves_done(cfg, engine, saver, metrics)
+
+    def batch_of(step: int) -> dict[str, torch.Tensor]:
+        batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
+        return {k: v.to(device) for k, v in batch.items()}
+
+    for step, loss, t0, dt in timed_steps(engine.train_step, batch_of, start=start, last=last,
+                                          tokens=tokens, enabled=rank0,
+                                          before_step=tracer.before_step if tracer else None):
+        if tracer is not None:
+            tracer.after_step(step, t0, t0 + dt)
+        first_loss = loss if step == start else first_loss
+        timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
+        tps = tokens / dt if dt > 0 else 0.0
+        row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
+               "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
+               "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
+               **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
+        if elastic_run:
+            row.update(world_size=mesh.world_size, dp=p.dp)
+        eval_loss = _publish(row, engine, device, metrics, board, evaluator) or eval_loss
+        nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
+        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
+            _save(cfg, engine, step, saver, metrics)
+        if saver is not None:
+            _saves_done(cfg, engine, saver, metrics)
     if saver is not None:   # the last write finishes before the run reports
         saver.wait()
         _saves_done(cfg, engine, saver, metrics)
@@ -219,7 +216,7 @@ def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics:
     """A step's record to the metrics file and TensorBoard; the held-out loss when it is due
     (collective), returned."""
     metrics.write(row)
-    board.step(row, engine.comm.ledger.steps[-1], memory_now(device))
+    board.step(row, engine.last_step_traffic(), memory_now(device))
     if evaluator is not None and evaluator.due(row["step"]):
         scored = evaluator.run(row["step"])
         metrics.write(scored)
@@ -235,8 +232,7 @@ def _draw(cfg: TrainConfig, engine: Engine, tracer: Any) -> None:
     if tracer is not None:
         tracer.write()
     if cfg.timeline_out:
-        from .pipeline_parallel.timeline import write_timeline
-        write_timeline(engine.executor, engine.comm, cfg.timeline_out)
+        engine.write_timeline(cfg.timeline_out)
 
 
 def _check_finite(cfg: TrainConfig, engine: Engine, step: int, run: int) -> int:
@@ -259,11 +255,7 @@ def _save(cfg: TrainConfig, engine: Engine, step: int, saver: AsyncSaver | None,
           metrics: MetricsWriter) -> None:
     """Checkpoint, unless some rank's weights or optimizer states are not all finite: at once,
     or (--async-save) a snapshot written in the background (its record comes when written)."""
-    held = engine.grad_sync.held_tensors()
-    finite = all(bool(torch.isfinite(t).all()) for k in ("params", "optimizer") for t in held[k])
-    flag = torch.tensor([1.0 if finite else 0.0])
-    engine.comm.all_reduce(flag, "world", op=torch.distributed.ReduceOp.MIN)
-    if flag.item() < 1.0:
+    if not engine.state_is_finite():
         raise NonFiniteError(f"step {step}: non-finite weights or optimizer states; not saved, "
                              "the newest checkpoint is from before it")
     state = {"run": run_record(cfg), "job": elastic_job()}
@@ -310,19 +302,12 @@ def _resume(cfg: TrainConfig, engine: Engine) -> int:
     notice = check_resume(cfg)  # a checkpoint of another model or optimizer: ConfigError
     changed = schedule_changed(cfg)
     state = engine.load(cfg.save_dir)
-    if changed:
-        _apply_new_schedule(engine)
+    if changed:   # the next step's LR from this run's schedule, not the checkpoint's
+        engine.apply_lr_schedule()
     log.info("trainmesh: resumed from step %d of %s", state["step"], cfg.save_dir)
     if notice:
         log.info(notice)
     return int(state["step"])
-
-
-def _apply_new_schedule(engine: Engine) -> None:
-    """After loading: the LR of the next step from this run's schedule, not the checkpoint's."""
-    sched = engine.lr_scheduler
-    for group, base, factor in zip(engine.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-        group["lr"] = base * factor(sched.last_epoch)
 
 
 def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch.device,
@@ -332,9 +317,9 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
             "setup_mem_bytes": setup_mem,
             "peak_mem_bytes": memory_peak(device), "model_state_bytes": engine.state_bytes,
             "offloaded_bytes": engine.offloaded_bytes,
-            "comm_buffer_peak_bytes": engine.grad_sync.comm_buffer_peak_bytes,
-            "comm_bytes_per_step": engine.comm.ledger.bytes_per_step()}
-    ranks = engine.comm.all_gather_object(mine)
+            "comm_buffer_peak_bytes": engine.comm_buffer_peak_bytes,
+            "comm_bytes_per_step": engine.comm_bytes_per_step()}
+    ranks = engine.gather_object(mine)
     return {"event": "summary", "world_size": mesh.world_size, "layout": cfg.parallel.layout(),
             "params": cfg.num_params(), "final_loss": final_loss,
             "steps": engine.step_count, "ranks": ranks}

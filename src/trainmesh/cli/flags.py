@@ -32,8 +32,8 @@ def _show(value: Any) -> str:
 
 def help_text(flag: Any) -> str:
     """The flag's help with its default and choices: ``... (default 1f1b; one of naive, ...)``."""
-    from ..train_config import CLI_DEFAULTS
-    default = CLI_DEFAULTS.get(flag.field, flag.default)
+    from ..train_config import TRAIN_DEFAULTS
+    default = TRAIN_DEFAULTS.get(flag.field, flag.default)
     shown = flag.kind is not bool and "default" not in flag.help
     extra = [f"default {_show(default)}"] if shown else []
     if flag.choices:

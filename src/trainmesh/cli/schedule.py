@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import ConfigError
-from ..pipeline_parallel.analysis import ScheduleSummary, summarize
+from ..pipeline_parallel.analysis import ScheduleSummary, ideal_bubble_fraction, summarize
 from ..pipeline_parallel.render import IMAGE_SUFFIXES, draw_timeline, rich_grid
 from ..pipeline_parallel.schedules import SCHEDULES, build_schedule
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def to_json(summary: ScheduleSummary) -> dict[str, Any]:
-    """The ``--json`` object of CONTRACT.md (rank keys as strings)."""
+    """The ``--json`` object (docs/PIPELINE.md) (rank keys as strings)."""
     s = summary.schedule
     return {
         "schedule": s.name,
@@ -93,7 +93,8 @@ def _print_report(summary: ScheduleSummary, out: Path | None) -> None:
     console.print(table)
     line = f"bubble fraction {summary.bubble_fraction:.4f} ({summary.bubble_fraction:.1%})"
     if s.name in ("gpipe", "1f1b"):
-        line += f"; (p-1)/(m+p-1) = {(s.pp - 1) / (s.microbatches + s.pp - 1):.4f}"
+        ideal = ideal_bubble_fraction(s.name, microbatches=s.microbatches, pp=s.pp)
+        line += f"; (p-1)/(m+p-1) = {ideal:.4f}"
     console.print(line + f"; makespan {summary.makespan:g} units")
     if out is not None:
         console.print(f"timeline written to {out}")

@@ -197,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
             from ..launch import die_with_parent
             die_with_parent(os.getppid())
         from ..trainer import worker_main
+        from .logs import configure_worker_logging
+        configure_worker_logging()
         return worker_main(cfg)
     preflight(cfg, local_ranks=cfg.parallel.world_size, launching=True)
     warn_warmup(cfg)

@@ -1,11 +1,11 @@
 """The communication ledger: calls, payload bytes and seconds per (mesh axis, op), per step.
 
-Payload bytes follow the nccl-tests convention (CONTRACT.md): all_reduce, broadcast and reduce
+Payload bytes follow the nccl-tests convention (docs/METRICS.md): all_reduce, broadcast and reduce
 count the tensor; all_gather the gathered output; reduce_scatter the unreduced input;
 scatter/gather the full buffer; all_to_all the input; send/recv the tensor.
 
 Axes are the mesh's: ``dp``, ``tp``, ``pp`` and ``world`` (the whole world, e.g. the loss and
-gradient-norm reductions). The metrics file names the world's axis ``other`` (CONTRACT.md:
+gradient-norm reductions). The metrics file names the world's axis ``other`` (docs/METRICS.md:
 groups spanning several axes): :meth:`Ledger.bytes_per_step` reports it under that name.
 
 Traffic is attributed to the open step window; traffic outside any window (set-up, e.g. an

@@ -24,7 +24,8 @@ from .schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Acti
                         ScheduleError, TimedAction, Timeline)
 
 __all__ = ["ScheduleSummary", "bubble_fraction", "bubble_fraction_per_rank", "check_complete",
-           "completeness_problems", "peak_inflight_microbatches", "simulate", "summarize"]
+           "completeness_problems", "ideal_bubble_fraction", "ideal_slots",
+           "peak_inflight_microbatches", "simulate", "summarize"]
 
 # Events an action produces, keyed (event, stage, microbatch):
 # "F" activation ready, "G" input gradient ready, "W" weight gradient done.
@@ -161,6 +162,31 @@ def bubble_fraction(timeline: Timeline) -> float:
         return 0.0
     total = timeline.pp * span
     return (total - sum(timeline.busy(r) for r in range(timeline.pp))) / total
+
+
+def ideal_slots(schedule: str, *, microbatches: int, pp: int, virtual_stages: int = 1) -> float:
+    """Step length in microbatch-stage slots by the textbook formula (``m`` with no pipeline).
+
+    GPipe and 1F1B take ``m + p - 1`` (bubble fraction ``(p-1)/(m+p-1)``, what
+    :func:`simulate` gives them exactly with backward = 2 forwards); interleaving over ``v``
+    chunks divides the bubble by ``v``; ZB-H1 is taken as a third of 1F1B's bubble; the naive
+    schedule runs ``m*p`` slots. The planner's step-time model uses this formula.
+    """
+    m, p, v = microbatches, pp, virtual_stages
+    if p == 1:
+        return float(m)
+    if schedule == "naive":
+        return float(m * p)
+    if schedule == "zb1p":
+        return m + (p - 1) / 3
+    return m + (p - 1) / v
+
+
+def ideal_bubble_fraction(schedule: str, *, microbatches: int, pp: int,
+                          virtual_stages: int = 1) -> float:
+    """The idle share of a step by :func:`ideal_slots`: ``(slots - m) / slots``."""
+    slots = ideal_slots(schedule, microbatches=microbatches, pp=pp, virtual_stages=virtual_stages)
+    return (slots - microbatches) / slots
 
 
 def peak_inflight_microbatches(source: Schedule | Timeline) -> list[int]:

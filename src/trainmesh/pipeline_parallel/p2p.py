@@ -18,7 +18,7 @@ keeping one receive posted ahead per channel (prefetch), so data lands while the
 Shapes: the first step with a new batch shape sends a small int64 header before the first
 activation into each stage (the gradients' shapes are those of the activations). Later steps
 reuse the learned shapes and send the payload only, so per-step traffic is exactly the
-activations and gradients (CONTRACT.md, ``comm_bytes_per_step``).
+activations and gradients (docs/METRICS.md, ``comm_bytes_per_step``).
 """
 from __future__ import annotations
 

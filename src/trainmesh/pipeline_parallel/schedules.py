@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..config import SCHEDULES, check_pipeline
 from ..errors import ConfigError
 
 FORWARD = "F"
@@ -36,8 +37,7 @@ BACKWARD_WEIGHT = "W"
 """Weight-gradient half of a split backward (zero-bubble): needs this stage's ``I`` first."""
 KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p")
-"""Names accepted by :func:`build_schedule`."""
+# SCHEDULES (imported above) is declared with the layout rules in trainmesh.config.
 ALIASES = {"zero-bubble": "zb1p", "zbh1": "zb1p", "zb-h1": "zb1p"}
 
 
@@ -231,18 +231,11 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 
 def _check_args(name: str, pp: int, microbatches: int, virtual_stages: int) -> None:
-    if name not in SCHEDULES:
-        raise ConfigError("schedule", f"must be one of {', '.join(SCHEDULES)}; got {name!r}")
-    for fld, value in (("pp", pp), ("microbatches", microbatches),
-                       ("virtual-stages", virtual_stages)):
+    for fld, value in (("--pp", pp), ("--microbatches", microbatches),
+                       ("--virtual-stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(fld, f"must be a positive integer; got {value!r}")
-    if virtual_stages > 1 and name != "interleaved":
-        raise ConfigError("virtual-stages",
-                          f"> 1 needs --schedule interleaved; got {virtual_stages} with {name}")
-    if name == "interleaved" and microbatches % pp:
-        raise ConfigError("microbatches", f"with --schedule interleaved must be a multiple of "
-                                          f"pp ({pp}); got {microbatches}")
+    check_pipeline(name, pp=pp, microbatches=microbatches, virtual_stages=virtual_stages)
 
 
 def _naive_rank(rank: int, pp: int, m: int, v: int) -> list[Action]:

@@ -3,7 +3,7 @@
 Layouts considered (``trainmesh plan``):
 
 * ``dp * pp * tp = gpus``; ``tp`` divides the node size, so a TP group never leaves a node
-  (ranks are laid out with tp fastest, DESIGN.md), and divides ``heads`` and ``hidden`` when
+  (ranks are laid out with tp fastest, :mod:`trainmesh.mesh`), and divides ``heads`` and ``hidden`` when
   given; ``pp <= layers``.
 * ZeRO 0-3 with ``pp = 1``; ZeRO 0-1 with a pipeline (ZeRO-2/3 reduce or gather again for every
   microbatch, which a pipeline's many microbatches make costly: Megatron and DeepSpeed pair PP
@@ -61,7 +61,7 @@ class Plan:
     global_batch: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        """The ``trainmesh plan --json`` object of CONTRACT.md."""
+        """The ``trainmesh plan --json`` object (docs/PLANNER.md)."""
         return {"candidates": [c.to_json() for c in self.candidates],
                 "recommended": self.recommended.to_json(), "why": self.why}
 

@@ -53,7 +53,7 @@ class Candidate:
         return total_payload(self.traffic)
 
     def to_json(self) -> dict[str, Any]:
-        """One entry of ``candidates`` in ``trainmesh plan --json`` (CONTRACT.md)."""
+        """One entry of ``candidates`` in ``trainmesh plan --json`` (docs/PLANNER.md)."""
         return {"layout": self.layout.layout(), "memory_per_gpu_bytes": self.memory.to_json(),
                 "comm_bytes_per_step": int(round(self.comm_bytes_per_step)), "fits": self.fits,
                 "est_step_time_s": round(self.time.total, 6)}

@@ -11,7 +11,7 @@ Checked before any worker starts (``--force`` skips it), from the config alone: 
 * GPU memory: on CUDA each rank's predicted peak must fit its GPU (the smallest local one).
 * Processes: a local launch may start at most :data:`PROCS_PER_CORE` processes per CPU core
   (gloo workers past that spend their time switching, and collectives time out). On CUDA each
-  local rank needs its own GPU; the CLI refuses fewer (CONTRACT.md's ``--device`` rule).
+  local rank needs its own GPU; the CLI refuses fewer (the ``--device`` rule, docs/CLI.md).
 """
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ class MemoryBreakdown:
         return self.model_states + self.activations + self.overhead
 
     def to_json(self) -> dict[str, int]:
-        """``memory_per_gpu_bytes`` of CONTRACT.md (plus ``overhead``, part of ``total``)."""
+        """``memory_per_gpu_bytes`` of ``trainmesh plan --json`` (docs/PLANNER.md; plus ``overhead``, part of ``total``)."""
         parts = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                  "activations": self.activations, "overhead": self.overhead, "total": self.total}
         return {k: int(round(v)) for k, v in parts.items()}

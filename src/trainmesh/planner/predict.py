@@ -1,7 +1,7 @@
 """Predict what ``trainmesh train --metrics-out`` measures for one layout of the built-in GPT.
 
 For every rank: ``model_state_bytes`` (the ZeRO accounting of :mod:`.memory` on the rank's own
-parameters, :mod:`.builtin`), ``comm_bytes_per_step`` (:mod:`.traffic`, CONTRACT.md's keys and
+parameters, :mod:`.builtin`), ``comm_bytes_per_step`` (:mod:`.traffic`, docs/METRICS.md's keys and
 payload convention) and ``peak_mem_bytes``. The first two are exact up to ZeRO shard padding and
 a few bytes of scalars; compare them within 1%. The peak is a model of process RSS on CPU::
 
@@ -90,7 +90,7 @@ class RunPrediction:
 
 
 def _coords(rank: int, layout: ParallelConfig) -> dict[str, int]:
-    """Mesh coordinates of a world rank: a (pp, dp, tp) grid, tp fastest (DESIGN.md)."""
+    """Mesh coordinates of a world rank: a (pp, dp, tp) grid, tp fastest (:mod:`trainmesh.mesh`)."""
     tp, dp = layout.tp, layout.dp
     return {"dp": (rank // tp) % dp, "pp": rank // (tp * dp), "tp": rank % tp}
 

@@ -6,9 +6,9 @@ Full recompute adds one more forward (``2*Psi + 4*L*h*s``), selective recompute 
 forward (``4*L*h*s``). One GPU does ``1/(pp*tp)`` of a microbatch's work at
 ``Cluster.flops_per_s`` (default 40% of peak).
 
-**Pipeline.** A step takes ``m + (p-1)/v`` microbatch slots (GPipe and 1F1B have bubble
-fraction ``(p-1)/(m+p-1)``; interleaving over v chunks divides the bubble by v; ZB-H1 is
-taken as a third of 1F1B's bubble; the naive schedule runs ``m*p`` slots). Every slot pays the
+**Pipeline.** A step takes the schedule's ideal microbatch slots
+(:func:`trainmesh.pipeline_parallel.analysis.ideal_slots`: ``m + (p-1)/v`` for 1F1B,
+interleaved and GPipe). Every slot pays the
 stage's compute, its TP collectives and its PP sends: TP and PP communication are on the critical
 path (not overlapped).
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..pipeline_parallel.analysis import ideal_slots as pipeline_slots
 from .cluster import Cluster
 
 BACKWARD_SHARE = 2 / 3
@@ -67,18 +68,6 @@ def flops_per_token(params: float, *, layers: int | None, hidden: int | None, se
     elif recompute == "selective":
         flops += attention_fwd
     return float(flops)
-
-
-def pipeline_slots(schedule: str, *, microbatches: int, pp: int, virtual_stages: int = 1) -> float:
-    """Step length in microbatch-stage slots (``m`` when there is no pipeline)."""
-    m, p, v = microbatches, pp, virtual_stages
-    if p == 1:
-        return float(m)
-    if schedule == "naive":
-        return float(m * p)
-    if schedule == "zb1p":
-        return m + (p - 1) / 3
-    return m + (p - 1) / v
 
 
 def dp_exposed(dp_s: dict[str, float], *, zero: int, microbatches: int, mb_compute_s: float) -> float:

@@ -1,6 +1,6 @@
 """Communication per step, per mesh axis and op: payload bytes and bytes on the wire.
 
-**Payload** follows CONTRACT.md's ``comm_bytes_per_step`` (the nccl-tests convention): all_reduce
+**Payload** follows docs/METRICS.md's ``comm_bytes_per_step`` (the nccl-tests convention): all_reduce
 counts the tensor, all_gather the gathered output, reduce_scatter the unreduced input, send/recv
 the tensor. With Psi parameters on the rank's DP group, g bytes per reduced gradient value and
 q bytes per gathered parameter value (both the compute dtype by default), m microbatches:

@@ -2,7 +2,7 @@
 
 Each op is a small :class:`torch.autograd.Function` whose forward is one collective (or none)
 and whose backward is its dual; every byte goes through :class:`~trainmesh.comm.Comm` under the
-given mesh axis, so the ledger books it (CONTRACT.md, ``comm_bytes_per_step``). ``n`` below is
+given mesh axis, so the ledger books it (docs/METRICS.md, ``comm_bytes_per_step``). ``n`` below is
 the size of the group along ``axis``; on a group of one every op is the identity::
 
     copy_to_region (f)              fwd identity                    bwd all-reduce

@@ -1,0 +1,78 @@
+"""Fixtures shared by the test modules.
+
+* :func:`no_launch` — validation only: ``trainmesh train`` in process with the launcher and the
+  worker replaced by stubs (a run that gets past validation returns :data:`LAUNCHED`).
+* :func:`refused` — ``trainmesh ARGV`` in process exits 2 with one line naming a flag.
+* :func:`reference_run` — one-process reference runs of ``trainmesh train``, computed once per
+  test session and shared by every module that compares a layout with them (keyed by their
+  arguments).
+* :func:`metrics_path` — a fresh metrics file path under the test's tmp dir.
+
+Tests that start processes or take more than a few seconds carry ``@pytest.mark.slow``; the
+fast tier is ``pytest -m "not slow"``.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from helpers import LAUNCHED, assert_refused
+
+WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID")
+
+
+@pytest.fixture
+def no_launch(monkeypatch) -> list:
+    """Validation only: no worker ever starts and the process is a launcher, not a worker.
+    Returns the list of configs the stubs were handed (empty while nothing got past validation)."""
+    import trainmesh.launch
+    import trainmesh.trainer
+    started: list = []
+
+    def launch(cfg, *args, **kwargs):
+        started.append(cfg)
+        return LAUNCHED
+
+    def worker(cfg, *args, **kwargs):
+        started.append(cfg)
+        return LAUNCHED
+
+    monkeypatch.setattr(trainmesh.launch, "launch_local", launch)
+    monkeypatch.setattr(trainmesh.trainer, "worker_main", worker)
+    for var in WORKER_ENV:
+        monkeypatch.delenv(var, raising=False)
+    return started
+
+
+@pytest.fixture
+def refused(capsys) -> Callable[[list[str], str], str]:
+    """``refused(argv, flag)``: ``trainmesh ARGV`` (in process) exits 2 with exactly one line on
+    stderr naming ``flag``, without a traceback; returns that line."""
+    return lambda argv, flag: assert_refused(capsys, argv, flag)
+
+
+@pytest.fixture
+def metrics_path(tmp_path: Path) -> Path:
+    """Where a run writes its ``--metrics-out`` file."""
+    return tmp_path / "metrics.jsonl"
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory) -> Callable[..., list[dict]]:
+    """``reference_run(args)``: the metrics records of ``trainmesh train ARGS`` (a one-process
+    reference, by default), run once per session for each distinct argument list."""
+    from helpers import run_train
+    cache: dict[tuple[str, ...], list[dict]] = {}
+
+    def get(args: list[str], *, timeout: float = 180) -> list[dict]:
+        key = tuple(args)
+        if key not in cache:
+            proc, records = run_train(list(args), tmp_path_factory.mktemp("reference"),
+                                      timeout=timeout)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            cache[key] = records
+        return copy.deepcopy(cache[key])   # a test may edit its records
+    return get

@@ -1,0 +1,92 @@
+"""Every layout rule has one home (``trainmesh.config`` / ``trainmesh.train_config``) and is
+checked before any worker starts: ``trainmesh train`` exits 2 with one line naming the flag,
+``trainmesh plan`` refuses the same layout, and ``ParallelConfig`` (the Python API) raises
+:class:`~trainmesh.errors.ConfigError` naming the same flag. All in process: no worker starts.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers import SMALL
+from trainmesh.config import ParallelConfig, check_pipeline
+from trainmesh.errors import ConfigError
+
+T = [a for a in SMALL if a not in ("--steps", "20")]   # the tiny model, 2 layers, global batch 8
+FOUR = ["--layers", "4"]
+
+# (flags, the flag the error names, the same layout as ParallelConfig fields or None)
+LAYOUTS = [
+    (["--pp", "2", "--schedule", "zigzag"], "--schedule", dict(pp=2, schedule="zigzag")),
+    (["--pp", "2", "--virtual-stages", "2"], "--virtual-stages", dict(pp=2, virtual_stages=2)),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "1",
+      *FOUR], "--microbatches", dict(pp=2, schedule="interleaved", virtual_stages=2, microbatches=1)),
+    (["--pp", "2", "--schedule", "interleaved", "--microbatches", "3", "--global-batch", "6", *FOUR],
+     "--microbatches", dict(pp=2, schedule="interleaved", microbatches=3)),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2"],
+     "--pp", None),   # pp x virtual-stages = 4 chunks of a 2-layer model
+    (["--pp", "3"], "--pp", None),
+    (["--virtual-stages", "0"], "--virtual-stages", dict(virtual_stages=0)),
+    (["--dp", "3"], "--global-batch", None),
+    (["--dp", "2", "--microbatches", "3"], "--global-batch", None),
+    (["--tp", "3"], "--tp", None),
+    (["--sequence-parallel"], "--sequence-parallel", dict(sequence_parallel=True)),
+    (["--reduce-dtype", "bf16"], "--reduce-dtype", dict(reduce_dtype="bf16")),
+    (["--dp", "2", "--min-dp", "3"], "--min-dp", dict(dp=2, min_dp=3)),
+    (["--offload", "cpu"], "--offload", dict(offload="cpu")),
+    (["--dp", "2", "--zero", "2", "--offload-params", "--offload", "cpu"], "--offload-params",
+     dict(dp=2, zero=2, offload="cpu", offload_params=True)),
+    (["--offload-dir", "/tmp/x"], "--offload-dir", dict(offload_dir="/tmp/x")),
+    (["--dp", "2", "--zero", "3", "--zero3-reshard", "microbatch"], "--zero3-reshard",
+     dict(dp=2, zero=3, zero3_reshard="microbatch")),
+    (["--dp", "2", "--zero", "1", "--allreduce", "ring"], "--allreduce",
+     dict(dp=2, zero=1, allreduce="ring")),
+    (["--ps-servers", "2"], "--ps-servers", dict(ps_servers=2)),
+    (["--strategy", "ps", "--dp", "2", "--tp", "2"], "--tp", dict(strategy="ps", dp=2, tp=2)),
+    (["--timeline-out", "t.svg"], "--timeline-out", None),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, flag, fields", LAYOUTS, ids=[" ".join(x[0]) for x in LAYOUTS])
+def test_invalid_layout_exits_2_before_any_worker(no_launch, refused, flags, flag, fields):
+    refused(["train", *T, *flags], flag)
+    refused(["plan", "--model", "tiny", *T, *flags], flag)
+    assert no_launch == [], "a worker was started for an invalid layout"
+    if fields is not None:
+        with pytest.raises(ConfigError) as exc:
+            ParallelConfig(**fields)
+        assert exc.value.field == flag
+
+
+@pytest.mark.timeout(60)
+def test_bad_virtual_stages_from_a_toml_file(no_launch, refused, tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[parallel]\npp = 2\nschedule = "interleaved"\nvirtual-stages = 2\nmicrobatches = 3\n'
+                    "global-batch = 6\nlayers = 4\n")
+    line = refused(["train", *T, "--config", str(path)], "--microbatches")
+    assert "multiple of --pp (2)" in line
+    assert no_launch == []
+
+
+@pytest.mark.timeout(60)
+def test_valid_layouts_get_past_validation(no_launch):
+    from helpers import LAUNCHED
+    from trainmesh.cli import main
+    assert main(["train", *T, "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                 "--microbatches", "2", *FOUR]) == LAUNCHED
+    assert len(no_launch) == 1 and no_launch[0].parallel.virtual_stages == 2
+    assert no_launch[0].parallel.grad_clip == 1.0      # trainmesh train's default clip
+    assert ParallelConfig().grad_clip == 0.0           # the Python API's: no clipping
+
+
+@pytest.mark.timeout(30)
+def test_the_schedule_builder_applies_the_same_rule():
+    from trainmesh.pipeline_parallel.schedules import SCHEDULES, build_schedule
+    import trainmesh.config as config
+    assert SCHEDULES is config.SCHEDULES
+    for args in [("interleaved", 2, 3, 2), ("1f1b", 2, 4, 2)]:
+        with pytest.raises(ConfigError) as built:
+            build_schedule(*args)
+        with pytest.raises(ConfigError) as checked:
+            check_pipeline(args[0], pp=args[1], microbatches=args[2], virtual_stages=args[3])
+        assert str(built.value) == str(checked.value)
