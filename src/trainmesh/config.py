@@ -73,9 +73,9 @@ class ParallelConfig:
                                           "too, gathered to the device per unit", group="precision & memory")
     bucket_mb: float = setting(25.0, "gradient bucket size in MiB (DDP all-reduce, ZeRO "
                                      "reduce-scatter)", gt=0, group="precision & memory")
-    grad_clip: float = setting(0.0, f"global gradient-norm clip, 0 = off (the norm is still "
-                                    f"measured); default {GRAD_CLIP} for trainmesh train, 0 in "
-                                    f"the Python API", ge=0, group="optimisation")
+    grad_clip: float = setting(0.0, "global gradient-norm clip, 0 = off (the norm is still "
+                                    f"measured); {GRAD_CLIP:g} for trainmesh train, 0 in the "
+                                    "Python API", ge=0, group="optimisation")
     timeout_s: float = setting(TIMEOUT_S, "every collective's timeout in seconds", flag="--timeout",
                                gt=0, le=MAX_TIMEOUT_S, group="launch")
     compile: bool = setting(False, "torch.compile each transformer block / pipeline layer "

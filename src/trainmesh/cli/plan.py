@@ -266,7 +266,7 @@ def _print_offload(result: Any, model: Any, cluster: Any, out: Console) -> None:
     rec = result.recommended
     if rec.layout.offload != "none":
         return
-    base = replace(rec.layout, zero=max(rec.layout.zero, 1))
+    base = replace(rec.layout, zero=max(rec.layout.zero, 1), sequence_parallel=False)  # SP: not with offload
     parts = []
     for kind in ("cpu", "nvme"):
         c = evaluate(replace(base, offload=kind, offload_params=base.zero == 3), model, cluster)
