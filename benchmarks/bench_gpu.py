@@ -19,10 +19,10 @@ from collections.abc import Callable
 import torch
 
 from trainmesh import Engine, ParallelConfig
-from trainmesh.distributed import init_distributed, shutdown
-from trainmesh.flops import device_peak_tflops, mfu
+from trainmesh.core.distributed import init_distributed, shutdown
+from trainmesh.observe.flops import device_peak_tflops, mfu
 from trainmesh.models.gpt import GPT, GPTConfig
-from trainmesh.trainer import no_decay
+from trainmesh.run.trainer import no_decay
 
 
 def plain_step(model: GPT, dtype: torch.dtype) -> Callable[[dict], float]:

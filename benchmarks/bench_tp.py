@@ -33,7 +33,7 @@ STRATEGIES = ("dtensor", "trainmesh", "trainmesh-layers")
 
 
 def _batches(a: dict) -> list[dict]:
-    from trainmesh.data import SyntheticCorpus
+    from trainmesh.data.corpus import SyntheticCorpus
     corpus = SyntheticCorpus(a["vocab_size"], a["seq_len"])
     return [corpus.batch(a["seed"], k, a["batch"]) for k in range(a["warmup"] + a["steps"])]
 
@@ -87,7 +87,7 @@ def _trainmesh_step(a: dict, world: int):
 
 def _layers_step(a: dict, world: int):
     from trainmesh.comm import Comm
-    from trainmesh.mesh import ParallelMesh
+    from trainmesh.core.mesh import ParallelMesh
     from trainmesh.tensor_parallel import parallelize
     mesh = ParallelMesh(tp=world)
     model = parallelize(_gpt(a), mesh, Comm(mesh))

@@ -41,7 +41,7 @@ def _engine(args, schedule: str):
 
 def bench_worker(args) -> dict:
     import torch.distributed as dist
-    from trainmesh.data import SyntheticCorpus
+    from trainmesh.data.corpus import SyntheticCorpus
     from trainmesh.pipeline_parallel.analysis import bubble_fraction
     from trainmesh.pipeline_parallel.timeline import gather_timeline
 

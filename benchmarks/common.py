@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from trainmesh.data import SyntheticCorpus
+from trainmesh.data.corpus import SyntheticCorpus
 from trainmesh.models.gpt import GPTConfig
 
 # The model of ../shared/bench/native_baseline.py's table: a small GPT, 2048 tokens per step.

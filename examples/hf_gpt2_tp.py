@@ -12,7 +12,7 @@ import torch.distributed as dist
 import transformers
 
 import trainmesh as tm
-from trainmesh.data import SyntheticCorpus
+from trainmesh.data.corpus import SyntheticCorpus
 
 
 def main() -> None:

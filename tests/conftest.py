@@ -28,8 +28,8 @@ WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PRO
 def no_launch(monkeypatch) -> list:
     """Validation only: no worker ever starts and the process is a launcher, not a worker.
     Returns the list of configs the stubs were handed (empty while nothing got past validation)."""
-    import trainmesh.launch
-    import trainmesh.trainer
+    import trainmesh.run.launch
+    import trainmesh.run.trainer
     started: list = []
 
     def launch(cfg, *args, **kwargs):
@@ -40,8 +40,8 @@ def no_launch(monkeypatch) -> list:
         started.append(cfg)
         return LAUNCHED
 
-    monkeypatch.setattr(trainmesh.launch, "launch_local", launch)
-    monkeypatch.setattr(trainmesh.trainer, "worker_main", worker)
+    monkeypatch.setattr(trainmesh.run.launch, "launch_local", launch)
+    monkeypatch.setattr(trainmesh.run.trainer, "worker_main", worker)
     for var in WORKER_ENV:
         monkeypatch.delenv(var, raising=False)
     return started

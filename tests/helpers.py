@@ -69,7 +69,7 @@ def check_prediction(args: list[str], measured: dict) -> None:
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import collect
     from trainmesh.planner.predict import compare, predict_run
-    from trainmesh.train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     cfg = build_train_config(collect(build_parser().parse_args(["train", *args]), True))
     problems = compare(predict_run(cfg), measured)
     assert not problems, problems

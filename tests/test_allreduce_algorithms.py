@@ -13,7 +13,7 @@ from helpers import SMALL, assert_equivalent, run_train, summary
 from trainmesh.cli import main
 from trainmesh.comm import Comm
 from trainmesh.comm.algorithms import all_reduce, theory_sent_bytes
-from trainmesh.mesh import ParallelMesh
+from trainmesh.core.mesh import ParallelMesh
 from trainmesh.testing import run_distributed
 
 NUMELS = (1, 7, 1001, 4099)     # below N, odd, and not divisible by 2, 3 or 4

@@ -26,9 +26,9 @@ import torch
 
 from helpers import run_train, steps
 from tolerances import LOSS_ABS
-from trainmesh.checkpoint import _Reader, latest
+from trainmesh.checkpoint.sharded import _Reader, latest
 from trainmesh.cli import main
-from trainmesh.savedir import remove_stale_tmp
+from trainmesh.checkpoint.savedir import remove_stale_tmp
 
 pytestmark = pytest.mark.slow
 
@@ -85,9 +85,9 @@ KILLED_MID_WRITE = textwrap.dedent("""
     import sys, threading, time, torch
     from pathlib import Path
     from safetensors.torch import save_file
-    from trainmesh import async_save
-    from trainmesh.distributed import init_distributed
-    from trainmesh.engine import Engine
+    from trainmesh.checkpoint import async_save
+    from trainmesh.core.distributed import init_distributed
+    from trainmesh.engine.engine import Engine
     init_distributed(timeout_s=60, device="cpu")
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
     engine = Engine(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),

@@ -9,8 +9,8 @@ from torch import nn
 
 from tolerances import SAME_KERNELS_ABS
 from trainmesh import Engine, ParallelConfig, ParallelMesh
-from trainmesh.data import split_microbatches
-from trainmesh.errors import ConfigError
+from trainmesh.data.corpus import split_microbatches
+from trainmesh.core.errors import ConfigError
 
 
 def test_split_keeps_the_kind_and_splits_rows():

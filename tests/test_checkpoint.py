@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_LOSS_ABS
 from helpers import SMALL, assert_equivalent, check_prediction, one_process, run_train, steps, summary
-from trainmesh.checkpoint import CheckpointError, _Reader, consolidate, latest
+from trainmesh.checkpoint.sharded import CheckpointError, _Reader, consolidate, latest
 from trainmesh.cli import main
 
 
@@ -72,7 +72,7 @@ def test_resume_under_another_layout(reference, chain, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_consolidated_weights_give_the_sharded_loss(reference, saved, tmp_path):
-    from trainmesh.data import SyntheticCorpus
+    from trainmesh.data.corpus import SyntheticCorpus
     from trainmesh.models.gpt import GPT, GPTConfig
     out = tmp_path / "full.safetensors"
     assert main(["checkpoint", "consolidate", str(saved), str(out)]) == 0
@@ -110,7 +110,7 @@ def _save_dies_midway(root: str) -> None:
     import torch.distributed as dist
 
     from trainmesh import Engine, ParallelConfig
-    from trainmesh.data import SyntheticCorpus, dp_slice
+    from trainmesh.data.corpus import SyntheticCorpus, dp_slice
     from trainmesh.models.gpt import GPT, GPTConfig
     engine = Engine(GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)),
                     lambda ps: torch.optim.AdamW(ps, lr=1e-3), lambda m, b: m(**b), ParallelConfig(dp=2))

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from helpers import SMALL, steps
 from tolerances import LOSS_ABS, MOMENT_REL
-from trainmesh.checkpoint import MANIFEST
+from trainmesh.checkpoint.sharded import MANIFEST
 
 LAST = 8
 # Each stage resumes the one before from the same --save-dir, runs two steps, saves each step.

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import SMALL, steps
 from tolerances import LOSS_ABS
-from trainmesh.checkpoint import MANIFEST, newest_intact
+from trainmesh.checkpoint.sharded import MANIFEST, newest_intact
 from trainmesh.cli import main
 
 LAUNCHED = 99
@@ -49,8 +49,8 @@ def run(tmp_path_factory):
 @pytest.fixture
 def no_launch(monkeypatch):
     """Validation only: no worker ever starts; the process is a launcher, not a worker."""
-    import trainmesh.launch
-    monkeypatch.setattr(trainmesh.launch, "launch_local", lambda *a, **k: LAUNCHED)
+    import trainmesh.run.launch
+    monkeypatch.setattr(trainmesh.run.launch, "launch_local", lambda *a, **k: LAUNCHED)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
 

@@ -12,7 +12,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "CLI.md"
 @pytest.mark.timeout(60)
 def test_cli_reference_is_regenerated_from_the_parsers():
     from trainmesh.cli.docs import render
-    from trainmesh.train_config import FLAGS
+    from trainmesh.config.train import FLAGS
     text = render()
     assert DOC.read_text() == text, ("docs/CLI.md is out of date; regenerate it with "
                                      "`python -m trainmesh.cli.docs > docs/CLI.md`")
@@ -25,7 +25,7 @@ def test_cli_reference_is_regenerated_from_the_parsers():
 def test_the_comparison_sees_a_changed_flag(monkeypatch):
     """A flag's help changed in the parsers but not in the file: the comparison notices."""
     from trainmesh.cli import docs
-    from trainmesh.train_config import FLAGS
+    from trainmesh.config.train import FLAGS
     flag = FLAGS["--dp"]
     monkeypatch.setitem(FLAGS, "--dp", type(flag)(flag.field, flag.kind, flag.help + " (changed)"))
     assert DOC.read_text() != docs.render()

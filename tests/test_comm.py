@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.comm import Comm
-from trainmesh.mesh import ParallelMesh
+from trainmesh.core.mesh import ParallelMesh
 from trainmesh.testing import run_distributed
 
 
@@ -128,7 +128,7 @@ def test_mesh_groups_and_coordinates():
 
 
 def test_mesh_rejects_bad_degrees():
-    from trainmesh.errors import ConfigError
+    from trainmesh.core.errors import ConfigError
     with pytest.raises(ConfigError, match="dp"):
         ParallelMesh(dp=0)
     with pytest.raises(ConfigError, match="world size 1"):

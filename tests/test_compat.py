@@ -1,4 +1,4 @@
-"""Each private torch API trainmesh uses (trainmesh.compat) still does what trainmesh needs.
+"""Each private torch API trainmesh uses (trainmesh.core.compat) still does what trainmesh needs.
 
 A torch upgrade that renames or changes one of them fails here, naming it, instead of deep
 inside a ZeRO-3 backward or a checkpoint restore. No processes: one in-process group of one.
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainmesh import compat
+from trainmesh.core import compat
 
 
 def _during_backward(fn) -> list:
@@ -25,7 +25,7 @@ def _during_backward(fn) -> list:
 @pytest.mark.timeout(30)
 def test_in_backward_tells_backward_from_forward():
     assert hasattr(torch._C, "_current_graph_task_id"), \
-        "torch._C._current_graph_task_id is gone: update trainmesh.compat.in_backward"
+        "torch._C._current_graph_task_id is gone: update trainmesh.core.compat.in_backward"
     assert compat.in_backward() is False
     assert _during_backward(compat.in_backward) == [True]
     assert compat.in_backward() is False

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tolerances import LOSS_ABS, NORM_REL
 from trainmesh import Engine, ParallelConfig, ParallelMesh
-from trainmesh.data import SyntheticCorpus, dp_slice
+from trainmesh.data.corpus import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig
 from trainmesh.testing import run_distributed
 

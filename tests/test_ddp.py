@@ -10,7 +10,7 @@ from torch import nn
 
 from tolerances import FP32_EPS, LOSS_ABS, NORM_REL, fp32_atol, scale_of
 from trainmesh import Engine, ParallelConfig, ParallelMesh
-from trainmesh.data import SyntheticCorpus, dp_slice
+from trainmesh.data.corpus import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig
 from trainmesh.testing import run_distributed
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from trainmesh.cli import main
-from trainmesh.distributed import choose_device, init_distributed, pick_device
-from trainmesh.errors import ConfigError
+from trainmesh.core.distributed import choose_device, init_distributed, pick_device
+from trainmesh.core.errors import ConfigError
 
 
 @pytest.mark.parametrize("device, ranks, gpus, want", [
@@ -80,7 +80,7 @@ def test_cli_cuda_with_too_few_gpus_exits_2_before_workers(monkeypatch, capsys):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     launched = []
-    monkeypatch.setattr("trainmesh.launch.launch_local", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr("trainmesh.run.launch.launch_local", lambda *a, **k: launched.append(a) or 0)
     assert main(["train", "--device", "cuda", "--dp", "2", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--device" in err[0] and "2 local ranks" in err[0] and "1 GPU" in err[0], err

@@ -8,7 +8,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from trainmesh.comm import Comm
 from trainmesh.comm.diagnose import verdict
-from trainmesh.mesh import ParallelMesh
+from trainmesh.core.mesh import ParallelMesh
 from trainmesh.testing import run_distributed
 
 

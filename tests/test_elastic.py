@@ -16,8 +16,8 @@ import pytest
 from elastic_run import ARGS, STEPS, last_per_step, run_trial
 from helpers import SMALL, run_train, steps
 from tolerances import LOSS_ABS, NORM_REL
-from trainmesh.elastic import Layout, ResizeError, fit_world, layout_change, resize
-from trainmesh.train_config import build_train_config
+from trainmesh.run.elastic import Layout, ResizeError, fit_world, layout_change, resize
+from trainmesh.config.train import build_train_config
 
 
 # ---------------------------------------------------------------- the pure function
@@ -71,7 +71,7 @@ def test_join_leaves_out_the_ranks_beyond_the_layout(monkeypatch):
     """3 processes for a dp 4 job: dp 2 x 2 microbatches on ranks 0-1, whose process group
     holds 2 (the fitted world size, passed to init_distributed), and rank 2 ends at once. The
     environment is left alone (no hidden global state)."""
-    from trainmesh.elastic import join
+    from trainmesh.run.elastic import join
     cfg = build_train_config({"dp": 4, "min_dp": 1, "global_batch": 8})
     monkeypatch.setenv("WORLD_SIZE", "3")
     fitted, takes_part = join(cfg, rank=2, world=3)

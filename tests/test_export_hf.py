@@ -34,7 +34,7 @@ def _ids() -> torch.Tensor:
 def test_builtin_gpt_exports_as_gpt2_and_others_are_refused(tmp_path):
     import trainmesh as tm
     from trainmesh import ConfigError, ParallelMesh
-    from trainmesh.export_hf import export_hf
+    from trainmesh.checkpoint.export_hf import export_hf
     from trainmesh.models.gpt import GPT, GPTConfig
     gcfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layers=2, n_heads=4)
     engine = tm.Engine(GPT(gcfg, seed=0), lambda ps: torch.optim.SGD(ps, lr=0.5),

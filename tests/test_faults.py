@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainmesh.precision import Precision
-from trainmesh.config import ParallelConfig
+from trainmesh.engine.precision import Precision
+from trainmesh.config.parallel import ParallelConfig
 
 from helpers import worker_pids
 
@@ -176,7 +176,7 @@ def _records(path: Path) -> list[dict]:
 
 def _diverge_and_stop(tmp: Path) -> None:
     """--lr 1e6: exit 1 naming the step and value; the newest checkpoint is the last finite one."""
-    from trainmesh.checkpoint import _Reader, latest
+    from trainmesh.checkpoint.sharded import _Reader, latest
     ck = tmp / "ck"
     proc = start(["--steps", "40", "--lr", "1e6", "--save-dir", str(ck), "--save-every", "1"], tmp / "nan.jsonl")
     err = finish(proc, 120)
@@ -201,7 +201,7 @@ def _fp16_skip_is_bounded(tmp: Path) -> None:
                  tmp / "fp16.jsonl")
     err = finish(proc, 120)
     assert proc.returncode == 1, err[-3000:]
-    from trainmesh.trainer import MAX_NONFINITE_SKIPS
+    from trainmesh.run.trainer import MAX_NONFINITE_SKIPS
     line = headline(err)
     assert re.search(rf"step \d+: non-finite .*--on-nonfinite skip, {MAX_NONFINITE_SKIPS} in a row", line), line
     steps = [r for r in _records(tmp / "fp16.jsonl") if r["event"] == "step"]
@@ -265,8 +265,8 @@ def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path):
 
 
 def test_save_dir_lock_is_exclusive_and_released(tmp_path):
-    from trainmesh.errors import ConfigError
-    from trainmesh.savedir import SaveDirLock
+    from trainmesh.core.errors import ConfigError
+    from trainmesh.checkpoint.savedir import SaveDirLock
     ck = tmp_path / "ck"
     with SaveDirLock(ck):
         assert (ck / ".lock").read_text().strip() == str(os.getpid())

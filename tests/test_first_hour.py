@@ -144,7 +144,7 @@ def test_version_typo_and_help(capsys):
 def test_a_field_without_group_gets_a_sensible_one():
     from dataclasses import dataclass
 
-    from trainmesh.validation import flags_of, setting
+    from trainmesh.config.validation import flags_of, setting
 
     @dataclass
     class Extra:
@@ -160,7 +160,7 @@ def test_a_field_without_group_gets_a_sensible_one():
 @pytest.mark.timeout(60)
 def test_warmup_longer_than_the_run_is_one_warning(capsys):
     from trainmesh.cli.train import warn_warmup
-    from trainmesh.train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     warn_warmup(build_train_config({"steps": 20}))
     warn_warmup(build_train_config({"steps": 21}))
     err = capsys.readouterr().err
@@ -171,7 +171,7 @@ def test_warmup_longer_than_the_run_is_one_warning(capsys):
 def test_gpu_names_give_mfu_its_peak():
     import torch
 
-    from trainmesh.flops import device_peak_tflops, peak_tflops
+    from trainmesh.observe.flops import device_peak_tflops, peak_tflops
     cpu = torch.device("cpu")
     assert device_peak_tflops(cpu, "bf16") is None                      # CPU: no peak
     assert device_peak_tflops(cpu, "bf16", gpu="a100-80gb") == 312.0

@@ -114,8 +114,8 @@ def _model_dir_run(directory: str, out: str) -> dict:
     """A Qwen2 directory as ``trainmesh train --model-dir`` builds it, dp 2 under ZeRO-3: two
     steps, then a checkpoint in ``out``."""
     import trainmesh as tm
-    from trainmesh.train_config import build_train_config
-    from trainmesh.trainer import build_model
+    from trainmesh.config.train import build_train_config
+    from trainmesh.run.trainer import build_model
     cfg = build_train_config({"model_dir": directory, "seq_len": SEQ, "global_batch": BATCH,
                               "dp": 2, "zero": 3})
     model, loss_fn, init_fn = build_model(cfg)
@@ -210,7 +210,7 @@ def test_tied_alias_under_tp_and_its_export(world2, tmp_path):
     a run does not load, or loads other weights."""
     from pathlib import Path
 
-    from trainmesh.export_hf import export_hf
+    from trainmesh.checkpoint.export_hf import export_hf
     res = world2[0]["gpt2_tied"]
     assert "error" not in res, res.get("error")
     assert "lm_head.weight" in res["keys"] and res["tied_equal"], res["keys"]
@@ -245,12 +245,12 @@ def test_user_plan_names_a_fused_projection_with_its_parts():
 def test_model_dir_any_family_trains_and_exports(world2, tmp_path, monkeypatch, capsys):
     """Bugs: --model-dir refusing a model type it has no table for; consolidate or export-hf
     leaving out the tied alias (from_pretrained then reports it missing) or other weights."""
-    import trainmesh.launch
+    import trainmesh.run.launch
     from safetensors.torch import load_file
 
-    from trainmesh.checkpoint import consolidate
+    from trainmesh.checkpoint.sharded import consolidate
     from trainmesh.cli import main
-    from trainmesh.export_hf import export_hf
+    from trainmesh.checkpoint.export_hf import export_hf
     for rank, res in _ranks(world2).items():
         assert "error" not in res["model_dir"], f"rank {rank}:\n{res['model_dir']['error']}"
     run = world2["out"] + "-qwen2"
@@ -266,7 +266,7 @@ def test_model_dir_any_family_trains_and_exports(world2, tmp_path, monkeypatch, 
     ids = _batch(2)["input_ids"]
     with torch.no_grad():   # the same weights: identical arithmetic, ~1e-6 rounding at most
         assert float((exported.eval()(ids).logits - plain(ids).logits).abs().max()) <= 1e-4
-    monkeypatch.setattr(trainmesh.launch, "launch_local", lambda *a, **k: 99)   # validation only
+    monkeypatch.setattr(trainmesh.run.launch, "launch_local", lambda *a, **k: 99)   # validation only
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
     base = ["train", "--model-dir", world2["dir"], "--seq-len", str(SEQ), "--global-batch", "4"]

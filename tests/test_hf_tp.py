@@ -58,7 +58,7 @@ def _adamw(params):
 
 
 def _batch(step: int, dp_rank: int = 0, dp: int = 1) -> dict[str, torch.Tensor]:
-    from trainmesh.data import SyntheticCorpus, dp_slice
+    from trainmesh.data.corpus import SyntheticCorpus, dp_slice
     return dp_slice(SyntheticCorpus(VOCAB, SEQ).batch(0, step, GLOBAL_BATCH), dp_rank, dp)
 
 
@@ -81,8 +81,8 @@ def _load(directory: str, layout: dict) -> dict[str, Any]:
 
     import trainmesh as tm
     if layout.get("zero", 0):    # as `trainmesh train --model-dir` builds it
-        from trainmesh.train_config import build_train_config
-        from trainmesh.trainer import build_model
+        from trainmesh.config.train import build_train_config
+        from trainmesh.run.trainer import build_model
         cfg = build_train_config({"model_dir": directory, "seq_len": SEQ, "global_batch": GLOBAL_BATCH,
                                   **layout})
         model, loss_fn, init_fn = build_model(cfg)
@@ -170,7 +170,7 @@ def _assert_matches(results: dict[int, dict], ref: dict[str, Any], layouts: dict
 def test_hf_models_under_tp2(references):
     from safetensors.torch import load_file
 
-    from trainmesh.checkpoint import consolidate
+    from trainmesh.checkpoint.sharded import consolidate
     results = run_distributed(_rank, 2, TP2, references["dirs"], timeout_s=120)
     _assert_matches(results, references, TP2)
     for kind, directory in references["dirs"].items():   # the checkpoint holds the saved weights
@@ -219,8 +219,8 @@ LAUNCHED = 99
 @pytest.fixture
 def no_launch(monkeypatch):
     """Validation only: no worker ever starts; the process is a launcher, not a worker."""
-    import trainmesh.launch
-    monkeypatch.setattr(trainmesh.launch, "launch_local", lambda *a, **k: LAUNCHED)
+    import trainmesh.run.launch
+    monkeypatch.setattr(trainmesh.run.launch, "launch_local", lambda *a, **k: LAUNCHED)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
 
@@ -250,7 +250,7 @@ def test_model_dir_bad_input_exits_2_naming_the_flag(references, no_launch, tmp_
     assert main([*base, "--model-dir", llama, "--tp", "2"]) == LAUNCHED   # a valid one passes
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import collect
-    from trainmesh.train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     cfg = build_train_config(collect(build_parser().parse_args([*base, "--model-dir", llama]), True))
     assert cfg.vocab_size == VOCAB
     assert cfg.num_params() == sum(p.numel() for p in hf_model("llama").parameters())

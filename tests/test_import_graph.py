@@ -1,9 +1,9 @@
-"""Dependencies point one way (README.md, Architecture): communication -> parallel building blocks -> engine -> CLI.
+"""Dependencies point one way: core -> comm -> observe -> models, data -> config -> the parallel
+building blocks and the planner -> checkpoint -> engine -> run -> cli.
 
-Walks every module's imports with ``ast`` (nothing is imported, so no torch): no module may
-reach itself through imports, and no parallel building block may import the engine, the
-executors, the trainer, the models or the CLI (a building block that knows the model or the
-engine is no longer a building block).
+Walks every module's imports with ``ast`` (nothing is imported, so no torch; imports under
+``if TYPE_CHECKING:`` are annotations, not dependencies, and are skipped): no module may reach
+itself through imports, and no package may import a package of a higher layer.
 """
 from __future__ import annotations
 
@@ -13,8 +13,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "trainmesh"
-LOWER = ("comm", "data_parallel", "tensor_parallel", "pipeline_parallel")
-UPPER = ("engine", "executor", "trainer", "models", "cli")
+# Package -> layer. A package may import packages of its own layer or below, never above.
+LAYERS = {
+    "core": 0, "comm": 1, "observe": 2, "models": 3, "data": 3, "config": 4,
+    "data_parallel": 5, "tensor_parallel": 5, "pipeline_parallel": 5, "parameter_server": 5,
+    "planner": 5, "checkpoint": 6, "engine": 7, "run": 8, "cli": 9,
+}
+FACES = {"trainmesh", "trainmesh.__main__", "trainmesh.testing"}   # the package's public face
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -22,11 +27,24 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    return skip
+
+
 def _imports(path: Path, name: str, is_package: bool) -> set[str]:
-    """Every trainmesh module or name ``path`` imports (relative imports resolved)."""
+    """Every trainmesh module or name ``path`` imports at run time (relative imports resolved)."""
     package = name if is_package else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_checking_nodes(tree)
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -51,8 +69,7 @@ def import_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], set[str]]:
 
 def cycles(graph: dict[str, set[str]], packages: set[str]) -> list[list[str]]:
     """Import cycles between modules. A package's ``__init__`` re-exports its own modules, so
-    an import of the package itself is not followed (``from ..comm import Comm`` reaches
-    ``comm.ops``, which does not import the engine, whatever ``comm/__init__`` imports)."""
+    an import of the package itself is not followed."""
     edges = {m: sorted(d - packages) for m, d in graph.items()}
     found: list[list[str]] = []
     state: dict[str, int] = {}          # 1: on the current path, 2: done
@@ -75,43 +92,59 @@ def cycles(graph: dict[str, set[str]], packages: set[str]) -> list[list[str]]:
     return found
 
 
-def _under(name: str, prefixes: tuple[str, ...]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
+def _package(name: str) -> str:
+    return name.split(".")[1] if name.count(".") else name
 
 
 def upward(graph: dict[str, set[str]]) -> list[str]:
-    """Imports from a parallel building block up to the engine, executors, trainer, models, CLI."""
-    low = tuple(f"trainmesh.{p}" for p in LOWER)
-    high = tuple(f"trainmesh.{p}" for p in UPPER)
-    return sorted(f"{m} -> {d}" for m, deps in graph.items() if _under(m, low)
-                  for d in deps if _under(d, high))
+    """Imports from a package to a package of a higher layer."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() if m not in FACES
+                  for d in deps if d not in FACES
+                  and LAYERS[_package(d)] > LAYERS[_package(m)])
+
+
+@pytest.mark.timeout(30)
+def test_every_package_has_a_layer_and_a_docstring():
+    graph, packages = import_graph()
+    assert len(graph) > 40, "the walk found too few modules: is ROOT right?"
+    top = {p.split(".")[1] for p in packages if p.count(".") == 1}
+    assert top == set(LAYERS), f"packages without a layer or layers without a package: {top ^ set(LAYERS)}"
+    for p in sorted(top):
+        doc = ast.get_docstring(ast.parse((ROOT / p / "__init__.py").read_text()))
+        assert doc and "import" in doc.lower(), f"trainmesh.{p}: the docstring says what lives there and what it imports"
+    loose = sorted(f.name for f in ROOT.glob("*.py"))
+    assert len(loose) <= 6, f"loose modules at the top of the package: {loose}"
 
 
 @pytest.mark.timeout(30)
 def test_no_import_cycle():
     graph, packages = import_graph()
-    assert len(graph) > 40, "the walk found too few modules: is ROOT right?"
     found = cycles(graph, packages)
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
 @pytest.mark.timeout(30)
-def test_building_blocks_never_import_upward():
+def test_packages_never_import_upward():
     graph, _ = import_graph()
     found = upward(graph)
-    assert not found, "upward imports (a building block importing the layer above):\n" + "\n".join(found)
+    assert not found, "upward imports (a package importing a layer above its own):\n" + "\n".join(found)
 
 
 @pytest.mark.timeout(30)
 def test_the_checks_see_what_they_look_for(tmp_path):
-    """The walk itself: a planted cycle and a planted upward import are both found."""
+    """The walk itself: a planted cycle and a planted upward import are found; a type-only one is not."""
     pkg = tmp_path / "trainmesh"
-    (pkg / "comm").mkdir(parents=True)
+    for p in ("comm", "engine", "checkpoint"):
+        (pkg / p).mkdir(parents=True)
+        (pkg / p / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "comm" / "__init__.py").write_text("from .ops import Comm\n")
-    (pkg / "comm" / "ops.py").write_text("from ..engine import Engine\n")
-    (pkg / "engine.py").write_text("from . import checkpoint\n")
-    (pkg / "checkpoint.py").write_text("from .engine import Engine\nfrom .comm import Comm\n")
+    (pkg / "comm" / "ops.py").write_text("from ..engine.engine import Engine\n")
+    (pkg / "comm" / "hints.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..engine.engine import Engine\n")
+    (pkg / "engine" / "engine.py").write_text("from ..checkpoint import sharded\n")
+    (pkg / "checkpoint" / "sharded.py").write_text("from ..engine.engine import Engine\n")
     graph, packages = import_graph(pkg)
-    assert ["trainmesh.checkpoint", "trainmesh.engine", "trainmesh.checkpoint"] in cycles(graph, packages)
-    assert upward(graph) == ["trainmesh.comm.ops -> trainmesh.engine"]
+    assert ["trainmesh.checkpoint.sharded", "trainmesh.engine.engine",
+            "trainmesh.checkpoint.sharded"] in cycles(graph, packages)
+    assert upward(graph) == ["trainmesh.checkpoint.sharded -> trainmesh.engine.engine",
+                             "trainmesh.comm.ops -> trainmesh.engine.engine"]

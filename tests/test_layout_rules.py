@@ -1,15 +1,15 @@
-"""Every layout rule has one home (``trainmesh.config`` / ``trainmesh.train_config``) and is
+"""Every layout rule has one home (``trainmesh.config.parallel`` / ``trainmesh.config.train``) and is
 checked before any worker starts: ``trainmesh train`` exits 2 with one line naming the flag,
 ``trainmesh plan`` refuses the same layout, and ``ParallelConfig`` (the Python API) raises
-:class:`~trainmesh.errors.ConfigError` naming the same flag. All in process: no worker starts.
+:class:`~trainmesh.core.errors.ConfigError` naming the same flag. All in process: no worker starts.
 """
 from __future__ import annotations
 
 import pytest
 
 from helpers import SMALL
-from trainmesh.config import ParallelConfig, check_pipeline
-from trainmesh.errors import ConfigError
+from trainmesh.config.parallel import ParallelConfig, check_pipeline
+from trainmesh.core.errors import ConfigError
 
 T = [a for a in SMALL if a not in ("--steps", "20")]   # the tiny model, 2 layers, global batch 8
 FOUR = ["--layers", "4"]
@@ -88,7 +88,7 @@ def test_valid_layouts_get_past_validation(no_launch):
 @pytest.mark.timeout(30)
 def test_the_schedule_builder_applies_the_same_rule():
     from trainmesh.pipeline_parallel.schedules import SCHEDULES, build_schedule
-    import trainmesh.config as config
+    import trainmesh.config.parallel as config
     assert SCHEDULES is config.SCHEDULES
     for args in [("interleaved", 2, 3, 2), ("1f1b", 2, 4, 2)]:
         with pytest.raises(ConfigError) as built:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tolerances import LOSS_ABS, NORM_REL, SHORT_RUN_REL, loss_one_step_atol
-from trainmesh.errors import ConfigError
+from trainmesh.core.errors import ConfigError
 from trainmesh.testing import run_distributed
 
 GPT_KW = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=8, n_heads=4)
@@ -70,7 +70,7 @@ def _engine(kw: dict, opt: str, *, tied: bool = False, mesh=None, **cfg):
 
 
 def _train(engine, kw: dict, steps: int, global_batch: int) -> list[tuple[float, float]]:
-    from trainmesh.data import SyntheticCorpus, dp_slice
+    from trainmesh.data.corpus import SyntheticCorpus, dp_slice
     data, dp = SyntheticCorpus(kw["vocab_size"], kw["seq_len"]), engine.config.dp
     out = []
     for step in range(steps):
@@ -143,7 +143,7 @@ def _run_equivalence(configs: list) -> dict:
 
 def _run_deadlock(pp: int) -> dict:
     """One step of every runnable schedule at ``pp`` for m in {1, p, 2p+1}: the loss."""
-    from trainmesh.mesh import ParallelMesh
+    from trainmesh.core.mesh import ParallelMesh
     mesh = ParallelMesh(pp=pp, timeout_s=30)
     out = {}
     for name, v, m in deadlock_cases(pp):
@@ -161,7 +161,7 @@ def deadlock_cases(pp: int) -> list[tuple[str, int, int]]:
 
 def _errors(kw: dict, **cfg) -> str:
     """The ConfigError field of building (and stepping) an engine, or 'none'."""
-    from trainmesh.data import SyntheticCorpus
+    from trainmesh.data.corpus import SyntheticCorpus
     try:
         eng = _engine(kw, "sgd", **cfg)
         eng.train_step(SyntheticCorpus(kw["vocab_size"], kw["seq_len"]).batch(0, 0, 6))
@@ -326,7 +326,7 @@ def test_zero_inside_pipeline_memory_and_traffic(world4) -> None:
     planner's formulas (1%); ZeRO-3's gathered parameters peak at the whole stage (step) or one
     unit (microbatch) within 5%; ZeRO-2's transient gradient buckets stay far below one full
     gradient of the stage."""
-    from trainmesh.config import ParallelConfig
+    from trainmesh.config.parallel import ParallelConfig
     from trainmesh.models.gpt import GPTConfig
     from trainmesh.planner.builtin import rank_model
     from trainmesh.planner.predict import compare, predict_layout, zero3_gathered_bytes
@@ -410,7 +410,7 @@ def test_loss_fn_is_the_loss_under_pp(world2) -> None:
 def test_last_stage_runs_loss_fn_or_refuses_it() -> None:
     """StageIO: loss_fn on the stand-in gives the whole model's result; a loss_fn that never
     calls the model, or calls it on other data, is refused naming pp."""
-    from trainmesh.data import SyntheticCorpus
+    from trainmesh.data.corpus import SyntheticCorpus
     from trainmesh.pipeline_parallel.stage import StageIO
     model = _gpt(SMALL_KW)
     batch = SyntheticCorpus(SMALL_KW["vocab_size"], SMALL_KW["seq_len"]).batch(0, 0, 2)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from trainmesh.cli import main
-from trainmesh.config import ParallelConfig
+from trainmesh.config.parallel import ParallelConfig
 from trainmesh.models.gpt import PRESETS
 from trainmesh.planner import Cluster, ModelShape, plan
 from trainmesh.planner.activations import gpt_block_bytes, gpt_head_bytes, inflight_chunks
@@ -325,7 +325,7 @@ def test_peak_prediction_stands_on_the_measured_base():
     """The base footprint is measured where the run happens: a CUDA build of torch imports
     ~650 MiB where the CPU wheel imports ~220 MiB; a constant base fits only one wheel."""
     from trainmesh.planner.predict import RUNTIME_BYTES, compare, measured_base_bytes, predict_run
-    from trainmesh.train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     cfg = build_train_config({"model": "tiny", "dp": 2, "device": "cpu"})
     here = measured_base_bytes("cpu")
     assert 50 * 2**20 < here < 4 * 2**30            # this process's RSS, torch imported

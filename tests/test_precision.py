@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from tolerances import MIXED_PRECISION_LOSS_ABS
 from trainmesh import ConfigError, Engine, ParallelConfig, ParallelMesh
-from trainmesh.data import SyntheticCorpus, dp_slice
+from trainmesh.data.corpus import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig
-from trainmesh.precision import LossScaler, Precision, check_supported
+from trainmesh.engine.precision import LossScaler, Precision, check_supported
 from trainmesh.testing import run_distributed
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)

@@ -13,10 +13,10 @@ from torch import nn
 
 from tolerances import SAME_KERNELS_ABS
 from trainmesh import ConfigError, Engine, ParallelConfig, ParallelMesh
-from trainmesh.data import SyntheticCorpus
-from trainmesh.metrics import memory_now, memory_peak, reset_peak
+from trainmesh.data.corpus import SyntheticCorpus
+from trainmesh.observe.metrics import memory_now, memory_peak, reset_peak
 from trainmesh.models.gpt import GPT, GPTConfig
-from trainmesh.recompute import Recomputed, apply_recompute
+from trainmesh.engine.recompute import Recomputed, apply_recompute
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=4)
 MODES = [("none", 1), ("full", 1), ("full", 2), ("selective", 1)]

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from trainmesh.cli import main
-from trainmesh.errors import ConfigError
+from trainmesh.core.errors import ConfigError
 from trainmesh.pipeline_parallel.analysis import (bubble_fraction, bubble_fraction_per_rank,
                                                   check_complete, completeness_problems,
                                                   peak_inflight_microbatches, simulate)

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from helpers import run_train, steps, summary
 from trainmesh import Engine, ParallelConfig
-from trainmesh.data import SyntheticCorpus, dp_slice
-from trainmesh.materialize import safetensors_init, slice_of
+from trainmesh.data.corpus import SyntheticCorpus, dp_slice
+from trainmesh.engine.materialize import safetensors_init, slice_of
 from trainmesh.models.gpt import GPT, GPTConfig
 from trainmesh.models.init import init_value
 from trainmesh.testing import run_distributed
@@ -116,7 +116,7 @@ def init_peaks(tmp_path) -> dict:
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import collect
     from trainmesh.planner.predict import compare, predict_run
-    from trainmesh.train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     out = {}
     for name, extra in RUNS.items():
         args = [*MODEL, "--layers", str(LAYERS), *extra]

@@ -19,9 +19,9 @@ from torch import nn
 
 from tolerances import FP32_EPS, LOSS_ABS, NORM_REL, fp32_atol, scale_of
 from trainmesh import Engine, ParallelConfig, ParallelMesh
-from trainmesh.data import SyntheticCorpus, dp_slice
+from trainmesh.data.corpus import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig
-from trainmesh.schedule_lr import warmup_cosine
+from trainmesh.run.schedule_lr import warmup_cosine
 from trainmesh.testing import run_distributed
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)

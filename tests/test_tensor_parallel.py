@@ -49,7 +49,7 @@ def _loss(model, batch):
 def _train(layout: dict, opt: str) -> dict:
     """20 Engine steps of the small GPT under ``layout``: losses, norms, tp traffic, state."""
     from trainmesh import Engine, ParallelConfig
-    from trainmesh.data import SyntheticCorpus, dp_slice
+    from trainmesh.data.corpus import SyntheticCorpus, dp_slice
     from trainmesh.models import GPT, GPTConfig
     cfg = GPTConfig(**CFG)
     pc = ParallelConfig(**layout)
@@ -156,7 +156,7 @@ _MESHES: dict = {}
 def _setup(tp: int):
     """One mesh per worker process (building groups is a collective and not free)."""
     from trainmesh.comm import Comm
-    from trainmesh.mesh import ParallelMesh
+    from trainmesh.core.mesh import ParallelMesh
     if tp not in _MESHES:
         mesh = ParallelMesh(tp=tp)
         _MESHES[tp] = (mesh, Comm(mesh))
@@ -181,7 +181,7 @@ def _check_module(tp: int, make: Callable[[], nn.Module], plan: dict, *, sp: boo
                   inputs: Callable[[], torch.Tensor], float_input: bool = True,
                   gathered_output: bool = False) -> None:
     """``make()``'s module parallelized by ``plan`` vs itself: output, input grad, param grads."""
-    from trainmesh.placement import Placements
+    from trainmesh.core.placement import Placements
     from trainmesh.tensor_parallel import parallelize
     from trainmesh.tensor_parallel.state import shard_of, sum_partial_grads_of
     mesh, comm = _setup(tp)
@@ -318,7 +318,7 @@ def _model_loss(kind: str, model: nn.Module, ids: torch.Tensor, labels: torch.Te
 
 def _check_model(tp: int, kind: str, sp: bool) -> None:
     """A whole model under its plan: loss and every parameter gradient."""
-    from trainmesh.placement import Placements
+    from trainmesh.core.placement import Placements
     from trainmesh.tensor_parallel import parallelize
     from trainmesh.tensor_parallel.state import sum_partial_grads_of
     mesh, comm = _setup(tp)
@@ -342,7 +342,7 @@ def _check_model(tp: int, kind: str, sp: bool) -> None:
 
 def _check_gpt_init(tp: int) -> None:
     """tp=N initial weights are exactly slices of the tp=1 weights; records mark the shards."""
-    from trainmesh.placement import Placements
+    from trainmesh.core.placement import Placements
     from trainmesh.tensor_parallel import parallelize
     from trainmesh.tensor_parallel.state import full_state_dict, shard_dim, shard_of
     mesh, comm = _setup(tp)
@@ -531,7 +531,7 @@ def _gpt(**kw):
     ({"seq_len": 15}, 2, True, "seq-len"),
 ])
 def test_indivisible_shapes_name_the_field(overrides, tp, sp, field):
-    from trainmesh.errors import ConfigError
+    from trainmesh.core.errors import ConfigError
     from trainmesh.tensor_parallel import parallelize
     with pytest.raises(ConfigError) as err:
         parallelize(_gpt(**overrides), _FakeMesh(tp), None, sequence_parallel=sp)
@@ -541,7 +541,7 @@ def test_indivisible_shapes_name_the_field(overrides, tp, sp, field):
 
 @pytest.mark.timeout(30)
 def test_bad_plans_are_refused():
-    from trainmesh.errors import ConfigError
+    from trainmesh.core.errors import ConfigError
     from trainmesh.tensor_parallel import parallelize
     mesh = _FakeMesh(2)
     with pytest.raises(ValueError, match="needs a plan for TinyLlama"):

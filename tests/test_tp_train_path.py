@@ -49,7 +49,7 @@ OPTIMIZER_FLAGS = {"adamw": ["--optimizer", "adamw", "--lr", "0.003"],
 def _config(flags: list[str], optimizer: str):
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import collect
-    from trainmesh.train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     return build_train_config(collect(build_parser().parse_args(
         ["train", *BASE, *flags, *OPTIMIZER_FLAGS[optimizer]]), True))
 
@@ -57,9 +57,9 @@ def _config(flags: list[str], optimizer: str):
 def _curve(flags: list[str], optimizer: str, mesh=None) -> dict:
     """`trainmesh train`'s engine and batches for STEPS steps: [(loss, grad_norm)], and the
     names of parameters carrying an attribute of ours (there must be none)."""
-    from trainmesh.data import dp_slice, make_datasets
-    from trainmesh.mesh import ParallelMesh
-    from trainmesh.trainer import build_engine
+    from trainmesh.data.corpus import dp_slice, make_datasets
+    from trainmesh.core.mesh import ParallelMesh
+    from trainmesh.run.trainer import build_engine
     cfg = _config(flags, optimizer)
     p = cfg.parallel
     mesh = mesh or ParallelMesh(dp=p.dp, pp=p.pp, tp=p.tp, timeout_s=p.timeout_s)
@@ -82,7 +82,7 @@ def _world(runs: list[tuple[str, str]]) -> dict:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[tuple[float, float]]]:
     """The single process, per optimizer (in this process, the same build)."""
-    from trainmesh.mesh import ParallelMesh
+    from trainmesh.core.mesh import ParallelMesh
     return {opt: _curve([], opt, ParallelMesh(local=True))["curve"] for opt in ("adamw", "sgd")}
 
 
@@ -141,8 +141,8 @@ def test_sharded_init_keeps_the_records():
     """Materialising replaces the meta parameters; the records (by name) still describe them,
     and the values are the slices they name."""
     from torch import nn
-    from trainmesh.materialize import materialize
-    from trainmesh.placement import Placement, Placements
+    from trainmesh.engine.materialize import materialize
+    from trainmesh.core.placement import Placement, Placements
     full = torch.arange(24.0).reshape(6, 4)
     placements = Placements()
     placements.record("qkv", Placement(full_shape=(6, 4), tp_dim=0, tp_start=1, tp_parts=3))

@@ -46,7 +46,7 @@ def test_lr_column_is_the_lr_each_step_used(reference):
 
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import collect
-    from trainmesh.train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     optimizer, records = reference
     cfg = build_train_config(collect(build_parser().parse_args(["train", *SMALL, "--optimizer", optimizer]), True))
     warm, total = cfg.warmup_steps, cfg.steps
@@ -119,7 +119,7 @@ def test_unknown_flag_exits_2(capsys):
 
 def test_toml_config_and_flags_win(tmp_path):
     from trainmesh.cli.train import collect
-    from trainmesh.train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     cfg_file = tmp_path / "run.toml"
     cfg_file.write_text('[parallel]\ndp = 2\nmicrobatches = 2\n[train]\nsteps = 7\nglobal-batch = 8\n')
     from trainmesh.cli import build_parser

@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from helpers import LAUNCHED, assert_refused as refused, run_train, steps
 from trainmesh.cli import build_parser, main
-from trainmesh.config import ParallelConfig
-from trainmesh.errors import ConfigError
+from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.errors import ConfigError
 
 T = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
      "--global-batch", "8"]
@@ -56,7 +56,7 @@ def test_zero3_reshard_is_checked_naming_the_flag(capsys):
 def test_plan_takes_the_train_flags_it_uses_from_the_one_table(capsys):
     """plan's prediction uses the layout, model, precision and memory flags of the one table
     (and shows only those: no --lr, --save-dir or --metrics-out in `plan --help`)."""
-    from trainmesh.train_config import FLAGS
+    from trainmesh.config.train import FLAGS
 
     def options(command: str) -> set[str]:
         sub = build_parser()._subparsers._group_actions[0].choices[command]
@@ -108,7 +108,7 @@ def test_bad_toml_values(capsys, tmp_path, toml, flag):
 
 
 def test_toml_keys_are_the_flag_names(tmp_path):
-    from trainmesh.train_config import build_train_config, read_toml
+    from trainmesh.config.train import build_train_config, read_toml
     path = tmp_path / "run.toml"
     path.write_text("timeout = 30\nlr = 1\n[parallel]\nbucket-mb = 2\n")
     cfg = build_train_config(read_toml(str(path)))
@@ -188,7 +188,7 @@ def test_memory_counts_every_local_rank(capsys, machine, monkeypatch):
     """The local ranks' predicted peaks together must fit: one byte short is refused."""
     import trainmesh.planner.fit as fit
     from trainmesh.planner.predict import predict_run
-    from trainmesh.train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     args = [*T, "--dp", "16", "--global-batch", "16"]
     cfg = build_train_config(given(args))
     base = 300 * 2**20   # the worker's footprint before the model, pinned for the check
@@ -216,7 +216,7 @@ def test_cuda_needs_a_gpu_per_local_rank(capsys, machine, monkeypatch):
 # ---------------------------------------------------------------- E. consolidate output paths
 def fake_checkpoint(root: Path, run: dict | None = None, step: int = 4) -> Path:
     """A minimal complete checkpoint directory (one tensor) whose trainer state holds ``run``."""
-    from trainmesh.checkpoint import FORMAT, MANIFEST
+    from trainmesh.checkpoint.sharded import FORMAT, MANIFEST
     directory = root / f"step-{step:08d}"
     directory.mkdir(parents=True)
     save_file({"param/w": torch.zeros(2)}, str(directory / "rank00000.safetensors"))
@@ -270,8 +270,8 @@ def test_resume_refusal_also_in_a_torchrun_worker(capsys, tmp_path, monkeypatch)
 
 
 def test_resume_notice_for_seed_batch_and_schedule(tmp_path):
-    from trainmesh.resume import check_resume
-    from trainmesh.train_config import build_train_config
+    from trainmesh.checkpoint.resume import check_resume
+    from trainmesh.config.train import build_train_config
     fake_checkpoint(tmp_path / "ck", RUN)
     same = dict(layers=2, d_model=32, heads=4, seq_len=16, vocab_size=64, optimizer="sgd",
                 steps=4, save_dir=str(tmp_path / "ck"), resume=True, global_batch=8)
@@ -293,8 +293,8 @@ def sgd_checkpoint(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_resume_end_to_end(capsys, sgd_checkpoint, tmp_path):
-    from trainmesh.checkpoint import MANIFEST, latest
-    from trainmesh.schedule_lr import warmup_cosine
+    from trainmesh.checkpoint.sharded import MANIFEST, latest
+    from trainmesh.run.schedule_lr import warmup_cosine
     manifest = json.loads((latest(sgd_checkpoint) / MANIFEST).read_text())
     assert manifest["trainer"]["run"] == RUN
     base = ["train", *T, "--optimizer", "sgd", "--steps", "8", "--save-dir", str(sgd_checkpoint), "--resume"]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_ABS
 from trainmesh import ConfigError, Engine, ParallelConfig, ParallelMesh
-from trainmesh.data import SyntheticCorpus, dp_slice
+from trainmesh.data.corpus import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig
 from trainmesh.testing import run_distributed
 

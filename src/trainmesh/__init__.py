@@ -8,13 +8,13 @@ Public face::
     loss = engine.train_step(batch)
 """
 from .comm import Comm, Ledger
-from .config import ParallelConfig
-from .distributed import init_distributed, shutdown
-from .engine import Engine
-from .errors import CommTimeout, ConfigError
-from .mesh import ParallelMesh
+from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.distributed import init_distributed, shutdown
+from trainmesh.engine.engine import Engine
+from trainmesh.core.errors import CommTimeout, ConfigError
+from trainmesh.core.mesh import ParallelMesh
 from .parameter_server import PSEngine
-from .pretrained import causal_lm_loss, from_pretrained
+from trainmesh.engine.pretrained import causal_lm_loss, from_pretrained
 from .tensor_parallel.hf import hf_tp_plan
 
 __version__ = "0.1.0"

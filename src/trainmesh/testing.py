@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, args: tuple) -> Any:
     import torch
 
-    from .distributed import init_distributed, shutdown
+    from trainmesh.core.distributed import init_distributed, shutdown
     torch.set_num_threads(threads)
     init_distributed(timeout_s=timeout_s, device="cpu")
     try:
@@ -40,7 +40,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(*args)`` on ``world_size`` fresh processes; return {rank: result}."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .launch import local_rendezvous
+    from trainmesh.run.launch import local_rendezvous
     with local_rendezvous() as rendezvous:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
                               run_id=f"tm-{uuid.uuid4().hex[:8]}", max_restarts=0,

@@ -2,6 +2,7 @@
 
 Each sub-command module exposes ``add_parser(subparsers)`` and ``run(args) -> int``. This
 package is the only place that parses flags. Bad input exits 2 with one line naming the field.
+Imports every package; nothing imports it.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 # sub-command name -> module (relative to this package)
 COMMANDS = {

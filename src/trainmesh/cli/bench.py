@@ -5,7 +5,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 from ..planner.units import parse_size
 
 DEFAULT_SIZES = "4KB,64KB,1MB,16MB"

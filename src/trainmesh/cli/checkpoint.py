@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 from .paths import check_output_file
 
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("OUT", f"must end in .safetensors; got {args.out!r}")
     check_output_file("OUT", args.out)
     _check_destination(Path(args.dir), Path(args.out), force=args.force)
-    from ..checkpoint import CheckpointError, consolidate
+    from trainmesh.checkpoint.sharded import CheckpointError, consolidate
     try:
         path = consolidate(args.dir, args.out)
     except CheckpointError as exc:
@@ -62,6 +62,6 @@ def _export_hf(args: argparse.Namespace) -> int:
                           "outside the checkpoint directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("OUTDIR", f"{args.out!r} exists and is not an empty directory")
-    from ..export_hf import export_hf
+    from trainmesh.checkpoint.export_hf import export_hf
     print(f"wrote {export_hf(args.dir, out)}")
     return 0

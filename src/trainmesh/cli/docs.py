@@ -22,8 +22,8 @@ worker starts.
 
 def _config_defaults() -> dict[str, Any]:
     """flag -> default of each ``trainmesh train`` flag, from its config field."""
-    from ..config import ParallelConfig
-    from ..train_config import FLAGS, TRAIN_DEFAULTS, TrainConfig
+    from trainmesh.config.parallel import ParallelConfig
+    from trainmesh.config.train import FLAGS, TRAIN_DEFAULTS, TrainConfig
     fields = {f.name: f for cls in (ParallelConfig, TrainConfig) for f in dataclasses.fields(cls)}
     out = {}
     for flag, spec in FLAGS.items():

@@ -1,8 +1,8 @@
 """The generated flags of ``train`` and ``plan``: grouped ``--help``, defaults and choices shown,
 and the nearest valid name for a misspelt flag.
 
-Flags come from the config dataclasses (:data:`trainmesh.train_config.FLAGS`); each carries its
-``--help`` section (:data:`trainmesh.validation.GROUPS`). Every flag defaults to None on the
+Flags come from the config dataclasses (:data:`trainmesh.config.train.FLAGS`); each carries its
+``--help`` section (:data:`trainmesh.config.validation.GROUPS`). Every flag defaults to None on the
 parser so that "given" stays visible (a bare ``trainmesh train`` is the demo); the help text
 shows the field's own default instead.
 """
@@ -32,7 +32,7 @@ def _show(value: Any) -> str:
 
 def help_text(flag: Any) -> str:
     """The flag's help with its default and choices: ``... (default 1f1b; one of naive, ...)``."""
-    from ..train_config import TRAIN_DEFAULTS
+    from trainmesh.config.train import TRAIN_DEFAULTS
     default = TRAIN_DEFAULTS.get(flag.field, flag.default)
     shown = flag.kind is not bool and "default" not in flag.help
     extra = [f"default {_show(default)}"] if shown else []
@@ -46,8 +46,8 @@ def add_flags(parser: argparse.ArgumentParser, *, keep: Iterable[str] | None = N
               titles: dict[str, str] | None = None) -> dict[str, Any]:
     """Add the train flags (only those in ``keep`` when given) to ``parser`` in their groups;
     returns {group name: argparse group}. ``titles`` overrides section titles."""
-    from ..train_config import FLAGS
-    from ..validation import GROUPS
+    from trainmesh.config.train import FLAGS
+    from trainmesh.config.validation import GROUPS
     sections: dict[str, Any] = {}
     titles = {**GROUP_TITLES, **(titles or {})}
     wanted = set(keep) if keep is not None else None

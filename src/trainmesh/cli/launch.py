@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 PORT = 29500
 
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(field.replace("_", "-"), f"must be >= 1; got {getattr(args, field)}")
     from . import build_parser
     from .train import collect
-    from ..train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     flags = [f for f in args.train_flags if f != "--"]
     train_args = build_parser().parse_args(["train", *flags])
     cfg = build_train_config(collect(train_args, True))

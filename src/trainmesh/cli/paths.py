@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 
 def _existing_ancestor(path: Path) -> Path:

@@ -21,11 +21,11 @@ from typing import Any
 
 from rich.console import Console
 
-from ..config import PRECISIONS
-from ..errors import ConfigError
+from trainmesh.config.parallel import PRECISIONS
+from trainmesh.core.errors import ConfigError
 from ..planner.units import fmt_bytes, fmt_seconds, parse_bandwidth, parse_count, parse_size
-from ..progress import console, fmt_size, wide_table
-from ..train_config import FLAGS
+from trainmesh.observe.progress import console, fmt_size, wide_table
+from trainmesh.config.train import FLAGS
 from .train import add_train_flags, given_flags
 
 # The prediction mode takes the `trainmesh train` flags the model of a run uses (one table:
@@ -63,7 +63,7 @@ def _plan_flags() -> list[str]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command."""
-    from ..planner.gpus import DEFAULT_GPU, GPUS
+    from trainmesh.core.gpus import DEFAULT_GPU, GPUS
     from ..planner.published import MODELS
     parser = subparsers.add_parser(
         "plan", help="which parallel layout to use: memory, traffic and time per layout",
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- advisor
 def _advise(args: argparse.Namespace) -> int:
     from ..planner.advisor import plan
-    from ..planner.gpus import DEFAULT_GPU, gpu
+    from trainmesh.core.gpus import DEFAULT_GPU, gpu
 
     if args.gpus is None:
         raise ConfigError("--gpus", "is required by the advisor (total GPUs, e.g. --gpus 64)")
@@ -195,7 +195,7 @@ def _cluster(args: argparse.Namespace, row: Any) -> Any:
 
 
 def _print_gpus() -> None:
-    from ..planner.gpus import TABLE_HEADER, table_rows
+    from trainmesh.core.gpus import TABLE_HEADER, table_rows
     table = wide_table("trainmesh plan: known accelerators (dense peaks; bandwidth per GPU and "
                        "direction)", TABLE_HEADER)
     for row in table_rows():
@@ -278,7 +278,7 @@ def _print_offload(result: Any, model: Any, cluster: Any, out: Console) -> None:
 # ---------------------------------------------------------------- prediction
 def _predict(args: argparse.Namespace) -> int:
     from ..planner.predict import predict_run
-    from ..train_config import build_train_config
+    from trainmesh.config.train import build_train_config
 
     prediction = predict_run(build_train_config(given_flags(args)))
     if args.json:

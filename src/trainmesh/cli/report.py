@@ -19,7 +19,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report import write_report
+    from trainmesh.observe.report import write_report
     check_output_file("--out", args.out)
     path = write_report(args.metrics, args.out)
     print(f"trainmesh report: wrote {path}")

@@ -1,6 +1,6 @@
 """``trainmesh train``: validate, then launch local workers (or be one worker under torchrun).
 
-The flags are generated from the config dataclasses (:data:`trainmesh.train_config.FLAGS`);
+The flags are generated from the config dataclasses (:data:`trainmesh.config.train.FLAGS`);
 :func:`add_train_flags` gives ``plan`` the same ones. Validation of values happens once, in the
 dataclasses; :func:`preflight` adds what depends on this machine (devices, files, memory, the
 checkpoint to resume), before any worker starts.
@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 DEMO = {"dp": 2}  # a bare `trainmesh train` run locally: the 2-process demo layout
 LAYOUT_RULE = ("A bare `trainmesh train` runs the demo: dp 2 on 2 local processes. With any flag, "
@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def given_flags(args: argparse.Namespace) -> dict[str, Any]:
     """{field: value} of the train flags given on the command line."""
-    from ..train_config import FLAGS
+    from trainmesh.config.train import FLAGS
     return {f.field: getattr(args, _dest(flag)) for flag, f in FLAGS.items()
             if getattr(args, _dest(flag), None) is not None}
 
@@ -55,7 +55,7 @@ def collect(args: argparse.Namespace, argv_given: bool, *, world: int | None = N
     """TOML values, overridden by the flags given; under torchrun/srun (``world``: its world
     size) the unset layout flags derived from it; else the bare demo's layout when nothing is
     given."""
-    from ..train_config import read_toml
+    from trainmesh.config.train import read_toml
     values: dict[str, Any] = read_toml(args.config) if getattr(args, "config", None) else {}
     values.update(given_flags(args))
     if world is not None:
@@ -78,7 +78,7 @@ def derive_layout(values: dict[str, Any], world: int) -> dict[str, Any]:
     """``values`` with the layout flags left unset derived from the launcher's ``world`` size
     (pp and tp 1, dp = world / (pp x tp), minus the servers under --strategy ps); a layout
     that cannot fill it raises ConfigError naming the flags and the size. An elastic job
-    (--min-dp) may run below --dp: its own rules apply (:mod:`trainmesh.elastic`)."""
+    (--min-dp) may run below --dp: its own rules apply (:mod:`trainmesh.run.elastic`)."""
     out = dict(values)
     pp, tp = out.get("pp", 1), out.get("tp", 1)
     servers = out.get("ps_servers", 1) if out.get("strategy") == "ps" else 0
@@ -127,19 +127,19 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     p = cfg.parallel
     import torch
 
-    from ..distributed import choose_device, visible_gpus
-    from ..precision import Precision
+    from trainmesh.core.distributed import choose_device, visible_gpus
+    from trainmesh.engine.precision import Precision
     device, _ = choose_device(cfg.device, local_ranks=local_ranks, gpus=visible_gpus())
     Precision(p, torch.device(device))
     if p.compile:
-        from ..compile import check_compile
+        from trainmesh.engine.compile import check_compile
         check_compile(device)
     if launching and not cfg.force:
         check_processes(local_ranks)
     if not cfg.force:
         check_memory(cfg, local_ranks=local_ranks, cuda=device == "cuda")
     if cfg.tensorboard is not None:
-        from ..tensorboard_log import require_tensorboard
+        from trainmesh.observe.tensorboard import require_tensorboard
         require_tensorboard()
     for flag, path in (("--save-dir", cfg.save_dir), ("--offload-dir", p.offload_dir),
                        ("--tensorboard", cfg.tensorboard)):
@@ -155,18 +155,18 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         raise ConfigError("--save-dir" if cfg.save_dir else "--timeline-out",
                           "is not supported with --strategy ps")
     if cfg.resume:
-        from ..resume import check_intact, check_resume
+        from trainmesh.checkpoint.resume import check_intact, check_resume
         check_intact(cfg.save_dir, verify=launching)   # checksums once, by the launcher
         check_resume(cfg)  # errors only; the worker that resumes prints the notice
     if cfg.init_from:   # every parameter of the GPT in the file, with its shape
-        from ..materialize import check_safetensors
+        from trainmesh.engine.materialize import check_safetensors
         from ..models.gpt import GPT
         check_safetensors(cfg.init_from, GPT(cfg.gpt_config(), device="meta"))
     if cfg.model_dir:   # transformers present, every parameter in model.safetensors
-        from ..pretrained import check_model_dir
+        from trainmesh.engine.pretrained import check_model_dir
         check_model_dir(cfg.model_dir, tp=cfg.parallel.tp)
     if cfg.data != "synthetic":
-        from ..data import make_datasets
+        from trainmesh.data.corpus import make_datasets
         gpt = cfg.gpt_config()
         make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
                       held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
@@ -184,7 +184,7 @@ def _check_nvme_space(cfg, local_ranks: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train_config import build_train_config
+    from trainmesh.config.train import build_train_config
     given = bool(given_flags(args)) or args.config is not None
     world = launcher_world()
     cfg = build_train_config(collect(args, given, world=world))
@@ -194,13 +194,15 @@ def run(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
             warn_warmup(cfg)
         if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun: die with its agent
-            from ..launch import die_with_parent
+            from trainmesh.run.launch import die_with_parent
             die_with_parent(os.getppid())
-        from ..trainer import worker_main
+        from trainmesh.run.trainer import worker_main
         from .logs import configure_worker_logging
         configure_worker_logging()
         return worker_main(cfg)
     preflight(cfg, local_ranks=cfg.parallel.world_size, launching=True)
     warn_warmup(cfg)
-    from ..launch import launch_local
-    return launch_local(cfg, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts)
+    from trainmesh.run.launch import launch_local
+    from .logs import configure_worker_logging
+    return launch_local(cfg, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts,
+                        worker_setup=configure_worker_logging)

@@ -1,4 +1,7 @@
-"""Communication: one layer (:class:`Comm`) through which every byte goes, and its ledger."""
+"""Communication: one layer (:class:`Comm`) through which every byte goes, and its ledger.
+
+Imports core only.
+"""
 from .ledger import Ledger, OpStats
 from .ops import Comm, Handle, ReduceOp, nbytes
 

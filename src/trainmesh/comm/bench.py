@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..mesh import ParallelMesh
+from trainmesh.core.mesh import ParallelMesh
 from .algorithms import all_reduce, theory_sent_bytes
 from .ops import Comm
 

@@ -21,8 +21,8 @@ from collections import Counter
 from datetime import timedelta
 from typing import Any
 
-from ..compat import default_store
-from .stores import STORE_ENV, client_store
+from trainmesh.core.compat import default_store
+from trainmesh.core.stores import STORE_ENV, client_store
 
 History = list[tuple[int, str, str, tuple[int, ...]]]
 EXCHANGE_WAIT_S = 1.0

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeout
-from ..mesh import ParallelMesh
+from trainmesh.core.errors import CommTimeout
+from trainmesh.core.mesh import ParallelMesh
 from .check import OrderCheck, enabled as order_check_enabled
 from .diagnose import EXCHANGE_WAIT_S, exchange, silent_ranks, verdict
 from .ledger import Ledger, Span, canonical_axis

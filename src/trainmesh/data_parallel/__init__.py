@@ -1,4 +1,7 @@
-"""Data parallelism over the mesh's DP axis: DDP and the ZeRO stages, behind :class:`GradSync`."""
+"""Data parallelism over the mesh's DP axis: DDP and the ZeRO stages, behind :class:`GradSync`.
+
+Imports core, comm, config and observe; never the engine, run/ or the CLI.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from ..comm import Comm
-from ..config import ParallelConfig
+from trainmesh.config.parallel import ParallelConfig
 from .base import GradSync, SyncOptions, group_parameters, unique_named_parameters
 from .ddp import DDP
 from .diloco import DiLoCo
@@ -25,7 +28,7 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     """The strategy for ``cfg.zero``: 0 -> DDP, 1 -> :class:`Zero1`, 2 -> :class:`Zero2`,
     3 -> :class:`Zero3`.
 
-    ``precision`` (a :class:`~trainmesh.precision.Precision`) gives the dtype gradients are
+    ``precision`` (a :class:`~trainmesh.engine.precision.Precision`) gives the dtype gradients are
     reduced in and the dtype parameters are held in (ZeRO 0-2, fp32 masters with the
     optimizer) or gathered in (ZeRO-3, fp32 shards); ``module`` is the model
     ZeRO-3 cuts into units; ``materialize`` (sharded init, ZeRO-3) gives a

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 from .master import MasterWeights
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 
 REPLICA = "replica{}/"

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 ALIGN = 64
 """Byte alignment of each tensor's stretch of the file."""

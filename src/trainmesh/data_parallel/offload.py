@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..metrics import storage_bytes
+from trainmesh.observe.metrics import storage_bytes
 
 HOST = torch.device("cpu")
 

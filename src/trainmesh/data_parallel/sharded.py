@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Handle
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 from .flat import Slot
 from .offload import HostMaster, make_store

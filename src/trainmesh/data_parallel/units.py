@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 UnitSpec = Sequence["str | type[nn.Module]"] | Callable[[str, nn.Module], bool]
 """What ``zero3_units=`` takes: module names (``"transformer.h.0"``) and/or module classes

@@ -35,9 +35,9 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..comm import Comm, Handle
-from ..compat import in_backward, queue_backward_callback
-from ..metrics import storage_bytes
-from ..step import tensors_in
+from trainmesh.core.compat import in_backward, queue_backward_callback
+from trainmesh.observe.metrics import storage_bytes
+from trainmesh.core.step import tensors_in
 from .flat import FlatLayout, Slot
 from .base import SyncOptions
 from .sharded import Groups, ShardedSync

@@ -35,9 +35,9 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..comm import Comm
-from ..compat import in_backward
-from ..errors import ConfigError
-from ..step import tensors_in
+from trainmesh.core.compat import in_backward
+from trainmesh.core.errors import ConfigError
+from trainmesh.core.step import tensors_in
 from .base import SyncOptions
 from .zero import Zero2, _Bucket
 from .zero3 import Zero3, _State, _Unit

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 from .init import init_module, init_value
 
 
@@ -53,8 +53,8 @@ class GPTConfig:
         return 2 * v * d + s * d + n_layers * block + 2 * d
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token, forward + backward: ``6N + 12·L·s·d`` (:mod:`trainmesh.flops`)."""
-        from ..flops import transformer_flops_per_token
+        """Training FLOPs per token, forward + backward: ``6N + 12·L·s·d`` (:mod:`trainmesh.observe.flops`)."""
+        from trainmesh.observe.flops import transformer_flops_per_token
         return transformer_flops_per_token(self.num_params(), self.n_layers, self.seq_len, self.d_model)
 
 

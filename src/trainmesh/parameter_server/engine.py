@@ -25,8 +25,8 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from ..comm.ledger import Ledger
-from ..config import ParallelConfig
-from ..errors import ConfigError
+from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.errors import ConfigError
 from .client import PSClient, shard_by_bytes
 from .rpc_setup import start_rpc, worker_name
 from .server import ParameterServer, local_server
@@ -102,7 +102,7 @@ class PSEngine:
 
     def _forward_backward(self, batch: Any) -> tuple[float, float]:
         """Backward of the loss sum over this trainer's microbatches; -> (loss sum, count)."""
-        from ..data import split_microbatches
+        from trainmesh.data.corpus import split_microbatches
         parts = split_microbatches(batch, self.config.microbatches) if isinstance(batch, dict) else [batch]
         loss_sum, count = 0.0, 0.0
         for mb in parts:

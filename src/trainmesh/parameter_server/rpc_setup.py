@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from ..compat import default_store
+from trainmesh.core.compat import default_store
 
 RDZV_SCHEME = "trainmesh-pg"
 """``init_method`` scheme of the rendezvous over the default process group's store."""

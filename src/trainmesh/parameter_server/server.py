@@ -99,7 +99,7 @@ class ParameterServer:
     @staticmethod
     def held_bytes(rref: rpc.RRef) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this server holds; its peak memory."""
-        from ..metrics import memory_peak
+        from trainmesh.observe.metrics import memory_peak
         self = rref.local_value()
         states = self.optimizer.state.values() if self.optimizer else []
         optim = sum(v.numel() * v.element_size() for st in states for v in st.values()

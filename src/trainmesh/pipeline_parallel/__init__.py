@@ -2,6 +2,7 @@
 analysis (:mod:`.analysis`) and pictures (:mod:`.render`, imported on demand: it pulls in rich
 and, when drawing, matplotlib); the runtime that executes them (:mod:`.runtime`, with
 :mod:`.partition`, :mod:`.stage`, :mod:`.p2p` and :mod:`.timeline`), imported on first use.
+Imports core and comm only.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from torch import nn
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 NamedLayer = tuple[str, nn.Module]
 """A layer and its qualified name inside the full model (``"blocks.3"``), used as a prefix."""

@@ -2,7 +2,7 @@
 
 The engine builds a :class:`PipelineExecutor` when ``pp > 1`` (from the model, its ``loss_fn``
 and a :class:`~.schedules.Schedule`) and calls :meth:`run` once per step with the DP replica's
-microbatches and the step's hooks; it implements :class:`trainmesh.step.Executor`, as the
+microbatches and the step's hooks; it implements :class:`trainmesh.core.step.Executor`, as the
 local executor does. The executor keeps only this rank's stages (``module``) and, for each
 action of this rank, in order:
 
@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..errors import ConfigError
-from ..mesh import ParallelMesh
-from ..step import LossFn, StepHooks
+from trainmesh.core.errors import ConfigError
+from trainmesh.core.mesh import ParallelMesh
+from trainmesh.core.step import LossFn, StepHooks
 from .p2p import StageP2P
 from .partition import named_pipeline_layers, partition
 from .schedules import (BACKWARD, BACKWARD_INPUT, FORWARD, Action, Schedule, TimedAction,
@@ -59,7 +59,7 @@ def batch_key(batch: Any) -> tuple:
 
 
 class PipelineExecutor:
-    """Runs this rank's share of a pipeline schedule (a :class:`trainmesh.step.Executor`).
+    """Runs this rank's share of a pipeline schedule (a :class:`trainmesh.core.step.Executor`).
 
     ``cuts`` (optional, also read from ``model.pipeline_cuts``) are explicit stage boundaries:
     the first layer index of each stage after the first. ``loss_fn(model, microbatch)`` is the

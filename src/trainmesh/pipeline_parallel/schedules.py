@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..config import SCHEDULES, check_pipeline
-from ..errors import ConfigError
+from trainmesh.config.parallel import SCHEDULES, check_pipeline
+from trainmesh.core.errors import ConfigError
 
 FORWARD = "F"
 """Forward of one chunk on one microbatch."""
@@ -37,7 +37,7 @@ BACKWARD_WEIGHT = "W"
 """Weight-gradient half of a split backward (zero-bubble): needs this stage's ``I`` first."""
 KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 
-# SCHEDULES (imported above) is declared with the layout rules in trainmesh.config.
+# SCHEDULES (imported above) is declared with the layout rules in trainmesh.config.parallel.
 ALIASES = {"zero-bubble": "zb1p", "zbh1": "zb1p", "zb-h1": "zb1p"}
 
 
@@ -207,7 +207,7 @@ class Timeline:
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Build the named schedule for ``pp`` ranks, ``microbatches`` microbatches, ``v`` chunks.
 
-    Raises :class:`~trainmesh.errors.ConfigError` naming the field for invalid combinations.
+    Raises :class:`~trainmesh.core.errors.ConfigError` naming the field for invalid combinations.
     """
     name = ALIASES.get(name, name)
     _check_args(name, pp, microbatches, virtual_stages)

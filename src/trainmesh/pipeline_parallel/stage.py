@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from ..step import LossFn, as_sum_and_count, tensors_in
+from trainmesh.core.errors import ConfigError
+from trainmesh.core.step import LossFn, as_sum_and_count, tensors_in
 from .partition import NamedLayer
 
 

@@ -9,6 +9,7 @@
 * :mod:`.predict`     what ``trainmesh train --metrics-out`` will measure for one layout
 
 ``trainmesh plan`` (``trainmesh.cli.plan``) is the command line over these.
+Imports core, config, models and observe; never torch.distributed.
 """
 from .advisor import Plan, plan
 from .candidate import Candidate, evaluate

@@ -3,7 +3,7 @@
 Layouts considered (``trainmesh plan``):
 
 * ``dp * pp * tp = gpus``; ``tp`` divides the node size, so a TP group never leaves a node
-  (ranks are laid out with tp fastest, :mod:`trainmesh.mesh`), and divides ``heads`` and ``hidden`` when
+  (ranks are laid out with tp fastest, :mod:`trainmesh.core.mesh`), and divides ``heads`` and ``hidden`` when
   given; ``pp <= layers``.
 * ZeRO 0-3 with ``pp = 1``; ZeRO 0-1 with a pipeline (ZeRO-2/3 reduce or gather again for every
   microbatch, which a pipeline's many microbatches make costly: Megatron and DeepSpeed pair PP
@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ParallelConfig
-from ..errors import ConfigError
+from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.errors import ConfigError
 from .activations import RECOMPUTE
 from .candidate import Candidate, evaluate, nominal_shape
 from .cluster import Cluster

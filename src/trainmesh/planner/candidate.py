@@ -1,6 +1,6 @@
 """One layout scored by the planner: memory per GPU, traffic per step, estimated step time.
 
-A layout is :class:`trainmesh.config.ParallelConfig` (the same record ``trainmesh train`` takes
+A layout is :class:`trainmesh.config.parallel.ParallelConfig` (the same record ``trainmesh train`` takes
 and the metrics summary prints). :func:`evaluate` scores it for a model on a cluster under the
 models of :mod:`.memory`, :mod:`.activations`, :mod:`.traffic` and :mod:`.steptime`. The numbers
 describe the busiest rank: the first pipeline stage (most microbatches in flight) or the last
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ParallelConfig
+from trainmesh.config.parallel import ParallelConfig
 from .activations import inflight_stages, megatron_layer_bytes
 from .cluster import Cluster
 from .memory import MemoryBreakdown, bytes_per_param, element_bytes, model_states

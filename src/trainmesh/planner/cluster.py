@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Checked before any worker starts (``--force`` skips it), from the config alone: 
   RSS) must sum to at most the machine's physical memory (``/proc/meminfo``-equivalent
   ``sysconf``, or the cgroup's ``memory.max`` when lower). Physical memory, not what is free
   now: the answer is the same on every call and in every worker. Each rank's data path adds
-  :func:`~trainmesh.data.resident_bytes` (a few MiB whatever the file's size: files are read
+  :func:`~trainmesh.data.corpus.resident_bytes` (a few MiB whatever the file's size: files are read
   window by window, and the page cache they warm is not a process's own memory).
 * GPU memory: on CUDA each rank's predicted peak must fit its GPU (the smallest local one).
 * Processes: a local launch may start at most :data:`PROCS_PER_CORE` processes per CPU core
@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 from .predict import measured_base_bytes, predict_run
 from .units import fmt_bytes
 
@@ -66,8 +66,8 @@ def check_processes(nproc: int) -> None:
 
 
 def data_bytes(cfg: Any) -> int:
-    """One rank's resident memory for ``cfg.data`` (:func:`trainmesh.data.resident_bytes`)."""
-    from ..data import resident_bytes
+    """One rank's resident memory for ``cfg.data`` (:func:`trainmesh.data.corpus.resident_bytes`)."""
+    from trainmesh.data.corpus import resident_bytes
     gpt = cfg.gpt_config()
     return resident_bytes(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
                           global_batch=cfg.global_batch)

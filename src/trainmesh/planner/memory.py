@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "sgd")
 

@@ -25,7 +25,7 @@ gradients, fp32 master in the optimizer states); AdamW's per-tensor ``step`` cou
 per parameter tensor, or per flat shard under ZeRO) are included.
 
 The lead's measured-vs-predicted check calls :func:`predict_run` with the run's
-:class:`~trainmesh.train_config.TrainConfig` and :func:`compare` with the metrics summary.
+:class:`~trainmesh.config.train.TrainConfig` and :func:`compare` with the metrics summary.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ParallelConfig
+from trainmesh.config.parallel import ParallelConfig
 from ..models.gpt import GPTConfig
 from .activations import (gpt_block_bytes, gpt_block_input_bytes, gpt_head_bytes,
                           inflight_stages)
@@ -90,7 +90,7 @@ class RunPrediction:
 
 
 def _coords(rank: int, layout: ParallelConfig) -> dict[str, int]:
-    """Mesh coordinates of a world rank: a (pp, dp, tp) grid, tp fastest (:mod:`trainmesh.mesh`)."""
+    """Mesh coordinates of a world rank: a (pp, dp, tp) grid, tp fastest (:mod:`trainmesh.core.mesh`)."""
     tp, dp = layout.tp, layout.dp
     return {"dp": (rank // tp) % dp, "pp": rank // (tp * dp), "tp": rank % tp}
 
@@ -224,18 +224,18 @@ def measured_base_bytes(device: str = "cpu") -> int:
         return 0
     import torch
 
-    from ..metrics import memory_now
+    from trainmesh.observe.metrics import memory_now
     return memory_now(torch.device("cpu"))
 
 
 def predict_run(cfg: Any, *, base_bytes: int | None = None) -> RunPrediction:
-    """Predictions for a :class:`~trainmesh.train_config.TrainConfig` (what a run will measure).
+    """Predictions for a :class:`~trainmesh.config.train.TrainConfig` (what a run will measure).
 
     ``base_bytes`` defaults to :func:`measured_base_bytes` (this process, this machine).
     """
     device = getattr(cfg, "device", "cpu")
     if device == "auto":
-        from ..distributed import choose_device, visible_gpus
+        from trainmesh.core.distributed import choose_device, visible_gpus
         device, _ = choose_device("auto", local_ranks=cfg.parallel.world_size, gpus=visible_gpus())
     if base_bytes is None:
         base_bytes = measured_base_bytes(device)

@@ -69,7 +69,7 @@ def _add(ops: dict[str, float], op: str, nbytes: float) -> None:
 
 def zero3_regathers(cfg: object) -> bool:
     """Whether ZeRO-3 gathers every unit per microbatch under layout ``cfg`` (a
-    :class:`~trainmesh.config.ParallelConfig`): always without a pipeline; inside one only with
+    :class:`~trainmesh.config.parallel.ParallelConfig`): always without a pipeline; inside one only with
     ``--zero3-reshard microbatch``."""
     return getattr(cfg, "pp", 1) == 1 or getattr(cfg, "zero3_reshard", "step") == "microbatch"
 

@@ -3,14 +3,14 @@
 Sizes: ``80GB`` (GB = 1e9 bytes), ``80GiB`` (GiB = 2**30), also B, KB/KiB, MB/MiB, TB/TiB, and
 plain byte counts (``8e10``). Bandwidths: the same units per second (``300GB/s``). Counts:
 plain numbers (``7.5e9``) or with a K/M/B/T suffix (``7.5B``). Bad input raises
-:class:`~trainmesh.errors.ConfigError` naming the flag and what would be valid.
+:class:`~trainmesh.core.errors.ConfigError` naming the flag and what would be valid.
 """
 from __future__ import annotations
 
 import math
 import re
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 SIZE_UNITS: dict[str, int] = {
     "": 1, "B": 1,

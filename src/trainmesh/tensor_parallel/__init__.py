@@ -4,6 +4,7 @@
 pattern -> style, :mod:`.plan`) to a built model; the layers (:mod:`.layers`), the vocab-parallel
 loss (:mod:`.loss`) and the differentiable collectives (:mod:`.mappings`) are usable directly.
 See docs/TENSOR_PARALLEL.md.
+Imports core and comm only; models declare their plans as data.
 """
 from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
 from .hf import hf_tp_plan

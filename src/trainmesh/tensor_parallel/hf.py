@@ -33,7 +33,7 @@ import copy
 
 from torch import nn
 
-from ..errors import ConfigError
+from trainmesh.core.errors import ConfigError
 
 STYLE_MAP = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab_embedding",
              "replicated_with_grad_allreduce": "partial_grad",

@@ -1,7 +1,7 @@
 """Tensor-parallel layers, each built from an existing full layer by slicing its weight.
 
 Shards are exact slices of the unsharded weights (so every layout starts from the same logical
-model). Each layer keeps a :class:`~trainmesh.placement.Placements` of its sharded parameters
+model). Each layer keeps a :class:`~trainmesh.core.placement.Placements` of its sharded parameters
 (``placements``, by attribute name: which slice of the full tensor each holds), which
 ``parallelize`` files under the parameters' names in the model; replicated ones (the
 row-parallel bias) have no record. Parameter attribute names stay ``weight`` and ``bias``, so a
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import Comm
-from ..placement import Placement, Placements
+from trainmesh.core.placement import Placement, Placements
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence, scatter_to_region)
 from .state import part_sizes, shard_of

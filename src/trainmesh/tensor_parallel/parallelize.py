@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..mesh import ParallelMesh
-from ..placement import Placements
+from trainmesh.core.mesh import ParallelMesh
+from trainmesh.core.placement import Placements
 from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
 from .loss import VocabParallelCrossEntropy
 from .mappings import gather_from_sequence, scatter_to_sequence

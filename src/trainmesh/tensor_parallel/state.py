@@ -1,5 +1,5 @@
 """Between shards and full tensors: what a checkpoint, the engine or a parity check needs of a
-TP model, given its :class:`~trainmesh.placement.Placements`.
+TP model, given its :class:`~trainmesh.core.placement.Placements`.
 
 A sharded parameter's record has ``tp_dim``, the dimension of the full tensor it is the
 ``rank``-th of ``n`` equal slices of; anything else is replicated over tp. A fused projection's
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..placement import Placement, Placements
+from trainmesh.core.placement import Placement, Placements
 from .mappings import _gather
 
 

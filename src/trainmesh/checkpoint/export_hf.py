@@ -1,0 +1,117 @@
+"""From a trainmesh checkpoint back to a Hugging Face model directory (``export-hf``).
+
+``trainmesh checkpoint export-hf DIR OUTDIR`` writes ``OUTDIR/config.json`` and
+``OUTDIR/model.safetensors`` from the newest checkpoint under ``DIR``, loadable with
+``AutoModelForCausalLM.from_pretrained(OUTDIR)``:
+
+- a run of a Hugging Face model (``--model-dir``, or any model with a ``config`` that
+  ``to_json_string``s): the checkpoint records the model's config (:func:`model_record`); the
+  weights are its parameters under their own names, tied aliases included;
+- the built-in GPT: it maps onto GPT-2 exactly — ``embed.wte/wpe`` -> ``transformer.wte/wpe``;
+  per block ``ln1``/``ln2`` -> ``ln_1``/``ln_2``, ``attn.q/k/v`` fused into the ``Conv1D``
+  ``attn.c_attn`` ([q | k | v], weights transposed), ``attn.proj`` -> ``attn.c_proj``,
+  ``mlp.fc``/``mlp.proj`` -> ``mlp.c_fc``/``mlp.c_proj``; ``head.ln_f`` -> ``transformer.ln_f``,
+  ``head.out`` -> ``lm_head`` (untied: ``tie_word_embeddings=False``), exact GELU
+  (``activation_function="gelu"``), no dropout, LayerNorm eps 1e-5.
+
+Anything else (a model of one's own without a Hugging Face config) is refused with a
+ConfigError naming ``DIR``. Only safetensors and JSON are read and written.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainmesh.core.errors import ConfigError
+
+GPT_BLOCK = re.compile(r"blocks\.(\d+)\.")
+
+
+def model_record(module: nn.Module) -> dict[str, Any]:
+    """What a checkpoint keeps about the model for consolidation and export: ``tied`` (alias ->
+    the name the weight is saved under) and, for a Hugging Face model, ``hf_config``."""
+    out: dict[str, Any] = {}
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    if tied:
+        out["tied"] = tied
+    config = getattr(module, "config", None)
+    if hasattr(config, "to_json_string") and hasattr(config, "model_type"):
+        out["hf_config"] = json.loads(config.to_json_string(use_diff=False))
+    return out
+
+
+def gpt_to_gpt2(weights: dict[str, torch.Tensor], heads: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The built-in GPT's weights as a GPT-2 (config, state dict); module docstring."""
+    vocab, d = weights["embed.wte.weight"].shape
+    layers = 1 + max(int(m.group(1)) for k in weights if (m := GPT_BLOCK.match(k)))
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
+              "n_positions": weights["embed.wpe.weight"].shape[0], "n_embd": d, "n_layer": layers,
+              "n_head": heads, "n_inner": weights["blocks.0.mlp.fc.weight"].shape[0],
+              "activation_function": "gelu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+              "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+              "bos_token_id": 0, "eos_token_id": 0}
+    out = {"transformer.wte.weight": weights["embed.wte.weight"],
+           "transformer.wpe.weight": weights["embed.wpe.weight"],
+           "transformer.ln_f.weight": weights["head.ln_f.weight"],
+           "transformer.ln_f.bias": weights["head.ln_f.bias"],
+           "lm_head.weight": weights["head.out.weight"]}
+    for i in range(layers):
+        src, dst = f"blocks.{i}.", f"transformer.h.{i}."
+        for a, b in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            for kind in ("weight", "bias"):
+                out[f"{dst}{b}.{kind}"] = weights[f"{src}{a}.{kind}"]
+        out[f"{dst}attn.c_attn.weight"] = torch.cat(   # Conv1D: (in, out) = [q | k | v]
+            [weights[f"{src}attn.{w}.weight"].t() for w in "qkv"], 1)
+        out[f"{dst}attn.c_attn.bias"] = torch.cat([weights[f"{src}attn.{w}.bias"] for w in "qkv"])
+        for a, b in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            out[f"{dst}{b}.weight"] = weights[f"{src}{a}.weight"].t()
+            out[f"{dst}{b}.bias"] = weights[f"{src}{a}.bias"]
+    return config, out
+
+
+def export_hf(root: str | Path, outdir: str | Path) -> Path:
+    """Write the Hugging Face directory of the newest checkpoint under ``root``; ConfigError
+    naming ``DIR`` for a checkpoint that maps onto no Hugging Face model."""
+    from safetensors.torch import save_file
+
+    from trainmesh.checkpoint.sharded import CheckpointError, newest_intact, read_weights, reading
+    directory, skipped = newest_intact(root)
+    if directory is None:
+        why = f" ({skipped[0][0].name}: {skipped[0][1]})" if skipped else ""
+        raise ConfigError("DIR", f"no intact checkpoint under {root}{why}")
+    try:
+        with reading(directory):
+            weights, manifest = read_weights(directory)
+    except CheckpointError as exc:
+        raise ConfigError("DIR", str(exc)) from None
+    trainer = manifest.get("trainer", {})
+    if "hf_config" in trainer:
+        config = dict(trainer["hf_config"])
+    elif "embed.wte.weight" in weights and "head.out.weight" in weights:
+        heads = trainer.get("run", {}).get("heads")
+        if not isinstance(heads, int):
+            raise ConfigError("DIR", f"{directory}: the built-in GPT's head count is not recorded "
+                              "(checkpoints of `trainmesh train` record it)")
+        config, weights = gpt_to_gpt2(weights, heads)
+    else:
+        raise ConfigError("DIR", f"{directory}: not a Hugging Face model (no config recorded) nor "
+                          "the built-in GPT; valid: a --save-dir of a --model-dir run or of the "
+                          "built-in GPT")
+    config.setdefault("torch_dtype", "float32")
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous().clone() for k, v in weights.items()}   # no shared storage
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out

@@ -1,0 +1,38 @@
+"""``trainmesh train --model-dir``'s rules, checked before any worker starts."""
+from __future__ import annotations
+
+from typing import Any
+
+from trainmesh.core.errors import ConfigError
+from trainmesh.models.hf import max_positions, read_model_config
+
+
+def check_model_config(cfg: Any) -> int:
+    """``trainmesh train --model-dir``'s rules, before any worker starts: the directory and its
+    config.json (:func:`read_model_config`), no flag that the config sets or the model cannot
+    run, head counts divisible by --tp, --seq-len within the positions; ``cfg`` is the
+    TrainConfig. Returns the vocabulary of the data: --vocab-size, or the model's."""
+    config = read_model_config(cfg.model_dir)
+    p = cfg.parallel
+    for flag, given in (("--layers", cfg.layers), ("--d-model", cfg.d_model), ("--heads", cfg.heads),
+                        ("--init-from", cfg.init_from)):
+        if given is not None:
+            raise ConfigError(flag, f"is set by --model-dir ({cfg.model_dir}); valid: leave it out")
+    for flag, unsupported in (("--pp", p.pp > 1), ("--sequence-parallel", p.sequence_parallel),
+                              ("--strategy", p.strategy != "mesh")):
+        if unsupported:
+            raise ConfigError(flag, "is not supported for --model-dir models; valid: dp, tp and "
+                              "ZeRO layouts (--pp 1, no --sequence-parallel, --strategy mesh)")
+    heads = {"attention heads": config.get("n_head") or config.get("num_attention_heads"),
+             "key/value heads": config.get("num_key_value_heads")}
+    for what, count in heads.items():
+        if isinstance(count, int) and count % p.tp:
+            raise ConfigError("--tp", f"must divide the model's {count} {what} ({cfg.model_dir})")
+    seq, longest = cfg.gpt_config().seq_len, max_positions(config)
+    if isinstance(longest, int) and seq > longest:
+        raise ConfigError("--seq-len", f"must be at most the model's {longest} positions; got {seq}")
+    vocab = config.get("vocab_size")
+    if cfg.vocab_size is not None and isinstance(vocab, int) and cfg.vocab_size > vocab:
+        raise ConfigError("--vocab-size", f"the data's vocabulary must fit the model's {vocab} "
+                          f"tokens; got {cfg.vocab_size}")
+    return cfg.vocab_size if cfg.vocab_size is not None else vocab

@@ -1,0 +1,228 @@
+"""Typed configuration: the parallel layout (:class:`ParallelConfig`), validated once.
+
+Every field is settable from a TOML file and from ``trainmesh train`` flags (the flag is the
+field name with dashes, ``timeout_s`` is ``--timeout``; :mod:`trainmesh.config.validation`). Every
+check of a layout lives here: :func:`~trainmesh.config.validation.check_fields` checks each field's
+type and range, ``__post_init__`` the rules between fields. Checks raise :class:`ConfigError`
+naming the flag and what would be valid.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from trainmesh.core.errors import ConfigError
+from trainmesh.core.mesh import TIMEOUT_S
+from trainmesh.config.validation import check_fields, setting
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p")
+"""Pipeline schedules the training runtime runs (``trainmesh schedule`` draws the same); the one
+list, which :mod:`trainmesh.pipeline_parallel.schedules` builds from."""
+GRAD_CLIP = 1.0
+"""The gradient-norm clip of ``trainmesh train`` (``--grad-clip``); :class:`ParallelConfig` in
+the Python API defaults to no clipping (0.0), as a plain PyTorch loop does (docs/API.md)."""
+ZERO3_RESHARD = ("step", "microbatch")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "full", "selective")
+OFFLOAD = ("none", "cpu", "nvme")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest collective timeout accepted: a week (torch's timedelta-based timeouts overflow far
+beyond; no collective legitimately waits longer)."""
+STRATEGIES = ("mesh", "ps", "diloco")
+PS_MODES = ("sync", "async")
+ALLREDUCE = ("native", "ring", "tree", "naive")
+
+
+@dataclass
+class ParallelConfig:
+    """How one training step is split over processes. World size = dp * pp * tp."""
+
+    dp: int = setting(1, "data-parallel degree: replicas, each with a slice of the global batch", ge=1)
+    pp: int = setting(1, "pipeline-parallel degree: stages the layers are split into", ge=1)
+    tp: int = setting(1, "tensor-parallel degree: ranks each layer's matrices are split across", ge=1)
+    zero: int = setting(0, "ZeRO stage over the DP axis: 0 (DDP), 1 (optimizer states), "
+                           "2 (+ gradients), 3 (+ parameters)", choices=(0, 1, 2, 3))
+    microbatches: int = setting(1, "gradient accumulation (pp=1) or pipeline microbatches (pp>1)", ge=1)
+    min_dp: int | None = setting(None, "elastic resize: the smallest dp the job may shrink to when "
+                                       "it loses processes (default --dp: no resize)", ge=1)
+    schedule: str = setting("1f1b", "pipeline schedule", choices=SCHEDULES)
+    virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)", ge=1)
+    zero3_reshard: str = setting("step", "ZeRO-3 with pp: step (gather each unit once per step, "
+                                         "keep it for every microbatch) or microbatch (gather "
+                                         "before every forward and backward)",
+                                 choices=ZERO3_RESHARD)
+    sequence_parallel: bool = setting(False, "Megatron sequence parallelism inside TP groups")
+    precision: str = setting("fp32", "compute precision: fp32, bf16, fp16 (dynamic loss scaling)",
+                             choices=PRECISIONS, group="precision & memory")
+    reduce_dtype: str | None = setting(None, "dtype gradients are reduced in: fp32 or the compute "
+                                             "dtype (default)", group="precision & memory")
+    recompute: str = setting("none", "activation recomputation: none, full (keep layer inputs) or "
+                                     "selective (attention internals)", choices=RECOMPUTE,
+                                     group="precision & memory")
+    recompute_segment: int = setting(1, "with full: recompute K layers from every K-th layer's input", ge=1,
+                                     group="precision & memory")
+    offload: str = setting("none", "ZeRO >= 1: fp32 masters and optimizer states off the device, "
+                                   "stepped on the CPU: none, cpu (host memory) or nvme (files)",
+                           choices=OFFLOAD, group="precision & memory")
+    offload_dir: str | None = setting(None, "directory for nvme offload files (default: a fresh "
+                                            "one under the system temp dir, removed at exit)", path=True,
+                                            group="precision & memory")
+    offload_params: bool = setting(False, "ZeRO-3 with offload: parameter shards in host memory "
+                                          "too, gathered to the device per unit", group="precision & memory")
+    bucket_mb: float = setting(25.0, "gradient bucket size in MiB (DDP all-reduce, ZeRO "
+                                     "reduce-scatter)", gt=0, group="precision & memory")
+    grad_clip: float = setting(0.0, "global gradient-norm clip, 0 = off (the norm is still "
+                                    f"measured); {GRAD_CLIP:g} for trainmesh train, 0 in the "
+                                    "Python API", ge=0, group="optimisation")
+    timeout_s: float = setting(TIMEOUT_S, "every collective's timeout in seconds", flag="--timeout",
+                               gt=0, le=MAX_TIMEOUT_S, group="launch")
+    compile: bool = setting(False, "torch.compile each transformer block / pipeline layer "
+                                   "(collectives stay outside the graphs)", group="precision & memory")
+    find_unused_parameters: bool = setting(False)
+    """Parameters that received no gradient in a step are allowed instead of raising an error:
+    one no DP rank used gets no update that step (its gradient is None, as DDP's
+    ``find_unused_parameters``); one used on some ranks is reduced as usual (API only)."""
+    broadcast_buffers: bool = setting(True)
+    """Buffers (e.g. BatchNorm running statistics) are broadcast from the DP root at start and
+    before every forward with gradients, as DDP's ``broadcast_buffers`` (API only)."""
+    zero3_units: "Sequence[str | type] | Callable[[str, Any], bool] | None" = setting(None)
+    """ZeRO-3: which modules are units — module names, module classes, or a predicate
+    ``(name, module) -> bool`` (None: each child of the model's largest ``nn.ModuleList`` and
+    the other modules that run once; API only)."""
+    # -- parameter server and all-reduce algorithms
+    strategy: str = setting("mesh", "mesh (dp x pp x tp), ps (RPC parameter server: --dp trainers, "
+                                    "--ps-servers servers) or diloco (--dp replicas taking "
+                                    "--inner-steps local steps between synchronisations)",
+                            choices=STRATEGIES)
+    ps_servers: int = setting(1, "parameter-server processes (strategy ps); parameters are sharded "
+                                 "across them by bytes", ge=1)
+    ps_mode: str = setting("sync", "sync (servers average every trainer's gradients of a step) or "
+                                   "async (Hogwild-style; strategy ps)", choices=PS_MODES)
+    ps_staleness: int | None = setting(None, "async: most steps a trainer may run ahead of the "
+                                             "slowest (0 = sync; default unbounded)", ge=0)
+    inner_steps: int = setting(500, "DiLoCo: local optimizer steps of each replica between two "
+                                    "synchronisations (H)", ge=1)
+    outer_lr: float = setting(0.7, "DiLoCo: learning rate of the outer Nesterov-SGD step", gt=0)
+    outer_momentum: float = setting(0.9, "DiLoCo: momentum of the outer Nesterov-SGD step (0 = "
+                                         "plain SGD; below 1)", ge=0)
+    allreduce: str = setting("native", "DDP's bucket reduction: native (the backend's), ring, tree "
+                                       "or naive", choices=ALLREDUCE)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        check_pipeline(self.schedule, pp=self.pp, microbatches=self.microbatches,
+                       virtual_stages=self.virtual_stages)
+        if self.reduce_dtype not in (None, "fp32", self.precision):
+            raise ConfigError("--reduce-dtype", f"must be fp32 or the compute dtype "
+                              f"({self.precision}); got {self.reduce_dtype!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("--sequence-parallel", "shards activations inside TP groups; needs --tp > 1")
+        if self.min_dp is not None and self.min_dp > self.dp:
+            raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
+                              f"--min-dp the smallest it may shrink to); got {self.min_dp}")
+        self._check_offload()
+        if self.zero3_units is not None and self.zero != 3:
+            raise ConfigError("zero3_units", f"chooses ZeRO-3's units; needs zero=3 (got zero={self.zero})")
+        if self.zero3_reshard != "step" and (self.zero != 3 or self.pp == 1):
+            raise ConfigError("--zero3-reshard", "chooses when ZeRO-3 re-gathers under a pipeline; "
+                              "needs --zero 3 and --pp > 1 (valid otherwise: step)")
+        self._check_ps()
+        self._check_diloco()
+
+    def _check_offload(self) -> None:
+        """Offload moves a ZeRO shard's optimizer: it needs one."""
+        if self.offload != "none" and self.zero == 0:
+            raise ConfigError("--offload", f"{self.offload} moves the optimizer shard of ZeRO off the "
+                              "device; needs --zero 1, 2 or 3 (got --zero 0; valid with it: none)")
+        if self.offload_params and (self.zero != 3 or self.offload == "none"):
+            raise ConfigError("--offload-params", "needs --zero 3 and --offload cpu or nvme")
+        if self.offload != "none" and self.sequence_parallel:
+            raise ConfigError("--offload", f"{self.offload} streams gradients to the host during "
+                              "backward, before sequence parallelism completes them over tp; "
+                              "with --sequence-parallel use --offload none")
+        if self.offload_dir is not None and self.offload != "nvme":
+            raise ConfigError("--offload-dir", "is where --offload nvme writes; needs --offload nvme")
+
+    def _check_ps(self) -> None:
+        """The parameter-server and all-reduce-algorithm rules between fields."""
+        if self.allreduce != "native" and (self.zero > 0 or self.strategy != "mesh"):
+            raise ConfigError("--allreduce", f"{self.allreduce} reduces DDP's buckets; needs --zero 0 "
+                              "and --strategy mesh (valid otherwise: native)")
+        if self.strategy != "ps" and (self.ps_servers != 1 or self.ps_mode != "sync"):
+            raise ConfigError("--ps-servers" if self.ps_servers != 1 else "--ps-mode",
+                              "needs --strategy ps")
+        if self.ps_staleness is not None and (self.strategy != "ps" or self.ps_mode != "async"):
+            raise ConfigError("--ps-staleness", "bounds async training; needs --strategy ps --ps-mode async")
+        if self.strategy == "ps":
+            for name, changed in (("tp", self.tp > 1), ("pp", self.pp > 1), ("zero", self.zero > 0),
+                                  ("precision", self.precision != "fp32"),
+                                  ("recompute", self.recompute != "none"),
+                                  ("min-dp", self.min_dp is not None)):
+                if changed:
+                    raise ConfigError(f"--{name}", "must stay at its default with --strategy ps "
+                                      "(fp32 replicas of whole parameters; --dp sets the trainers)")
+
+    def _check_diloco(self) -> None:
+        """DiLoCo's flags need it; it runs whole fp32 replicas over the DP axis only."""
+        if self.strategy != "diloco":
+            for name, changed in (("inner-steps", self.inner_steps != 500),
+                                  ("outer-lr", self.outer_lr != 0.7),
+                                  ("outer-momentum", self.outer_momentum != 0.9)):
+                if changed:
+                    raise ConfigError(f"--{name}", "sets DiLoCo's synchronisation; needs --strategy diloco")
+            return
+        if self.outer_momentum >= 1:
+            raise ConfigError("--outer-momentum", f"must be in [0, 1); got {self.outer_momentum}")
+        why = {"tp": "a replica is one process holding the whole model (--tp 1)",
+               "pp": "a replica is one process holding the whole model (--pp 1)",
+               "zero": "each replica keeps its own inner optimizer; sharding it over the replicas "
+                       "would mix them (--zero 0)",
+               "precision": "the outer step and the replicas are fp32 (--precision fp32)",
+               "min-dp": "the replicas' inner states do not survive a resize (leave --min-dp unset)"}
+        for name, changed in (("tp", self.tp > 1), ("pp", self.pp > 1), ("zero", self.zero > 0),
+                              ("precision", self.precision != "fp32"),
+                              ("min-dp", self.min_dp is not None)):
+            if changed:
+                raise ConfigError(f"--{name}", f"is not supported with --strategy diloco: {why[name]}")
+
+    @property
+    def microbatch_multiple(self) -> int:
+        """The microbatch count must be a multiple of this: pp with the interleaved schedule."""
+        return microbatch_multiple(self.schedule, self.pp)
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the job: dp*pp*tp, or dp trainers + ps_servers servers with strategy ps."""
+        return self.dp * self.pp * self.tp + (self.ps_servers if self.strategy == "ps" else 0)
+
+    def layout(self) -> dict[str, Any]:
+        """The layout record of the metrics summary (docs/METRICS.md)."""
+        keys = ("dp", "pp", "tp", "zero", "microbatches", "schedule", "virtual_stages",
+                "sequence_parallel", "precision", "recompute", "offload", "zero3_reshard")
+        if self.strategy == "diloco":
+            keys += ("strategy", "inner_steps", "outer_lr", "outer_momentum")
+        return {k: getattr(self, k) for k in keys}
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+def microbatch_multiple(schedule: str, pp: int) -> int:
+    """Interleaved 1F1B runs microbatches in rounds of pp: their count is a multiple of this."""
+    return pp if schedule == "interleaved" else 1
+
+
+def check_pipeline(schedule: str, *, pp: int, microbatches: int, virtual_stages: int) -> None:
+    """The rules of a pipeline schedule, for the flags and for schedules built directly
+    (:func:`~trainmesh.pipeline_parallel.schedules.build_schedule`). Raises ConfigError."""
+    if schedule not in SCHEDULES:
+        raise ConfigError("--schedule", f"must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ConfigError("--virtual-stages", f"> 1 needs --schedule interleaved; got {virtual_stages} "
+                          f"with {schedule} (valid with it: 1)")
+    multiple = microbatch_multiple(schedule, pp)
+    if microbatches % multiple:
+        raise ConfigError("--microbatches", f"with --schedule interleaved must be a multiple of --pp "
+                          f"({pp}): microbatches go through the chunks in rounds of pp; got {microbatches}")

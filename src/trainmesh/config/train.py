@@ -1,0 +1,212 @@
+"""TrainConfig: everything ``trainmesh train`` needs, from a TOML file and flags (flags win).
+
+Fields are declared once with their flag, help text and valid range
+(:func:`~trainmesh.config.validation.setting`); :data:`FLAGS` (flag -> field) generates the command
+line of ``train`` and ``plan`` and is the list of TOML keys. A TOML key is a flag name without
+the dashes (``global-batch`` or ``global_batch``, ``timeout``), at top level or in tables
+(``[parallel]``, ``[model]``, ``[train]``: tables only group keys). Unknown keys are an error.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from trainmesh.config.parallel import GRAD_CLIP, ParallelConfig
+from trainmesh.core.errors import ConfigError
+from trainmesh.models.gpt import PRESETS, GPTConfig
+from trainmesh.config.validation import Flag, check_fields, flags_of, setting
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+OPTIMIZERS = ("adamw", "sgd")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.3}
+SHAPE = {"layers": "n_layers", "d_model": "d_model", "heads": "n_heads", "seq_len": "seq_len",
+         "vocab_size": "vocab_size"}
+"""Model-shape overrides: TrainConfig field -> GPTConfig field."""
+
+
+@dataclass
+class TrainConfig:
+    """One training run: layout, model, data, optimizer, schedule, outputs."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: str = setting("tiny", f"built-in GPT preset: {', '.join(PRESETS)}", choices=tuple(PRESETS),
+                         group="model")
+    layers: int | None = setting(None, "override the preset's layer count", ge=1, group="model")
+    d_model: int | None = setting(None, "override the preset's hidden size", ge=1, group="model")
+    heads: int | None = setting(None, "override the preset's attention heads", ge=1, group="model")
+    seq_len: int | None = setting(None, "override the preset's sequence length", ge=1, group="model")
+    vocab_size: int | None = setting(None, "override the preset's vocabulary size", ge=1, group="model")
+    data: str = setting("synthetic", "'synthetic', or a text file (bytes) / token file (.npy, "
+                                     ".bin uint16)", path=True, group="data")
+    tokenizer: str = setting("bytes", "text --data as 'bytes' (vocab 256) or 'bpe:VOCAB' (a "
+                                      "byte-level BPE trained on the file, cached beside it; "
+                                      "sets --vocab-size)", group="data")
+    global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
+                                    "microbatches", ge=1, group="optimisation")
+    optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS, group="optimisation")
+    lr: float | None = setting(None, "peak learning rate (default " + ", ".join(
+        f"{v:g} for {k}" for k, v in DEFAULT_LR.items()) + ")", gt=0, group="optimisation")
+    warmup_steps: int = setting(20, "linear warm-up steps before cosine decay", ge=0, group="optimisation")
+    steps: int = setting(200, "total optimizer steps", ge=1, group="optimisation")
+    seed: int = setting(0, "seed of weights and data", ge=0, group="data")
+    init_from: str | None = setting(None, "start from pretrained weights: a safetensors file with "
+                                          "the GPT's parameter names and shapes (e.g. `trainmesh "
+                                          "checkpoint consolidate` output)", path=True, group="checkpoints")
+    model_dir: str | None = setting(None, "train the Hugging Face causal LM (GPT-2 or Llama) of "
+                                          "this directory instead of the built-in GPT: config.json "
+                                          "+ model.safetensors, as save_pretrained writes (needs "
+                                          "transformers); dp and tp, not pp", path=True, group="model")
+    metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True, group="observability")
+    save_dir: str | None = setting(None, "checkpoint directory", path=True, group="checkpoints")
+    save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0, group="checkpoints")
+    keep_last: int = setting(0, "after each save keep only the newest N checkpoints (0: all)", ge=0,
+                             group="checkpoints")
+    resume: bool = setting(False, "continue from the newest intact checkpoint in --save-dir",
+                           group="checkpoints")
+    async_save: bool = setting(False, "save in the background: snapshot the state to host memory "
+                                      "at each save, write it on a thread while training goes on",
+                               group="checkpoints")
+    exit_after: int | None = setting(None, "stop cleanly after this step (planned preemption)", ge=1,
+                                     group="checkpoints")
+    max_restarts: int = setting(0, "restarts of failed workers (local runs)", ge=0, group="launch")
+    timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
+                                             "(pipeline runs)", path=True, group="observability")
+    eval_every: int | None = setting(None, "validation loss on the held-out split (the last 5 percent "
+                                           "of --data, or a disjoint synthetic stream) every N "
+                                           "steps", ge=1, group="observability")
+    eval_batches: int = setting(4, "global batches per evaluation (--eval-every)", ge=1,
+                                group="observability")
+    trace_out: str | None = setting(None, "Chrome/Perfetto trace JSON of the last --trace-steps "
+                                          "steps, every rank in one file", path=True, group="observability")
+    trace_steps: int = setting(2, "steps in the --trace-out trace (the run's last)", ge=1,
+                               group="observability")
+    tensorboard: str | None = setting(None, "directory for TensorBoard event files (needs the "
+                                            "tensorboard package)", path=True, group="observability")
+    device: str = setting("auto", "auto, cpu or cuda", choices=DEVICES, group="launch")
+    on_nonfinite: str = setting("stop", "a non-finite loss or gradient norm: stop (exit 1, nothing "
+                                        "non-finite saved) or skip the step (stop after a bound)",
+                                choices=("stop", "skip"), group="optimisation")
+    peak_tflops: float | None = setting(None, "one device's peak TFLOP/s for MFU (default: a table "
+                                              "of known GPUs; none on CPU)", gt=0, group="observability")
+    gpu: str | None = setting(None, "the accelerator, for MFU's peak: a name of `trainmesh plan "
+                                    "--list-gpus` (default: the detected CUDA device; none on "
+                                    "CPU)", group="observability")
+    force: bool = setting(False, "start even when the planner predicts the run will not fit "
+                                 "this machine, or --resume with another --data than the "
+                                 "checkpoint's", group="launch")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.parallel, ParallelConfig):
+            raise TypeError("TrainConfig.parallel must be a ParallelConfig")
+        check_fields(self)
+        from trainmesh.data.tokenizer import bpe_vocab
+        bpe = bpe_vocab(self.tokenizer)
+        if bpe is not None:
+            if self.data == "synthetic":
+                raise ConfigError("--tokenizer", "bpe tokenises a text --data file; the synthetic "
+                                  "corpus has its own vocabulary")
+            if self.vocab_size is None:
+                self.vocab_size = bpe
+        if self.exit_after is not None and self.exit_after > self.steps:
+            raise ConfigError("--exit-after", f"must be a step in 1..--steps ({self.steps}); "
+                              f"got {self.exit_after}")
+        if self.async_save and not self.save_dir:
+            raise ConfigError("--async-save", "writes checkpoints in the background; needs --save-dir")
+        if self.gpu is not None:
+            from trainmesh.core.gpus import gpu
+            self.gpu = gpu(self.gpu).name
+        if self.resume and not self.save_dir:
+            raise ConfigError("--resume", "needs --save-dir (where the checkpoints are)")
+        if self.timeline_out is not None:
+            if self.parallel.pp == 1:
+                raise ConfigError("--timeline-out", "draws pipeline runs; needs --pp > 1")
+            if not self.timeline_out.endswith((".svg", ".png")):
+                raise ConfigError("--timeline-out", f"must end in .svg or .png; got {self.timeline_out!r}")
+        p = self.parallel
+        per = p.dp * p.microbatches
+        if self.global_batch % per:
+            raise ConfigError("--global-batch", f"must be divisible by dp x microbatches = {p.dp} x "
+                              f"{p.microbatches} = {per}; got {self.global_batch}")
+        gpt = self.gpt_config()  # the shape's own rules (heads divide d-model)
+        if self.model_dir is not None:   # its config.json sets the shape: other rules
+            from trainmesh.config.model_dir import check_model_config
+            self.vocab_size = check_model_config(self)
+            return
+        if p.pp * p.virtual_stages > gpt.n_layers:
+            raise ConfigError("--pp", f"pp x virtual-stages = {p.pp * p.virtual_stages} exceeds the "
+                              f"model's {gpt.n_layers} layers")
+        from trainmesh.models.gpt import validate_gpt
+        validate_gpt(gpt, p.tp, sequence_parallel=p.sequence_parallel)
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    def gpt_config(self) -> GPTConfig:
+        """The preset with the shape flags given (``--layers`` ...) applied."""
+        base = asdict(PRESETS[self.model])
+        base.update({gpt: getattr(self, mine) for mine, gpt in SHAPE.items()
+                     if getattr(self, mine) is not None})
+        base["d_ff"] = 0  # 4 x d_model of the final width
+        return GPTConfig(**base)
+
+    def num_params(self) -> int:
+        """Logical parameter count of the model trained (tied weights once)."""
+        if self.model_dir is not None:
+            from trainmesh.models.hf import count_params
+            return count_params(self.model_dir)
+        return self.gpt_config().num_params()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+FLAGS: dict[str, Flag] = {**flags_of(ParallelConfig, group="layout"), **flags_of(TrainConfig)}
+"""Every ``trainmesh train`` flag -> its config field (the flags of ``train`` and ``plan``, and
+the TOML keys)."""
+TRAIN_DEFAULTS: dict[str, Any] = {"grad_clip": GRAD_CLIP}
+"""ParallelConfig fields whose ``trainmesh train`` default differs from the Python API's."""
+PARALLEL_FIELDS = ParallelConfig.field_names()
+TRAIN_FIELDS = {f.name for f in fields(TrainConfig)} - {"parallel"}
+
+
+def field_of_key(key: str) -> str | None:
+    """The field a flag or TOML key sets (``global-batch``, ``global_batch``, ``--timeout``), or None."""
+    flag = FLAGS.get("--" + key.lstrip("-").replace("_", "-"))
+    return flag.field if flag is not None else None
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """A config file flattened to {field: value}; tables only group keys."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError("--config", f"no such file {path!r}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("--config", f"cannot read {path!r}: {exc}") from None
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        items = value.items() if isinstance(value, dict) else [(key, value)]
+        for k, v in items:
+            name = field_of_key(k)
+            if name is None:
+                raise ConfigError("--config", f"unknown key {k!r} in {path}; keys are the flag "
+                                  "names without '--' (e.g. global-batch, timeout)")
+            flat[name] = v
+    return flat
+
+
+def build_train_config(values: dict[str, Any]) -> TrainConfig:
+    """{field: value} (from TOML and flags) -> a validated TrainConfig."""
+    par = {k: v for k, v in values.items() if k in PARALLEL_FIELDS}
+    rest = {k: v for k, v in values.items() if k in TRAIN_FIELDS}
+    for name, value in TRAIN_DEFAULTS.items():   # trainmesh train's own defaults (docs/CLI.md)
+        par.setdefault(name, value)
+    return TrainConfig(parallel=ParallelConfig(**par), **rest)

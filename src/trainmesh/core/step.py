@@ -1,0 +1,90 @@
+"""One training step's contract between the engine and an executor.
+
+An *executor* runs the forward and backward passes of one step's microbatches on this rank:
+:class:`~trainmesh.engine.executor.LocalExecutor` (gradient accumulation) or
+:class:`~trainmesh.pipeline_parallel.runtime.PipelineExecutor` (a pipeline schedule). Both
+implement :class:`Executor`. The engine hands them :class:`StepHooks`: the precision policy's
+autocast and loss scaling, and the two ways of telling the data-parallel strategy when a
+gradient is final. So an executor knows neither the strategy nor the precision, and the engine
+alone talks to both.
+
+``loss_fn(model, microbatch)`` returns the mean loss of the microbatch or a
+``(loss_sum, token_count)`` pair (:func:`as_sum_and_count`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from trainmesh.pipeline_parallel.schedules import Timeline
+
+LossFn = Callable[[nn.Module, Any], Any]
+"""(model, microbatch) -> mean loss, or (loss_sum, token_count)."""
+
+
+def as_sum_and_count(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss_fn result -> (loss_sum, token_count): a mean counts as one unit of weight."""
+    if isinstance(out, tuple):
+        loss_sum, count = out
+        return loss_sum, torch.as_tensor(count, dtype=torch.float64)
+    return out, torch.ones((), dtype=torch.float64)
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a batch or a module's output (a tensor, or dicts, lists and tuples of
+    them), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_in(v)]
+    return []
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What an executor calls during a step; the engine binds them to its precision policy and
+    its data-parallel strategy."""
+
+    autocast: Callable[[], AbstractContextManager[None]]
+    """Context of every forward and loss: the compute dtype."""
+    scale_loss: Callable[[torch.Tensor], torch.Tensor]
+    """The tensor a backward starts from, given the loss sum (fp16: times the loss scale)."""
+    before_backward: Callable[..., None]
+    """Gradient accumulation: ``before_backward(is_last=...)`` before each microbatch's
+    backward; the gradients are reduced during the last one."""
+    expect_backwards: Callable[[int], None]
+    """Pipelines: called once at the start of a step with the number of backward passes that
+    run through every parameter (in any interleaving); each gradient is reduced after its last."""
+
+
+class Executor(Protocol):
+    """Runs one step's forward and backward passes on this rank."""
+
+    module: nn.Module
+    """The parameters this rank holds, under their names in the whole model."""
+    holds_loss: bool
+    """Whether this rank computes the loss (every rank without a pipeline; the last stage's)."""
+    tied_parameters: list[nn.Parameter]
+    """Parameters also held by another pipeline rank, their gradients summed over those ranks."""
+    duplicate_parameters: list[nn.Parameter]
+    """Those of them another rank counts in the gradient norm (this rank's copy is a duplicate)."""
+    last_timeline: Timeline | None
+    """The measured actions of the last step (this rank's row is its pipeline index; without a
+    pipeline, one row of F and B per microbatch), else None."""
+
+    def run(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
+        """Forward and backward over every microbatch; (loss_sum, token_count) of this rank."""
+        ...
+
+    def evaluate(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
+        """Forward only (no gradients, no hooks of the DP strategy's backward) over every
+        microbatch; (loss_sum, token_count) of this rank, zeros where it holds no loss."""
+        ...

@@ -1,0 +1,111 @@
+"""Tokenisation of a text file (``--tokenizer bytes|bpe:VOCAB``).
+
+``bytes`` reads the file as bytes (vocabulary 256): the text is its own token file, read
+window by window. ``bpe:VOCAB`` trains a byte-level BPE of at most VOCAB tokens on the file with
+the ``tokenizers`` library and encodes it once; the model's vocabulary becomes VOCAB. Both passes
+stream the text in pieces (:func:`text_pieces`), so no process holds the whole text or all its
+ids. Tokenizer and token ids are cached beside the file (or in the user cache directory when
+that is not writable), keyed by VOCAB and the file's fingerprint: size, mtime and the hash of
+its first MiB (``FILE.bpe512-<hash>.json`` / ``.npy``), and written atomically (a temporary
+file, then a rename): the launcher's preflight tokenises before any worker starts, and ranks
+that start at once (torchrun) compute the same bytes, so whichever rename lands last wins with
+identical content. Workers read the ids through :class:`~trainmesh.data.token_cache.TokenView`.
+"""
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from trainmesh.core.errors import ConfigError
+from trainmesh.data.token_cache import TokenView, cache_dir, fingerprint, open_tokens, write_atomic, write_token_cache
+
+MIN_BPE_VOCAB = 257
+"""The 256 byte tokens plus at least one merge."""
+MAX_BPE_VOCAB = 2**31 - 1
+PIECE_BYTES = 1 << 14
+"""Bytes of text read, trained on and encoded at a time (16 KiB). Small: the ``tokenizers``
+trainer buffers a few hundred pieces ahead (on 40 MB of text, 4 MiB pieces held 765 MiB while
+training, 64 KiB pieces 49 MiB, 16 KiB pieces 14 MiB, all in about the same time), and an
+encoding costs ~50 bytes per token until it is freed."""
+
+
+def bpe_vocab(spec: str) -> int | None:
+    """``"bytes"`` -> None; ``"bpe:N"`` -> N; anything else: ConfigError naming --tokenizer."""
+    if spec == "bytes":
+        return None
+    kind, _, n = spec.partition(":")
+    if kind == "bpe" and n.isdigit() and MIN_BPE_VOCAB <= int(n) <= MAX_BPE_VOCAB:
+        return int(n)
+    raise ConfigError("--tokenizer", f"must be 'bytes' or 'bpe:VOCAB' with VOCAB an integer >= "
+                      f"{MIN_BPE_VOCAB} (256 bytes plus merges); got {spec!r}")
+
+
+def cache_paths(data: str, vocab: int) -> tuple[Path, Path]:
+    """(tokenizer JSON, token ids .npy) of ``data`` under a ``vocab``-token BPE: beside the
+    text (else the user cache directory), named by the text's fingerprint."""
+    stem = f"{Path(data).name}.bpe{vocab}-{fingerprint(data)}"
+    where = cache_dir(data)
+    return where / (stem + ".json"), where / (stem + ".npy")
+
+
+def bpe_tokens(data: str, vocab: int) -> TokenView:
+    """The token ids of text file ``data`` under its ``vocab``-token BPE (trained and encoded
+    once into the cache, then opened, never loaded)."""
+    try:
+        tok_path, ids_path = cache_paths(data, vocab)
+        if not ids_path.exists():
+            _train(data, vocab, tok_path, ids_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--tokenizer", f"cannot tokenise {data!r}: {exc}") from None
+    return open_tokens(str(ids_path))
+
+
+def text_pieces(path: str, piece_bytes: int | None = None) -> Iterator[str]:
+    """The text of ``path`` (UTF-8, undecodable bytes replaced) in pieces of about
+    ``piece_bytes``, each cut before a space that follows a letter or digit: the byte-level
+    pre-tokenizer splits there anyway, so the pieces train and encode exactly as the whole text
+    would. A stretch with no such space is cut at ``4 x piece_bytes`` characters."""
+    piece_bytes = piece_bytes or PIECE_BYTES
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    carry = ""
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(piece_bytes)
+            text = carry + decoder.decode(raw, final=not raw)
+            if not raw:
+                if text:
+                    yield text
+                return
+            cut = _cut(text)
+            if cut <= 0 and len(text) < 4 * piece_bytes:
+                carry = text
+                continue
+            cut = cut if cut > 0 else len(text)
+            yield text[:cut]
+            carry = text[cut:]
+
+
+def _cut(text: str) -> int:
+    """The last index of a space after a letter or digit (a pre-token boundary), else -1."""
+    at = text.rfind(" ")
+    while at > 0 and not text[at - 1].isalnum():
+        at = text.rfind(" ", 0, at)
+    return at
+
+
+def _train(data: str, vocab: int, tok_path: Path, ids_path: Path) -> None:
+    try:
+        from tokenizers import ByteLevelBPETokenizer
+    except ImportError:
+        raise ConfigError("--tokenizer", "bpe needs the tokenizers package "
+                          "(pip install tokenizers)") from None
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(text_pieces(data), vocab_size=vocab, min_frequency=2,
+                            show_progress=False)
+    dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.int32)
+    write_token_cache(ids_path, dtype, (np.asarray(tok.encode(piece).ids, dtype=dtype)
+                                        for piece in text_pieces(data)))
+    write_atomic(tok_path, lambda f: f.write(tok._tokenizer.to_str().encode()))

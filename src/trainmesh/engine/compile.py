@@ -1,0 +1,78 @@
+"""``--compile``: ``torch.compile`` applied to each layer, never to the whole model.
+
+Following torchtitan, each transformer block (each pipeline layer) is compiled on its own, in
+place: the layer's ``forward`` becomes its compiled version, while the module itself, its
+parameter names and its hooks stay what they were. So everything trainmesh hangs on modules
+keeps running eagerly around the compiled code (docs/COMPILE.md):
+
+* ZeRO-3's forward pre-hook (all-gather) and post-hook (free) run around a unit's compiled
+  forward: compute inside the graph, collectives outside;
+* the data-parallel strategies' post-accumulate-grad hooks fire per parameter, after the
+  compiled backward returns each gradient to autograd's ``AccumulateGrad`` node;
+* tensor-parallel collectives (:mod:`trainmesh.tensor_parallel.mappings`) go through the Comm
+  (ledger, timeouts), which dynamo does not put in a graph: each is a graph break inside a block
+  (they are not marked with ``torch.compiler.disable``, which would import dynamo into every
+  worker, compiled or not: ~74 MiB of RSS);
+* activation recomputation wraps ``forward`` before it is compiled (torchtitan's order: AC,
+  then compile), so the checkpoint is traced into the block's graph.
+
+:func:`check_compile` refuses, cheaply and before any worker starts, a machine where
+``torch.compile``'s default backend cannot build kernels.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from trainmesh.core.errors import ConfigError
+from trainmesh.engine.recompute import LAYER_LIST_NAMES
+
+CXX_CANDIDATES = ("g++", "clang++", "c++")
+"""The C++ compilers inductor's CPU backend looks for (besides ``$CXX``)."""
+
+
+def check_compile(device_type: str) -> None:
+    """ConfigError naming ``--compile`` when inductor cannot generate code for ``device_type``:
+    on CPU it needs a C++ compiler, on CUDA the ``triton`` package."""
+    if device_type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("--compile", "needs the triton package on CUDA (inductor generates "
+                              "triton kernels); install triton or leave --compile off")
+        return
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else list(CXX_CANDIDATES)
+    if not any(shutil.which(c) for c in candidates):
+        raise ConfigError("--compile", f"needs a C++ compiler on CPU (looked for "
+                          f"{', '.join(candidates)}); install one or leave --compile off")
+
+
+def compile_layers(model: nn.Module, device_type: str) -> list[nn.Module]:
+    """Compile each layer of ``model`` (on ``device_type``) in place; returns the layers."""
+    check_compile(device_type)
+    layers = find_layers(model)
+    for layer in layers:
+        # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the
+        # module's hooks (ZeRO-3's gather and free) eagerly around it.
+        layer.forward = torch.compile(layer.forward)
+    return layers
+
+
+def find_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers compiled one by one: ``model.pipeline_layers()`` (the built-in GPT: embedding,
+    blocks, head), the children of an ``nn.Sequential``, or a ModuleList attribute named
+    ``blocks``/``layers``/``h``."""
+    if callable(getattr(model, "pipeline_layers", None)):
+        return list(model.pipeline_layers())
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    for m in model.modules():
+        for attr in LAYER_LIST_NAMES:
+            layers = getattr(m, attr, None)
+            if isinstance(layers, (nn.ModuleList, nn.Sequential)) and len(layers) > 0:
+                return list(layers)
+    raise ConfigError("--compile", f"compiles the model layer by layer: needs pipeline_layers(), "
+                      f"an nn.Sequential, or a ModuleList attribute named "
+                      f"{'/'.join(LAYER_LIST_NAMES)}; none found in {type(model).__name__}")

@@ -1,0 +1,358 @@
+"""Engine: composes the mesh, tensor/pipeline parallelism and a DP strategy into one train step.
+
+One step (README.md, "Architecture"): split this DP rank's batch into microbatches; run
+forward and backward (locally, or through the pipeline schedule) while the DP strategy reduces
+gradients in buckets; sum the loss and token count over the world; scale gradients to the mean
+over every token of the global batch; under sequence parallelism, sum the partial gradients of
+replicated parameters over tp (:meth:`Engine._complete_partial_grads`); measure the global gradient norm (each logical parameter
+once) and clip; step the optimizer. Every layer it composes uses only its own mesh axis.
+
+The seams: the executor (:mod:`trainmesh.core.step`: local or a pipeline stage) runs the passes and
+reaches the precision policy and the DP strategy only through the :class:`~trainmesh.core.step.
+StepHooks` the engine binds; the engine alone drives the strategy (``grad_sync``);
+checkpoints get the strategy, the communication layer and the trainer state, never the engine.
+Where each parameter lives across the mesh (tensor-parallel slice, partial gradient, pipeline
+duplicate) is one :class:`~trainmesh.core.placement.Placement` per name in ``engine.placements``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainmesh.checkpoint import sharded as checkpoint
+from trainmesh.comm import Comm
+from trainmesh.core.compat import set_last_lr
+from trainmesh.config.parallel import ParallelConfig
+from trainmesh.data.corpus import split_microbatches
+from trainmesh.data_parallel import make_grad_sync, unique_named_parameters
+from trainmesh.data_parallel.base import OptimizerFactory
+from trainmesh.core.errors import ConfigError
+from trainmesh.engine.executor import LocalExecutor
+from trainmesh.checkpoint.export_hf import model_record
+from trainmesh.observe.flops import model_flops_per_token
+from trainmesh.core.mesh import ParallelMesh
+from trainmesh.engine.materialize import InitFn, materialize
+from trainmesh.observe.metrics import storage_bytes
+from trainmesh.core.placement import Placements
+from trainmesh.engine.precision import Precision
+from trainmesh.core.step import Executor, LossFn, StepHooks
+
+
+class Engine:
+    """Trains ``model`` under ``config`` on the mesh (docs/API.md)."""
+
+    def __init__(self, model: nn.Module, optimizer: OptimizerFactory, loss_fn: LossFn,
+                 config: ParallelConfig | None = None, *,
+                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 param_groups: Callable[[str], dict] | None = None,
+                 mesh: ParallelMesh | None = None, tp_plan: dict[str, str] | None = None,
+                 broadcast_init: bool = True, flops_per_token: float | None = None,
+                 init_fn: InitFn | None = None, device: torch.device | str | None = None) -> None:
+        self.config = cfg = config or ParallelConfig()
+        self.flops_per_token = model_flops_per_token(model, flops_per_token)
+        """Training FLOPs per token of the whole model (MFU): given, the model's own
+        ``flops_per_token()``, or None (:mod:`trainmesh.observe.flops`)."""
+        self.mesh = mesh or ParallelMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        self.comm = Comm(self.mesh)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if self.device.type == "meta":
+            self.device = torch.device("cpu")
+        self.precision = Precision(cfg, self.device)
+        self.placements = Placements()
+        """Each parameter's place on the mesh, by name (filled by the TP and pipeline split)."""
+        self.model = self._split_layers(model, tp_plan)
+        self.executor: Executor = self._build_executor(self.model, loss_fn)
+        self.module: nn.Module = self.executor.module
+        named = unique_named_parameters(self.module)
+        self._mark_duplicates(named)
+        fill = self._sharded_init(named, init_fn or getattr(model, "init_parameter", None))
+        if broadcast_init and fill is None:
+            self._broadcast_from_dp_root(named)
+        if cfg.broadcast_buffers and self.mesh.size("dp") > 1:
+            self._broadcast_buffers()
+            self.module.register_forward_pre_hook(self._buffers_before_forward)
+        if self.executor.tied_parameters and cfg.zero >= 2:
+            raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
+                              "(their gradients are summed over stages before sharding)")
+        self.grad_sync = make_grad_sync(cfg, named, self.comm, module=self.module,
+                                        precision=self.precision, materialize=fill,
+                                        device=self.device,
+                                        layers=getattr(self.executor, "layer_names", None))
+        self.hooks = StepHooks(autocast=self.precision.autocast, scale_loss=self.precision.scale_loss,
+                               before_backward=self.grad_sync.before_backward,
+                               expect_backwards=self.grad_sync.expect_backwards)
+        self.optimizer = self.grad_sync.build_optimizer(optimizer, param_groups)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
+        self.step_count = 0
+        self.last: dict[str, Any] = {}
+        self.state_bytes = {"params": 0, "grads": 0, "optimizer": 0}
+        self.offloaded_bytes = {"cpu": 0, "nvme": 0}
+        """Model-state bytes kept off the compute device (--offload), measured with state_bytes."""
+
+    # ---------------------------------------------------------------- set-up
+    def _split_layers(self, model: nn.Module, tp_plan: dict[str, str] | None) -> nn.Module:
+        """Tensor parallelism (the model's own plan unless ``tp_plan``), recomputation and
+        compilation, in place."""
+        cfg = self.config
+        if cfg.tp > 1:
+            from trainmesh.tensor_parallel import parallelize
+            parallelize(model, self.mesh, self.comm, plan=tp_plan,
+                        sequence_parallel=cfg.sequence_parallel, placements=self.placements)
+        if cfg.recompute != "none":
+            from trainmesh.engine.recompute import apply_recompute
+            apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
+        if cfg.compile:   # last: compiles the layers as TP and recomputation left them
+            from trainmesh.engine.compile import compile_layers
+            compile_layers(model, self.device.type)
+        return model
+
+    def _build_executor(self, model: nn.Module, loss_fn: LossFn) -> Executor:
+        """This rank's share of the model and how a step runs it: a pipeline stage or all of it."""
+        cfg = self.config
+        if cfg.pp == 1:
+            return LocalExecutor(model, loss_fn)
+        from trainmesh.pipeline_parallel.runtime import PipelineExecutor
+        from trainmesh.pipeline_parallel.schedules import build_schedule
+        schedule = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+        return PipelineExecutor(model, loss_fn, self.mesh, self.comm, schedule, device=self.device)
+
+    def _sharded_init(self, named: list[tuple[str, nn.Parameter]], init: InitFn | None
+                      ) -> Callable[[list[tuple[str, nn.Parameter]]], None] | None:
+        """A model on the meta device: give this rank's parameters (after the tensor and pipeline
+        split) their values from ``init``, or leave that to ZeRO-3, unit by unit (returns the
+        function it calls). None when the model is already materialised."""
+        if not any(p.is_meta for _, p in named):
+            return None
+        if init is None:
+            raise ConfigError("model", "parameters on the meta device need an init function "
+                              "(Engine(init_fn=...) or a model.init_parameter(name, shape, index))")
+        fill = partial(materialize, init=init, device=self.device, placements=self.placements)
+        if self.config.zero < 3:
+            fill(named)
+        return fill
+
+    @torch.no_grad()
+    def _broadcast_from_dp_root(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Identical start on every DP replica, whatever the user's init (set-up traffic)."""
+        if self.mesh.size("dp") == 1:
+            return
+        root = self.mesh.ranks("dp")[0]
+        for _, p in named:
+            self.comm.broadcast(p.data, "dp", src=root)
+
+    def _mark_duplicates(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Pipeline ties held on several ranks: record this rank's copy as a duplicate."""
+        duplicates = {id(p) for p in self.executor.duplicate_parameters}
+        for name, p in named:
+            if id(p) in duplicates:
+                self.placements.mark(name, tuple(p.shape), duplicate=True)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """Every floating or integer buffer (BatchNorm statistics, counters) from the DP root,
+        as DDP's ``broadcast_buffers``; one collective per buffer, in registration order."""
+        root = self.mesh.ranks("dp")[0]
+        for _, b in self.module.named_buffers():
+            if b.numel() and not b.is_meta:
+                self.comm.broadcast(b.data, "dp", src=root)
+
+    def _buffers_before_forward(self, _module: nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled():       # a training forward (evaluation keeps its own)
+            self._broadcast_buffers()
+
+    def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
+        """Whether this rank counts ``p`` in the global norm: duplicates only once."""
+        placement = self.placements.get(name)
+        if placement is not None and placement.duplicate:
+            return False
+        return (placement is not None and placement.sharded) or self.mesh.index("tp") == 0
+
+    def _complete_partial_grads(self) -> None:
+        """Sequence parallelism: each TP rank holds the gradient of its sequence chunk for the
+        replicated parameters that run on chunks; sum them over tp, by name order, in one flat
+        all-reduce. After the DP reduction (both are sums, so they commute), on whatever holds
+        the reduced gradient: whole gradients, or, under ZeRO-2/3, this rank's pieces of the
+        gradient shard (the same pieces on every rank of a TP group)."""
+        names = self.placements.partial_grad_names()
+        if names and self.mesh.size("tp") > 1:
+            from trainmesh.tensor_parallel.state import sum_partial_grads
+            sum_partial_grads(self.grad_sync.grads_of(names), self.comm)
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, batch: Any = None, *, microbatches: list | None = None) -> float:
+        """One optimizer step on this DP rank's ``batch`` (a tensor, a tuple/list of tensors or a
+        dict, split along dim 0 into ``config.microbatches``), or on ``microbatches`` already
+        split by the caller; returns the global-batch loss."""
+        if (batch is None) == (microbatches is None):
+            raise TypeError("train_step takes a batch or microbatches=[...], exactly one of them")
+        if microbatches is None:
+            microbatches = split_microbatches(batch, self.config.microbatches)
+        self.comm.ledger.begin_step()
+        loss_sum, count = self.executor.run(microbatches, self.hooks)
+        holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
+        sums = [loss_sum, count] if holds_loss else [0.0, 0.0]
+        if self.config.find_unused_parameters:          # rides along: the unused check's "any?"
+            sums.append(float(self.grad_sync.local_unused()))
+        totals = torch.tensor(sums, dtype=torch.float64)
+        self.comm.all_reduce(totals, "world")
+        global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
+        self.grad_sync.agree_unused(len(sums) > 2 and totals[2].item() > 0)
+        diloco = self.config.strategy == "diloco"   # each replica: the mean over its own tokens
+        self.grad_sync.finish(1.0 / ((count if diloco else global_count) * self.precision.loss_scale))
+        self._complete_partial_grads()
+        self.state_bytes = self.measure_state()
+        self.offloaded_bytes = self.grad_sync.offloaded_bytes()
+        skip = self.precision.should_skip(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
+        norm = 0.0 if skip else (self.grad_sync.local_norm() if diloco else self.grad_norm())
+        nonfinite = self._nonfinite(global_loss, norm)   # never applied; the caller's policy decides
+        skip = skip or nonfinite is not None
+        if not skip:
+            if self.config.grad_clip > 0 and norm > self.config.grad_clip:
+                self.grad_sync.clip(self.config.grad_clip / (norm + 1e-6))
+            self.grad_sync.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.lr_scheduler is not None and not skip:
+            self.lr_scheduler.step()
+        self.grad_sync.zero_grad()
+        self.comm.end_step()   # with TRAINMESH_CHECK_COLLECTIVES=1: the ranks compare their collectives
+        self.step_count += 1
+        self.last = {"loss": global_loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}
+        if diloco:   # no global gradient; "outer" marks the steps that synchronised
+            self.last.update(grad_norm=None, **({"outer": True} if self.grad_sync.synced else {}))
+        if nonfinite:
+            self.last["nonfinite"] = nonfinite
+        return global_loss
+
+    def _nonfinite(self, loss: float, norm: float) -> str | None:
+        """What makes this step non-finite (the same on every rank: all inputs are reduced)."""
+        if not math.isfinite(loss):
+            return f"loss {loss}"
+        if not math.isfinite(norm):
+            return f"grad_norm {norm}"
+        return self.precision.nonfinite()
+
+    def evaluate(self, batches: list[Any]) -> float:
+        """Mean loss over every token of this DP rank's ``batches`` and the other ranks': forward
+        only, through the executor (a pipeline runs its forward-only schedule); no gradients,
+        no optimizer state touched. Collective over the world."""
+        loss_sum, count = 0.0, 0.0
+        for batch in batches:
+            microbatches = split_microbatches(batch, self.config.microbatches)
+            s, n = self.executor.evaluate(microbatches, self.hooks)
+            loss_sum, count = loss_sum + s, count + n
+        holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
+        totals = torch.tensor([loss_sum, count] if holds_loss else [0.0, 0.0], dtype=torch.float64)
+        self.comm.all_reduce(totals, "world")
+        return (totals[0] / totals[1]).item()
+
+    def _all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
+        self.comm.all_reduce(t, "world", op=dist.ReduceOp.MIN)
+        return t
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradient, each logical parameter counted once."""
+        sq = self.grad_sync.grad_sq_sum(self._counted_in_norm).reshape(1).to(torch.float32)
+        self.comm.all_reduce(sq, "world")
+        return math.sqrt(float(sq))
+
+    # ---------------------------------------------------------------- accounting
+    def measure_state(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds (distinct storages)."""
+        held = self.grad_sync.held_tensors()
+        seen: set[int] = set()
+        return {k: storage_bytes(held[k], seen) for k in ("params", "grads", "optimizer")}
+
+    @property
+    def comm_buffer_peak_bytes(self) -> int:
+        """Peak bytes of transient communication buffers (buckets, gathered ZeRO-3 units)."""
+        return self.grad_sync.comm_buffer_peak_bytes
+
+    def comm_bytes_per_step(self) -> dict[str, dict[str, float]]:
+        """Payload bytes this rank passed to each op, averaged over the steps, by mesh axis."""
+        return self.comm.ledger.bytes_per_step()
+
+    def last_step_traffic(self) -> dict[str, Any]:
+        """The communication ledger's record of the last step (axis -> op -> stats)."""
+        return self.comm.ledger.steps[-1]
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Collective: ``obj`` of every rank of the world, in rank order."""
+        return self.comm.all_gather_object(obj)
+
+    def state_is_finite(self) -> bool:
+        """Collective: whether every rank's parameters and optimizer states are all finite."""
+        held = self.grad_sync.held_tensors()
+        finite = all(bool(torch.isfinite(t).all()) for k in ("params", "optimizer") for t in held[k])
+        flag = torch.tensor([1.0 if finite else 0.0])
+        self._all_reduce_min(flag)
+        return flag.item() >= 1.0
+
+    def write_timeline(self, path: str) -> None:
+        """Collective (pipeline runs): the measured per-rank timeline of the last step, drawn
+        by rank 0 to ``path`` (.svg or .png)."""
+        from trainmesh.pipeline_parallel.timeline import write_timeline
+        write_timeline(self.executor, self.comm, path)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, path: str, trainer_state: dict[str, Any] | None = None, *,
+             saver: Any | None = None):
+        """Collective: write a checkpoint under ``path`` (see :mod:`trainmesh.checkpoint.sharded`);
+        returns its directory. ``saver``: an :class:`~trainmesh.checkpoint.async_save.AsyncSaver` that
+        snapshots the state and writes it in the background (returns the blocking seconds)."""
+        write = checkpoint.save if saver is None else saver.save
+        return write(path, self.grad_sync, self.comm, step=self.step_count,
+                     layout=self.config.layout(), placements=self.placements,
+                     trainer_state={**self.checkpoint_state(), **(trainer_state or {})})
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Collective: resume from the newest checkpoint under ``path``, in this layout; returns
+        the trainer state saved with it."""
+        state = checkpoint.load(path, self.grad_sync, self.comm, self.placements)
+        self.restore_checkpoint_state(state)
+        return state
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Step, learning rates, LR schedule and loss scaler: the non-tensor training state."""
+        state: dict[str, Any] = {"step": self.step_count,
+                                 "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
+                                 "precision": self.precision.state_dict()}
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = {"last_epoch": self.lr_scheduler.last_epoch,
+                                     "last_lr": self.lr_scheduler.get_last_lr()}
+        state.update(model_record(self.module))      # tied aliases, a Hugging Face config
+        return state
+
+    def apply_lr_schedule(self) -> None:
+        """Set each group's learning rate from the LR scheduler at its current step (after
+        :meth:`load` under a changed schedule: the next step follows this run's schedule)."""
+        sched = self.lr_scheduler
+        if sched is None:
+            return
+        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.step_count = state["step"]
+        for group, lr in zip(self.optimizer.param_groups, state["group_lrs"]):
+            group["lr"] = lr
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.last_epoch = state["lr_scheduler"]["last_epoch"]
+            set_last_lr(self.lr_scheduler, state["lr_scheduler"]["last_lr"])
+        if "precision" in state:
+            self.precision.load_state_dict(state["precision"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated, unsharded model weights (identical on every rank for DDP)."""
+        gathered = self.grad_sync.full_state_dict()
+        if gathered is not None:
+            return gathered
+        if self.mesh.size("tp") > 1:
+            from trainmesh.tensor_parallel.state import full_state_dict
+            return full_state_dict(self.module, self.comm, self.placements)
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

@@ -1,0 +1,59 @@
+"""The executor of a rank without pipeline parallelism: gradient accumulation over microbatches.
+
+It implements :class:`~trainmesh.core.step.Executor`, as the pipeline runtime does; see
+:mod:`trainmesh.core.step` for the contract both follow.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from trainmesh.pipeline_parallel.schedules import Action, TimedAction, Timeline
+from trainmesh.core.step import Executor, LossFn, StepHooks, as_sum_and_count
+
+__all__ = ["Executor", "LocalExecutor", "LossFn"]
+
+
+class LocalExecutor:
+    """Forward and backward of every microbatch on the whole model; the DP strategy reduces the
+    gradients during the last backward."""
+
+    holds_loss = True
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        self.module, self.loss_fn = model, loss_fn
+        self.tied_parameters: list[nn.Parameter] = []
+        self.duplicate_parameters: list[nn.Parameter] = []
+        self.last_timeline: Timeline | None = None
+        """The last step's forwards and backwards as one stage's row (``--trace-out``)."""
+
+    def run(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
+        """Forward + backward every microbatch; returns (loss_sum, count) of this rank."""
+        loss_total, count_total = 0.0, 0.0
+        row: list[TimedAction] = []
+        for i, mb in enumerate(microbatches):
+            hooks.before_backward(is_last=i == len(microbatches) - 1)
+            t0 = time.perf_counter()
+            with hooks.autocast():
+                loss_sum, count = as_sum_and_count(self.loss_fn(self.module, mb))
+            t1 = time.perf_counter()
+            hooks.scale_loss(loss_sum).backward()
+            row += [TimedAction(Action("F", 0, i), t0, t1),
+                    TimedAction(Action("B", 0, i), t1, time.perf_counter())]
+            loss_total += float(loss_sum.detach())
+            count_total += float(count)
+        self.last_timeline = Timeline([row], 1, "s", "local")
+        return loss_total, count_total
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
+        """Forward only over every microbatch; (loss_sum, count) of this rank."""
+        loss_total, count_total = 0.0, 0.0
+        for mb in microbatches:
+            with hooks.autocast():
+                loss_sum, count = as_sum_and_count(self.loss_fn(self.module, mb))
+            loss_total += float(loss_sum)
+            count_total += float(count)
+        return loss_total, count_total

@@ -1,0 +1,65 @@
+"""Hugging Face causal LMs from a local model directory, built so each rank holds only its part.
+
+Any Hugging Face causal LM (``AutoModelForCausalLM``) works under dp and every ZeRO stage,
+under tp where it declares a plan. A model directory is what ``save_pretrained`` writes: ``config.json`` and ``model.safetensors``.
+:func:`from_pretrained` builds the model from its config with every parameter on the meta
+device (buffers, such as Llama's rotary frequencies, are built for real: they are small and
+derived from the config) and gives it ``init_parameter`` reading the weights slice by slice
+(:func:`~trainmesh.engine.materialize.safetensors_init`). The engine then materialises each rank's part
+after the tensor-parallel split — a column shard of a GPT-2 ``Conv1D`` is a slice of its
+``(in, out)`` weight, a shard of the fused ``c_attn`` one slice of each of q, k and v — so no
+rank ever holds the whole model::
+
+    model = tm.from_pretrained("path/to/dir")
+    engine = tm.Engine(model, optimizer, tm.causal_lm_loss, config=tm.ParallelConfig(tp=2))
+
+transformers is an optional dependency (``pip install 'trainmesh[hf]'``), imported only here and
+only when a model is built. :func:`check_model_dir` reads ``config.json`` alone (no
+transformers) so ``trainmesh train --model-dir`` refuses a bad directory before any worker starts.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainmesh.core.errors import ConfigError
+from trainmesh.engine.materialize import safetensors_init
+from trainmesh.models.hf import FIELD, WEIGHTS, build_on_meta
+
+
+
+def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
+    """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
+    parameters on the meta device, with ``init_parameter(name, shape, index)`` reading its
+    weights slice by slice (the engine calls it for what each rank holds)."""
+    model = build_on_meta(path, field=field)
+    model.init_parameter = safetensors_init(str(Path(path) / WEIGHTS), field=field)
+    return model
+
+
+def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD,
+                    tp: int = 1) -> None:
+    """Every parameter of the model (built from ``path`` on meta unless given) is in
+    ``model.safetensors`` with its shape, and with ``tp`` > 1 the model has a plan trainmesh
+    maps (GPT-2's, or the one its config declares): checked before any worker starts."""
+    from trainmesh.engine.materialize import check_safetensors
+    model = model if model is not None else from_pretrained(path, field=field)
+    check_safetensors(str(Path(path) / WEIGHTS), model, field=field)
+    if tp > 1:
+        from trainmesh.tensor_parallel.hf import declared_plan, hf_model_type, hf_tp_plan
+        if hf_model_type(model) != "gpt2" and declared_plan(model) is None:
+            raise ConfigError("--tp", f"{type(model).__name__} declares no tensor-parallel plan "
+                              "(config.base_model_tp_plan); valid for it: --tp 1 (dp and ZeRO)")
+        hf_tp_plan(model)                  # a declared style trainmesh cannot map: ConfigError
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """``(loss_sum, tokens)`` of a Hugging Face causal LM on a batch whose ``labels`` are the
+    next tokens already (trainmesh's data): cross-entropy over every token, as the built-in GPT."""
+    logits = model(input_ids=batch["input_ids"], use_cache=False).logits  # (b, s, vocab)
+    labels = batch["labels"]                                             # (b, s)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    return loss, labels.numel()

@@ -1,0 +1,112 @@
+"""Hugging Face model directories as models: ``config.json`` read and checked, the model built
+from it with every parameter on the meta device, the weights file's header checked.
+
+transformers is an optional dependency (``pip install 'trainmesh[hf]'``), imported only when a
+model is built. Filling the parameters slice by slice is the engine's
+(:func:`trainmesh.engine.pretrained.from_pretrained`). Imports core only.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from trainmesh.core.errors import ConfigError
+
+WEIGHTS = "model.safetensors"
+FIELD = "--model-dir"
+
+
+def read_model_config(path: str, field: str = FIELD) -> dict[str, Any]:
+    """``config.json`` of a model directory as a dict; ConfigError naming ``field`` when the
+    directory, the file or a supported ``model_type`` is missing."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ConfigError(field, f"no such directory {path!r}; valid: a Hugging Face model "
+                          "directory (config.json + model.safetensors, as save_pretrained writes)")
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(field, f"{path!r} has no config.json; valid: a Hugging Face model "
+                          "directory (config.json + model.safetensors)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(field, f"cannot read {directory / 'config.json'}: {exc}") from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(field, f"{path!r}: config.json names no model_type; valid: a Hugging "
+                          "Face causal LM's config.json")
+    return config
+
+
+def max_positions(config: dict[str, Any]) -> int | None:
+    """The longest sequence the model's positions cover."""
+    return config.get("n_positions") or config.get("max_position_embeddings")
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Inside, every parameter a module registers moves to the meta device (no storage);
+    buffers stay real. Each layer's weight exists on the CPU only while it is being created."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def transformers_module(field: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(field, "needs the transformers package: pip install 'trainmesh[hf]'") from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def build_on_meta(path: str, *, field: str = FIELD) -> nn.Module:
+    """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
+    parameters on the meta device (buffers real); ConfigError naming ``field`` when the
+    directory, its config or its weights file cannot make one."""
+    read_model_config(path, field)
+    weights = Path(path) / WEIGHTS
+    if not weights.is_file():
+        raise ConfigError(field, f"{path!r} has no {WEIGHTS} (valid: save_pretrained output "
+                          "with safetensors weights)")
+    check_weights_header(weights, field)
+    transformers = transformers_module(field)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        with params_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(field, f"{path!r} is not a causal LM transformers can build: {first}") from None
+    return model.float()   # fp32 parameters whatever config.json's dtype: --precision sets the compute's
+
+
+def count_params(path: str) -> int:
+    """Logical parameter count of the model of ``path`` (tied weights once), built on meta."""
+    return sum(t.numel() for t in build_on_meta(path).parameters())
+
+
+def check_weights_header(weights: Path, field: str = FIELD) -> None:
+    """``weights`` is a readable safetensors file: its header parses and its tensors lie within
+    the file (a truncated or overwritten file is refused naming ``field``, no traceback)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for key in f.keys():
+                f.get_slice(key).get_shape()
+    except Exception as exc:   # OSError, or safetensors' own SafetensorError
+        raise ConfigError(field, f"cannot read {weights} as safetensors: {exc}") from None

@@ -1,0 +1,233 @@
+"""Local workers through PyTorch's elastic launcher (the machinery behind ``torchrun``).
+
+``trainmesh train`` started directly runs ``dp*pp*tp`` workers under an elastic agent; each
+worker runs :func:`worker_entry` with the ``TrainConfig`` the
+launcher already validated. The launcher
+
+- holds the ``--save-dir`` lock for the run's lifetime (:mod:`trainmesh.checkpoint.savedir`);
+- hosts one key-value store, listening on the loopback address only, on a port the kernel
+  picked at bind time (:mod:`trainmesh.core.stores`): torch's dynamic rendezvous runs over it,
+  rank 0 hands its process-group store's port to the others through it, and the workers' hang
+  diagnosis uses it (so a stalled worker cannot block its peers' diagnosis);
+- turns a worker failure into exit 1 with a headline naming the rank (the suspect, when a rank
+  stopped answering), and kills the remaining workers after a short grace;
+- exits 130 after Ctrl-C and 143 after SIGTERM, once every worker is gone.
+
+Workers die with the launcher, even a SIGKILLed one (parent-death signal).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ctypes
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from trainmesh.core.stores import LOOPBACK, STORE_ENV, server_store
+
+if TYPE_CHECKING:
+    from trainmesh.config.train import TrainConfig
+
+SHUTDOWN_GRACE_S = 2
+"""After a signal (Ctrl-C, SIGTERM), seconds the agent gives the workers to end after SIGTERM,
+before SIGKILL."""
+FAILURE_GRACE_S = 0.25
+"""After a worker failed, seconds the agent gives the others to end by themselves, and again
+after SIGTERM, before SIGKILL. Short: the failure is already recorded, and a stopped worker, or
+one stuck in a collective, never ends on SIGTERM."""
+MONITOR_INTERVAL_S = 0.1
+"""How often the agent checks its workers."""
+PR_SET_PDEATHSIG = 1
+RDZV_BACKEND = "trainmesh-loopback"
+"""The elastic agent's rendezvous: torch's dynamic rendezvous over the launcher's own store."""
+
+
+def _quiet_agent() -> None:
+    """The launcher prints one headline per failure; workers print their own tracebacks."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0,
+                 end_process_on_failure: bool = True,
+                 worker_setup: Callable[[], None] | None = None) -> int:
+    """Run :func:`worker_entry` on ``nproc`` local workers; return the exit code.
+
+    A failed or signalled run ends this process right there (``end_process_on_failure``), once
+    the headline is written, the ``--save-dir`` lock released and the exit handlers run: the
+    interpreter's own teardown after importing torch takes seconds on a loaded machine."""
+    code = _launch(cfg, nproc=nproc, max_restarts=max_restarts, worker_setup=worker_setup)
+    if code and end_process_on_failure:
+        end_process(code)
+    return code
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit now with ``code``: exit handlers run and output flushed, module teardown skipped."""
+    import atexit
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int,
+            worker_setup: Callable[[], None] | None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from trainmesh.core.compat import bound_worker_shutdown
+    from trainmesh.checkpoint.savedir import SaveDirLock
+
+    with SaveDirLock(cfg.save_dir) if cfg.save_dir else contextlib.nullcontext():
+        _quiet_agent()
+        bound_worker_shutdown(FAILURE_GRACE_S)
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}   # where torch has it; else 30 s on signals
+                 if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
+        with local_rendezvous() as rendezvous:
+            config = LaunchConfig(
+                min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"trainmesh-{uuid.uuid4().hex[:8]}",
+                max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
+                **rendezvous, **grace)
+            try:
+                elastic_launch(config, worker_entry)(cfg, os.getpid(), worker_setup)
+            except ChildFailedError as exc:
+                sys.stderr.write(f"trainmesh train: {_headline(exc)}\n")
+                return 1
+            except BaseException as exc:   # noqa: BLE001 - SignalException / KeyboardInterrupt only
+                code = _signal_exit_code(exc)
+                if code is None:
+                    raise
+                sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(code - 128).name}; "
+                                 "workers stopped\n")
+                return code
+    return 0
+
+
+@contextlib.contextmanager
+def local_rendezvous(timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
+    """The rendezvous fields of a single-node ``LaunchConfig``, over a store this process serves
+    on the loopback address (port picked by the kernel at bind time) until the block ends.
+
+    Workers started inside the block find the store through ``TRAINMESH_LAUNCHER_STORE``. The
+    agent's own store sharing must be off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: it would
+    listen on every interface); rank 0 of the workers then serves the process group's store on
+    loopback (:func:`trainmesh.core.stores.process_group_store`)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    rendezvous_handler_registry.register(RDZV_BACKEND, _loopback_rendezvous)
+    store = server_store(LOOPBACK, timeout_s=timeout_s, multi_tenant=True)
+    before = os.environ.get(STORE_ENV)
+    os.environ[STORE_ENV] = f"{LOOPBACK}:{store.port}"
+    try:
+        yield {"rdzv_backend": RDZV_BACKEND, "rdzv_endpoint": f"{LOOPBACK}:{store.port}",
+               "rdzv_configs": {"store": store}, "local_addr": LOOPBACK}
+    finally:
+        if before is None:
+            os.environ.pop(STORE_ENV, None)
+        else:
+            os.environ[STORE_ENV] = before
+
+
+def _loopback_rendezvous(params):
+    """torch's dynamic rendezvous handler over the store in ``params`` (see local_rendezvous)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:   # the registry checks the handler's backend against its key
+            return RDZV_BACKEND
+
+    store = params.config["store"]
+    return create_handler(store, LoopbackBackend(store, params.run_id), params)
+
+
+def _headline(exc) -> str:
+    """One line for the first failure: its message when it names a rank itself (a comm failure
+    names the rank that stopped answering first), else "rank N failed"."""
+    rank, failure = exc.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    text = str(message).strip()
+    first = text.splitlines()[0] if text else f"exit code {failure.exitcode}"
+    for prefix in ("CommTimeout: ", "NonFiniteError: ", "DataError: "):
+        first = first.removeprefix(prefix)
+    if first.startswith("rank "):
+        return f"{first} (exit code {failure.exitcode} of rank {rank})"
+    return f"rank {rank} failed (exit code {failure.exitcode}): {first}"
+
+
+def _signal_exit_code(exc: BaseException) -> int | None:
+    """128 + the signal that stopped the launcher (the shell's convention), or None."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    if isinstance(exc, SignalException):
+        return 128 + int(exc.sigval)
+    return None
+
+
+# ---------------------------------------------------------------- worker side
+def worker_entry(cfg: TrainConfig, launcher_pid: int,
+                 setup: Callable[[], None] | None = None) -> int:
+    """What each local worker runs: die with the launcher, ``setup()`` (the caller's logging
+    configuration: the library configures none), then train under ``cfg``."""
+    die_with_parent(launcher_pid)
+    if setup is not None:
+        setup()
+    from trainmesh.comm.check import CollectiveOrderError
+    from trainmesh.core.errors import CommTimeout, DataError
+    from trainmesh.run.trainer import NonFiniteError, worker_main
+    try:
+        return worker_main(cfg, lock_save_dir=False)   # the launcher holds the lock
+    except (CommTimeout, NonFiniteError, CollectiveOrderError, DataError):
+        _exit_failed()                  # reported in full by the headline (the error file)
+    except Exception:
+        traceback.print_exc()           # an unexpected error: its traceback, once, from this rank
+        _exit_failed()
+
+
+def _exit_failed() -> NoReturn:
+    """End a failed worker at once, exit status 1. Its error is already recorded (the error
+    file ``worker_main`` writes, stderr); the interpreter's teardown would first destroy process
+    groups whose peers may be stopped, which takes seconds."""
+    end_process(1)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when ``parent_pid`` (its parent) ends, even by SIGKILL.
+
+    Linux: the kernel sends SIGKILL on the parent's death (prctl PR_SET_PDEATHSIG); SIGKILL
+    because a worker blocked inside a collective runs no Python signal handler. Elsewhere a
+    daemon thread polls the parent pid."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
+                if os.getppid() != parent_pid:   # it died before prctl took effect
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                     name="trainmesh-parent-watch").start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)

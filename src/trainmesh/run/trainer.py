@@ -1,0 +1,325 @@
+"""One ``trainmesh train`` worker: build the GPT, the engine and the data; loop; report."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from trainmesh.run import elastic
+from trainmesh.checkpoint.async_save import AsyncSaver, SaveRecord
+from trainmesh.data.corpus import dp_slice, make_datasets
+from trainmesh.core.distributed import init_distributed, shutdown
+from trainmesh.engine.engine import Engine
+from trainmesh.run.evaluation import make_evaluator
+from trainmesh.observe.flops import device_peak_tflops, mfu
+from trainmesh.engine.materialize import InitFn, returning_freed_memory
+from trainmesh.core.mesh import ParallelMesh
+from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
+from trainmesh.models.gpt import GPT
+from trainmesh.run.optimizers import no_decay, optimizer_factory
+from trainmesh.observe.progress import outputs_of, print_outputs, print_summary, run_header, timed_steps
+from trainmesh.checkpoint.resume import check_resume, elastic_job, run_record, same_job, schedule_changed
+from trainmesh.checkpoint.savedir import SaveDirLock, remove_stale_tmp
+from trainmesh.run.schedule_lr import warmup_cosine
+from trainmesh.core.step import LossFn
+from trainmesh.observe.tensorboard import TensorBoardLog
+from trainmesh.run.trace import make_tracer
+from trainmesh.config.train import TrainConfig
+
+log = logging.getLogger("trainmesh")
+MAX_NONFINITE_SKIPS = 10
+"""--on-nonfinite skip: this many non-finite steps in a row end the run as with stop."""
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss, gradient norm or model state: the run stops, nothing of it is saved."""
+
+
+def build_model(cfg: TrainConfig) -> tuple[torch.nn.Module, LossFn, InitFn | None]:
+    """(model on the meta device, loss_fn, init_fn): the built-in GPT, or the Hugging Face causal
+    LM of --model-dir. Each rank then materialises only what it holds (sharded initialisation),
+    from the GPT's seeded init (a function of seed, name and row), the --init-from file or the
+    model directory's weights."""
+    if cfg.model_dir:
+        from trainmesh.engine.pretrained import causal_lm_loss, from_pretrained
+        return from_pretrained(cfg.model_dir), causal_lm_loss, None
+    model = GPT(cfg.gpt_config(), seed=cfg.seed, device="meta")
+    init_fn = None
+    if cfg.init_from:
+        from trainmesh.engine.materialize import safetensors_init
+        init_fn = safetensors_init(cfg.init_from)
+    return model, lambda m, batch: m(**batch), init_fn
+
+
+def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> Engine:
+    model, loss_fn, init_fn = build_model(cfg)
+    return Engine(
+        model, optimizer_factory(cfg, device), loss_fn, cfg.parallel, mesh=mesh,
+        param_groups=no_decay,
+        lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps),
+        init_fn=init_fn, device=device)
+
+
+@record
+def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
+    """One worker: join the job, train, leave. ``lock_save_dir``: rank 0 takes the --save-dir
+    lock itself (torchrun/srun; a local launcher already holds it)."""
+    _exit_quietly_on_signals()
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(threads)
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    cfg = _elastic_layout(cfg, rank)
+    if cfg is None:
+        return 0
+    elastic_world = cfg.parallel.world_size if cfg.parallel.min_dp is not None else None
+    with SaveDirLock(cfg.save_dir) if lock_save_dir and cfg.save_dir and rank == 0 else nullcontext():
+        device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device,
+                                  world_size=elastic_world)
+        try:
+            if cfg.parallel.strategy == "ps":   # a parameter-server job: trainers and servers
+                from trainmesh.run.ps_trainer import train_ps
+                code = train_ps(cfg, device)
+            else:
+                code = _train(cfg, device)
+        except BaseException:
+            shutdown(barrier=False)  # peers learn of the failure from the launcher, not a barrier
+            raise
+        shutdown()
+    return code
+
+
+def _elastic_layout(cfg: TrainConfig, rank: int) -> TrainConfig | None:
+    """``cfg`` fitted to this attempt's world size (elastic resize, --min-dp); None for a rank the
+    layout leaves out. No layout left: one line naming the reason, exit 1."""
+    world = int(os.environ.get("WORLD_SIZE", cfg.parallel.world_size))
+    try:
+        fitted, takes_part = elastic.join(cfg, rank=rank, world=world)
+    except elastic.ResizeError as exc:
+        sys.stderr.write(f"trainmesh train: rank {rank}: {exc}\n")
+        raise SystemExit(1) from None
+    if not takes_part:
+        print(f"trainmesh: rank {rank} idle: the layout (dp {fitted.parallel.dp}) uses "
+              f"{fitted.parallel.world_size} of {world} processes", flush=True)
+        return None
+    if (rank == 0 and cfg.parallel.min_dp is not None
+          and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0"):
+        print("trainmesh: note: --min-dp with --max-restarts 0: a lost node ends the job (the agent "
+              "may not restart the workers); a returning node is still admitted", flush=True)
+    return fitted
+
+
+def _exit_quietly_on_signals() -> None:
+    """SIGINT/SIGTERM (from the launcher, or Ctrl-C on the terminal's process group) end the
+    worker at once with 128 + signal, without a traceback per rank."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: os._exit(128 + signum))
+
+
+def _train(cfg: TrainConfig, device: torch.device) -> int:
+    p = cfg.parallel
+    began = time.perf_counter()
+    mesh = ParallelMesh(dp=p.dp, pp=p.pp, tp=p.tp, timeout_s=p.timeout_s)
+    rank0 = mesh.rank == 0
+    base_mem = memory_now(device)   # runtime's own footprint (torch, gloo), before the model
+    with returning_freed_memory():
+        engine = build_engine(cfg, device, mesh)
+    init_peak = memory_peak(device)   # process start to model built, sharded, optimizer made
+    gpt = cfg.gpt_config()
+    dataset, held_out = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
+                                      held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
+    evaluator = make_evaluator(engine, held_out, cfg)
+    start = _resume(cfg, engine) + 1
+    setup_mem = memory_now(device)
+    metrics = _open_metrics(cfg, start, mesh.world_size, rank0)
+    elastic_run = p.min_dp is not None   # the world size can change: recorded per step
+    board = TensorBoardLog(cfg.tensorboard if rank0 else None)
+    tokens = cfg.global_batch * gpt.seq_len
+    last = cfg.exit_after or cfg.steps
+    tracer = make_tracer(engine, cfg, start, last)
+    log.info(run_header(params=cfg.num_params(), world=mesh.world_size, layout=p.layout(),
+                        steps=last, start=start, device=device.type))
+    peak = device_peak_tflops(device, p.precision, cfg.peak_tflops, cfg.gpu)
+    first_loss = loss = eval_loss = float("nan")
+    nonfinite_run = 0   # non-finite steps in a row
+    saver = AsyncSaver(engine.comm) if cfg.async_save else None
+    timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
+
+    def batch_of(step: int) -> dict[str, torch.Tensor]:
+        batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
+        return {k: v.to(device) for k, v in batch.items()}
+
+    for step, loss, t0, dt in timed_steps(engine.train_step, batch_of, start=start, last=last,
+                                          tokens=tokens, enabled=rank0,
+                                          before_step=tracer.before_step if tracer else None):
+        if tracer is not None:
+            tracer.after_step(step, t0, t0 + dt)
+        first_loss = loss if step == start else first_loss
+        timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
+        tps = tokens / dt if dt > 0 else 0.0
+        row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
+               "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
+               "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
+               **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
+        if elastic_run:
+            row.update(world_size=mesh.world_size, dp=p.dp)
+        eval_loss = _publish(row, engine, device, metrics, board, evaluator) or eval_loss
+        nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
+        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
+            _save(cfg, engine, step, saver, metrics)
+        if saver is not None:
+            _saves_done(cfg, engine, saver, metrics)
+    if saver is not None:   # the last write finishes before the run reports
+        saver.wait()
+        _saves_done(cfg, engine, saver, metrics)
+    _draw(cfg, engine, tracer)
+    summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem, init_peak)
+    tps = timed[0] / timed[1] if timed[1] > 0 else 0.0
+    summary.update(tokens_per_s=tps, mfu=mfu(tps, engine.flops_per_token, peak, mesh.world_size))
+    metrics.write(summary)
+    board.close(summary)
+    if rank0:
+        print_summary(summary, first_loss=first_loss, first_step=start, eval_loss=eval_loss
+                      if evaluator is not None else None, wall_s=time.perf_counter() - began)
+        print_outputs(outputs_of(cfg))
+    return 0
+
+
+def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> MetricsWriter:
+    """The metrics file of a run starting at ``start`` (appended to by an elastic job's every
+    attempt), with the ``resize`` record when the layout changed since the checkpoint."""
+    p = cfg.parallel
+    if rank0 and start > 1 and cfg.metrics_out:
+        from trainmesh.checkpoint.resume import drop_partial_line
+        notice = drop_partial_line(cfg.metrics_out)
+        if notice:
+            log.info(notice)
+    metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start,
+                            append=p.min_dp is not None and start > 1)
+    resized = elastic.resize_record(cfg, step=start, world=world) if rank0 else None
+    if resized is not None:
+        metrics.write(resized)
+        log.info("trainmesh: resized to world %d: dp %d, microbatches %d (were %s, %s) from step %d",
+                 world, p.dp, p.microbatches, resized["from"]["dp"], resized["from"]["microbatches"],
+                 start)
+    return metrics
+
+
+def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics: MetricsWriter,
+             board: TensorBoardLog, evaluator: Any) -> float | None:
+    """A step's record to the metrics file and TensorBoard; the held-out loss when it is due
+    (collective), returned."""
+    metrics.write(row)
+    board.step(row, engine.last_step_traffic(), memory_now(device))
+    if evaluator is not None and evaluator.due(row["step"]):
+        scored = evaluator.run(row["step"])
+        metrics.write(scored)
+        board.eval(scored)
+        log.info("step %d  eval loss %.4f", row["step"], scored["loss"])
+        return float(scored["loss"])
+    return None
+
+
+def _draw(cfg: TrainConfig, engine: Engine, tracer: Any) -> None:
+    """The trace and the pipeline timeline (collectives: every rank's spans and actions,
+    written by rank 0)."""
+    if tracer is not None:
+        tracer.write()
+    if cfg.timeline_out:
+        engine.write_timeline(cfg.timeline_out)
+
+
+def _check_finite(cfg: TrainConfig, engine: Engine, step: int, run: int) -> int:
+    """Apply --on-nonfinite to this step (the engine did not apply a non-finite one); returns
+    the count of non-finite steps in a row. Raises NonFiniteError to stop."""
+    what = engine.last.get("nonfinite")
+    if what is None:
+        return 0
+    run += 1
+    if cfg.on_nonfinite == "skip" and run < MAX_NONFINITE_SKIPS:
+        log.warning("trainmesh: step %d skipped: non-finite %s (--on-nonfinite skip, %d in a row)",
+                    step, what, run)
+        return run
+    bound = f", {run} in a row" if cfg.on_nonfinite == "skip" else ""
+    raise NonFiniteError(f"step {step}: non-finite {what} (--on-nonfinite {cfg.on_nonfinite}{bound}); "
+                         "the run stops, the newest checkpoint is from before it")
+
+
+def _save(cfg: TrainConfig, engine: Engine, step: int, saver: AsyncSaver | None,
+          metrics: MetricsWriter) -> None:
+    """Checkpoint, unless some rank's weights or optimizer states are not all finite: at once,
+    or (--async-save) a snapshot written in the background (its record comes when written)."""
+    if not engine.state_is_finite():
+        raise NonFiniteError(f"step {step}: non-finite weights or optimizer states; not saved, "
+                             "the newest checkpoint is from before it")
+    state = {"run": run_record(cfg), "job": elastic_job()}
+    if saver is not None:
+        engine.save(cfg.save_dir, state, saver=saver)
+        return
+    started = time.perf_counter()
+    path = engine.save(cfg.save_dir, state)
+    took = time.perf_counter() - started
+    metrics.write(SaveRecord(step, took, took, str(path)).event())
+    _prune(cfg, engine, path)
+
+
+def _saves_done(cfg: TrainConfig, engine: Engine, saver: AsyncSaver, metrics: MetricsWriter) -> None:
+    """The records of the background saves that completed (rank 0's are the published ones)."""
+    for record in saver.finished():
+        metrics.write(record.event())
+        _prune(cfg, engine, Path(record.path))
+
+
+def _prune(cfg: TrainConfig, engine: Engine, written: Path) -> None:
+    """--keep-last: rank 0 removes the oldest checkpoints once ``written`` is in place."""
+    if cfg.keep_last and engine.mesh.rank == 0:
+        from trainmesh.checkpoint.sharded import prune
+        prune(cfg.save_dir, cfg.keep_last, protect=written)
+
+
+def _resume(cfg: TrainConfig, engine: Engine) -> int:
+    """The last step already done: from the newest checkpoint when resuming (asked for with
+    --resume, or implied by an elastic restart: a failed worker, or a node lost or joining,
+    restarts every worker of the job), else 0."""
+    restarted = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+                 or bool(cfg.save_dir and same_job(cfg.save_dir)))   # a node lost or joined
+    if cfg.save_dir and engine.mesh.rank == 0:   # this run holds the --save-dir lock
+        for path in remove_stale_tmp(Path(cfg.save_dir)):
+            log.info("trainmesh: removed %s, left by an interrupted save", path)
+    if not cfg.save_dir or not (cfg.resume or restarted):
+        return 0
+    from trainmesh.checkpoint.sharded import latest
+    if latest(cfg.save_dir) is None and not any(Path(cfg.save_dir).glob("step-*")):
+        if cfg.resume and not restarted:
+            log.warning("trainmesh: no checkpoint under %s yet; starting from step 1", cfg.save_dir)
+        return 0
+    notice = check_resume(cfg)  # a checkpoint of another model or optimizer: ConfigError
+    changed = schedule_changed(cfg)
+    state = engine.load(cfg.save_dir)
+    if changed:   # the next step's LR from this run's schedule, not the checkpoint's
+        engine.apply_lr_schedule()
+    log.info("trainmesh: resumed from step %d of %s", state["step"], cfg.save_dir)
+    if notice:
+        log.info(notice)
+    return int(state["step"])
+
+
+def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch.device,
+             setup_mem: int, final_loss: float, base_mem: int, init_peak: int) -> dict[str, Any]:
+    mine = {"rank": mesh.rank, "coords": mesh.coords, "base_mem_bytes": base_mem,
+            "init_peak_mem_bytes": init_peak,
+            "setup_mem_bytes": setup_mem,
+            "peak_mem_bytes": memory_peak(device), "model_state_bytes": engine.state_bytes,
+            "offloaded_bytes": engine.offloaded_bytes,
+            "comm_buffer_peak_bytes": engine.comm_buffer_peak_bytes,
+            "comm_bytes_per_step": engine.comm_bytes_per_step()}
+    ranks = engine.gather_object(mine)
+    return {"event": "summary", "world_size": mesh.world_size, "layout": cfg.parallel.layout(),
+            "params": cfg.num_params(), "final_loss": final_loss,
+            "steps": engine.step_count, "ranks": ranks}
