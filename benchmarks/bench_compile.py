@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from common import BENCH_GPT, GLOBAL_BATCH, batches, report, timed  # noqa: E402
+
 from trainmesh import Engine, ParallelConfig  # noqa: E402
 from trainmesh.data.corpus import dp_slice  # noqa: E402
 from trainmesh.models.gpt import GPT  # noqa: E402

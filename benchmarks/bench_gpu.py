@@ -20,8 +20,8 @@ import torch
 
 from trainmesh import Engine, ParallelConfig
 from trainmesh.core.distributed import init_distributed, shutdown
-from trainmesh.observe.flops import device_peak_tflops, mfu
 from trainmesh.models.gpt import GPT, GPTConfig
+from trainmesh.observe.flops import device_peak_tflops, mfu
 from trainmesh.run.trainer import no_decay
 
 

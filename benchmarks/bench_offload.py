@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-
 from common import BENCH_GPT, GLOBAL_BATCH, batches  # noqa: E402
+
 from trainmesh import Engine, ParallelConfig, ParallelMesh  # noqa: E402
 from trainmesh.models.gpt import GPT, GPTConfig  # noqa: E402
 

@@ -39,6 +39,7 @@ def _model(args):
 
 def _trainmesh_step_fn(args, schedule: str):
     import torch
+
     import trainmesh as tm
     cfg = tm.ParallelConfig(pp=2, microbatches=args.microbatches, schedule=schedule)
     engine = tm.Engine(_model(args), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
@@ -52,6 +53,7 @@ def _native_step_fn(args, schedule: str):
     import torch.distributed.pipelining as P
     import torch.nn.functional as F
     from torch import nn
+
     from trainmesh.pipeline_parallel.partition import named_pipeline_layers, partition
 
     rank = dist.get_rank()
@@ -79,6 +81,7 @@ def _native_step_fn(args, schedule: str):
 def bench_worker(args) -> dict:
     import torch
     import torch.distributed as dist
+
     from trainmesh.data.corpus import SyntheticCorpus
     from trainmesh.pipeline_parallel.analysis import bubble_fraction
     from trainmesh.pipeline_parallel.timeline import gather_timeline

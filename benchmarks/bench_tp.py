@@ -54,8 +54,12 @@ def _dtensor_step(a: dict, world: int):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        loss_parallel,
+        parallelize_module,
+    )
     model = _gpt(a)
     mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:

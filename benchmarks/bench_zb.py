@@ -30,6 +30,7 @@ SCHEDULES = ("1f1b", "zb1p")
 
 def _engine(args, schedule: str):
     import torch
+
     import trainmesh as tm
     from trainmesh.models.gpt import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model,
@@ -41,6 +42,7 @@ def _engine(args, schedule: str):
 
 def bench_worker(args) -> dict:
     import torch.distributed as dist
+
     from trainmesh.data.corpus import SyntheticCorpus
     from trainmesh.pipeline_parallel.analysis import bubble_fraction
     from trainmesh.pipeline_parallel.timeline import gather_timeline

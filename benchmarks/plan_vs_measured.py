@@ -16,8 +16,8 @@ from pathlib import Path
 
 from trainmesh.cli import build_parser
 from trainmesh.cli.train import collect
-from trainmesh.planner.predict import compare, predict_run
 from trainmesh.config.train import build_train_config
+from trainmesh.planner.predict import compare, predict_run
 
 MODEL = ["--model", "small", "--layers", "4", "--global-batch", "8", "--steps", "5"]
 LAYOUTS = [

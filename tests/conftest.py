@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from helpers import LAUNCHED, assert_refused
 
 WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID")

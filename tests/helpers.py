@@ -68,8 +68,8 @@ def check_prediction(args: list[str], measured: dict) -> None:
     """`trainmesh plan`'s model predicts what the run measured (plan vs measurement)."""
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import collect
-    from trainmesh.planner.predict import compare, predict_run
     from trainmesh.config.train import build_train_config
+    from trainmesh.planner.predict import compare, predict_run
     cfg = build_train_config(collect(build_parser().parse_args(["train", *args]), True))
     problems = compare(predict_run(cfg), measured)
     assert not problems, problems

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers import SMALL, assert_equivalent, run_train, summary
+
 from trainmesh.cli import main
 from trainmesh.comm import Comm
 from trainmesh.comm.algorithms import all_reduce, theory_sent_bytes

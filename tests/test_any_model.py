@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import FP32_EPS, LOSS_ABS
 from torch import nn
 
-from tolerances import FP32_EPS, LOSS_ABS
 from trainmesh.testing import run_distributed
 
 STEPS, GLOBAL_BATCH, VOCAB, SEQ = 4, 8, 64, 16
@@ -178,8 +178,9 @@ def _nanogpt() -> dict:
 def _branchy_run(zero: int, use_on: tuple[int, ...]) -> dict[str, torch.Tensor]:
     """6 AdamW steps: trainmesh at ``zero`` and torch DDP(find_unused_parameters=True); ranks in
     ``use_on`` use ``sometimes``. Returns the largest difference and the moved-ness of ``skip``."""
-    import trainmesh as tm
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import trainmesh as tm
     rank = torch.distributed.get_rank()
     use = torch.full((4,), rank in use_on)
     ddp = DDP(Branchy(), find_unused_parameters=True)
@@ -201,8 +202,9 @@ def _branchy_run(zero: int, use_on: tuple[int, ...]) -> dict[str, torch.Tensor]:
 
 
 def _batchnorm() -> dict:
-    import trainmesh as tm
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import trainmesh as tm
     rank = torch.distributed.get_rank()
     out = {}
     for zero in (0, 3):

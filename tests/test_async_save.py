@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import run_train, steps
 from tolerances import LOSS_ABS
+
+from trainmesh.checkpoint.savedir import remove_stale_tmp
 from trainmesh.checkpoint.sharded import _Reader, latest
 from trainmesh.cli import main
-from trainmesh.checkpoint.savedir import remove_stale_tmp
 
 pytestmark = pytest.mark.slow
 

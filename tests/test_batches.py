@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import SAME_KERNELS_ABS
 from torch import nn
 
-from tolerances import SAME_KERNELS_ABS
 from trainmesh import Engine, ParallelConfig, ParallelMesh
-from trainmesh.data.corpus import split_microbatches
 from trainmesh.core.errors import ConfigError
+from trainmesh.data.corpus import split_microbatches
 
 
 def test_split_keeps_the_kind_and_splits_rows():

@@ -12,10 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    SMALL,
+    assert_equivalent,
+    check_prediction,
+    one_process,
+    run_train,
+    steps,
+    summary,
+)
 from safetensors.torch import load_file
-
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_LOSS_ABS
-from helpers import SMALL, assert_equivalent, check_prediction, one_process, run_train, steps, summary
+
 from trainmesh.checkpoint.sharded import CheckpointError, _Reader, consolidate, latest
 from trainmesh.cli import main
 

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from helpers import SMALL, steps
+from safetensors.torch import load_file
 from tolerances import LOSS_ABS, MOMENT_REL
+
 from trainmesh.checkpoint.sharded import MANIFEST
 
 LAST = 8

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import SMALL, steps
 from tolerances import LOSS_ABS
+
 from trainmesh.checkpoint.sharded import MANIFEST, newest_intact
 from trainmesh.cli import main
 

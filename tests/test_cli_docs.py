@@ -34,6 +34,7 @@ def test_the_comparison_sees_a_changed_flag(monkeypatch):
 @pytest.mark.timeout(60)
 def test_api_reference_names_every_public_name_field_and_method():
     import dataclasses
+
     import trainmesh as tm
     api = (DOC.parent / "API.md").read_text()
     missing = [n for n in tm.__all__ if f"tm.{n}" not in api]

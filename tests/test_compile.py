@@ -8,11 +8,11 @@ reuse each other's kernels instead of compiling the same graph again.
 from __future__ import annotations
 
 import pytest
-
 from helpers import SMALL, assert_equivalent, run_train, steps, summary
+
 from trainmesh.cli import main
-from trainmesh.engine.compile import check_compile
 from trainmesh.core.errors import ConfigError
+from trainmesh.engine.compile import check_compile
 
 STEPS = 10
 ARGS = [*SMALL, "--steps", str(STEPS)]
@@ -89,6 +89,7 @@ def test_compile_on_cuda_needs_triton(monkeypatch):
 def test_a_model_without_layers_is_refused():
     """--compile compiles layer by layer, never the whole model (hooks would be traced into it)."""
     import torch
+
     from trainmesh.engine.compile import compile_layers
     with pytest.raises(ConfigError, match="--compile"):
         compile_layers(torch.nn.Linear(4, 4), "cpu")

@@ -18,8 +18,8 @@ import torch
 
 import trainmesh.data.token_cache as token_cache
 import trainmesh.data.tokenizer as tokenizer
-from trainmesh.data.corpus import _generator, make_datasets
 from trainmesh.core.errors import DataError
+from trainmesh.data.corpus import _generator, make_datasets
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, BATCH, SEED = 16, 8, 5
@@ -181,9 +181,9 @@ def test_memory_preflight_counts_the_data_path_not_the_file(tmp_path, monkeypatc
     import trainmesh.planner.fit as fit
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import given_flags
+    from trainmesh.config.train import build_train_config
     from trainmesh.core.errors import ConfigError
     from trainmesh.planner.predict import predict_run
-    from trainmesh.config.train import build_train_config
     small, big = tmp_path / "small.txt", tmp_path / "big.txt"
     small.write_bytes(_words(1000))
     big.write_bytes(_words(1_000_000))

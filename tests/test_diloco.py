@@ -12,9 +12,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from helpers import SMALL, run_train, steps, summary
 from tolerances import LOSS_ABS
+
 from trainmesh.cli import main
 
 pytestmark = pytest.mark.slow

@@ -12,12 +12,12 @@ import subprocess
 import sys
 
 import pytest
-
 from elastic_run import ARGS, STEPS, last_per_step, run_trial
 from helpers import SMALL, run_train, steps
 from tolerances import LOSS_ABS, NORM_REL
-from trainmesh.run.elastic import Layout, ResizeError, fit_world, layout_change, resize
+
 from trainmesh.config.train import build_train_config
+from trainmesh.run.elastic import Layout, ResizeError, fit_world, layout_change, resize
 
 
 # ---------------------------------------------------------------- the pure function

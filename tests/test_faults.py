@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainmesh.engine.precision import Precision
-from trainmesh.config.parallel import ParallelConfig
-
 from helpers import worker_pids
+
+from trainmesh.config.parallel import ParallelConfig
+from trainmesh.engine.precision import Precision
 
 T = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
      "--global-batch", "8"]
@@ -265,8 +264,8 @@ def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path):
 
 
 def test_save_dir_lock_is_exclusive_and_released(tmp_path):
-    from trainmesh.core.errors import ConfigError
     from trainmesh.checkpoint.savedir import SaveDirLock
+    from trainmesh.core.errors import ConfigError
     ck = tmp_path / "ck"
     with SaveDirLock(ck):
         assert (ck / ".lock").read_text().strip() == str(os.getpid())

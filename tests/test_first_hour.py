@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import steps, summary
 from tolerances import LOSS_ABS
+
 from trainmesh.cli import main
 
 TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--vocab-size", "32",

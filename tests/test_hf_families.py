@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from tolerances import LOSS_ABS
 
 transformers = pytest.importorskip("transformers")
@@ -245,12 +244,12 @@ def test_user_plan_names_a_fused_projection_with_its_parts():
 def test_model_dir_any_family_trains_and_exports(world2, tmp_path, monkeypatch, capsys):
     """Bugs: --model-dir refusing a model type it has no table for; consolidate or export-hf
     leaving out the tied alias (from_pretrained then reports it missing) or other weights."""
-    import trainmesh.run.launch
     from safetensors.torch import load_file
 
+    import trainmesh.run.launch
+    from trainmesh.checkpoint.export_hf import export_hf
     from trainmesh.checkpoint.sharded import consolidate
     from trainmesh.cli import main
-    from trainmesh.checkpoint.export_hf import export_hf
     for rank, res in _ranks(world2).items():
         assert "error" not in res["model_dir"], f"rank {rank}:\n{res['model_dir']['error']}"
     run = world2["out"] + "-qwen2"

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from tolerances import LOSS_ABS, NORM_REL, loss_one_step_atol
+
 from trainmesh.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")

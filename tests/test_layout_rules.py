@@ -6,8 +6,8 @@ checked before any worker starts: ``trainmesh train`` exits 2 with one line nami
 from __future__ import annotations
 
 import pytest
-
 from helpers import SMALL
+
 from trainmesh.config.parallel import ParallelConfig, check_pipeline
 from trainmesh.core.errors import ConfigError
 
@@ -77,6 +77,7 @@ def test_bad_virtual_stages_from_a_toml_file(no_launch, refused, tmp_path):
 @pytest.mark.timeout(60)
 def test_valid_layouts_get_past_validation(no_launch):
     from helpers import LAUNCHED
+
     from trainmesh.cli import main
     assert main(["train", *T, "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
                  "--microbatches", "2", *FOUR]) == LAUNCHED
@@ -87,8 +88,8 @@ def test_valid_layouts_get_past_validation(no_launch):
 
 @pytest.mark.timeout(30)
 def test_the_schedule_builder_applies_the_same_rule():
-    from trainmesh.pipeline_parallel.schedules import SCHEDULES, build_schedule
     import trainmesh.config.parallel as config
+    from trainmesh.pipeline_parallel.schedules import SCHEDULES, build_schedule
     assert SCHEDULES is config.SCHEDULES
     for args in [("interleaved", 2, 3, 2), ("1f1b", 2, 4, 2)]:
         with pytest.raises(ConfigError) as built:

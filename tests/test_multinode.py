@@ -9,7 +9,6 @@ import sys
 import uuid
 
 import pytest
-
 from helpers import SMALL, assert_equivalent, one_process
 
 

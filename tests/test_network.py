@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import worker_pids
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

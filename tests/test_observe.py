@@ -13,13 +13,13 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-
 from helpers import SMALL, assert_equivalent, run_train
+
 from trainmesh.cli import main
 from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.mesh import ParallelMesh
 from trainmesh.data.corpus import _EVAL_STREAM, SyntheticCorpus, make_datasets
 from trainmesh.engine.engine import Engine
-from trainmesh.core.mesh import ParallelMesh
 from trainmesh.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers import SMALL, run_train, steps
-from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_ABS
 from test_zero import CFG, PSI, SMALL_BUCKET, _train, loss_fn, no_decay, optimizer
+from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_ABS
+
 from trainmesh import Engine, ParallelConfig, ParallelMesh
 from trainmesh.checkpoint.sharded import latest
 from trainmesh.cli import main
@@ -246,8 +246,8 @@ def test_planner_prices_offload_and_frees_the_device():
 def test_host_adamw_steps_strided_shards_right():
     """Under offload the trainer's AdamW is the fused CPU kernel, which miscomputes strided
     parameters (a ZeRO-1/2 shard of several buckets): those get the foreach kernel."""
-    from trainmesh.run.optimizers import optimizer_factory
     from trainmesh.config.train import build_train_config
+    from trainmesh.run.optimizers import optimizer_factory
     cfg = build_train_config({"zero": 1, "offload": "cpu"})
     make = optimizer_factory(cfg, torch.device("cpu"))
     flat = torch.randn(3, 2, 5)                                # (n_buckets, world, chunk)

@@ -9,8 +9,16 @@ import sys
 import time
 
 import pytest
+from helpers import (
+    SMALL,
+    assert_equivalent,
+    one_process,
+    run_train,
+    steps,
+    summary,
+    worker_pids,
+)
 
-from helpers import SMALL, assert_equivalent, one_process, run_train, steps, summary, worker_pids
 from trainmesh.cli import main
 from trainmesh.parameter_server import shard_by_bytes
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tolerances import LOSS_ABS, NORM_REL, SHORT_RUN_REL, loss_one_step_atol
+
 from trainmesh.core.errors import ConfigError
 from trainmesh.testing import run_distributed
 
@@ -181,6 +181,7 @@ def _activation_peak(schedule: str) -> tuple[int, int]:
 # --------------------------------------------------------------------------- workers
 def world2_worker(svg_path: str) -> dict:
     import torch.distributed as dist
+
     from trainmesh.pipeline_parallel.analysis import bubble_fraction
     from trainmesh.pipeline_parallel.timeline import gather_timeline, write_timeline
     res: dict = {"equivalence": _run_equivalence(WORLD2)}
@@ -426,8 +427,11 @@ def test_last_stage_runs_loss_fn_or_refuses_it() -> None:
 
 
 def test_partition_balances_parameters_and_checks_cuts() -> None:
-    from trainmesh.pipeline_parallel.partition import (balanced_cuts, named_pipeline_layers,
-                                                       partition)
+    from trainmesh.pipeline_parallel.partition import (
+        balanced_cuts,
+        named_pipeline_layers,
+        partition,
+    )
     model = _gpt(GPT_KW)
     layers = named_pipeline_layers(model)
     assert [n for n, _ in layers] == ["embed", *(f"blocks.{i}" for i in range(8)), "head"]

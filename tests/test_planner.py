@@ -12,7 +12,11 @@ from trainmesh.cli import main
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.models.gpt import PRESETS
 from trainmesh.planner import Cluster, ModelShape, plan
-from trainmesh.planner.activations import gpt_block_bytes, gpt_head_bytes, inflight_chunks
+from trainmesh.planner.activations import (
+    gpt_block_bytes,
+    gpt_head_bytes,
+    inflight_chunks,
+)
 from trainmesh.planner.steptime import pipeline_slots
 from trainmesh.planner.traffic import dp_ops, wire_bytes
 from trainmesh.planner.units import parse_bandwidth, parse_size
@@ -324,8 +328,13 @@ def test_activation_count_matches_the_gpt_saved_tensors():
 def test_peak_prediction_stands_on_the_measured_base():
     """The base footprint is measured where the run happens: a CUDA build of torch imports
     ~650 MiB where the CPU wheel imports ~220 MiB; a constant base fits only one wheel."""
-    from trainmesh.planner.predict import RUNTIME_BYTES, compare, measured_base_bytes, predict_run
     from trainmesh.config.train import build_train_config
+    from trainmesh.planner.predict import (
+        RUNTIME_BYTES,
+        compare,
+        measured_base_bytes,
+        predict_run,
+    )
     cfg = build_train_config({"model": "tiny", "dp": 2, "device": "cpu"})
     here = measured_base_bytes("cpu")
     assert 50 * 2**20 < here < 4 * 2**30            # this process's RSS, torch imported

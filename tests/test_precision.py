@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from tolerances import MIXED_PRECISION_LOSS_ABS
+
 from trainmesh import ConfigError, Engine, ParallelConfig, ParallelMesh
 from trainmesh.data.corpus import SyntheticCorpus, dp_slice
-from trainmesh.models.gpt import GPT, GPTConfig
 from trainmesh.engine.precision import LossScaler, Precision, check_supported
+from trainmesh.models.gpt import GPT, GPTConfig
 from trainmesh.testing import run_distributed
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 import torch
+from tolerances import SAME_KERNELS_ABS
 from torch import nn
 
-from tolerances import SAME_KERNELS_ABS
 from trainmesh import ConfigError, Engine, ParallelConfig, ParallelMesh
 from trainmesh.data.corpus import SyntheticCorpus
-from trainmesh.observe.metrics import memory_now, memory_peak, reset_peak
-from trainmesh.models.gpt import GPT, GPTConfig
 from trainmesh.engine.recompute import Recomputed, apply_recompute
+from trainmesh.models.gpt import GPT, GPTConfig
+from trainmesh.observe.metrics import memory_now, memory_peak, reset_peak
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=4)
 MODES = [("none", 1), ("full", 1), ("full", 2), ("selective", 1)]

@@ -7,8 +7,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import run_train
+
 from trainmesh.cli import main
 
 RUN = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",

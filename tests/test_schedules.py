@@ -10,12 +10,24 @@ import pytest
 
 from trainmesh.cli import main
 from trainmesh.core.errors import ConfigError
-from trainmesh.pipeline_parallel.analysis import (bubble_fraction, bubble_fraction_per_rank,
-                                                  check_complete, completeness_problems,
-                                                  peak_inflight_microbatches, simulate)
+from trainmesh.pipeline_parallel.analysis import (
+    bubble_fraction,
+    bubble_fraction_per_rank,
+    check_complete,
+    completeness_problems,
+    peak_inflight_microbatches,
+    simulate,
+)
 from trainmesh.pipeline_parallel.render import draw_timeline, format_grid
-from trainmesh.pipeline_parallel.schedules import (SCHEDULES, Action, Schedule, ScheduleError,
-                                                   TimedAction, Timeline, build_schedule)
+from trainmesh.pipeline_parallel.schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    TimedAction,
+    Timeline,
+    build_schedule,
+)
 
 JSON_KEYS = {"schedule", "pp", "microbatches", "virtual_stages", "actions", "bubble_fraction",
              "bubble_fraction_per_rank", "peak_inflight_microbatches"}

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_train, steps, summary
 from safetensors.torch import save_file
 
-from helpers import run_train, steps, summary
 from trainmesh import Engine, ParallelConfig
 from trainmesh.data.corpus import SyntheticCorpus, dp_slice
 from trainmesh.engine.materialize import safetensors_init, slice_of
@@ -115,8 +115,8 @@ def init_peaks(tmp_path) -> dict:
     and dp 4 zero 3, tp 2, pp 2."""
     from trainmesh.cli import build_parser
     from trainmesh.cli.train import collect
-    from trainmesh.planner.predict import compare, predict_run
     from trainmesh.config.train import build_train_config
+    from trainmesh.planner.predict import compare, predict_run
     out = {}
     for name, extra in RUNS.items():
         args = [*MODEL, "--layers", str(LAYERS), *extra]

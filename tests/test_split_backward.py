@@ -12,8 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from trainmesh.pipeline_parallel.split_backward import (SPLIT_BACKWARD_SUPPORTED, backward_input,
-                                                        backward_weight)
+from trainmesh.pipeline_parallel.split_backward import (
+    SPLIT_BACKWARD_SUPPORTED,
+    backward_input,
+    backward_weight,
+)
 
 pytestmark = pytest.mark.skipif(not SPLIT_BACKWARD_SUPPORTED, reason="needs torch >= 2.7")
 REL = 1e-12   # float64, the same operations in another order: rounding only

@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from tolerances import FP32_EPS, LOSS_ABS, NORM_REL, fp32_atol, scale_of
 from torch import nn
 
-from tolerances import FP32_EPS, LOSS_ABS, NORM_REL, fp32_atol, scale_of
 from trainmesh import Engine, ParallelConfig, ParallelMesh
 from trainmesh.data.corpus import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import LOSS_ABS, NORM_REL, assert_fp32_close, scale_of
 from torch import nn
 
-from tolerances import LOSS_ABS, NORM_REL, assert_fp32_close, scale_of
 from trainmesh.testing import run_distributed
 
 CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
@@ -368,6 +368,7 @@ def _check_gpt_init(tp: int) -> None:
 def _check_no_full_logits(tp: int) -> None:
     """No tensor of (b, s, vocab) elements exists on any rank in forward or backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
     from trainmesh.models.gpt import GPT, GPTConfig
     from trainmesh.tensor_parallel import parallelize
     mesh, comm = _setup(tp)

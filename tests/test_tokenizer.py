@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import SMALL, assert_equivalent, run_train
+
 from trainmesh.cli import main
-from trainmesh.data.tokenizer import bpe_tokens, cache_paths
 from trainmesh.config.train import build_train_config
+from trainmesh.data.tokenizer import bpe_tokens, cache_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_VOCAB = [a for i, a in enumerate(SMALL) if "--vocab-size" not in SMALL[max(i - 1, 0):i + 1]]

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import run_train, steps
 from tolerances import LOSS_ABS, NORM_REL
+
 from trainmesh.testing import run_distributed
 
 STEPS = 3   # the SP defect moved the grad norm 15% at step 1 and the loss from step 2
@@ -57,8 +57,8 @@ def _config(flags: list[str], optimizer: str):
 def _curve(flags: list[str], optimizer: str, mesh=None) -> dict:
     """`trainmesh train`'s engine and batches for STEPS steps: [(loss, grad_norm)], and the
     names of parameters carrying an attribute of ours (there must be none)."""
-    from trainmesh.data.corpus import dp_slice, make_datasets
     from trainmesh.core.mesh import ParallelMesh
+    from trainmesh.data.corpus import dp_slice, make_datasets
     from trainmesh.run.trainer import build_engine
     cfg = _config(flags, optimizer)
     p = cfg.parallel
@@ -141,8 +141,9 @@ def test_sharded_init_keeps_the_records():
     """Materialising replaces the meta parameters; the records (by name) still describe them,
     and the values are the slices they name."""
     from torch import nn
-    from trainmesh.engine.materialize import materialize
+
     from trainmesh.core.placement import Placement, Placements
+    from trainmesh.engine.materialize import materialize
     full = torch.arange(24.0).reshape(6, 4)
     placements = Placements()
     placements.record("qkv", Placement(full_shape=(6, 4), tp_dim=0, tp_start=1, tp_parts=3))

@@ -10,8 +10,16 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import (
+    SMALL,
+    assert_equivalent,
+    check_prediction,
+    one_process,
+    run_train,
+    steps,
+    summary,
+)
 
-from helpers import SMALL, assert_equivalent, check_prediction, one_process, run_train, steps, summary
 from trainmesh.cli import main
 
 LAYOUTS = {"dp2": ["--dp", "2"], "dp4": ["--dp", "4"], "mb4": ["--microbatches", "4"],

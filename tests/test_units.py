@@ -87,7 +87,12 @@ def test_init_distributed_reads_the_environment_and_never_writes_it(monkeypatch)
 
     import torch.distributed as dist
 
-    from trainmesh.core.distributed import env_job, init_distributed, local_world_size, shutdown
+    from trainmesh.core.distributed import (
+        env_job,
+        init_distributed,
+        local_world_size,
+        shutdown,
+    )
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import LAUNCHED, run_train, steps
+from helpers import assert_refused as refused
 from safetensors.torch import save_file
 
-from helpers import LAUNCHED, assert_refused as refused, run_train, steps
 from trainmesh.cli import build_parser, main
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
@@ -187,8 +188,8 @@ def test_model_too_large_for_any_machine(capsys):
 def test_memory_counts_every_local_rank(capsys, machine, monkeypatch):
     """The local ranks' predicted peaks together must fit: one byte short is refused."""
     import trainmesh.planner.fit as fit
-    from trainmesh.planner.predict import predict_run
     from trainmesh.config.train import build_train_config
+    from trainmesh.planner.predict import predict_run
     args = [*T, "--dp", "16", "--global-batch", "16"]
     cfg = build_train_config(given(args))
     base = 300 * 2**20   # the worker's footprint before the model, pinned for the check

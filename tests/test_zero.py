@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_ABS
+
 from trainmesh import ConfigError, Engine, ParallelConfig, ParallelMesh
 from trainmesh.data.corpus import SyntheticCorpus, dp_slice
 from trainmesh.models.gpt import GPT, GPTConfig

@@ -7,14 +7,15 @@ Public face::
     engine = tm.Engine(model, optimizer=..., loss_fn=..., config=tm.ParallelConfig(dp=2))
     loss = engine.train_step(batch)
 """
-from .comm import Comm, Ledger
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.distributed import init_distributed, shutdown
-from trainmesh.engine.engine import Engine
 from trainmesh.core.errors import CommTimeout, ConfigError
 from trainmesh.core.mesh import ParallelMesh
-from .parameter_server import PSEngine
+from trainmesh.engine.engine import Engine
 from trainmesh.engine.pretrained import causal_lm_loss, from_pretrained
+
+from .comm import Comm, Ledger
+from .parameter_server import PSEngine
 from .tensor_parallel.hf import hf_tp_plan
 
 __version__ = "0.1.0"

@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-
 from torch.distributed.elastic.multiprocessing.errors import record
 
 

@@ -32,10 +32,16 @@ from typing import Any
 
 import torch
 
-from trainmesh.checkpoint.sharded import manifest_of, pieces, publish, step_dir, write_piece
+from trainmesh.checkpoint.sharded import (
+    manifest_of,
+    pieces,
+    publish,
+    step_dir,
+    write_piece,
+)
 from trainmesh.comm import Comm
-from trainmesh.data_parallel.base import GradSync
 from trainmesh.core.placement import Placements
+from trainmesh.data_parallel.base import GradSync
 
 ENTRY = "rank{:05d}.entry.json"
 """A rank's entry in the temporary directory: its file, that file's sha256 and its keys (or

@@ -85,7 +85,12 @@ def export_hf(root: str | Path, outdir: str | Path) -> Path:
     naming ``DIR`` for a checkpoint that maps onto no Hugging Face model."""
     from safetensors.torch import save_file
 
-    from trainmesh.checkpoint.sharded import CheckpointError, newest_intact, read_weights, reading
+    from trainmesh.checkpoint.sharded import (
+        CheckpointError,
+        newest_intact,
+        read_weights,
+        reading,
+    )
     directory, skipped = newest_intact(root)
     if directory is None:
         why = f" ({skipped[0][0].name}: {skipped[0][1]})" if skipped else ""

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.checkpoint.sharded import MANIFEST, newest_intact
-from trainmesh.core.errors import ConfigError
 from trainmesh.config.train import SHAPE, TrainConfig
+from trainmesh.core.errors import ConfigError
 
 MUST_MATCH = {**{k: "--" + k.replace("_", "-") for k in SHAPE}, "optimizer": "--optimizer"}
 """Run-record keys a resumed run must share with its checkpoint -> the flag that sets each."""

@@ -37,9 +37,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trainmesh.comm import Comm
-from trainmesh.data_parallel.base import GradSync
 from trainmesh.core.placement import Placement, Placements
-from trainmesh.tensor_parallel.state import full_tensor, shard_dim, shard_of, shard_parts
+from trainmesh.data_parallel.base import GradSync
+from trainmesh.tensor_parallel.state import (
+    full_tensor,
+    shard_dim,
+    shard_of,
+    shard_parts,
+)
 
 log = logging.getLogger("trainmesh")
 MANIFEST = "manifest.json"

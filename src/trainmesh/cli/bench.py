@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 
 from trainmesh.core.errors import ConfigError
+
 from ..planner.units import parse_size
 
 DEFAULT_SIZES = "4KB,64KB,1MB,16MB"

@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from trainmesh.core.errors import ConfigError
+
 from .paths import check_output_file
 
 

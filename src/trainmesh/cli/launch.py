@@ -58,9 +58,10 @@ def run(args: argparse.Namespace) -> int:
     for field in ("nodes", "gpus_per_node"):
         if getattr(args, field) < 1:
             raise ConfigError(field.replace("_", "-"), f"must be >= 1; got {getattr(args, field)}")
+    from trainmesh.config.train import build_train_config
+
     from . import build_parser
     from .train import collect
-    from trainmesh.config.train import build_train_config
     flags = [f for f in args.train_flags if f != "--"]
     train_args = build_parser().parse_args(["train", *flags])
     cfg = build_train_config(collect(train_args, True))

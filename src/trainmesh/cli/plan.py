@@ -22,10 +22,17 @@ from typing import Any
 from rich.console import Console
 
 from trainmesh.config.parallel import PRECISIONS
-from trainmesh.core.errors import ConfigError
-from ..planner.units import fmt_bytes, fmt_seconds, parse_bandwidth, parse_count, parse_size
-from trainmesh.observe.progress import console, fmt_size, wide_table
 from trainmesh.config.train import FLAGS
+from trainmesh.core.errors import ConfigError
+from trainmesh.observe.progress import console, fmt_size, wide_table
+
+from ..planner.units import (
+    fmt_bytes,
+    fmt_seconds,
+    parse_bandwidth,
+    parse_count,
+    parse_size,
+)
 from .train import add_train_flags, given_flags
 
 # The prediction mode takes the `trainmesh train` flags the model of a run uses (one table:
@@ -64,6 +71,7 @@ def _plan_flags() -> list[str]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command."""
     from trainmesh.core.gpus import DEFAULT_GPU, GPUS
+
     from ..planner.published import MODELS
     parser = subparsers.add_parser(
         "plan", help="which parallel layout to use: memory, traffic and time per layout",
@@ -128,8 +136,9 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- advisor
 def _advise(args: argparse.Namespace) -> int:
-    from ..planner.advisor import plan
     from trainmesh.core.gpus import DEFAULT_GPU, gpu
+
+    from ..planner.advisor import plan
 
     if args.gpus is None:
         raise ConfigError("--gpus", "is required by the advisor (total GPUs, e.g. --gpus 64)")
@@ -277,8 +286,9 @@ def _print_offload(result: Any, model: Any, cluster: Any, out: Console) -> None:
 
 # ---------------------------------------------------------------- prediction
 def _predict(args: argparse.Namespace) -> int:
-    from ..planner.predict import predict_run
     from trainmesh.config.train import build_train_config
+
+    from ..planner.predict import predict_run
 
     prediction = predict_run(build_train_config(given_flags(args)))
     if args.json:

@@ -14,7 +14,12 @@ from rich.console import Console
 from rich.table import Table
 
 from trainmesh.core.errors import ConfigError
-from ..pipeline_parallel.analysis import ScheduleSummary, ideal_bubble_fraction, summarize
+
+from ..pipeline_parallel.analysis import (
+    ScheduleSummary,
+    ideal_bubble_fraction,
+    summarize,
+)
 from ..pipeline_parallel.render import IMAGE_SUFFIXES, draw_timeline, rich_grid
 from ..pipeline_parallel.schedules import SCHEDULES, build_schedule
 

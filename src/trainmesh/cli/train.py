@@ -160,6 +160,7 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         check_resume(cfg)  # errors only; the worker that resumes prints the notice
     if cfg.init_from:   # every parameter of the GPT in the file, with its shape
         from trainmesh.engine.materialize import check_safetensors
+
         from ..models.gpt import GPT
         check_safetensors(cfg.init_from, GPT(cfg.gpt_config(), device="meta"))
     if cfg.model_dir:   # transformers present, every parameter in model.safetensors
@@ -197,12 +198,14 @@ def run(args: argparse.Namespace) -> int:
             from trainmesh.run.launch import die_with_parent
             die_with_parent(os.getppid())
         from trainmesh.run.trainer import worker_main
+
         from .logs import configure_worker_logging
         configure_worker_logging()
         return worker_main(cfg)
     preflight(cfg, local_ranks=cfg.parallel.world_size, launching=True)
     warn_warmup(cfg)
     from trainmesh.run.launch import launch_local
+
     from .logs import configure_worker_logging
     return launch_local(cfg, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts,
                         worker_setup=configure_worker_logging)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.core.mesh import ParallelMesh
+
 from .algorithms import all_reduce, theory_sent_bytes
 from .ops import Comm
 

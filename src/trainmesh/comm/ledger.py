@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-
 KEEP_STEPS = 64
 """Step windows a ledger keeps by default (the per-step tables; the totals cover every step)."""
 METRICS_NAME = {"world": "other"}

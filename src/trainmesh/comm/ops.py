@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 from trainmesh.core.errors import CommTimeout
 from trainmesh.core.mesh import ParallelMesh
-from .check import OrderCheck, enabled as order_check_enabled
+
+from .check import OrderCheck
+from .check import enabled as order_check_enabled
 from .diagnose import EXCHANGE_WAIT_S, exchange, silent_ranks, verdict
 from .ledger import Ledger, Span, canonical_axis
 

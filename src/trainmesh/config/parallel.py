@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from trainmesh.config.validation import check_fields, setting
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import TIMEOUT_S
-from trainmesh.config.validation import check_fields, setting
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p")
 """Pipeline schedules the training runtime runs (``trainmesh schedule`` draws the same); the one

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.config.parallel import GRAD_CLIP, ParallelConfig
+from trainmesh.config.validation import Flag, check_fields, flags_of, setting
 from trainmesh.core.errors import ConfigError
 from trainmesh.models.gpt import PRESETS, GPTConfig
-from trainmesh.config.validation import Flag, check_fields, flags_of, setting
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -8,9 +8,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainmesh.core.stores import process_group_store
-from trainmesh.core.mesh import TIMEOUT_S
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.mesh import TIMEOUT_S
+from trainmesh.core.stores import process_group_store
 
 log = logging.getLogger("trainmesh")
 

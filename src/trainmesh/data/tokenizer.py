@@ -20,7 +20,14 @@ from pathlib import Path
 import numpy as np
 
 from trainmesh.core.errors import ConfigError
-from trainmesh.data.token_cache import TokenView, cache_dir, fingerprint, open_tokens, write_atomic, write_token_cache
+from trainmesh.data.token_cache import (
+    TokenView,
+    cache_dir,
+    fingerprint,
+    open_tokens,
+    write_atomic,
+    write_token_cache,
+)
 
 MIN_BPE_VOCAB = 257
 """The 256 byte tokens plus at least one merge."""

@@ -9,14 +9,15 @@ from typing import Any
 
 from torch import nn
 
-from ..comm import Comm
 from trainmesh.config.parallel import ParallelConfig
+
+from ..comm import Comm
 from .base import GradSync, SyncOptions, group_parameters, unique_named_parameters
 from .ddp import DDP
 from .diloco import DiLoCo
 from .sharded import ELEMENTWISE_OPTIMIZERS
-from .zero import Zero1, Zero2
 from .units import find_units
+from .zero import Zero1, Zero2
 from .zero3 import Zero3
 from .zero_pipeline import PipelineZero2, PipelineZero3
 

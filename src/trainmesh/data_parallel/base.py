@@ -24,8 +24,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
-from ..comm import Comm
 from trainmesh.core.errors import ConfigError
+
+from ..comm import Comm
 from .master import MasterWeights
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]

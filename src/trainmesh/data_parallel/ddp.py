@@ -20,7 +20,14 @@ from torch import nn
 
 from ..comm import Comm, Handle
 from ..comm.algorithms import all_reduce
-from .base import BucketOrder, CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
+from .base import (
+    BucketOrder,
+    CountedFn,
+    GradSync,
+    OptimizerFactory,
+    SyncOptions,
+    group_parameters,
+)
 from .master import MasterWeights
 
 

@@ -25,8 +25,9 @@ import math
 import torch
 from torch import nn
 
-from ..comm import Comm
 from trainmesh.core.errors import ConfigError
+
+from ..comm import Comm
 from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 
 REPLICA = "replica{}/"

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Comm, Handle
 from trainmesh.core.errors import ConfigError
+
+from ..comm import Comm, Handle
 from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 from .flat import Slot
 from .offload import HostMaster, make_store

@@ -34,12 +34,13 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from ..comm import Comm, Handle
 from trainmesh.core.compat import in_backward, queue_backward_callback
-from trainmesh.observe.metrics import storage_bytes
 from trainmesh.core.step import tensors_in
-from .flat import FlatLayout, Slot
+from trainmesh.observe.metrics import storage_bytes
+
+from ..comm import Comm, Handle
 from .base import SyncOptions
+from .flat import FlatLayout, Slot
 from .sharded import Groups, ShardedSync
 from .units import UnitSpec, find_units, owner
 

@@ -34,10 +34,11 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from ..comm import Comm
 from trainmesh.core.compat import in_backward
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.step import tensors_in
+
+from ..comm import Comm
 from .base import SyncOptions
 from .zero import Zero2, _Bucket
 from .zero3 import Zero3, _State, _Unit

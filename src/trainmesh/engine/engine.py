@@ -26,22 +26,22 @@ import torch.distributed as dist
 from torch import nn
 
 from trainmesh.checkpoint import sharded as checkpoint
+from trainmesh.checkpoint.export_hf import model_record
 from trainmesh.comm import Comm
-from trainmesh.core.compat import set_last_lr
 from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.compat import set_last_lr
+from trainmesh.core.errors import ConfigError
+from trainmesh.core.mesh import ParallelMesh
+from trainmesh.core.placement import Placements
+from trainmesh.core.step import Executor, LossFn, StepHooks
 from trainmesh.data.corpus import split_microbatches
 from trainmesh.data_parallel import make_grad_sync, unique_named_parameters
 from trainmesh.data_parallel.base import OptimizerFactory
-from trainmesh.core.errors import ConfigError
 from trainmesh.engine.executor import LocalExecutor
-from trainmesh.checkpoint.export_hf import model_record
-from trainmesh.observe.flops import model_flops_per_token
-from trainmesh.core.mesh import ParallelMesh
 from trainmesh.engine.materialize import InitFn, materialize
-from trainmesh.observe.metrics import storage_bytes
-from trainmesh.core.placement import Placements
 from trainmesh.engine.precision import Precision
-from trainmesh.core.step import Executor, LossFn, StepHooks
+from trainmesh.observe.flops import model_flops_per_token
+from trainmesh.observe.metrics import storage_bytes
 
 
 class Engine:

@@ -10,8 +10,8 @@ import time
 import torch
 from torch import nn
 
-from trainmesh.pipeline_parallel.schedules import Action, TimedAction, Timeline
 from trainmesh.core.step import Executor, LossFn, StepHooks, as_sum_and_count
+from trainmesh.pipeline_parallel.schedules import Action, TimedAction, Timeline
 
 __all__ = ["Executor", "LocalExecutor", "LossFn"]
 

@@ -30,7 +30,6 @@ from trainmesh.engine.materialize import safetensors_init
 from trainmesh.models.hf import FIELD, WEIGHTS, build_on_meta
 
 
-
 def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
     """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
     parameters on the meta device, with ``init_parameter(name, shape, index)`` reading its
@@ -49,7 +48,11 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
     model = model if model is not None else from_pretrained(path, field=field)
     check_safetensors(str(Path(path) / WEIGHTS), model, field=field)
     if tp > 1:
-        from trainmesh.tensor_parallel.hf import declared_plan, hf_model_type, hf_tp_plan
+        from trainmesh.tensor_parallel.hf import (
+            declared_plan,
+            hf_model_type,
+            hf_tp_plan,
+        )
         if hf_model_type(model) != "gpt2" and declared_plan(model) is None:
             raise ConfigError("--tp", f"{type(model).__name__} declares no tensor-parallel plan "
                               "(config.base_model_tp_plan); valid for it: --tp 1 (dp and ZeRO)")

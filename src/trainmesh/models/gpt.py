@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
+
 from .init import init_module, init_value
 
 

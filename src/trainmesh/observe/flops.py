@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+
 def transformer_flops_per_token(n_params: int, n_layers: int, seq_len: int, d_model: int) -> float:
     """Training FLOPs per token of a decoder: ``6N + 12·L·s·d`` (forward + backward)."""
     return 6.0 * n_params + 12.0 * n_layers * seq_len * d_model

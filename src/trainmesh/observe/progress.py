@@ -41,7 +41,12 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         if self.tty:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeRemainingColumn,
+            )
             from rich.progress import Progress as RichProgress
             self._bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())

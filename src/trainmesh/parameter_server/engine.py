@@ -24,9 +24,10 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from ..comm.ledger import Ledger
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
+
+from ..comm.ledger import Ledger
 from .client import PSClient, shard_by_bytes
 from .rpc_setup import start_rpc, worker_name
 from .server import ParameterServer, local_server

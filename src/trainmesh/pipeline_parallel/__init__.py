@@ -6,12 +6,31 @@ Imports core and comm only.
 """
 from __future__ import annotations
 
-from .analysis import (ScheduleSummary, bubble_fraction, bubble_fraction_per_rank,
-                       check_complete, completeness_problems, peak_inflight_microbatches,
-                       simulate, summarize)
+from .analysis import (
+    ScheduleSummary,
+    bubble_fraction,
+    bubble_fraction_per_rank,
+    check_complete,
+    completeness_problems,
+    peak_inflight_microbatches,
+    simulate,
+    summarize,
+)
 from .partition import balanced_cuts, named_pipeline_layers, partition
-from .schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, SCHEDULES,
-                        Action, Schedule, ScheduleError, TimedAction, Timeline, build_schedule)
+from .schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    KINDS,
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    TimedAction,
+    Timeline,
+    build_schedule,
+)
 
 __all__ = [
     "Action", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FORWARD", "KINDS", "SCHEDULES",

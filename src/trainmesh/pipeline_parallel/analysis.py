@@ -20,8 +20,17 @@ from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule,
-                        ScheduleError, TimedAction, Timeline)
+from .schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    Action,
+    Schedule,
+    ScheduleError,
+    TimedAction,
+    Timeline,
+)
 
 __all__ = ["ScheduleSummary", "bubble_fraction", "bubble_fraction_per_rank", "check_complete",
            "completeness_problems", "ideal_bubble_fraction", "ideal_slots",

@@ -35,15 +35,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Comm
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import LossFn, StepHooks
+
+from ..comm import Comm
 from .p2p import StageP2P
 from .partition import named_pipeline_layers, partition
-from .schedules import (BACKWARD, BACKWARD_INPUT, FORWARD, Action, Schedule, TimedAction,
-                        Timeline, forward_only)
-from .split_backward import SPLIT_BACKWARD_SUPPORTED, PendingWeights, backward_input, backward_weight
+from .schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    FORWARD,
+    Action,
+    Schedule,
+    TimedAction,
+    Timeline,
+    forward_only,
+)
+from .split_backward import (
+    SPLIT_BACKWARD_SUPPORTED,
+    PendingWeights,
+    backward_input,
+    backward_weight,
+)
 from .stage import ActivationTracker, Chunk, LocalModule, StageIO, release_layers
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.step import LossFn, as_sum_and_count, tensors_in
+
 from .partition import NamedLayer
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
+
 from .activations import RECOMPUTE
 from .candidate import Candidate, evaluate, nominal_shape
 from .cluster import Cluster

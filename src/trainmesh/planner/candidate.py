@@ -17,13 +17,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
+
 from .activations import inflight_stages, megatron_layer_bytes
 from .cluster import Cluster
 from .memory import MemoryBreakdown, bytes_per_param, element_bytes, model_states
 from .shapes import ModelShape
 from .steptime import StepTime, flops_per_token, offload_seconds, step_time
-from .traffic import (Traffic, dp_ops, empty, zero3_regathers, other_ops, pp_ops, ring_factor, total_payload, tp_ops,
-                      wire_bytes)
+from .traffic import (
+    Traffic,
+    dp_ops,
+    empty,
+    other_ops,
+    pp_ops,
+    ring_factor,
+    total_payload,
+    tp_ops,
+    wire_bytes,
+    zero3_regathers,
+)
 
 BUCKET_BYTES = 25 * 2**20
 """Gradient bucket (``--bucket-mb`` default); two are in flight while DP reduces."""

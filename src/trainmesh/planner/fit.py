@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.core.errors import ConfigError
+
 from .predict import measured_base_bytes, predict_run
 from .units import fmt_bytes
 

@@ -34,9 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
+
 from ..models.gpt import GPTConfig
-from .activations import (gpt_block_bytes, gpt_block_input_bytes, gpt_head_bytes,
-                          inflight_stages)
+from .activations import (
+    gpt_block_bytes,
+    gpt_block_input_bytes,
+    gpt_head_bytes,
+    inflight_stages,
+)
 from .builtin import RankModel, block_params, rank_model
 from .memory import element_bytes, model_states
 from .traffic import AXES, Traffic, dp_ops, other_ops, pp_ops, tp_ops, zero3_regathers

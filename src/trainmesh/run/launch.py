@@ -17,10 +17,8 @@ Workers die with the launcher, even a SIGKILLed one (parent-death signal).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import ctypes
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -29,7 +27,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from trainmesh.core.stores import LOOPBACK, STORE_ENV, server_store
@@ -85,8 +83,8 @@ def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainmesh.core.compat import bound_worker_shutdown
     from trainmesh.checkpoint.savedir import SaveDirLock
+    from trainmesh.core.compat import bound_worker_shutdown
 
     with SaveDirLock(cfg.save_dir) if cfg.save_dir else contextlib.nullcontext():
         _quiet_agent()
@@ -143,7 +141,9 @@ def local_rendezvous(timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
 
 def _loopback_rendezvous(params):
     """torch's dynamic rendezvous handler over the store in ``params`` (see local_rendezvous)."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     class LoopbackBackend(C10dRendezvousBackend):

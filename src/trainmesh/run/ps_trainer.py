@@ -7,14 +7,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainmesh.data.corpus import dp_slice, make_dataset
-from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
-from trainmesh.models.gpt import GPT
-from trainmesh.run.optimizers import no_decay, optimizer_factory
-from trainmesh.parameter_server import PSEngine
-from trainmesh.observe.progress import print_summary, timed_steps
-from trainmesh.run.schedule_lr import warmup_cosine
 from trainmesh.config.train import TrainConfig
+from trainmesh.data.corpus import dp_slice, make_dataset
+from trainmesh.models.gpt import GPT
+from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
+from trainmesh.observe.progress import print_summary, timed_steps
+from trainmesh.parameter_server import PSEngine
+from trainmesh.run.optimizers import no_decay, optimizer_factory
+from trainmesh.run.schedule_lr import warmup_cosine
 
 log = logging.getLogger("trainmesh")
 

@@ -5,6 +5,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -12,26 +13,38 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainmesh.run import elastic
 from trainmesh.checkpoint.async_save import AsyncSaver, SaveRecord
-from trainmesh.data.corpus import dp_slice, make_datasets
-from trainmesh.core.distributed import init_distributed, shutdown
-from trainmesh.engine.engine import Engine
-from trainmesh.run.evaluation import make_evaluator
-from trainmesh.observe.flops import device_peak_tflops, mfu
-from trainmesh.engine.materialize import InitFn, returning_freed_memory
-from trainmesh.core.mesh import ParallelMesh
-from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
-from trainmesh.models.gpt import GPT
-from trainmesh.run.optimizers import no_decay, optimizer_factory
-from trainmesh.observe.progress import outputs_of, print_outputs, print_summary, run_header, timed_steps
-from trainmesh.checkpoint.resume import check_resume, elastic_job, run_record, same_job, schedule_changed
+from trainmesh.checkpoint.resume import (
+    check_resume,
+    elastic_job,
+    run_record,
+    same_job,
+    schedule_changed,
+)
 from trainmesh.checkpoint.savedir import SaveDirLock, remove_stale_tmp
-from trainmesh.run.schedule_lr import warmup_cosine
-from trainmesh.core.step import LossFn
-from trainmesh.observe.tensorboard import TensorBoardLog
-from trainmesh.run.trace import make_tracer
 from trainmesh.config.train import TrainConfig
+from trainmesh.core.distributed import init_distributed, shutdown
+from trainmesh.core.mesh import ParallelMesh
+from trainmesh.core.step import LossFn
+from trainmesh.data.corpus import dp_slice, make_datasets
+from trainmesh.engine.engine import Engine
+from trainmesh.engine.materialize import InitFn, returning_freed_memory
+from trainmesh.models.gpt import GPT
+from trainmesh.observe.flops import device_peak_tflops, mfu
+from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
+from trainmesh.observe.progress import (
+    outputs_of,
+    print_outputs,
+    print_summary,
+    run_header,
+    timed_steps,
+)
+from trainmesh.observe.tensorboard import TensorBoardLog
+from trainmesh.run import elastic
+from trainmesh.run.evaluation import make_evaluator
+from trainmesh.run.optimizers import no_decay, optimizer_factory
+from trainmesh.run.schedule_lr import warmup_cosine
+from trainmesh.run.trace import make_tracer
 
 log = logging.getLogger("trainmesh")
 MAX_NONFINITE_SKIPS = 10

@@ -6,11 +6,23 @@ loss (:mod:`.loss`) and the differentiable collectives (:mod:`.mappings`) are us
 See docs/TENSOR_PARALLEL.md.
 Imports core and comm only; models declare their plans as data.
 """
-from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
 from .hf import hf_tp_plan
+from .layers import (
+                       ColumnParallelLinear,
+                       RowParallelLinear,
+                       TPState,
+                       VocabParallelEmbedding,
+)
 from .loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
-from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
-                       reduce_scatter_to_sequence, scatter_to_region, scatter_to_sequence)
+from .mappings import (
+                       copy_to_region,
+                       gather_from_region,
+                       gather_from_sequence,
+                       reduce_from_region,
+                       reduce_scatter_to_sequence,
+                       scatter_to_region,
+                       scatter_to_sequence,
+)
 from .parallelize import parallelize
 from .plan import STYLES, default_plan
 

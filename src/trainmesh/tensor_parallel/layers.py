@@ -30,10 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import Comm
 from trainmesh.core.placement import Placement, Placements
-from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
-                       reduce_scatter_to_sequence, scatter_to_region)
+
+from ..comm import Comm
+from .mappings import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+    scatter_to_region,
+)
 from .state import part_sizes, shard_of
 
 

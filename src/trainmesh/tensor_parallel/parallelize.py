@@ -15,14 +15,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Comm
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
-from .layers import ColumnParallelLinear, RowParallelLinear, TPState, VocabParallelEmbedding
+
+from ..comm import Comm
+from .hf import check_hf_tp, hf_model_type, localize_config
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPState,
+    VocabParallelEmbedding,
+)
 from .loss import VocabParallelCrossEntropy
 from .mappings import gather_from_sequence, scatter_to_sequence
-from .hf import check_hf_tp, hf_model_type, localize_config
-from .plan import HEAD_ATTRS, Plan, check_divisible, default_plan, fused_parts, is_layer_style, resolve
+from .plan import (
+    HEAD_ATTRS,
+    Plan,
+    check_divisible,
+    default_plan,
+    fused_parts,
+    is_layer_style,
+    resolve,
+)
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan | None = None,

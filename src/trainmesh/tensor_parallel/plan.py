@@ -43,6 +43,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
+
 from .hf import declared_plan, head_counts, hf_model_type, hf_tp_plan
 from .layers import features, is_conv1d
 

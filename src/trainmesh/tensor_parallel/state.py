@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
 from trainmesh.core.placement import Placement, Placements
+
+from ..comm import Comm
 from .mappings import _gather
 
 
