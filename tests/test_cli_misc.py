@@ -24,7 +24,7 @@ def test_bench_comm_json(capsys):
     (["bench", "comm", "--sizes", "12XB"], "sizes"),
     (["bench", "comm", "--ops", "all_scatter"], "ops"),
     (["bench", "comm", "--nproc", "1"], "nproc"),
-    (["launch", "slurm", "--nodes", "2", "--gpus-per-node", "8", "--", "--dp", "4"], "dp*pp*tp"),
+    (["launch", "slurm", "--nodes", "2", "--gpus-per-node", "8", "--", "--dp", "4"], "dp*cp*pp*tp"),
     (["launch", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--", "--dp", "1", "--tp", "8"], "tp"),
     (["launch", "slurm", "--nodes", "0", "--gpus-per-node", "4"], "nodes"),
 ])

@@ -95,14 +95,15 @@ def test_every_op_matches_torch_and_is_accounted(world):
 def _mesh_check() -> dict:
     meshes = {name: ParallelMesh(**kw) for name, kw in
               {"dp4": dict(dp=4), "dp2tp2": dict(dp=2, tp=2), "pp2dp2": dict(pp=2, dp=2),
-               "pp2tp2": dict(pp=2, tp=2)}.items()}
+               "pp2tp2": dict(pp=2, tp=2), "dp2cp2ep2": dict(dp=2, cp=2, ep=2),
+               "dp4shard2": dict(dp=4, dp_shard=2)}.items()}
     out = {}
     for name, mesh in meshes.items():  # several meshes live in one process
         comm = Comm(mesh)
         row = {"coords": mesh.coords}
-        for axis in ("dp", "pp", "tp"):
+        for axis in ("dp", "pp", "tp", "cp", "dp_cp", "ep", "edp", "dp_shard", "dp_replicate"):
             t = torch.tensor([float(mesh.rank)])
-            comm.all_reduce(t, axis)
+            comm.all_reduce(t, axis, group=mesh.group(axis))
             row[axis] = (mesh.ranks(axis), t.item())
         out[name] = row
     return out
@@ -113,9 +114,9 @@ def _mesh_check() -> dict:
 def test_mesh_groups_and_coordinates():
     results = run_distributed(_mesh_check, 4)
     # tp fastest, then dp, then pp: rank = (pp*dp_deg + dp)*tp_deg + tp
-    assert results[3]["dp2tp2"]["coords"] == {"dp": 1, "pp": 0, "tp": 1}
-    assert results[2]["pp2dp2"]["coords"] == {"dp": 0, "pp": 1, "tp": 0}
-    assert results[1]["pp2tp2"]["coords"] == {"dp": 0, "pp": 0, "tp": 1}
+    assert results[3]["dp2tp2"]["coords"] == {"dp": 1, "pp": 0, "tp": 1, "cp": 0}
+    assert results[2]["pp2dp2"]["coords"] == {"dp": 0, "pp": 1, "tp": 0, "cp": 0}
+    assert results[1]["pp2tp2"]["coords"] == {"dp": 0, "pp": 0, "tp": 1, "cp": 0}
     for rank, res in results.items():
         assert res["dp4"]["dp"] == ([0, 1, 2, 3], 6.0)
         tp_group = [rank - rank % 2, rank - rank % 2 + 1]
@@ -123,6 +124,15 @@ def test_mesh_groups_and_coordinates():
         dp_group = [rank % 2, rank % 2 + 2]
         assert res["dp2tp2"]["dp"] == (dp_group, float(sum(dp_group)))
         assert res["pp2dp2"]["pp"] == (dp_group, float(sum(dp_group)))
+        # rank = ((pp*dp + dp_i)*cp + cp_i)*tp + tp_i; ep: runs of 2 in (dp, cp) order
+        pair, stride = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
+        cpm = res["dp2cp2ep2"]
+        assert cpm["cp"] == cpm["ep"] == (pair, float(sum(pair)))
+        assert cpm["dp"] == cpm["edp"] == (stride, float(sum(stride)))
+        assert cpm["dp_cp"] == ([0, 1, 2, 3], 6.0)
+        assert res["dp4shard2"]["dp_shard"] == (pair, float(sum(pair)))
+        assert res["dp4shard2"]["dp_replicate"] == (stride, float(sum(stride)))
+        assert res["dp4shard2"]["cp"] == ([rank], float(rank))
         assert res["pp2tp2"]["tp"] == (tp_group, float(sum(tp_group)))
         assert res["pp2tp2"]["dp"] == ([rank], float(rank))   # size-1 axis: a no-op
 

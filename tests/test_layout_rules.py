@@ -48,6 +48,17 @@ LAYOUTS = [
     (["--ps-servers", "2"], "--ps-servers", dict(ps_servers=2)),
     (["--strategy", "ps", "--dp", "2", "--tp", "2"], "--tp", dict(strategy="ps", dp=2, tp=2)),
     (["--timeline-out", "t.svg"], "--timeline-out", None),
+    (["--cp-comm", "allgather"], "--cp-comm", dict(cp_comm="allgather")),
+    (["--dp", "2", "--ep", "4"], "--ep", dict(dp=2, ep=4)),
+    (["--dp", "2", "--zero", "1", "--dp-shard", "3"], "--dp-shard", dict(dp=2, zero=1, dp_shard=3)),
+    (["--dp", "2", "--dp-shard", "1"], "--dp-shard", dict(dp=2, dp_shard=1)),
+    (["--strategy", "ps", "--dp", "2", "--cp", "2"], "--cp", dict(strategy="ps", dp=2, cp=2)),
+    (["--strategy", "diloco", "--dp", "2", "--fault-tolerant"], "--fault-tolerant",
+     dict(strategy="diloco", dp=2, fault_tolerant=True)),
+    (["--cp", "2", "--seq-len", "6"], "--seq-len", None),
+    (["--dp", "2", "--ep", "2"], "--ep", None),                                  # no --experts
+    (["--dp", "2", "--ep", "2", "--experts", "3"], "--ep", None),
+    (["--experts", "2", "--top-k", "3"], "--top-k", None),
 ]
 
 

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_train_config(collect(train_args, True))
     world = args.nodes * args.gpus_per_node
     if cfg.parallel.world_size != world:
-        raise ConfigError("dp*pp*tp", f"{cfg.parallel.world_size} must equal nodes x gpus-per-node = {world}")
+        raise ConfigError("dp*cp*pp*tp", f"{cfg.parallel.world_size} must equal nodes x gpus-per-node = {world}")
     if args.gpus_per_node % cfg.parallel.tp:
         raise ConfigError("tp", f"{cfg.parallel.tp} must divide --gpus-per-node {args.gpus_per_node}: "
                           "a TP group stays inside a node")

@@ -76,13 +76,13 @@ def launcher_world() -> int | None:
 
 def derive_layout(values: dict[str, Any], world: int) -> dict[str, Any]:
     """``values`` with the layout flags left unset derived from the launcher's ``world`` size
-    (pp and tp 1, dp = world / (pp x tp), minus the servers under --strategy ps); a layout
+    (cp, pp and tp 1, dp = world / (cp x pp x tp), minus the servers under --strategy ps); a layout
     that cannot fill it raises ConfigError naming the flags and the size. An elastic job
     (--min-dp) may run below --dp: its own rules apply (:mod:`trainmesh.run.elastic`)."""
     out = dict(values)
-    pp, tp = out.get("pp", 1), out.get("tp", 1)
+    pp, tp, cp = out.get("pp", 1), out.get("tp", 1), out.get("cp", 1)
     servers = out.get("ps_servers", 1) if out.get("strategy") == "ps" else 0
-    per_replica = pp * tp
+    per_replica = cp * pp * tp
     if not isinstance(per_replica, int) or per_replica < 1 or not isinstance(servers, int):
         return out                       # a bad value: the config's own check names it
     trainers = world - servers
@@ -91,19 +91,19 @@ def derive_layout(values: dict[str, Any], world: int) -> dict[str, Any]:
         if elastic and (trainers < per_replica or trainers % per_replica):
             return out                   # the elastic rules say which axis cannot shrink
         if trainers < per_replica or trainers % per_replica:
-            raise ConfigError("--pp" if pp > 1 else "--tp",
-                              f"pp {pp} x tp {tp} = {per_replica} does not divide the "
+            raise ConfigError("--pp" if pp > 1 else "--tp" if tp > 1 else "--cp",
+                              f"cp {cp} x pp {pp} x tp {tp} = {per_replica} does not divide the "
                               f"{trainers} processes of this job (world size {world}"
                               f"{f' less {servers} servers' if servers else ''}); "
-                              "give --pp and --tp whose product divides it")
+                              "give --cp, --pp and --tp whose product divides it")
         out["dp"] = trainers // per_replica
     elif not elastic and isinstance(out["dp"], int) \
             and out["dp"] * per_replica + servers != world:
         need = out["dp"] * per_replica + servers
-        raise ConfigError("--dp", f"{out['dp']} x --pp {pp} x --tp {tp}"
+        raise ConfigError("--dp", f"{out['dp']} x --cp {cp} x --pp {pp} x --tp {tp}"
                           f"{f' + {servers} servers' if servers else ''} = {need} processes, but "
                           f"this torchrun/srun job has world size {world}; leave --dp unset to derive it "
-                          f"({world} / (pp x tp)) or start {need} processes")
+                          f"({world} / (cp x pp x tp)) or start {need} processes")
     return out
 
 
@@ -180,7 +180,7 @@ def _check_nvme_space(cfg, local_ranks: int) -> None:
     from ..planner.memory import bytes_per_param
     p = cfg.parallel
     per_param = bytes_per_param(p.precision, cfg.optimizer)[2]
-    share = min(1.0, local_ranks / (p.dp * p.pp * p.tp))
+    share = min(1.0, local_ranks / (p.dp * p.cp * p.pp * p.tp))
     check_space(p.offload_dir, int(per_param * cfg.num_params() * share))
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from trainmesh.config.validation import check_fields, setting
 from trainmesh.core.errors import ConfigError
-from trainmesh.core.mesh import TIMEOUT_S
+from trainmesh.core.mesh import TIMEOUT_S, ParallelMesh
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p")
 """Pipeline schedules the training runtime runs (``trainmesh schedule`` draws the same); the one
@@ -32,15 +32,28 @@ beyond; no collective legitimately waits longer)."""
 STRATEGIES = ("mesh", "ps", "diloco")
 PS_MODES = ("sync", "async")
 ALLREDUCE = ("native", "ring", "tree", "naive")
+CP_COMM = ("ring", "allgather")
 
 
 @dataclass
 class ParallelConfig:
-    """How one training step is split over processes. World size = dp * pp * tp."""
+    """How one training step is split over processes. World size = dp * cp * pp * tp."""
 
     dp: int = setting(1, "data-parallel degree: replicas, each with a slice of the global batch", ge=1)
     pp: int = setting(1, "pipeline-parallel degree: stages the layers are split into", ge=1)
     tp: int = setting(1, "tensor-parallel degree: ranks each layer's matrices are split across", ge=1)
+    cp: int = setting(1, "context-parallel degree: each sequence split over cp ranks (load-balanced: "
+                         "rank r holds chunks r and 2cp-1-r of 2cp), attention over the whole "
+                         "sequence by passing K/V around the CP group; --seq-len divisible by 2cp", ge=1)
+    cp_comm: str = setting("ring", "context parallelism's K/V exchange: ring (blocks passed rank to "
+                                   "rank, overlapped with attention) or allgather (gathered once "
+                                   "per layer)", choices=CP_COMM)
+    ep: int = setting(1, "expert-parallel degree: each MoE layer's experts spread over ep ranks of "
+                         "the DP(xCP) group, tokens exchanged by all-to-all; divides --experts and "
+                         "dp*cp", ge=1)
+    dp_shard: int | None = setting(None, "HSDP: ZeRO shards over groups of this many DP ranks, "
+                                         "replicated across dp/dp-shard groups; divides dp "
+                                         "(default dp: plain ZeRO)", ge=1)
     zero: int = setting(0, "ZeRO stage over the DP axis: 0 (DDP), 1 (optimizer states), "
                            "2 (+ gradients), 3 (+ parameters)", choices=(0, 1, 2, 3))
     microbatches: int = setting(1, "gradient accumulation (pp=1) or pipeline microbatches (pp>1)", ge=1)
@@ -106,6 +119,10 @@ class ParallelConfig:
     outer_lr: float = setting(0.7, "DiLoCo: learning rate of the outer Nesterov-SGD step", gt=0)
     outer_momentum: float = setting(0.9, "DiLoCo: momentum of the outer Nesterov-SGD step (0 = "
                                          "plain SGD; below 1)", ge=0)
+    fault_tolerant: bool = setting(False, "DP replicas survive the loss of a replica without a "
+                                          "restart: a per-step quorum; a failed step is redone by "
+                                          "those present, a replaced replica rejoins from a peer's "
+                                          "live state", group="launch")
     allreduce: str = setting("native", "DDP's bucket reduction: native (the backend's), ring, tree "
                                        "or naive", choices=ALLREDUCE)
 
@@ -129,6 +146,40 @@ class ParallelConfig:
                               "needs --zero 3 and --pp > 1 (valid otherwise: step)")
         self._check_ps()
         self._check_diloco()
+        self._check_mesh_axes()
+
+    def _check_mesh_axes(self) -> None:
+        """Context and expert parallelism, HSDP and fault tolerance: their rules between fields."""
+        if self.cp_comm != "ring" and self.cp == 1:
+            raise ConfigError("--cp-comm", f"{self.cp_comm} exchanges K/V inside CP groups; needs "
+                              "--cp > 1 (valid otherwise: ring)")
+        if (self.dp * self.cp) % self.ep:
+            raise ConfigError("--ep", f"must divide dp x cp = {self.dp} x {self.cp} = "
+                              f"{self.dp * self.cp} (experts spread over ranks of the DP x CP "
+                              f"group); got {self.ep}")
+        if self.dp_shard is not None:
+            if self.dp % self.dp_shard:
+                raise ConfigError("--dp-shard", f"must divide --dp {self.dp} (shard groups of "
+                                  f"dp-shard ranks, replicated across dp/dp-shard); got {self.dp_shard}")
+            if self.dp_shard < self.dp and self.zero == 0:
+                raise ConfigError("--dp-shard", "shards ZeRO's states inside groups of DP ranks; "
+                                  "needs --zero 1, 2 or 3 (valid with --zero 0: leave it unset)")
+        if self.strategy != "mesh":
+            for name, changed in (("cp", self.cp > 1), ("ep", self.ep > 1),
+                                  ("dp-shard", self.dp_shard not in (None, self.dp)),
+                                  ("fault-tolerant", self.fault_tolerant)):
+                if changed:
+                    raise ConfigError(f"--{name}", f"needs --strategy mesh (got {self.strategy})")
+
+    def build_mesh(self) -> ParallelMesh:
+        """The mesh of this layout (a collective call: every rank builds it, in the same order)."""
+        return ParallelMesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep,
+                            dp_shard=self.shard_size, timeout_s=self.timeout_s)
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks ZeRO shards over: --dp-shard, else dp."""
+        return self.dp if self.dp_shard is None else self.dp_shard
 
     def _check_offload(self) -> None:
         """Offload moves a ZeRO shard's optimizer: it needs one."""
@@ -193,16 +244,16 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes of the job: dp*pp*tp, or dp trainers + ps_servers servers with strategy ps."""
-        return self.dp * self.pp * self.tp + (self.ps_servers if self.strategy == "ps" else 0)
+        """Processes of the job: dp*cp*pp*tp, or dp trainers + ps_servers servers with strategy ps."""
+        return self.dp * self.cp * self.pp * self.tp + (self.ps_servers if self.strategy == "ps" else 0)
 
     def layout(self) -> dict[str, Any]:
         """The layout record of the metrics summary (docs/METRICS.md)."""
-        keys = ("dp", "pp", "tp", "zero", "microbatches", "schedule", "virtual_stages",
-                "sequence_parallel", "precision", "recompute", "offload", "zero3_reshard")
+        keys = ("dp", "pp", "tp", "cp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
+                "sequence_parallel", "precision", "recompute", "offload", "zero3_reshard", "strategy")
         if self.strategy == "diloco":
-            keys += ("strategy", "inner_steps", "outer_lr", "outer_momentum")
-        return {k: getattr(self, k) for k in keys}
+            keys += ("inner_steps", "outer_lr", "outer_momentum")
+        return {**{k: getattr(self, k) for k in keys}, "dp_shard": self.shard_size}
 
     @classmethod
     def field_names(cls) -> set[str]:

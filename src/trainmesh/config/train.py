@@ -27,7 +27,8 @@ OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.3}
 SHAPE = {"layers": "n_layers", "d_model": "d_model", "heads": "n_heads", "seq_len": "seq_len",
-         "vocab_size": "vocab_size"}
+         "vocab_size": "vocab_size", "experts": "n_experts", "top_k": "top_k",
+         "moe_every": "moe_every", "moe_hidden": "moe_hidden", "moe_aux_loss": "moe_aux_loss"}
 """Model-shape overrides: TrainConfig field -> GPTConfig field."""
 
 
@@ -43,6 +44,17 @@ class TrainConfig:
     heads: int | None = setting(None, "override the preset's attention heads", ge=1, group="model")
     seq_len: int | None = setting(None, "override the preset's sequence length", ge=1, group="model")
     vocab_size: int | None = setting(None, "override the preset's vocabulary size", ge=1, group="model")
+    experts: int | None = setting(None, "mixture of experts in the built-in GPT: experts per MoE "
+                                        "layer (default 0: dense)", ge=0, group="model")
+    top_k: int | None = setting(None, "MoE: experts each token is routed to (default 2)", ge=1,
+                                group="model")
+    moe_every: int | None = setting(None, "MoE: every N-th block's MLP is a mixture of experts "
+                                          "(default 1)", ge=1, group="model")
+    moe_hidden: int | None = setting(None, "MoE: hidden size of one expert (default "
+                                           "4 d-model / top-k)", ge=1, group="model")
+    moe_aux_loss: float | None = setting(None, "MoE: coefficient of the load-balancing loss, "
+                                               "computed per sequence (default 0.01)", ge=0,
+                                         group="model")
     data: str = setting("synthetic", "'synthetic', or a text file (bytes) / token file (.npy, "
                                      ".bin uint16)", path=True, group="data")
     tokenizer: str = setting("bytes", "text --data as 'bytes' (vocab 256) or 'bpe:VOCAB' (a "
@@ -144,6 +156,18 @@ class TrainConfig:
                               f"model's {gpt.n_layers} layers")
         from trainmesh.models.gpt import validate_gpt
         validate_gpt(gpt, p.tp, sequence_parallel=p.sequence_parallel)
+        self._check_cp_ep(gpt)
+
+    def _check_cp_ep(self, gpt: GPTConfig) -> None:
+        """Context and expert parallelism against the model's shape."""
+        p = self.parallel
+        if gpt.seq_len % (2 * p.cp):
+            raise ConfigError("--seq-len", f"must be divisible by 2 x --cp = {2 * p.cp} (each "
+                              f"rank holds 2 of 2cp chunks of a sequence); got {gpt.seq_len}")
+        if p.ep > 1 and gpt.n_experts == 0:
+            raise ConfigError("--ep", "spreads the experts of MoE layers; needs --experts > 0")
+        if gpt.n_experts and gpt.n_experts % p.ep:
+            raise ConfigError("--ep", f"must divide --experts {gpt.n_experts}; got {p.ep}")
 
     @property
     def peak_lr(self) -> float:

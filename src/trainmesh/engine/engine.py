@@ -58,7 +58,7 @@ class Engine:
         self.flops_per_token = model_flops_per_token(model, flops_per_token)
         """Training FLOPs per token of the whole model (MFU): given, the model's own
         ``flops_per_token()``, or None (:mod:`trainmesh.observe.flops`)."""
-        self.mesh = mesh or ParallelMesh(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, timeout_s=cfg.timeout_s)
+        self.mesh = mesh or cfg.build_mesh()
         self.comm = Comm(self.mesh)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if self.device.type == "meta":

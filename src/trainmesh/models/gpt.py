@@ -36,6 +36,16 @@ class GPTConfig:
     n_heads: int = 4
     d_ff: int = 0
     """MLP width; 0 means 4 * d_model."""
+    n_experts: int = 0
+    """Experts per MoE layer; 0: every MLP is dense."""
+    top_k: int = 2
+    """Experts each token is routed to (MoE)."""
+    moe_every: int = 1
+    """Every N-th block's MLP is a mixture of experts (blocks N-1, 2N-1, ...)."""
+    moe_hidden: int = 0
+    """Hidden width of one expert; 0 means 4 * d_model / top_k (the dense MLP's FLOPs per token)."""
+    moe_aux_loss: float = 0.01
+    """Coefficient of the load-balancing loss (a mean over sequences)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -46,6 +56,13 @@ class GPTConfig:
             raise ConfigError("heads", f"must divide --d-model {self.d_model}; got {self.n_heads}")
         if self.d_ff == 0:
             self.d_ff = 4 * self.d_model
+        if self.n_experts:
+            if not 1 <= self.top_k <= self.n_experts:
+                raise ConfigError("--top-k", f"must be in 1..--experts ({self.n_experts}); got {self.top_k}")
+            if self.moe_every < 1:
+                raise ConfigError("--moe-every", f"must be >= 1; got {self.moe_every}")
+            if self.moe_hidden == 0:
+                self.moe_hidden = max(1, 4 * self.d_model // self.top_k)
 
     def num_params(self) -> int:
         """Logical parameter count: 2Vd + Sd + L(4d^2 + 2d*ff + 9d + ff) + 2d."""

@@ -38,14 +38,14 @@ class Layout:
 
 
 def resize(world: int, *, dp: int, pp: int, tp: int, microbatches: int, min_dp: int,
-           microbatch_multiple: int = 1) -> Layout:
+           microbatch_multiple: int = 1, cp: int = 1) -> Layout:
     """The layout ``world`` processes run, from the full layout (``dp``, ``microbatches``).
 
     The largest dp in ``[min_dp, dp]`` with ``dp x pp x tp <= world`` whose microbatches
     ``dp x microbatches / new dp`` is a whole multiple of ``microbatch_multiple``. Raises
     :class:`ResizeError` saying which axis cannot shrink when there is none.
     """
-    per_replica = pp * tp
+    per_replica = cp * pp * tp
     sequences = dp * microbatches   # micro-batches of the global batch: kept
     fits = min(dp, world // per_replica)
     for new_dp in range(fits, min_dp - 1, -1):
@@ -68,7 +68,7 @@ def fit_world(cfg: TrainConfig, world: int) -> TrainConfig:
     if p.min_dp is None:
         return cfg
     layout = resize(world, dp=p.dp, pp=p.pp, tp=p.tp, microbatches=p.microbatches,
-                    min_dp=p.min_dp, microbatch_multiple=p.microbatch_multiple)
+                    min_dp=p.min_dp, microbatch_multiple=p.microbatch_multiple, cp=p.cp)
     if (layout.dp, layout.microbatches) == (p.dp, p.microbatches):
         return cfg
     parallel = dataclasses.replace(p, dp=layout.dp, microbatches=layout.microbatches)

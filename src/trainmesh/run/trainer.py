@@ -138,7 +138,7 @@ def _exit_quietly_on_signals() -> None:
 def _train(cfg: TrainConfig, device: torch.device) -> int:
     p = cfg.parallel
     began = time.perf_counter()
-    mesh = ParallelMesh(dp=p.dp, pp=p.pp, tp=p.tp, timeout_s=p.timeout_s)
+    mesh = p.build_mesh()
     rank0 = mesh.rank == 0
     base_mem = memory_now(device)   # runtime's own footprint (torch, gloo), before the model
     with returning_freed_memory():
@@ -333,6 +333,7 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
             "comm_buffer_peak_bytes": engine.comm_buffer_peak_bytes,
             "comm_bytes_per_step": engine.comm_bytes_per_step()}
     ranks = engine.gather_object(mine)
-    return {"event": "summary", "world_size": mesh.world_size, "layout": cfg.parallel.layout(),
+    return {"event": "summary", "world_size": mesh.world_size,
+            "layout": {**cfg.parallel.layout(), "experts": cfg.gpt_config().n_experts},
             "params": cfg.num_params(), "final_loss": final_loss,
             "steps": engine.step_count, "ranks": ranks}
