@@ -189,8 +189,8 @@ class ParallelMesh:
         return len(self._ranks[axis])
 
     def index(self, axis: str) -> int:
-        """This rank's position along ``axis``."""
-        return self.coords[axis] if axis in self.coords else self.rank
+        """This rank's position along ``axis`` (an axis or a derived group; "world": the rank)."""
+        return self._ranks[axis].index(self.rank)
 
 
 def _split(line: list[int], size: int, *, across: bool) -> list[list[int]]:

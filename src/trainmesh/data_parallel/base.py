@@ -57,6 +57,10 @@ class SyncOptions:
     """``nvme``: the directory of the state files (None: a fresh one under the temp dir)."""
     offload_params: bool = False
     """ZeRO-3 with offload: the parameter shards live in host memory too."""
+    axis: str = "dp"
+    """The mesh group the gradients are reduced (and ZeRO's states sharded) over: ``dp``, or a
+    derived group of :class:`~trainmesh.core.mesh.ParallelMesh` (``dp_cp`` under context
+    parallelism, ``edp`` for expert parameters)."""
 
 
 class _Pending(Protocol):
@@ -113,14 +117,15 @@ def group_parameters(named: list[tuple[str, nn.Parameter]],
 
 
 class GradSync(ABC):
-    """A data-parallel strategy over the mesh's DP axis."""
+    """A data-parallel strategy over one mesh group (``options.axis``, the DP axis by default)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
                  options: SyncOptions | None = None) -> None:
         self.named_params = named_params
         self.comm = comm
         self.options = options or SyncOptions()
-        self.dp = comm.mesh.size("dp")
+        self.axis = self.options.axis
+        self.dp = comm.mesh.size(self.axis)
         self.optimizer: torch.optim.Optimizer | None = None
         self.comm_buffer_peak_bytes = 0
         self.master: MasterWeights | None = None         # mixed precision at ZeRO 0-2
@@ -170,7 +175,7 @@ class GradSync(ABC):
         flags = torch.tensor([float(id(p) in self._used) for _, p in self.named_params],
                              dtype=torch.float32, device=device)
         if self.dp > 1 and flags.numel():
-            self.comm.all_reduce(flags, "dp")
+            self.comm.all_reduce(flags, self.axis)
         self._unused = [p for (_, p), f in zip(self.named_params, flags.tolist()) if f == 0.0]
 
     def _end_step(self) -> None:

@@ -135,7 +135,7 @@ class DDP(GradSync):
             live = sum(x.staging.numel() * x.staging.element_size() for x in self.buckets
                        if x.staging is not None)
             self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, live)
-        b.handle = all_reduce(self.comm, grads, "dp", algorithm=self.allreduce, async_op=True)
+        b.handle = all_reduce(self.comm, grads, self.axis, algorithm=self.allreduce, async_op=True)
 
     def finish(self, scale: float) -> None:
         if self._sync:
@@ -162,7 +162,7 @@ class DDP(GradSync):
     def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         # DP replicas hold identical reduced gradients: only DP rank 0 contributes.
         total = torch.zeros((), dtype=torch.float32, device=self.buffer.device)
-        if self.comm.mesh.index("dp") != 0:
+        if self.comm.mesh.index(self.axis) != 0:
             return total
         params = [p for name, p in self.named_params if counted(name, p)]
         if len(params) == len(self.named_params):   # everything counts: one pass over the buffer

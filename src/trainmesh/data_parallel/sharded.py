@@ -74,7 +74,7 @@ class ShardedSync(GradSync):
         self.reduce_dtype = self.options.reduce_dtype
         self.device = self.options.device or (named_params[0][1].device if named_params
                                               else torch.device("cpu"))
-        self.rank_in_dp = comm.mesh.index("dp")
+        self.rank_in_dp = comm.mesh.index(self.axis)
         self.shard_params: list[nn.Parameter] = []      # one per optimizer group
         self.grad_shards: list[torch.Tensor] = []       # its reduced gradient (its .grad unless mixed)
         self._norm_pieces: list[tuple[str, nn.Parameter, torch.Tensor]] = []
@@ -159,7 +159,7 @@ class ShardedSync(GradSync):
         (``final``: see :class:`Flight`)."""
         chunk = buf.numel() // self.dp
         out = buf[self.rank_in_dp * chunk : (self.rank_in_dp + 1) * chunk]
-        handle = self.comm.reduce_scatter(out, buf, "dp", async_op=True)
+        handle = self.comm.reduce_scatter(out, buf, self.axis, async_op=True)
         self._inflight.append(Flight(handle, buf, out, dst, accumulate, transient, final))
         while sum(f.transient for f in self._inflight) > self.max_inflight:   # bound the memory
             self._complete(self._inflight.pop(0))
@@ -299,7 +299,7 @@ class ShardedSync(GradSync):
         other's moments and a checkpoint would hold garbage."""
         plan = [sorted(k for k, v in self.optimizer.state.get(sp, {}).items() if torch.is_tensor(v))
                 for sp in self.shard_params]
-        plans = self.comm.all_gather_object(plan, "dp")
+        plans = self.comm.all_gather_object(plan, self.axis)
         if any(p != plan for p in plans):
             raise RuntimeError(f"checkpoint: DP ranks hold different optimizer states {plans}; "
                                "refusing to save")

@@ -158,7 +158,7 @@ class FlatZero(ShardedSync):
         """All-gather every bucket of the updated parameters, in place (mixed precision: the
         masters were cast into this rank's 16-bit chunks by the step)."""
         handles = [self.comm.all_gather(g.layout.bucket(g.params, b), g.layout.chunk_of(g.params, b),
-                                        "dp", async_op=True)
+                                        self.axis, async_op=True)
                    for g in self.groups for b in range(g.layout.n_buckets)]
         for h in handles:
             if h is not None:
@@ -190,7 +190,7 @@ class FlatZero(ShardedSync):
         else:
             flat = layout.new(shard.dtype, self.device)
             for b in range(layout.n_buckets):
-                self.comm.all_gather(layout.bucket(flat, b), shard[b].to(self.device).contiguous(), "dp")
+                self.comm.all_gather(layout.bucket(flat, b), shard[b].to(self.device).contiguous(), self.axis)
         return [(s, layout.view(flat, s)) for s in layout.slots]
 
     @torch.no_grad()

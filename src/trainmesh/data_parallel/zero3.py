@@ -195,7 +195,7 @@ class Zero3(ShardedSync):
             return
         mine = torch.tensor([self.units.index(unit)], dtype=torch.int64, device=self.device)
         everyone = torch.zeros(self.dp, dtype=torch.int64, device=self.device)
-        self.comm.all_gather(everyone, mine, "dp")
+        self.comm.all_gather(everyone, mine, self.axis)
         if bool((everyone != mine).any()):
             names = ", ".join(f"dp rank {r}: {self.units[i].name or '<root>'!r}"
                               for r, i in enumerate(everyone.tolist()))
@@ -220,7 +220,7 @@ class Zero3(ShardedSync):
                     unit.sends.append(send)
                     self._count(send.numel() * send.element_size())
                 out = unit.full[pc.offset : pc.offset + pc.layout.padded]
-                unit.handles.append(self.comm.all_gather(out, send, "dp", async_op=True))
+                unit.handles.append(self.comm.all_gather(out, send, self.axis, async_op=True))
             unit.state = _State.GATHERING
         if wait and unit.state is _State.GATHERING:
             for h in unit.handles:
@@ -378,7 +378,7 @@ class Zero3(ShardedSync):
         out = []
         for pc in self._group_pieces(gi):
             flat = pc.layout.new(shard.dtype, self.device)
-            self.comm.all_gather(flat, shard[pc.shard_start : pc.shard_start + pc.layout.chunk].to(self.device), "dp")
+            self.comm.all_gather(flat, shard[pc.shard_start : pc.shard_start + pc.layout.chunk].to(self.device), self.axis)
             out += [(s, pc.layout.view(flat, s)) for s in pc.layout.slots]
         return out
 
