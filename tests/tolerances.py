@@ -175,3 +175,12 @@ MIXED_PRECISION_LOSS_ABS = 0.05
 per op (~4e-3), fp16 to 2^-11; observed gaps: bf16 0.022, fp16 0.007 (16-bit parameters and
 gradients, fp32 masters). A lost loss scale or an unscaled
 gradient diverges by > 0.5."""
+
+FP64_EPS = torch.finfo(torch.float64).eps
+"""2**-52: one float64 rounding, relative (the ring-attention math against plain attention)."""
+
+
+def fp64_atol(scale: float, terms: int) -> float:
+    """:func:`fp32_atol` for a float64 computation: a wrong log-sum-exp merge, a mask off by a
+    chunk or a lost dK/dV hop errs by the result's own magnitude, ~1e10 times above it."""
+    return FP32_SAFETY * FP64_EPS * math.sqrt(max(terms, 1)) * float(scale)

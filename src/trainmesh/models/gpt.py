@@ -4,7 +4,9 @@ Module names are part of the interface (tensor-parallel plans, checkpoints and t
 them): ``embed.wte``, ``embed.wpe``, ``blocks.{i}.ln1``, ``blocks.{i}.attn.{q,k,v,proj}``,
 ``blocks.{i}.ln2``, ``blocks.{i}.mlp.{fc,proj}``, ``head.ln_f``, ``head.out``. Attention derives
 its local head count from the width of ``q``, so a column-sharded ``q``/``k``/``v`` simply holds
-fewer heads.
+fewer heads. Two parameter-free submodules, ``embed.positions`` (:class:`Positions`) and
+``blocks.{i}.attn.causal`` (:class:`CausalAttention`), are the seams context parallelism swaps
+(each rank then holds part of every sequence).
 
 The GPT carries its own parallel hints, so the parallel building blocks stay generic:
 ``tp_plan()`` (its Megatron tensor-parallel plan) and ``check_tp()`` (its shapes against a TP
@@ -118,16 +120,32 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+class Positions(nn.Module):
+    """Parameter-free: the position of each of the ``s`` tokens a rank holds, 0..s-1. Context
+    parallelism swaps it for the tokens' places in the whole sequence."""
+
+    def forward(self, s: int, device: torch.device) -> torch.Tensor:  # -> (s,)
+        return torch.arange(s, device=device)
+
+
+class CausalAttention(nn.Module):
+    """Parameter-free core of attention: causal softmax(q k^T / sqrt(hd)) v over the sequence the
+    rank holds. Context parallelism swaps it for attention over the whole sequence."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (b, heads, s, hd)
+
+
 class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         # An explicit (meta) weight skips nn.Embedding's random init: on meta it costs seconds.
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model, _weight=torch.empty(cfg.seq_len, cfg.d_model))
+        self.positions = Positions()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s, d)
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.wte(idx) + self.wpe(pos)
+        return self.wte(idx) + self.wpe(self.positions(idx.shape[1], idx.device))
 
 
 class Attention(nn.Module):
@@ -136,10 +154,11 @@ class Attention(nn.Module):
         self.head_dim = cfg.d_model // cfg.n_heads
         self.q, self.k, self.v = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(3))
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.causal = CausalAttention()
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention; (b, heads, s, hd) x3 -> (b, heads, s, hd). Selective recompute target."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.causal(q, k, v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
         b, s, _ = x.shape

@@ -1,0 +1,72 @@
+"""Context parallelism applied to a built model: its attention core and positions swapped.
+
+The built-in GPT exposes two parameter-free seams (:class:`~trainmesh.models.gpt.CausalAttention`
+and :class:`~trainmesh.models.gpt.Positions`); a model of one's own that uses them gets context
+parallelism too. Nothing is renamed and no parameter changes: checkpoints are the same at every
+cp.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainmesh.comm import Comm
+from trainmesh.core.errors import ConfigError
+from trainmesh.core.mesh import ParallelMesh
+from trainmesh.models.gpt import CausalAttention, Positions
+
+from .blocks import fused_available
+from .partition import zigzag_positions
+from .ring import MODES, Ring, ring_attention
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention of this rank's zigzag share over the CP group's whole sequence."""
+
+    def __init__(self, ring: Ring, *, mode: str, fused: bool) -> None:
+        super().__init__()
+        self.ring, self.mode, self.fused = ring, mode, fused
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.ring, mode=self.mode, fused=self.fused)
+
+    def extra_repr(self) -> str:
+        return f"cp={self.ring.size}, mode={self.mode}, fused={self.fused}"
+
+
+class ZigzagPositions(nn.Module):
+    """The global positions of the tokens this CP rank holds (its two zigzag chunks)."""
+
+    def __init__(self, rank: int, cp: int) -> None:
+        super().__init__()
+        self.rank, self.cp = rank, cp
+
+    def forward(self, s: int, device: torch.device) -> torch.Tensor:  # -> (s,)
+        return zigzag_positions(s, self.rank, self.cp, device)
+
+
+def apply_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, mode: str = "ring",
+                           device: torch.device | None = None, fused: bool | None = None) -> int:
+    """Swap every attention core and positions module of ``model`` for its context-parallel
+    form over ``mesh``'s cp group, in place; returns the number of attention cores swapped.
+    ``fused``: per-block fused kernels (None: where ``device`` has them). ConfigError naming
+    ``--cp`` when the model has no attention core to swap."""
+    if mode not in MODES:
+        raise ConfigError("--cp-comm", f"must be one of {', '.join(MODES)}; got {mode!r}")
+    from .ring import CommRing
+    ring = CommRing(comm, mesh)
+    if fused is None:
+        fused = fused_available(device or torch.device("cpu"))
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, CausalAttention):
+                setattr(parent, name, ContextParallelAttention(ring, mode=mode, fused=fused))
+                swapped += 1
+            elif isinstance(child, Positions):
+                setattr(parent, name, ZigzagPositions(ring.index, ring.size))
+    if not swapped:
+        raise ConfigError("--cp", f"splits sequences over ranks inside the attention of the built-in "
+                          f"GPT (trainmesh.models.gpt.CausalAttention); {type(model).__name__} has "
+                          "none: use --cp 1")
+    return swapped

@@ -1,0 +1,183 @@
+"""Attention over a sequence split over the CP group: ring (K/V blocks passed rank to rank) or
+all-gather (K/V gathered once per layer), forward and backward.
+
+Each rank holds its two zigzag chunks (:mod:`.partition`) of q, k, v: (b, h, 2c, hd). For each
+source rank j of K/V, the pairs (query chunk, key chunk) are attended by chunk index: a key
+chunk before the query chunk fully, the same chunk with the causal (diagonal) mask, a later
+one not at all (skipped, never computed). Partial results merge by log-sum-exp (:mod:`.blocks`).
+
+Ring, forward (n = cp ranks, rank r): step t = 0..n-1 attends the K/V of rank (r - t) mod n
+while the next block travels: the send to rank r+1 and the receive from r-1 are issued
+(batched isend/irecv) before the step's compute and waited for after it; n-1 hops.
+
+Ring, backward: the K/V blocks travel the ring again (n-1 hops) and with each, the gradient
+accumulators dK/dV of its source: each rank adds the contribution of its queries and passes
+them on; after n hops they are back with their owner. K/V travel in the compute dtype, dK/dV in
+float32 (or float64).
+
+All-gather: one all-gather of every rank's K/V per layer in forward (kept for backward), and in
+backward one reduce-scatter of the dK/dV contributions to their owners.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from trainmesh.comm import Comm
+from trainmesh.core.mesh import ParallelMesh
+
+from .blocks import attend_block, attend_block_backward, merge
+from .partition import chunk_ids
+
+MODES = ("ring", "allgather")
+
+
+class Ring(Protocol):
+    """How CP ranks exchange blocks (a real group: :class:`CommRing`; tests emulate one)."""
+
+    size: int
+    index: int
+
+    def shift(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Send ``t`` to the next rank, receive the previous rank's; returns the wait."""
+        ...
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(size, *t.shape): every rank's ``t`` in rank order."""
+        ...
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (size, *shape) of every rank summed; this rank's row."""
+        ...
+
+
+class CommRing:
+    """The CP group of ``mesh`` through the accounted communication layer (axis ``cp``)."""
+
+    def __init__(self, comm: Comm, mesh: ParallelMesh) -> None:
+        self.comm = comm
+        ranks = mesh.ranks("cp")
+        self.size, self.index = len(ranks), mesh.index("cp")
+        self.next, self.prev = ranks[(self.index + 1) % self.size], ranks[(self.index - 1) % self.size]
+
+    def shift(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        t = t.contiguous()
+        buf = torch.empty_like(t)
+        handles = self.comm.batch_p2p([("send", t, self.next), ("recv", buf, self.prev)], axis="cp")
+
+        def wait() -> torch.Tensor:
+            for h in handles:
+                h.wait()
+            return buf
+        return wait
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        self.comm.all_gather(out, t, "cp")
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
+        self.comm.reduce_scatter(out, t, "cp")
+        return out
+
+
+def _pairs(qids: tuple[int, int], kids: tuple[int, int]):
+    """(query chunk a, key chunk b, diagonal?) of every pair that is not fully masked."""
+    for a, qc in enumerate(qids):
+        for b, kc in enumerate(kids):
+            if kc <= qc:
+                yield a, b, kc == qc
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, mode: str, fused: bool):  # type: ignore[override]
+        n, me = ring.size, ring.index
+        qids = chunk_ids(me, n)
+        qs = q.chunk(2, dim=2)
+        acc: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None), (None, None)]
+
+        def attend(kv: torch.Tensor, src: int) -> None:
+            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            for a, b, diag in _pairs(qids, chunk_ids(src, n)):
+                acc[a] = merge(*acc[a], *attend_block(qs[a], ks[b], vs[b], causal=diag, fused=fused))
+
+        kv = torch.stack([k, v])                            # (2, b, h, 2c, hd)
+        every = None
+        with torch.autocast(q.device.type, enabled=False):
+            if mode == "ring":
+                for t in range(n):
+                    wait = ring.shift(kv) if t < n - 1 else None   # overlapped with this block
+                    attend(kv, (me - t) % n)
+                    if wait is not None:
+                        kv = wait()
+            else:
+                every = ring.all_gather(kv)                 # (n, 2, b, h, 2c, hd)
+                for j in range(n):
+                    attend(every[j], j)
+        out = torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)   # type: ignore[list-item]
+        lse = torch.cat([acc[0][1], acc[1][1]], dim=2)               # type: ignore[list-item]
+        if mode == "ring":
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse, every)
+        ctx.ring, ctx.mode, ctx.fused = ring, mode, fused
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        ring, fused = ctx.ring, ctx.fused
+        n, me = ring.size, ring.index
+        qids = chunk_ids(me, n)
+        qs, dos, outs, lses = (t.chunk(2, dim=2) for t in (q, dout, out, lse))
+        acc_dtype = lse.dtype
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        dqs = dq.chunk(2, dim=2)
+        c = q.shape[2] // 2
+
+        def contributions(kv: torch.Tensor, src: int) -> torch.Tensor:
+            """dK/dV (2, b, h, 2c, hd) of source ``src``'s block from this rank's queries."""
+            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
+            for a, b, diag in _pairs(qids, chunk_ids(src, n)):
+                gq, gk, gv = attend_block_backward(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a],
+                                                   causal=diag, fused=fused)
+                dqs[a].add_(gq)
+                dkv[0, :, :, b * c:(b + 1) * c].add_(gk)
+                dkv[1, :, :, b * c:(b + 1) * c].add_(gv)
+            return dkv
+
+        if ctx.mode == "ring":
+            kv = torch.stack([k, v])
+            incoming = None
+            for t in range(n):
+                wait_kv = ring.shift(kv) if t < n - 1 else None
+                dkv = contributions(kv, (me - t) % n)
+                if incoming is not None:
+                    dkv += incoming()                     # the accumulator of the same source
+                incoming = ring.shift(dkv)                # on to the next rank (the n-th hop: home)
+                if wait_kv is not None:
+                    kv = wait_kv()
+            dkv = incoming()                              # type: ignore[misc]
+        else:
+            every = rest[0]
+            dkv = ring.reduce_scatter(torch.stack([contributions(every[j], j) for j in range(n)]))
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
+                   mode: str = "ring", fused: bool = False) -> torch.Tensor:
+    """Causal attention of this rank's zigzag chunks of q, k, v (b, h, 2c, hd) over the whole
+    sequence held by the ``ring``'s ranks; -> (b, h, 2c, hd). ``mode``: ``ring`` or
+    ``allgather``; ``fused``: per-block fused kernels (:func:`~.blocks.fused_available`)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if q.shape[2] % 2:
+        raise ValueError(f"a CP rank holds two equal chunks of the sequence; got length {q.shape[2]}")
+    return _Attention.apply(q, k, v, ring, mode, fused)

@@ -1,0 +1,186 @@
+"""Ring attention's math in one process: the CP ranks emulated by threads exchanging blocks
+through queues (the same ring code as a real CP group), against plain causal attention in
+float64, forward and backward; the fused per-block kernels against the math path; the zigzag
+partition and the traffic formula's arithmetic.
+
+Planted bugs this module catches (each seen failing with an assertion): the mask without the
+zigzag reorder (key chunks taken as contiguous ranks' chunks), a wrong log-sum-exp merge
+(max instead of logaddexp), the last dK/dV hop missing (gradients of K/V land one rank off).
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+
+import pytest
+import torch
+from tolerances import assert_fp32_close, fp64_atol, scale_of
+
+from trainmesh.context_parallel import (
+    attend_block,
+    attend_block_backward,
+    chunk_ids,
+    cp_bytes_per_layer,
+    fused_available,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+    zigzag_positions,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ThreadRing:
+    """CP rank ``index`` of ``size`` emulated in a thread: blocks pass through queues."""
+
+    def __init__(self, index: int, size: int, inboxes: list[queue.Queue], gathered: list,
+                 barrier: threading.Barrier) -> None:
+        self.index, self.size = index, size
+        self.inboxes, self.gathered, self.barrier = inboxes, gathered, barrier
+        self.sent = 0
+
+    def shift(self, t):
+        self.inboxes[(self.index + 1) % self.size].put(t.clone())
+        self.sent += t.numel()
+        return lambda: self.inboxes[self.index].get(timeout=20)
+
+    def _exchange(self, t):
+        self.barrier.wait(timeout=20)
+        self.gathered[self.index] = t.clone()
+        self.barrier.wait(timeout=20)
+        every = list(self.gathered)
+        self.barrier.wait(timeout=20)
+        return every
+
+    def all_gather(self, t):
+        return torch.stack(self._exchange(t))
+
+    def reduce_scatter(self, t):
+        return sum(part[self.index] for part in self._exchange(t))
+
+
+def reference(q, k, v):
+    """Plain causal attention in float64 (explicit softmax)."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    mask = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+    return torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v
+
+
+def run_ring(q, k, v, dout, cp: int, mode: str, fused: bool = False):
+    """(out, dq, dk, dv) of the whole sequence, computed by ``cp`` emulated ranks."""
+    inboxes = [queue.Queue() for _ in range(cp)]
+    gathered: list = [None] * cp
+    barrier = threading.Barrier(cp)
+    results: list = [None] * cp
+    errors: list = []
+
+    def rank(r: int) -> None:
+        try:
+            mine = [shard_sequence(t, r, cp, dim=2).detach().requires_grad_() for t in (q, k, v)]
+            ring = ThreadRing(r, cp, inboxes, gathered, barrier)
+            out = ring_attention(*mine, ring, mode=mode, fused=fused)
+            out.backward(shard_sequence(dout, r, cp, dim=2))
+            results[r] = (out.detach(), *(t.grad for t in mine))
+        except BaseException as exc:   # reported by the main thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+    if errors:
+        raise errors[0]
+    return [unshard_sequence([res[i] for res in results], dim=2) for i in range(4)]
+
+
+def _inputs(seq: int, dtype=torch.float64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, seq, 8, generator=g, dtype=dtype) for _ in range(4)]
+
+
+@pytest.mark.parametrize("cp,mode", [(2, "ring"), (3, "ring"), (4, "ring"), (2, "allgather"),
+                                     (4, "allgather")])
+def test_ring_equals_causal_attention_float64(cp, mode):
+    q, k, v, dout = _inputs(8 * cp)
+    want = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
+    ref = reference(*want)
+    ref.backward(dout)
+    got = run_ring(q, k, v, dout, cp, mode)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, [ref.detach()] + [t.grad for t in want]):
+        atol = fp64_atol(scale_of([w]), q.shape[2])
+        err = float((g - w).abs().max())
+        assert err <= atol, f"cp {cp} {mode}: {name} max error {err:.3e} > {atol:.3e}"
+
+
+@pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no fused CPU kernel with lse")
+def test_ring_with_fused_blocks_equals_causal_attention():
+    q, k, v, dout = _inputs(16)
+    want = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
+    ref = reference(*want)
+    ref.backward(dout)
+    got = run_ring(q, k, v, dout, 2, "ring", fused=True)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, [ref.detach()] + [t.grad for t in want]):
+        atol = fp64_atol(scale_of([w]), q.shape[2])
+        assert float((g - w).abs().max()) <= atol, name
+
+
+def _devices():
+    out = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        out.append(torch.device("cuda"))
+    return out
+
+
+@pytest.mark.parametrize("device", _devices(), ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_blocks_equal_the_math_path(device, causal):
+    """The device's fused kernel (CPU flash, CUDA memory-efficient) returns the same block
+    output, log-sum-exp and gradients as the math path, within float32 rounding."""
+    if not fused_available(device):
+        pytest.skip(f"no fused kernel returning the log-sum-exp on {device.type}")
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(2, 4, 40, 16, generator=g).to(device) for _ in range(4))
+    o_m, l_m = attend_block(q, k, v, causal=causal)
+    o_f, l_f = attend_block(q, k, v, causal=causal, fused=True)
+    terms = k.shape[2] * k.shape[3]
+    assert_fp32_close(o_f.cpu(), o_m.cpu(), scale=scale_of([v]), terms=terms, what="out")
+    assert_fp32_close(l_f.cpu(), l_m.cpu(), scale=scale_of([l_m]), terms=terms, what="lse")
+    grads_m = attend_block_backward(dout, q, k, v, o_m, l_m, causal=causal)
+    grads_f = attend_block_backward(dout, q, k, v, o_m, l_m, causal=causal, fused=True)
+    for name, f, m in zip(("dq", "dk", "dv"), grads_f, grads_m):
+        assert_fp32_close(f.float().cpu(), m.cpu(), scale=scale_of([m]), terms=terms, what=name)
+
+
+def test_zigzag_partition():
+    x = torch.arange(16).view(1, 16)
+    assert chunk_ids(0, 4) == (0, 7) and chunk_ids(3, 4) == (3, 4)
+    parts = [shard_sequence(x, r, 4) for r in range(4)]
+    assert parts[1].tolist() == [[2, 3, 12, 13]]
+    assert torch.equal(unshard_sequence(parts), x)
+    assert zigzag_positions(4, 1, 4).tolist() == [2, 3, 12, 13]
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_sends_what_the_formula_says(cp):
+    """The emulated ring's elements sent, forward and backward, equal the traffic formula."""
+    b, h, hd, seq = 2, 3, 8, 8 * cp
+    q, k, v, dout = _inputs(seq)
+    counters = []
+    original = ThreadRing.shift
+
+    def counting(self, t):
+        counters.append(t.numel())
+        return original(self, t)
+
+    ThreadRing.shift = counting
+    try:
+        run_ring(q, k, v, dout, cp, "ring")
+    finally:
+        ThreadRing.shift = original
+    want = cp_bytes_per_layer(cp=cp, micro_batch=b, seq_len=seq, d_model=h * hd, elem_bytes=8,
+                              grad_bytes=8)
+    assert sum(counters) * 8 == cp * want["send"]
