@@ -157,8 +157,8 @@ def _tp_slice(comm: Comm, placement: Placement | None, full: torch.Tensor) -> to
 
 
 def _writer(key: str, comm: Comm) -> int:
-    """Which of the dp x tp ranks sharing this rank's pipeline stage writes ``key``."""
-    return zlib.crc32(key.encode()) % (comm.mesh.size("dp") * comm.mesh.size("tp"))
+    """Which of the dp x cp x tp ranks sharing this rank's pipeline stage writes ``key``."""
+    return zlib.crc32(key.encode()) % (comm.mesh.size("dp_cp") * comm.mesh.size("tp"))
 
 
 def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
@@ -168,7 +168,7 @@ def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
     are gathered on every rank of the group, in the strategy's parameter order and sorted state
     keys, the same on every rank; replicated ones are touched only by their writer."""
     mesh = comm.mesh
-    me = mesh.index("dp") * mesh.size("tp") + mesh.index("tp")
+    me = mesh.index("dp_cp") * mesh.size("tp") + mesh.index("tp")
     params, optim = grad_sync.logical_state()
     mine: dict[str, torch.Tensor] = {}
     for name, t in params.items():

@@ -148,6 +148,9 @@ class TrainConfig:
                               f"{p.microbatches} = {per}; got {self.global_batch}")
         gpt = self.gpt_config()  # the shape's own rules (heads divide d-model)
         if self.model_dir is not None:   # its config.json sets the shape: other rules
+            if p.cp > 1:
+                raise ConfigError("--cp", "splits sequences inside the built-in GPT's attention; "
+                                  f"a --model-dir model runs with --cp 1 (got --cp {p.cp})")
             from trainmesh.config.model_dir import check_model_config
             self.vocab_size = check_model_config(self)
             return
@@ -164,6 +167,9 @@ class TrainConfig:
         if gpt.seq_len % (2 * p.cp):
             raise ConfigError("--seq-len", f"must be divisible by 2 x --cp = {2 * p.cp} (each "
                               f"rank holds 2 of 2cp chunks of a sequence); got {gpt.seq_len}")
+        if p.cp > 1 and p.sequence_parallel and (gpt.seq_len // p.cp) % p.tp:
+            raise ConfigError("--seq-len", f"with --cp {p.cp} and --sequence-parallel, seq-len / cp "
+                              f"= {gpt.seq_len // p.cp} must be divisible by --tp {p.tp}")
         if p.ep > 1 and gpt.n_experts == 0:
             raise ConfigError("--ep", "spreads the experts of MoE layers; needs --experts > 0")
         if gpt.n_experts and gpt.n_experts % p.ep:

@@ -74,14 +74,14 @@ class CommRing:
         return wait
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
-        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        t = t.contiguous()            # gathered along dim 0, as the backends want it
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         self.comm.all_gather(out, t, "cp")
-        return out
+        return out.view(self.size, *t.shape)
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
-        out = torch.empty(t.shape[1:], dtype=t.dtype, device=t.device)
+        t = t.contiguous().flatten(0, 1)
+        out = torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
         self.comm.reduce_scatter(out, t, "cp")
         return out
 

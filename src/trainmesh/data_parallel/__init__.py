@@ -43,7 +43,7 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
                           reduce_dtype=getattr(precision, "reduce_dtype", None),
                           param_dtype=precision.compute_dtype if mixed and cfg.zero < 3 else None,
                           device=device, offload=cfg.offload, offload_dir=cfg.offload_dir,
-                          offload_params=cfg.offload_params)
+                          offload_params=cfg.offload_params, axis="dp_cp" if cfg.cp > 1 else "dp")
     if cfg.strategy == "diloco":   # validated: zero 0, fp32, no tp or pp
         return DiLoCo(named_params, comm, options, inner_steps=cfg.inner_steps,
                       outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)

@@ -60,6 +60,8 @@ class Engine:
         ``flops_per_token()``, or None (:mod:`trainmesh.observe.flops`)."""
         self.mesh = mesh or cfg.build_mesh()
         self.comm = Comm(self.mesh)
+        self.replica_axis = "dp_cp" if self.mesh.size("cp") > 1 else "dp"
+        """The ranks holding replicas of the parameters, each with other tokens (dp x cp)."""
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if self.device.type == "meta":
             self.device = torch.device("cpu")
@@ -74,7 +76,7 @@ class Engine:
         fill = self._sharded_init(named, init_fn or getattr(model, "init_parameter", None))
         if broadcast_init and fill is None:
             self._broadcast_from_dp_root(named)
-        if cfg.broadcast_buffers and self.mesh.size("dp") > 1:
+        if cfg.broadcast_buffers and self.mesh.size(self.replica_axis) > 1:
             self._broadcast_buffers()
             self.module.register_forward_pre_hook(self._buffers_before_forward)
         if self.executor.tied_parameters and cfg.zero >= 2:
@@ -97,13 +99,16 @@ class Engine:
 
     # ---------------------------------------------------------------- set-up
     def _split_layers(self, model: nn.Module, tp_plan: dict[str, str] | None) -> nn.Module:
-        """Tensor parallelism (the model's own plan unless ``tp_plan``), recomputation and
-        compilation, in place."""
+        """Tensor parallelism (the model's own plan unless ``tp_plan``), context parallelism,
+        recomputation and compilation, in place."""
         cfg = self.config
         if cfg.tp > 1:
             from trainmesh.tensor_parallel import parallelize
             parallelize(model, self.mesh, self.comm, plan=tp_plan,
                         sequence_parallel=cfg.sequence_parallel, placements=self.placements)
+        if cfg.cp > 1:   # attention over the CP group's whole sequence, positions global
+            from trainmesh.context_parallel import apply_context_parallel
+            apply_context_parallel(model, self.mesh, self.comm, mode=cfg.cp_comm, device=self.device)
         if cfg.recompute != "none":
             from trainmesh.engine.recompute import apply_recompute
             apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
@@ -140,11 +145,12 @@ class Engine:
     @torch.no_grad()
     def _broadcast_from_dp_root(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """Identical start on every DP replica, whatever the user's init (set-up traffic)."""
-        if self.mesh.size("dp") == 1:
+        axis = self.replica_axis
+        if self.mesh.size(axis) == 1:
             return
-        root = self.mesh.ranks("dp")[0]
+        root = self.mesh.ranks(axis)[0]
         for _, p in named:
-            self.comm.broadcast(p.data, "dp", src=root)
+            self.comm.broadcast(p.data, axis, src=root)
 
     def _mark_duplicates(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """Pipeline ties held on several ranks: record this rank's copy as a duplicate."""
@@ -157,10 +163,11 @@ class Engine:
     def _broadcast_buffers(self) -> None:
         """Every floating or integer buffer (BatchNorm statistics, counters) from the DP root,
         as DDP's ``broadcast_buffers``; one collective per buffer, in registration order."""
-        root = self.mesh.ranks("dp")[0]
+        axis = self.replica_axis
+        root = self.mesh.ranks(axis)[0]
         for _, b in self.module.named_buffers():
             if b.numel() and not b.is_meta:
-                self.comm.broadcast(b.data, "dp", src=root)
+                self.comm.broadcast(b.data, axis, src=root)
 
     def _buffers_before_forward(self, _module: nn.Module, _args: Any) -> None:
         if torch.is_grad_enabled():       # a training forward (evaluation keeps its own)
@@ -193,6 +200,7 @@ class Engine:
             raise TypeError("train_step takes a batch or microbatches=[...], exactly one of them")
         if microbatches is None:
             microbatches = split_microbatches(batch, self.config.microbatches)
+        microbatches = self._cp_share(microbatches)
         self.comm.ledger.begin_step()
         loss_sum, count = self.executor.run(microbatches, self.hooks)
         holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
@@ -229,6 +237,15 @@ class Engine:
             self.last["nonfinite"] = nonfinite
         return global_loss
 
+    def _cp_share(self, microbatches: list) -> list:
+        """Context parallelism: this CP rank's two zigzag chunks of every sequence (dim 1 of
+        every tensor of two or more dimensions) of each microbatch."""
+        cp = self.mesh.size("cp")
+        if cp == 1:
+            return microbatches
+        from trainmesh.context_parallel import shard_batch
+        return [shard_batch(mb, self.mesh.index("cp"), cp) for mb in microbatches]
+
     def _nonfinite(self, loss: float, norm: float) -> str | None:
         """What makes this step non-finite (the same on every rank: all inputs are reduced)."""
         if not math.isfinite(loss):
@@ -243,7 +260,7 @@ class Engine:
         no optimizer state touched. Collective over the world."""
         loss_sum, count = 0.0, 0.0
         for batch in batches:
-            microbatches = split_microbatches(batch, self.config.microbatches)
+            microbatches = self._cp_share(split_microbatches(batch, self.config.microbatches))
             s, n = self.executor.evaluate(microbatches, self.hooks)
             loss_sum, count = loss_sum + s, count + n
         holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
