@@ -184,3 +184,34 @@ def test_ring_sends_what_the_formula_says(cp):
     want = cp_bytes_per_layer(cp=cp, micro_batch=b, seq_len=seq, d_model=h * hd, elem_bytes=8,
                               grad_bytes=8)
     assert sum(counters) * 8 == cp * want["send"]
+
+
+# ---------------------------------------------------------------- planner
+LLAMA3_8B = dict(params=8_030_261_248, layers=32, hidden=4096, heads=32, vocab=128256)
+
+
+def test_planner_divides_activations_by_cp_and_adds_the_ring():
+    from trainmesh.config.parallel import ParallelConfig
+    from trainmesh.planner import Cluster, ModelShape
+    from trainmesh.planner.candidate import evaluate
+    model = ModelShape(**{**LLAMA3_8B, "vocab": None}, seq_len=32768)
+    cluster = Cluster(gpus=8)
+    one, four = (evaluate(ParallelConfig(dp=8 // cp, cp=cp, zero=1, recompute="selective",
+                                         precision="bf16", microbatches=4), model, cluster)
+                 for cp in (1, 4))
+    assert four.memory.activations == pytest.approx(one.memory.activations / 4, rel=1e-12)
+    want = cp_bytes_per_layer(cp=4, micro_batch=1, seq_len=32768, d_model=4096, elem_bytes=2,
+                              forwards=2)
+    assert four.traffic["cp"] == {op: b * 32 * 4 for op, b in want.items()}
+    assert "cp" not in one.traffic or not one.traffic["cp"]
+
+
+def test_planner_recommends_cp_when_activations_fit_no_other_way():
+    """`trainmesh plan --model llama3-8b --seq-len 131072 --gpus 8 --gpu h100`."""
+    from trainmesh.planner import Cluster, ModelShape, plan
+    result = plan(ModelShape(**LLAMA3_8B, seq_len=131072), Cluster(gpus=8, gpu_mem_bytes=80 * 10**9))
+    assert result.recommended.layout.cp > 1 and result.recommended.fits
+    assert not any(c.fits for c in result.candidates if c.layout.cp == 1)
+    assert "context parallelism" in result.why
+    short = plan(ModelShape(**LLAMA3_8B, seq_len=4096), Cluster(gpus=8, gpu_mem_bytes=80 * 10**9))
+    assert short.recommended.layout.cp == 1      # fits without it: no cp

@@ -9,9 +9,9 @@ metrics file's ``comm_bytes_per_step.cp`` equals the documented formula exactly.
 match the single process: loss within LOSS_ABS, grad norm within NORM_REL, every step.
 
 Planted bugs this module catches (each seen failing with an assertion): the gradients reduced
-over dp only (cp ranks' gradients never summed: every layout, grad norm off at step 1);
-positions left local (0..s/cp-1 on every rank: loss off at step 1); batches not split over cp
-(each rank trains on whole sequences: loss and norm off).
+over dp only (cp ranks' gradients never summed: grad norm 11% low at step 1); positions left
+local (0..s/cp-1 on every rank: loss and grad norm off at step 1). Batches not split over cp
+fail louder: the ranks' zigzag positions run past the position table (IndexError).
 """
 from __future__ import annotations
 

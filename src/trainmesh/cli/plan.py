@@ -222,14 +222,14 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_na
               f"layers, hidden {model.hidden}, {model.heads} heads, seq {model.seq_len}), "
               f"{cluster.gpus} x {gpu_name} ({nodes}, {fmt_bytes(cluster.gpu_mem_bytes)} each), "
               f"{precision}, global batch {result.global_batch}", highlight=False)
-    out.print(f"[bold]Recommended:[/bold] dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} zero={cfg.zero} "
+    out.print(f"[bold]Recommended:[/bold] dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} cp={cfg.cp} zero={cfg.zero} "
               f"offload={cfg.offload} recompute={cfg.recompute} "
               f"sequence-parallel={'on' if cfg.sequence_parallel else 'off'} "
               f"microbatches={cfg.microbatches}: {fmt_bytes(rec.memory.total)} per GPU, "
               f"est. {fmt_seconds(rec.time.total)} per step, {_mfu(rec, model, cluster, result)}",
               highlight=False)
     out.print(f"[bold]Why:[/bold] {result.why}", highlight=False)
-    columns = ["", "dp", "pp", "tp", "zero", "offload", "recompute", "mb", "params", "grads",
+    columns = ["", "dp", "pp", "tp", "cp", "zero", "offload", "recompute", "mb", "params", "grads",
                "optim", "activ", "total", "fits", "comm/step", "step time"]
     narrow = out.width < NARROW   # an 80-column terminal: the columns that decide
     keep = [c for c in columns if not narrow or c not in DETAIL]
@@ -239,7 +239,7 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_na
         lay, mem = c.layout, c.memory
         mark = "->" if c is rec else ""
         cells = dict(zip(columns, (
-            mark, str(lay.dp), str(lay.pp), str(lay.tp), str(lay.zero), lay.offload, lay.recompute,
+            mark, str(lay.dp), str(lay.pp), str(lay.tp), str(lay.cp), str(lay.zero), lay.offload, lay.recompute,
             str(lay.microbatches), fmt_bytes(mem.params), fmt_bytes(mem.grads),
             fmt_bytes(mem.optimizer), fmt_bytes(mem.activations), fmt_bytes(mem.total),
             "yes" if c.fits else "no", fmt_bytes(c.comm_bytes_per_step), fmt_seconds(c.time.total))))

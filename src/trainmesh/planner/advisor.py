@@ -2,9 +2,11 @@
 
 Layouts considered (``trainmesh plan``):
 
-* ``dp * pp * tp = gpus``; ``tp`` divides the node size, so a TP group never leaves a node
+* ``dp * cp * pp * tp = gpus``; ``tp`` divides the node size, so a TP group never leaves a node
   (ranks are laid out with tp fastest, :mod:`trainmesh.core.mesh`), and divides ``heads`` and ``hidden`` when
-  given; ``pp <= layers``.
+  given; ``pp <= layers``; context parallelism ``cp`` in powers of two up to :data:`MAX_CP`
+  when the shape is known and the sequence splits into ``2·cp`` chunks (ZeRO then shards over
+  dp x cp).
 * ZeRO 0-3 with ``pp = 1``; ZeRO 0-1 with a pipeline (ZeRO-2/3 reduce or gather again for every
   microbatch, which a pipeline's many microbatches make costly: Megatron and DeepSpeed pair PP
   with ZeRO-1). A ZeRO stage over a single replica (``dp = 1``) shards nothing and is only
@@ -21,7 +23,9 @@ follows the rules of thumb of :mod:`.rules`, in this order: if plain DDP over ev
 DDP; if only offloading fits, the fastest offload layout; over several nodes, ZeRO alone when it
 is within 25% of the fastest layout without offload; otherwise the fastest layout without
 offload. Within the chosen group the simplest layout within 5% of its fastest wins (simplest: no
-offload, fewer model-parallel axes, smaller pp, smaller tp, less recompute, lower ZeRO stage).
+offload, no cp, fewer model-parallel axes, smaller pp, smaller tp, smaller cp, less recompute,
+lower ZeRO stage): so cp is recommended where the sequence's activations fit no other way, or
+where the estimate puts it more than 5% faster.
 :mod:`.rules` says why in one sentence.
 """
 from __future__ import annotations
@@ -48,6 +52,9 @@ estimated more than this fraction faster ("fast links")."""
 
 GLOBAL_BATCH_PER_GPU = 8
 """Default global batch: this many micro-batches per GPU."""
+
+MAX_CP = 32
+"""The largest context-parallel degree scored (sequences of ~1M tokens need about this)."""
 
 
 @dataclass(frozen=True)
@@ -94,25 +101,35 @@ def layouts(model: ModelShape, cluster: Cluster, *, precision: str,
     for tp in _divisors(cluster.gpus):
         if not _tp_ok(tp, model, cluster):
             continue
-        for pp in _divisors(cluster.gpus // tp):
-            dp = cluster.gpus // (tp * pp)
-            if pp > max_pp or global_batch % (dp * model.micro_batch):
-                continue
-            m = global_batch // (dp * model.micro_batch)
-            for (zero, offload) in _zero_offload(dp, pp):
-                for recompute in recomputes:
-                    out.append(ParallelConfig(dp=dp, pp=pp, tp=tp, zero=zero, microbatches=m,
-                                              schedule="1f1b",   # SP: not with offload
-                                              sequence_parallel=tp > 1 and offload == "none",
-                                              precision=precision, recompute=recompute,
-                                              offload=offload,
-                                              offload_params=offload != "none" and zero == 3))
+        for cp in _cp_degrees(cluster.gpus // tp, model):
+            for pp in _divisors(cluster.gpus // (tp * cp)):
+                dp = cluster.gpus // (tp * cp * pp)
+                if pp > max_pp or global_batch % (dp * model.micro_batch):
+                    continue
+                m = global_batch // (dp * model.micro_batch)
+                for (zero, offload) in _zero_offload(dp * cp, pp):
+                    for recompute in recomputes:
+                        out.append(ParallelConfig(dp=dp, pp=pp, tp=tp, cp=cp, zero=zero,
+                                                  microbatches=m, schedule="1f1b",   # SP: not with offload
+                                                  sequence_parallel=tp > 1 and offload == "none",
+                                                  precision=precision, recompute=recompute,
+                                                  offload=offload,
+                                                  offload_params=offload != "none" and zero == 3))
     return out
+
+
+def _cp_degrees(gpus: int, model: ModelShape) -> list[int]:
+    """Context-parallel degrees worth scoring: 1, and with a known shape the powers of two up
+    to MAX_CP dividing ``gpus`` and splitting the sequence into 2·cp equal chunks."""
+    if not model.has_shape:
+        return [1]
+    return [cp for cp in (1, 2, 4, 8, 16, 32)
+            if cp <= MAX_CP and gpus % cp == 0 and model.seq_len % (2 * cp) == 0]
 
 
 def _simplicity(c: Candidate) -> tuple:
     cfg = c.layout
-    return (cfg.offload != "none", (cfg.pp > 1) + (cfg.tp > 1), cfg.pp, cfg.tp,
+    return (cfg.offload != "none", cfg.cp > 1, (cfg.pp > 1) + (cfg.tp > 1), cfg.pp, cfg.tp, cfg.cp,
             RECOMPUTE.index(cfg.recompute), cfg.zero, c.time.total)
 
 
@@ -190,5 +207,7 @@ def plan(model: ModelShape, cluster: Cluster, *, precision: str = "bf16",
                   best_ddp=_first(ranked, lambda cfg: cfg.dp == cluster.gpus and cfg.zero == 0),
                   best_dp_only=_first(ranked, lambda cfg: cfg.dp == cluster.gpus),
                   fits_without_offload=any(c.fits and c.layout.offload == "none" for c in ranked),
+                  fits_without_cp=any(c.fits and c.layout.cp == 1 for c in ranked),
+                  seq_len=model.seq_len,
                   fastest=ranked[0] if ranked[0].fits else None)
     return Plan(ranked, rec, explain(rec, facts), _notes(model, batch, defaulted), batch)

@@ -4,7 +4,8 @@ A layout is :class:`trainmesh.config.parallel.ParallelConfig` (the same record `
 and the metrics summary prints). :func:`evaluate` scores it for a model on a cluster under the
 models of :mod:`.memory`, :mod:`.activations`, :mod:`.traffic` and :mod:`.steptime`. The numbers
 describe the busiest rank: the first pipeline stage (most microbatches in flight) or the last
-(logits), whichever needs more.
+(logits), whichever needs more. Context parallelism divides the tokens (activations, compute,
+TP/PP traffic) by cp, adds the K/V ring's traffic (``cp``) and widens the DP group to dp x cp.
 
 When the model's shape is not given, activations are 0 and a nominal shape (``h = 128*L``,
 ``Psi = 12*L*h^2``, the proportions of GPT-3 and Llama) sizes the TP/PP traffic, the attention
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
+from trainmesh.context_parallel.traffic import cp_bytes_per_layer
 
 from .activations import inflight_stages, megatron_layer_bytes
 from .cluster import Cluster
@@ -85,7 +87,8 @@ def _stage_layers(layers: int, pp: int, rank: int) -> int:
 def _activations(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int) -> float:
     if not model.has_shape:
         return 0.0
-    kw = dict(seq=model.seq_len, batch=model.micro_batch, hidden=model.hidden, heads=model.heads,
+    seq = model.seq_len // cfg.cp            # context parallelism: each rank s/cp tokens
+    kw = dict(seq=seq, batch=model.micro_batch, hidden=model.hidden, heads=model.heads,
               tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
               value_bytes=element_bytes(cfg.precision))
     inflight = inflight_stages(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches, rank=rank,
@@ -94,13 +97,13 @@ def _activations(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int)
     if cfg.recompute == "full":  # one layer rematerialised during its backward
         total += megatron_layer_bytes(recompute="none", **kw)
     if model.vocab and rank == cfg.pp - 1:  # output layer (Korthikanti): 4sbh/t * (1 + V/h)
-        sbh = model.seq_len * model.micro_batch * model.hidden
+        sbh = seq * model.micro_batch * model.hidden
         total += 4 * sbh / cfg.tp * (1 + model.vocab / model.hidden) * inflight
     return total
 
 
 def _overhead(cfg: ParallelConfig, cluster: Cluster, psi_rank: float, layers: int, known: bool) -> float:
-    extra = 2 * BUCKET_BYTES if cfg.dp > 1 else 0
+    extra = 2 * BUCKET_BYTES if cfg.dp * cfg.cp > 1 else 0
     if cfg.zero == 3 and not zero3_regathers(cfg):  # the stage, gathered for the whole step
         extra += psi_rank * element_bytes(cfg.precision)
     elif cfg.zero == 3 and known:  # two layers' gathered parameters (prefetch)
@@ -111,9 +114,9 @@ def _overhead(cfg: ParallelConfig, cluster: Cluster, psi_rank: float, layers: in
 def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int,
                   hidden: int, psi_rank: float) -> Traffic:
     e = element_bytes(cfg.precision)
-    tokens = model.tokens_per_microbatch
+    tokens = model.tokens_per_microbatch // cfg.cp
     traffic = empty()
-    traffic["dp"] = dp_ops(psi_rank, dp=cfg.dp, zero=cfg.zero, microbatches=cfg.microbatches,
+    traffic["dp"] = dp_ops(psi_rank, dp=cfg.dp * cfg.cp, zero=cfg.zero, microbatches=cfg.microbatches,
                            grad_bytes=e, param_bytes=e, regather=zero3_regathers(cfg))
     traffic["tp"] = tp_ops(tp=cfg.tp, layers=layers, tokens=tokens, hidden=hidden, value_bytes=e,
                            microbatches=cfg.microbatches, first=rank == 0, last=rank == cfg.pp - 1,
@@ -123,6 +126,11 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
                            microbatches=cfg.microbatches, tokens=tokens, hidden=hidden,
                            value_bytes=e, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
     traffic["other"] = other_ops(world=cfg.world_size, precision=cfg.precision)
+    if cfg.cp > 1:   # K/V around the CP ring (docs/CONTEXT_PARALLEL.md), every layer and microbatch
+        per_layer = cp_bytes_per_layer(cp=cfg.cp, micro_batch=model.micro_batch, seq_len=model.seq_len,
+                                       d_model=hidden, tp=cfg.tp, mode=cfg.cp_comm, elem_bytes=e,
+                                       forwards=1 if cfg.recompute == "none" else 2)
+        traffic["cp"] = {op: b * layers * cfg.microbatches for op, b in per_layer.items()}
     return traffic
 
 
@@ -131,13 +139,15 @@ def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, traffic: Tra
     m = cfg.microbatches
     per_token = flops_per_token(model.params, layers=layers_total, hidden=hidden,
                                 seq_len=model.seq_len, recompute=cfg.recompute)
-    mb_compute = (model.tokens_per_microbatch * per_token / (cfg.pp * cfg.tp)
+    mb_compute = (model.tokens_per_microbatch * per_token / (cfg.pp * cfg.tp * cfg.cp)
                   / cluster.flops_per_s(cfg.precision))
     tp_bw = cluster.bandwidth(cfg.tp)
-    dp_bw = cluster.bandwidth(cfg.dp * cfg.tp)
+    dp_bw = cluster.bandwidth(cfg.dp * cfg.cp * cfg.tp)
     pp_bw = cluster.bandwidth(cfg.world_size)
-    dp_s = {op: b * ring_factor(op, cfg.dp) / dp_bw for op, b in traffic["dp"].items()}
+    dp_s = {op: b * ring_factor(op, cfg.dp * cfg.cp) / dp_bw for op, b in traffic["dp"].items()}
     tp_mb = wire_bytes(traffic["tp"], cfg.tp) / tp_bw / m
+    if "cp" in traffic:   # counted as not overlapped with attention: an upper bound
+        tp_mb += wire_bytes(traffic["cp"], cfg.cp) / 2 / cluster.bandwidth(cfg.cp * cfg.tp) / m
     pp_mb = traffic["pp"].get("send", 0.0) / pp_bw / m
     offload = 0.0
     if cfg.offload != "none":
@@ -155,7 +165,7 @@ def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster) -> Candid
     """Score ``cfg`` for ``model`` on ``cluster`` (mixed-precision or fp32 Adam)."""
     layers_total, hidden = _shape(model)
     psi_rank = model.params / (cfg.pp * cfg.tp)
-    states = model_states(psi_rank, dp=cfg.dp, zero=cfg.zero, precision=cfg.precision,
+    states = model_states(psi_rank, dp=cfg.dp * cfg.cp, zero=cfg.zero, precision=cfg.precision,
                           offload=cfg.offload, offload_params=cfg.offload_params)
     best: tuple[float, float, Traffic] | None = None
     for rank in sorted({0, cfg.pp - 1}):
@@ -171,7 +181,8 @@ def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster) -> Candid
     memory = MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                              activations=activations,
                              overhead=_overhead(cfg, cluster, psi_rank, stage_layers, model.has_shape))
-    wire = {"dp": wire_bytes(traffic["dp"], cfg.dp), "tp": wire_bytes(traffic["tp"], cfg.tp),
+    wire = {"dp": wire_bytes(traffic["dp"], cfg.dp * cfg.cp), "tp": wire_bytes(traffic["tp"], cfg.tp),
+            "cp": wire_bytes(traffic.get("cp", {}), cfg.cp),
             "pp": wire_bytes(traffic["pp"], cfg.pp),
             "other": wire_bytes(traffic["other"], cfg.world_size)}
     time = _time(model, cfg, cluster, traffic, layers_total, hidden, psi_rank)

@@ -9,6 +9,7 @@
   memory: tensor parallelism inside each node, pipeline parallelism across nodes, data
   parallelism with ZeRO-1 over what is left.
 * Tensor parallelism never crosses a node (the advisor never proposes it).
+* A sequence whose activations fit no layout: context parallelism splits it over cp GPUs.
 
 The advisor picks by its estimate (:mod:`.advisor`); this module turns the choice and a few
 facts about the alternatives into the sentence, so the reason given is the one the numbers show.
@@ -43,6 +44,10 @@ class Facts:
     """Whether any layout fits without offload."""
     fastest: Candidate | None = None
     """The fastest fitting layout of all."""
+    fits_without_cp: bool = True
+    """Whether any layout without context parallelism fits."""
+    seq_len: int = 0
+    """Tokens per sequence."""
 
 
 def _bw(bytes_per_s: float) -> str:
@@ -52,6 +57,8 @@ def _bw(bytes_per_s: float) -> str:
 def _split(c: Candidate, cluster: Cluster) -> str:
     cfg = c.layout
     parts = []
+    if cfg.cp > 1:
+        parts.append(f"context parallelism (cp={cfg.cp}: each sequence split over {cfg.cp} GPUs)")
     if cfg.tp > 1:
         parts.append(f"tensor parallelism inside {'each node' if cluster.nodes > 1 else 'the node'}"
                      f" (tp={cfg.tp})")
@@ -59,14 +66,15 @@ def _split(c: Candidate, cluster: Cluster) -> str:
         where = " across nodes" if cluster.spans_nodes(cfg.world_size) else ""
         parts.append(f"pipeline parallelism{where} (pp={cfg.pp})")
     if cfg.dp > 1 or cfg.zero:
-        parts.append(f"data parallelism with ZeRO-{cfg.zero} (dp={cfg.dp})" if cfg.zero
+        over = f", sharding over dp x cp = {cfg.dp * cfg.cp}" if cfg.cp > 1 and cfg.zero else ""
+        parts.append(f"data parallelism with ZeRO-{cfg.zero} (dp={cfg.dp}{over})" if cfg.zero
                      else f"data parallelism (dp={cfg.dp})")
     return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
 
 
 def _describe(c: Candidate, cluster: Cluster) -> str:
     cfg = c.layout
-    if cfg.pp == cfg.tp == 1:
+    if cfg.pp == cfg.tp == cfg.cp == 1:
         return f"ZeRO-{cfg.zero} over {cfg.dp} GPUs"
     return _split(c, cluster)
 
@@ -107,7 +115,11 @@ def explain(c: Candidate, facts: Facts) -> str:
                 f"per GPU, so add GPUs or memory, or shorten the micro-batch or sequence.")
     if cfg.offload != "none":
         return _offload(c, facts, mem, need)
-    if cfg.pp == cfg.tp == 1 and cfg.zero == 0:
+    if cfg.cp > 1 and not facts.fits_without_cp:
+        return (f"Without context parallelism no layout holds the activations of a "
+                f"{facts.seq_len}-token sequence in {mem} per GPU, so it is split with "
+                f"{_split(c, cl)}{_recompute(c)}.")
+    if cfg.pp == cfg.tp == cfg.cp == 1 and cfg.zero == 0:
         need = fmt_bytes(c.memory.total)
         if cfg.dp == 1:
             return (f"The model fits on one GPU ({need} of {mem}), so train it there with no "
@@ -120,7 +132,7 @@ def explain(c: Candidate, facts: Facts) -> str:
         return (f"The model fits on one GPU ({need} of {mem}), but {_describe(c, cl)} is estimated "
                 f"faster than plain DDP{ddp}{_recompute(c)}.")
     opening = f"The model does not fit on one GPU ({need} > {mem})"
-    if cfg.pp == cfg.tp == 1:
+    if cfg.pp == cfg.tp == cfg.cp == 1:
         links = (f"the {_bw(cl.inter_node_bw)} links between nodes are fast enough for its traffic"
                  if cl.nodes > 1 else f"the node's {_bw(cl.intra_node_bw)} links carry its traffic cheaply")
         return (f"{opening}, so ZeRO-{cfg.zero} shards the {SHARDED[cfg.zero]} over all {cfg.dp} GPUs "
