@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_train, steps, summary
+from helpers import check_prediction, run_train, steps, summary
 from tolerances import LOSS_ABS, NORM_REL
 
 from trainmesh.testing import run_distributed
@@ -40,6 +40,7 @@ MATRIX: dict[str, tuple[int, list[str], str]] = {
     "cp4": (4, ["--cp", "4"], "adamw"),
     "dp2-cp2": (4, ["--dp", "2", "--cp", "2", "--zero", "1"], "sgd"),
     "cp2-tp2": (4, ["--cp", "2", "--tp", "2"], "adamw"),
+    "cp2-tp2-sp": (4, ["--cp", "2", "--tp", "2", "--sequence-parallel"], "sgd"),
     "cp2-pp2": (4, ["--cp", "2", "--pp", "2", "--microbatches", "2"], "adamw"),
 }
 
@@ -64,7 +65,8 @@ def _engine(flags: list[str], optimizer: str, mesh=None):
 
 def _curve(flags: list[str], optimizer: str, *, mesh=None, first: int = 1, last: int = STEPS,
            save: str | None = None, load: str | None = None) -> list[tuple[float, float]]:
-    """`trainmesh train`'s engine and batches, steps ``first``..``last``: [(loss, grad_norm)]."""
+    """`trainmesh train`'s engine and batches, steps ``first``..``last``: [(loss, grad_norm)],
+    then (the evaluation loss of two batches after training, 0)."""
     from trainmesh.data.corpus import dp_slice
     cfg, mesh, engine, data = _engine(flags, optimizer, mesh)
     if load:
@@ -75,7 +77,9 @@ def _curve(flags: list[str], optimizer: str, *, mesh=None, first: int = 1, last:
         curve.append((engine.train_step(batch), engine.last["grad_norm"]))
     if save:
         engine.save(save)
-    return curve
+    held = [dp_slice(data.batch(cfg.seed + 1, k, cfg.global_batch), mesh.index("dp"), cfg.parallel.dp)
+            for k in (1, 2)]
+    return [*curve, (engine.evaluate(held), 0.0)]
 
 
 def _world(labels: list[str], save: str | None, load: str | None) -> dict:
@@ -88,10 +92,12 @@ def _world(labels: list[str], save: str | None, load: str | None) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[tuple[float, float]]]:
-    """The single process, per optimizer, one step more than the layouts (resumed runs)."""
+    """The single process, per optimizer: STEPS steps and the evaluation, and one step more
+    (what the resumed runs are compared with)."""
     from trainmesh.core.mesh import ParallelMesh
-    return {opt: _curve([], opt, mesh=ParallelMesh(local=True), last=STEPS + 1)
-            for opt in ("adamw", "sgd")}
+    out = {opt: _curve([], opt, mesh=ParallelMesh(local=True)) for opt in ("adamw", "sgd")}
+    out["adamw-longer"] = _curve([], "adamw", mesh=ParallelMesh(local=True), last=STEPS + 1)
+    return out
 
 
 def _differences(ref, run, what: str, first: int = 1) -> list[str]:
@@ -116,7 +122,7 @@ def _check_world(reference, res: dict, labels: list[str]) -> list[str]:
         for label in labels:
             failures += _differences(reference[MATRIX[label][2]], out[label], f"{label} rank {rank}")
         if "resumed-cp4" in out:
-            failures += _differences(reference["adamw"], out["resumed-cp4"],
+            failures += _differences(reference["adamw-longer"], out["resumed-cp4"][:1],
                                      f"cp2 checkpoint resumed at cp4, rank {rank}", first=STEPS + 1)
     return failures
 
@@ -130,7 +136,8 @@ def test_world2_layouts_match_one_process_and_resume_at_cp1(reference, checkpoin
     from trainmesh.core.mesh import ParallelMesh
     resumed = _curve([], "adamw", mesh=ParallelMesh(local=True), first=STEPS + 1, last=STEPS + 1,
                      load=checkpoint_dir)
-    failures += _differences(reference["adamw"], resumed, "cp2 checkpoint resumed at cp1", STEPS + 1)
+    failures += _differences(reference["adamw-longer"], resumed[:1], "cp2 checkpoint resumed at cp1",
+                             STEPS + 1)
     assert not failures, "\n".join(failures)
 
 
@@ -149,15 +156,16 @@ def test_world4_layouts_match_one_process_and_resume_at_cp4(reference, checkpoin
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_cp2_matches_one_process_and_its_traffic_formula(reference, tmp_path):
-    """`python -m trainmesh train --cp 2 --microbatches 2`: the curve, and per rank
-    ``comm_bytes_per_step.cp`` = layers x microbatches x the formula of docs/CONTEXT_PARALLEL.md."""
+    """`python -m trainmesh train --cp 2 --microbatches 2`: the curve; per rank
+    ``comm_bytes_per_step.cp`` = layers x microbatches x the formula of docs/CONTEXT_PARALLEL.md;
+    and `trainmesh plan`'s prediction of the run's bytes held and sent, and its peak memory."""
     from trainmesh.context_parallel import cp_bytes_per_layer
     args = [*BASE, "--cp", "2", "--microbatches", "2", *OPTIMIZER_FLAGS["adamw"],
             "--exit-after", str(STEPS)]   # the reference's LR schedule (--steps STEPS + 1)
     proc, records = run_train(args, tmp_path, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = [(r["loss"], r["grad_norm"]) for r in steps(records)]
-    failures = _differences(reference["adamw"], run, "trainmesh train --cp 2")
+    failures = _differences(reference["adamw"][:STEPS], run, "trainmesh train --cp 2")
     assert not failures, "\n".join(failures)
     done = summary(records)
     assert done["layout"]["cp"] == 2
@@ -167,6 +175,7 @@ def test_cli_cp2_matches_one_process_and_its_traffic_formula(reference, tmp_path
         assert rank["comm_bytes_per_step"]["cp"] == want, (rank["rank"], rank["comm_bytes_per_step"])
         assert rank["coords"]["cp"] == rank["rank"]
         assert "all_reduce" in rank["comm_bytes_per_step"]["dp_cp"]   # gradients over dp x cp
+    check_prediction(args, done)
 
 
 def test_cp_with_a_model_dir_exits_2(capsys, tmp_path):

@@ -22,7 +22,9 @@ calibrated on a GPU). Compare the peak within 20%.
 Activations follow :mod:`.activations` (the built-in GPT's own count; pipeline microbatches in
 flight per schedule). Mixed precision is predicted ZeRO-paper style (16-bit parameters and
 gradients, fp32 master in the optimizer states); AdamW's per-tensor ``step`` counters (4 bytes
-per parameter tensor, or per flat shard under ZeRO) are included.
+per parameter tensor, or per flat shard under ZeRO) are included. Under context parallelism each
+rank holds s/cp tokens, sends the K/V traffic of docs/CONTEXT_PARALLEL.md (axis ``cp``) and
+reduces gradients over dp x cp (axis ``dp_cp``, ZeRO shards over it).
 
 The lead's measured-vs-predicted check calls :func:`predict_run` with the run's
 :class:`~trainmesh.config.train.TrainConfig` and :func:`compare` with the metrics summary.
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
+from trainmesh.context_parallel.traffic import cp_bytes_per_layer
 
 from ..models.gpt import GPTConfig
 from .activations import (
@@ -95,16 +98,18 @@ class RunPrediction:
 
 
 def _coords(rank: int, layout: ParallelConfig) -> dict[str, int]:
-    """Mesh coordinates of a world rank: a (pp, dp, tp) grid, tp fastest (:mod:`trainmesh.core.mesh`)."""
-    tp, dp = layout.tp, layout.dp
-    return {"dp": (rank // tp) % dp, "pp": rank // (tp * dp), "tp": rank % tp}
+    """Mesh coordinates of a world rank: a (pp, dp, cp, tp) grid, tp fastest
+    (:mod:`trainmesh.core.mesh`)."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    return {"dp": (rank // (tp * cp)) % dp, "pp": rank // (tp * cp * dp), "tp": rank % tp,
+            "cp": (rank // tp) % cp}
 
 
 def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str, int]:
     # ZeRO 0-2 hold the paper's mixed-precision bytes; trainmesh's ZeRO-3 keeps fp32 shards as
     # the parameters (FSDP2 style): fp32's 4 + 4 + 8 over N, the paper's 16Psi/N in total.
     precision = "fp32" if layout.zero >= 3 else layout.precision
-    st = model_states(held.params, dp=layout.dp, zero=layout.zero, precision=precision,
+    st = model_states(held.params, dp=layout.dp * layout.cp, zero=layout.zero, precision=precision,
                       optimizer=optimizer, offload=layout.offload,
                       offload_params=layout.offload_params)
     optim = st.optimizer
@@ -120,7 +125,7 @@ def _init_peak(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: 
     first backward; ZeRO-1 full, ZeRO-2/3 the shard) + fp32 master shards (mixed precision,
     ZeRO 0-2; optimizer moments come with the first step) + at ZeRO-3 one unit in flight."""
     grads = states["grads"] if layout.zero >= 1 else 0
-    dp = layout.dp if layout.zero >= 1 else 1
+    dp = layout.dp * layout.cp if layout.zero >= 1 else 1
     masters = 4 * held.params / dp if layout.precision != "fp32" and layout.zero < 3 else 0
     unit = 0.0
     if layout.zero == 3:
@@ -133,14 +138,23 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
              pp_rank: int) -> Traffic:
     e = element_bytes(layout.precision)
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
+    replicas = layout.dp * layout.cp       # the gradient group: dp x cp (``dp_cp``)
     psi = held.params
     if layout.zero >= 1:
-        psi = math.ceil(psi / layout.dp) * layout.dp
-    tokens = micro_batch * gpt.seq_len
+        psi = math.ceil(psi / replicas) * replicas
+    tokens = micro_batch * gpt.seq_len // layout.cp
     m = layout.microbatches
+    cp: Traffic = {}
+    if layout.cp > 1:   # docs/CONTEXT_PARALLEL.md; the gradient reduction keyed by its group
+        per_layer = cp_bytes_per_layer(
+            cp=layout.cp, micro_batch=micro_batch, seq_len=gpt.seq_len, d_model=gpt.d_model,
+            tp=layout.tp, mode=layout.cp_comm, elem_bytes=e,
+            forwards=1 if layout.recompute == "none" else 2)
+        cp["cp"] = {op: b * held.blocks * m for op, b in per_layer.items()}
     return {
-        "dp": dp_ops(psi, dp=layout.dp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
-                     param_bytes=e, regather=zero3_regathers(layout)),
+        "dp_cp" if layout.cp > 1 else "dp": dp_ops(
+            psi, dp=replicas, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
+            param_bytes=e, regather=zero3_regathers(layout)), **cp,
         "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
                      value_bytes=e, microbatches=m, first=held.first, last=held.last,
                      sequence_parallel=layout.sequence_parallel,
@@ -156,7 +170,8 @@ def _activations(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
                  pp_rank: int) -> tuple[float, float]:
     """(activation bytes at the peak, transient bytes on top) of one pipeline rank."""
     e = element_bytes(layout.precision)
-    shape = dict(seq=gpt.seq_len, batch=micro_batch, hidden=gpt.d_model, tp=layout.tp,
+    seq = gpt.seq_len // layout.cp   # context parallelism: this rank's tokens
+    shape = dict(seq=seq, batch=micro_batch, hidden=gpt.d_model, tp=layout.tp,
                  sequence_parallel=layout.sequence_parallel)
     block = gpt_block_bytes(heads=gpt.n_heads, ffn=gpt.d_ff, recompute=layout.recompute,
                             value_bytes=e, **shape)
@@ -166,9 +181,9 @@ def _activations(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
         working = min(k, held.blocks) * block
     else:
         per_mb, working = held.blocks * block, 0.0
-    logits = micro_batch * gpt.seq_len * math.ceil(gpt.vocab_size / layout.tp) * 4
+    logits = micro_batch * seq * math.ceil(gpt.vocab_size / layout.tp) * 4
     if held.last:
-        per_mb += gpt_head_bytes(seq=gpt.seq_len, batch=micro_batch, hidden=gpt.d_model,
+        per_mb += gpt_head_bytes(seq=seq, batch=micro_batch, hidden=gpt.d_model,
                                  vocab=gpt.vocab_size, tp=layout.tp, value_bytes=e)
     inflight = inflight_stages(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
                                rank=pp_rank, virtual_stages=layout.virtual_stages)
@@ -194,7 +209,8 @@ def zero3_gathered_bytes(held: RankModel, layout: ParallelConfig, gpt: GPTConfig
 
 
 def _ints(traffic: Traffic) -> dict[str, dict[str, int]]:
-    return {axis: {op: int(round(b)) for op, b in traffic.get(axis, {}).items()} for axis in AXES}
+    axes = [*AXES, *(a for a in traffic if a not in AXES)]
+    return {axis: {op: int(round(b)) for op, b in traffic.get(axis, {}).items()} for axis in axes}
 
 
 def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
@@ -213,8 +229,8 @@ def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
         peak = int(base_bytes + runtime_bytes + sum(states.values())
                    + (1 + BACKWARD_WORKING_SET) * acts + transient
                    + zero3_gathered_bytes(held, layout, gpt))
-        for within in range(layout.dp * layout.tp):
-            rank = pp_rank * layout.dp * layout.tp + within
+        for within in range(layout.dp * layout.cp * layout.tp):
+            rank = pp_rank * layout.dp * layout.cp * layout.tp + within
             ranks.append(RankPrediction(rank, _coords(rank, layout), dict(states),
                                         {k: dict(v) for k, v in comm.items()}, int(acts), peak,
                                         int(base_bytes),
@@ -272,7 +288,8 @@ def compare(prediction: RunPrediction, summary: dict[str, Any]) -> list[str]:
             if not _close(want, have, TOLERANCE["model_state_bytes"]):
                 problems.append(f"rank {pred.rank} model_state_bytes.{kind}: "
                                 f"predicted {want}, measured {have}")
-        for axis in AXES:
+        axes = sorted(set(AXES) | set(pred.comm_bytes_per_step) | set(got["comm_bytes_per_step"]))
+        for axis in axes:
             ops = set(pred.comm_bytes_per_step.get(axis, {})) | set(got["comm_bytes_per_step"].get(axis, {}))
             for op in sorted(ops):
                 want = pred.comm_bytes_per_step.get(axis, {}).get(op, 0)
