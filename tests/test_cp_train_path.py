@@ -198,3 +198,11 @@ def test_cp_engine_refuses_a_model_without_an_attention_core():
     mesh = ParallelMesh(local=True)
     with pytest.raises(ConfigError, match="--cp"):
         apply_context_parallel(torch.nn.Linear(2, 2), mesh, Comm(mesh))
+
+
+def test_sequence_parallel_needs_the_cp_share_divisible_by_tp(capsys):
+    from helpers import assert_refused
+    line = assert_refused(capsys, ["train", "--layers", "2", "--d-model", "32", "--heads", "8",
+                                   "--vocab-size", "64", "--seq-len", "8", "--cp", "2", "--tp", "8",
+                                   "--sequence-parallel"], "--seq-len")
+    assert "--tp 8" in line

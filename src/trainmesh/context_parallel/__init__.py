@@ -4,11 +4,21 @@ load-balanced for causal attention), attention over the whole sequence by ring o
 ``apply_context_parallel(model, mesh, comm, mode=...)`` swaps the model's attention core and
 positions (the built-in GPT's seams); the ring math (:mod:`.ring`, :mod:`.blocks`), the
 partition (:mod:`.partition`) and the traffic formula (:mod:`.traffic`) are usable directly.
-See docs/CONTEXT_PARALLEL.md. Imports core and comm only.
+See docs/CONTEXT_PARALLEL.md. Imports core, comm and models (the GPT's seams); never the engine.
 """
 from .blocks import attend_block, attend_block_backward, fused_available, merge
-from .parallelize import ContextParallelAttention, ZigzagPositions, apply_context_parallel
-from .partition import chunk_ids, shard_batch, shard_sequence, unshard_sequence, zigzag_positions
+from .parallelize import (
+           ContextParallelAttention,
+           ZigzagPositions,
+           apply_context_parallel,
+)
+from .partition import (
+           chunk_ids,
+           shard_batch,
+           shard_sequence,
+           unshard_sequence,
+           zigzag_positions,
+)
 from .ring import CommRing, ring_attention
 from .traffic import cp_bytes_per_layer
 

@@ -5,7 +5,10 @@ forward and backward (locally, or through the pipeline schedule) while the DP st
 gradients in buckets; sum the loss and token count over the world; scale gradients to the mean
 over every token of the global batch; under sequence parallelism, sum the partial gradients of
 replicated parameters over tp (:meth:`Engine._complete_partial_grads`); measure the global gradient norm (each logical parameter
-once) and clip; step the optimizer. Every layer it composes uses only its own mesh axis.
+once) and clip; step the optimizer. Every layer it composes uses only its own mesh axis. Under
+context parallelism each CP rank keeps its two zigzag chunks of every sequence
+(:meth:`Engine._cp_share`), attention runs over the CP group (:mod:`trainmesh.context_parallel`)
+and the replicas of the parameters are the dp x cp ranks (``replica_axis``).
 
 The seams: the executor (:mod:`trainmesh.core.step`: local or a pipeline stage) runs the passes and
 reaches the precision policy and the DP strategy only through the :class:`~trainmesh.core.step.
