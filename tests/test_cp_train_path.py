@@ -10,8 +10,9 @@ match the single process: loss within LOSS_ABS, grad norm within NORM_REL, every
 
 Planted bugs this module catches (each seen failing with an assertion): the gradients reduced
 over dp only (cp ranks' gradients never summed: grad norm 11% low at step 1); positions left
-local (0..s/cp-1 on every rank: loss and grad norm off at step 1). Batches not split over cp
-fail louder: the ranks' zigzag positions run past the position table (IndexError).
+local (0..s/cp-1 on every rank: loss and grad norm off at step 1); the initial broadcast over
+dp only (CP ranks of a model built per rank start apart). Batches not split over cp fail
+louder: the ranks' zigzag positions run past the position table (IndexError).
 """
 from __future__ import annotations
 
@@ -82,9 +83,25 @@ def _curve(flags: list[str], optimizer: str, *, mesh=None, first: int = 1, last:
     return [*curve, (engine.evaluate(held), 0.0)]
 
 
+def _start_checksum(cp: int) -> float:
+    """The Python API on a model each rank built with its own seed: the engine's initial
+    broadcast must give every CP rank the same weights (a checksum of them)."""
+    import torch.distributed as dist
+
+    import trainmesh as tm
+    from trainmesh.models import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=64, seq_len=SEQ, d_model=D, n_layers=1, n_heads=4),
+                seed=dist.get_rank())
+    engine = tm.Engine(model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                       loss_fn=lambda m, b: m(**b), config=tm.ParallelConfig(cp=cp))
+    return float(sum(p.double().sum() for p in engine.module.parameters()))
+
+
 def _world(labels: list[str], save: str | None, load: str | None) -> dict:
     out = {label: _curve(MATRIX[label][1], MATRIX[label][2], save=save if label == "cp2" else None)
            for label in labels}
+    if save:
+        out["start"] = _start_checksum(2)
     if load:   # a cp-2 checkpoint resumed at cp 4
         out["resumed-cp4"] = _curve(["--cp", "4"], "adamw", first=STEPS + 1, last=STEPS + 1, load=load)
     return out
@@ -133,6 +150,9 @@ def test_world2_layouts_match_one_process_and_resume_at_cp1(reference, checkpoin
     labels = [label for label, (world, _, _) in MATRIX.items() if world == 2]
     res = run_distributed(_world, 2, labels, checkpoint_dir, None, timeout_s=380)
     failures = _check_world(reference, res, labels)
+    starts = {rank: out["start"] for rank, out in res.items()}
+    if len(set(starts.values())) != 1:
+        failures.append(f"CP ranks start from different weights: checksums {starts}")
     from trainmesh.core.mesh import ParallelMesh
     resumed = _curve([], "adamw", mesh=ParallelMesh(local=True), first=STEPS + 1, last=STEPS + 1,
                      load=checkpoint_dir)
