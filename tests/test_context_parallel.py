@@ -162,6 +162,9 @@ def test_zigzag_partition():
     assert parts[1].tolist() == [[2, 3, 12, 13]]
     assert torch.equal(unshard_sequence(parts), x)
     assert zigzag_positions(4, 1, 4).tolist() == [2, 3, 12, 13]
+    from trainmesh.core.errors import ConfigError
+    with pytest.raises(ConfigError, match="divisible by 2 x cp = 8"):
+        shard_sequence(torch.zeros(1, 12), 0, 4)
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from trainmesh.core.errors import ConfigError
+
 
 def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
     """The two chunks (of ``2·cp``) of every sequence that CP rank ``rank`` holds."""
@@ -29,6 +31,9 @@ def shard_sequence(t: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.T
     """This rank's two chunks of ``t`` along ``dim`` (its length divisible by ``2·cp``)."""
     if cp == 1:
         return t
+    if t.shape[dim] % (2 * cp):
+        raise ConfigError("--seq-len", f"each of the cp ranks holds 2 of 2cp equal chunks: the "
+                          f"length {t.shape[dim]} must be divisible by 2 x cp = {2 * cp}")
     chunks = t.chunk(2 * cp, dim=dim)
     return torch.cat([chunks[i] for i in chunk_ids(rank, cp)], dim=dim)
 
