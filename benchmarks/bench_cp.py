@@ -66,7 +66,6 @@ def _saved_bytes(engine, batch: dict) -> int:
 
 def _torch_cp_step(a: dict, batch: dict):
     """A timed step of PyTorch's context_parallel on the same model, or the reason it fails."""
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
