@@ -56,7 +56,7 @@ class DiLoCo(GradSync):
 
     # ---------------------------------------------------------------- backward: nothing to reduce
     def before_backward(self, *, is_last: bool) -> None:
-        self._ready = set()
+        self.readiness.start()
 
     def expect_backwards(self, n: int) -> None:
         raise ConfigError("--pp", "is not supported with --strategy diloco (a replica holds the whole model)")

@@ -180,7 +180,7 @@ class Zero3(ShardedSync):
                 self._slot_of[id(s.param)] = (pi, s)
         unit.pending = unit.n_params
         unit.state = _State.GATHERED
-        self._count(unit.nbytes)
+        self.reductions.count(unit.nbytes)
         self._free(unit)
 
     def _chunk(self, pc: _Piece) -> torch.Tensor:
@@ -210,7 +210,7 @@ class Zero3(ShardedSync):
         if unit.state is _State.FREE:
             self._agree(unit)
             unit.full.untyped_storage().resize_(unit.nbytes)
-            self._count(unit.nbytes)
+            self.reductions.count(unit.nbytes)
             unit.handles, unit.sends = [], []
             for pc in unit.pieces:
                 send = self._chunk(pc)
@@ -218,7 +218,7 @@ class Zero3(ShardedSync):
                     # mixed precision: gather in the compute dtype; --offload-params: from the host
                     send = send.to(unit.full.device, unit.full.dtype, non_blocking=True)
                     unit.sends.append(send)
-                    self._count(send.numel() * send.element_size())
+                    self.reductions.count(send.numel() * send.element_size())
                 out = unit.full[pc.offset : pc.offset + pc.layout.padded]
                 unit.handles.append(self.comm.all_gather(out, send, self.axis, async_op=True))
             unit.state = _State.GATHERING
@@ -227,7 +227,7 @@ class Zero3(ShardedSync):
                 if h is not None:
                     h.wait()
             for s in unit.sends:
-                self._live_bytes -= s.numel() * s.element_size()
+                self.reductions.release(s.numel() * s.element_size())
             unit.handles, unit.sends = [], []
             for p, view in unit.views:
                 p.data = view
@@ -241,7 +241,7 @@ class Zero3(ShardedSync):
         for p, _ in unit.views:
             p.data = empty
         unit.full.untyped_storage().resize_(0)
-        self._live_bytes -= unit.nbytes
+        self.reductions.release(unit.nbytes)
         unit.state = _State.FREE
 
     # ---------------------------------------------------------------- forward hooks
@@ -284,11 +284,10 @@ class Zero3(ShardedSync):
 
     def _on_grad(self, p: nn.Parameter) -> None:
         unit = self._unit_of[id(p)]
-        self._ready.add(id(p))
-        self._used.add(id(p))
+        self.readiness.mark(p)
         pi, slot = self._slot_of[id(p)]
         if unit.reduce_bufs is None:
-            unit.reduce_bufs = [self._alloc(pc.layout.padded, self.reduce_dtype or p.grad.dtype)
+            unit.reduce_bufs = [self.reductions.alloc(pc.layout.padded, self.reduce_dtype or p.grad.dtype)
                                 for pc in unit.pieces]
         unit.reduce_bufs[pi][slot.start : slot.end].copy_(p.grad.reshape(-1))
         p.grad = None
@@ -304,13 +303,13 @@ class Zero3(ShardedSync):
 
     def _reduce_unit(self, unit: _Unit, *, final: bool) -> None:
         """Reduce-scatter the unit's staged gradients (zeros if none) into the gradient shards
-        (``final``: the step's last reduction of the unit, see :class:`~.sharded.Flight`)."""
-        bufs = unit.reduce_bufs or [self._alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
+        (``final``: the step's last reduction of the unit, see :class:`~.inflight.Flight`)."""
+        bufs = unit.reduce_bufs or [self.reductions.alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
                                     for pc in unit.pieces]
         unit.reduce_bufs = None
         for pc, buf in zip(unit.pieces, bufs):
             where = slice(pc.shard_start, pc.shard_start + pc.layout.chunk)
-            self._reduce_scatter(buf, self.grad_shards[pc.group][where], accumulate=True,
+            self.reductions.reduce_scatter(buf, self.grad_shards[pc.group][where], accumulate=True,
                                  transient=True, final=(pc.group, where) if final else None)
 
     def _end_of_backward(self) -> None:
@@ -328,7 +327,8 @@ class Zero3(ShardedSync):
         self._last = is_last
         if self._fwd:
             self._last_fwd = self._fwd
-        self._fwd, self._post, self._ready = [], [], set()
+        self._fwd, self._post = [], []
+        self.readiness.start()
         for unit in self.units:
             unit.pending, unit.done = unit.n_params, False
 
@@ -339,7 +339,7 @@ class Zero3(ShardedSync):
         self._backward_done()
         self._check_unused()
         self._end_of_backward()
-        self._drain()
+        self.reductions.drain()
         self._scale(scale)
 
     def zero_grad(self) -> None:
