@@ -39,6 +39,8 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     stage's gradient storage, 3 -> :class:`Zero3` (:class:`PipelineZero3` under a pipeline).
     Each is built from the shared components (readiness, bucketer, reductions, offload).
     Several strategies may live side by side over disjoint parameter subsets and groups.
+    HSDP (``cfg.dp_shard`` < ``cfg.dp``, ZeRO >= 1): a ``dp`` strategy shards over
+    ``dp_shard`` and all-reduces each reduced shard over ``dp_replicate``.
 
     ``precision`` (a :class:`~trainmesh.engine.precision.Precision`) gives the dtype gradients are
     reduced in and the dtype parameters are held in (ZeRO 0-2, fp32 masters with the
@@ -50,11 +52,15 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     units).
     """
     mixed = precision is not None and getattr(precision, "mixed", False)
+    replicate = None
+    if axis == "dp" and cfg.zero > 0 and cfg.shard_size < cfg.dp:   # HSDP: shard inside, replicate across
+        axis, replicate = "dp_shard", "dp_replicate"
     options = SyncOptions(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
                           reduce_dtype=getattr(precision, "reduce_dtype", None),
                           param_dtype=precision.compute_dtype if mixed and cfg.zero < 3 else None,
                           device=device, offload=cfg.offload, offload_dir=cfg.offload_dir,
-                          offload_params=cfg.offload_params, axis=axis)
+                          offload_params=cfg.offload_params, axis=axis,
+                          replicate_axis=replicate)
     if cfg.strategy == "diloco":   # validated: zero 0, fp32, no tp or pp
         return DiLoCo(named_params, comm, options, inner_steps=cfg.inner_steps,
                       outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)

@@ -44,7 +44,15 @@ from .activations import (
 )
 from .builtin import RankModel, block_params, rank_model
 from .memory import element_bytes, model_states
-from .traffic import AXES, Traffic, dp_ops, other_ops, pp_ops, tp_ops, zero3_regathers
+from .traffic import (
+    AXES,
+    Traffic,
+    data_parallel_ops,
+    other_ops,
+    pp_ops,
+    tp_ops,
+    zero3_regathers,
+)
 
 RUNTIME_BYTES = 90 * 2**20
 """CPU: what a worker's RSS grows by beyond its measured base and its model: building the model
@@ -104,8 +112,8 @@ def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str
     # ZeRO 0-2 hold the paper's mixed-precision bytes; trainmesh's ZeRO-3 keeps fp32 shards as
     # the parameters (FSDP2 style): fp32's 4 + 4 + 8 over N, the paper's 16Psi/N in total.
     precision = "fp32" if layout.zero >= 3 else layout.precision
-    st = model_states(held.params, dp=layout.dp, zero=layout.zero, precision=precision,
-                      optimizer=optimizer, offload=layout.offload,
+    st = model_states(held.params, dp=layout.shard_size, zero=layout.zero,   # N = S under HSDP
+                      precision=precision, optimizer=optimizer, offload=layout.offload,
                       offload_params=layout.offload_params)
     optim = st.optimizer
     if optimizer == "adamw" and layout.offload == "none":  # AdamW's step counters
@@ -120,7 +128,7 @@ def _init_peak(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: 
     first backward; ZeRO-1 full, ZeRO-2/3 the shard) + fp32 master shards (mixed precision,
     ZeRO 0-2; optimizer moments come with the first step) + at ZeRO-3 one unit in flight."""
     grads = states["grads"] if layout.zero >= 1 else 0
-    dp = layout.dp if layout.zero >= 1 else 1
+    dp = layout.shard_size if layout.zero >= 1 else 1
     masters = 4 * held.params / dp if layout.precision != "fp32" and layout.zero < 3 else 0
     unit = 0.0
     if layout.zero == 3:
@@ -134,13 +142,14 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
     e = element_bytes(layout.precision)
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
     psi = held.params
+    shard = layout.shard_size if layout.zero >= 1 else layout.dp
     if layout.zero >= 1:
-        psi = math.ceil(psi / layout.dp) * layout.dp
+        psi = math.ceil(psi / shard) * shard
     tokens = micro_batch * gpt.seq_len
     m = layout.microbatches
     return {
-        "dp": dp_ops(psi, dp=layout.dp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
-                     param_bytes=e, regather=zero3_regathers(layout)),
+        **data_parallel_ops(psi, dp=layout.dp, shard=shard, zero=layout.zero, microbatches=m,
+                            grad_bytes=grad_bytes, param_bytes=e, regather=zero3_regathers(layout)),
         "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
                      value_bytes=e, microbatches=m, first=held.first, last=held.last,
                      sequence_parallel=layout.sequence_parallel,
@@ -194,7 +203,8 @@ def zero3_gathered_bytes(held: RankModel, layout: ParallelConfig, gpt: GPTConfig
 
 
 def _ints(traffic: Traffic) -> dict[str, dict[str, int]]:
-    return {axis: {op: int(round(b)) for op, b in traffic.get(axis, {}).items()} for axis in AXES}
+    axes = [*AXES, *(a for a in traffic if a not in AXES)]    # + dp_shard, dp_replicate (HSDP)
+    return {axis: {op: int(round(b)) for op, b in traffic.get(axis, {}).items()} for axis in axes}
 
 
 def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
@@ -272,7 +282,7 @@ def compare(prediction: RunPrediction, summary: dict[str, Any]) -> list[str]:
             if not _close(want, have, TOLERANCE["model_state_bytes"]):
                 problems.append(f"rank {pred.rank} model_state_bytes.{kind}: "
                                 f"predicted {want}, measured {have}")
-        for axis in AXES:
+        for axis in [*AXES, *(a for a in pred.comm_bytes_per_step if a not in AXES)]:
             ops = set(pred.comm_bytes_per_step.get(axis, {})) | set(got["comm_bytes_per_step"].get(axis, {}))
             for op in sorted(ops):
                 want = pred.comm_bytes_per_step.get(axis, {}).get(op, 0)
