@@ -83,6 +83,7 @@ def test_hsdp_zero3_saves_and_resumes_under_other_shard_groups(reference, tmp_pa
     (["--dp", "2", "--dp-shard", "1", "--zero", "1", "--offload", "cpu"], "--dp-shard"),
     (["--dp", "2", "--dp-shard", "1", "--zero", "3", "--cp", "2"], "--dp-shard"),
     (["--dp", "4", "--dp-shard", "3", "--zero", "1"], "--dp-shard"),
+    (["--dp", "4", "--dp-shard", "2", "--zero", "2", "--min-dp", "2"], "--dp-shard"),
 ])
 def test_unsupported_hsdp_layouts_exit_2_naming_the_flag(refused, no_launch, extra, flag):
     line = refused(["train", *SMALL, *extra], flag)

@@ -185,6 +185,10 @@ class ParallelConfig:
             if value > 1:
                 raise ConfigError("--dp-shard", f"< --dp is not supported with --{flag} > 1 ({why}); "
                                   f"got --{flag} {value} (valid with it: leave --dp-shard unset)")
+        if (self.min_dp is not None and self.min_dp < self.dp) or self.fault_tolerant:
+            raise ConfigError("--dp-shard", "< --dp is not supported with --min-dp or "
+                              "--fault-tolerant (a changing dp would break the shard groups); "
+                              "leave --dp-shard unset")
         if self.offload != "none":
             raise ConfigError("--dp-shard", "< --dp is not supported with --offload (shards streamed "
                               "to the host across replicas are not verified against one process); "
