@@ -7,7 +7,8 @@ them to a :class:`Bucketer` with the parameters each bucket covers. Each final g
 *given* to the bucketer (:meth:`Bucketer.give`); a bucket is complete when every parameter in
 it has been given since the bucket last went out; complete buckets are launched strictly in
 the one global order — so every rank issues the same sequence of collectives whatever order
-autograd produces the gradients in — and the bucket is re-armed at once. A bucket therefore
+autograd produces the gradients in — and the bucket is re-armed at once. (ZeRO-3's units are
+buckets too, launched each as soon as it is complete: ``ordered=False``.) A bucket therefore
 goes out once per backward (DDP, ZeRO-1: once per step, in the last backward; ZeRO-2: once per
 microbatch), or, under a pipeline, once per round of gradients whatever the interleaving of
 microbatches. :meth:`Bucketer.flush` sends a partial round (parameters that received no
@@ -43,9 +44,13 @@ class Bucketer(Generic[B]):
     """Counts gradients into ``buckets`` (in launch order) and launches each complete bucket
     through ``launch``, strictly in that order."""
 
-    def __init__(self, buckets: Sequence[B], launch: Callable[[B], None]) -> None:
+    def __init__(self, buckets: Sequence[B], launch: Callable[[B], None], *,
+                 ordered: bool = True) -> None:
         self.buckets = list(buckets)
         self.launch = launch
+        self.ordered = ordered
+        """Launch in the buckets' order (else each as soon as it is complete: ZeRO-3's units,
+        which complete in backward order, the same on every rank)."""
         self.next = 0                                    # the next bucket to go out
         self._of: dict[int, list[B]] = {}
         for b in self.buckets:
@@ -69,7 +74,13 @@ class Bucketer(Generic[B]):
             if id(p) not in b.given:
                 b.given.add(id(p))
                 b.pending -= 1
-        self.launch_ready()
+        if self.ordered:
+            self.launch_ready()
+            return
+        for b in self._of[id(p)]:
+            if b.pending == 0:
+                self.launch(b)
+                b.arm()
 
     def launch_ready(self, *, force: bool = False) -> None:
         """Launch every complete bucket from the next one on (``force``: every bucket left)."""

@@ -46,7 +46,7 @@ def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
 
 
 class ShardedSync(GradSync):
-    """Base of the ZeRO stages over the mesh's DP axis."""
+    """Base of the ZeRO stages over the strategy's mesh group (``options.axis``)."""
 
     stage = 0
 

@@ -68,8 +68,9 @@ class PipelineZero3(Zero3):
     # ---------------------------------------------------------------- the seam
     def expect_backwards(self, n: int) -> None:
         self.readiness.start()
+        self.bucketer.arm()
         for unit in self.units:
-            unit.pending, unit.done = unit.n_params, False
+            unit.done = False
             self._left[id(unit)], self._open[id(unit)] = n, 0
 
     def before_backward(self, *, is_last: bool) -> None:
@@ -123,7 +124,6 @@ class PipelineZero3(Zero3):
         """One backward's gradients of ``unit`` are in: reduce-scatter them; free the unit
         after its last backward of the step (``step``) or of this microbatch (``microbatch``)."""
         self._reduce_unit(unit, final=self._left[id(unit)] == 1)   # its last backward this step
-        unit.pending = unit.n_params
         self._left[id(unit)] -= 1
         self._open[id(unit)] = max(0, self._open[id(unit)] - 1)
         if self._left[id(unit)] == 0 or (self.reshard == "microbatch" and self._open[id(unit)] == 0):
