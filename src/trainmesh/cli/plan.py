@@ -303,11 +303,17 @@ def _ops(comm: dict[str, dict[str, int]]) -> str:
     return ", ".join(parts) or "none"
 
 
+def _hsdp(layout: dict[str, Any]) -> str:
+    """`` dp_shard=S`` where HSDP shards over fewer ranks than dp."""
+    shard = layout.get("dp_shard", layout["dp"])
+    return f" dp_shard={shard}" if shard < layout["dp"] else ""
+
+
 def _print_prediction(prediction: Any) -> None:
     out = console()
     lay = prediction.layout
     table = wide_table(f"trainmesh plan: predicted metrics, {prediction.params:,} params, "
-                       f"dp={lay['dp']} pp={lay['pp']} tp={lay['tp']} zero={lay['zero']} "
+                       f"dp={lay['dp']}{_hsdp(lay)} pp={lay['pp']} tp={lay['tp']} zero={lay['zero']} "
                        f"{lay['precision']}", ["ranks", "pp", "params", "grads", "optimizer",
                                                "comm bytes / step", "activations", "peak memory"])
     per_stage: dict[int, list[Any]] = {}

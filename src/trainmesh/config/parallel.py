@@ -164,12 +164,35 @@ class ParallelConfig:
             if self.dp_shard < self.dp and self.zero == 0:
                 raise ConfigError("--dp-shard", "shards ZeRO's states inside groups of DP ranks; "
                                   "needs --zero 1, 2 or 3 (valid with --zero 0: leave it unset)")
+            self._check_hsdp()
         if self.strategy != "mesh":
             for name, changed in (("cp", self.cp > 1), ("ep", self.ep > 1),
                                   ("dp-shard", self.dp_shard not in (None, self.dp)),
                                   ("fault-tolerant", self.fault_tolerant)):
                 if changed:
                     raise ConfigError(f"--{name}", f"needs --strategy mesh (got {self.strategy})")
+
+    def _check_hsdp(self) -> None:
+        """HSDP (dp-shard < dp) is built for the data-parallel layout alone: what it does not
+        combine with is refused, naming why."""
+        if self.shard_size == self.dp:
+            return
+        for flag, value, why in (
+                ("pp", self.pp, "HSDP inside pipeline stages is not verified against one process"),
+                ("tp", self.tp, "HSDP with tensor parallelism is not verified against one process"),
+                ("cp", self.cp, "dense gradients are reduced over dp x cp, not over dp shards"),
+                ("ep", self.ep, "expert gradients are reduced over their own groups")):
+            if value > 1:
+                raise ConfigError("--dp-shard", f"< --dp is not supported with --{flag} > 1 ({why}); "
+                                  f"got --{flag} {value} (valid with it: leave --dp-shard unset)")
+        if (self.min_dp is not None and self.min_dp < self.dp) or self.fault_tolerant:
+            raise ConfigError("--dp-shard", "< --dp is not supported with --min-dp or "
+                              "--fault-tolerant (a changing dp would break the shard groups); "
+                              "leave --dp-shard unset")
+        if self.offload != "none":
+            raise ConfigError("--dp-shard", "< --dp is not supported with --offload (shards streamed "
+                              "to the host across replicas are not verified against one process); "
+                              "use --offload none")
 
     def build_mesh(self) -> ParallelMesh:
         """The mesh of this layout (a collective call: every rank builds it, in the same order)."""

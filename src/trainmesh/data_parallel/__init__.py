@@ -1,6 +1,13 @@
-"""Data parallelism over the mesh's DP axis: DDP and the ZeRO stages, behind :class:`GradSync`.
+"""Data parallelism over a mesh group: DDP and the ZeRO stages, behind :class:`GradSync`.
 
 Imports core, comm, config and observe; never the engine, run/ or the CLI.
+
+One concern per file: the seam and its options (``base``), which gradients are final
+(``readiness``), the bucket machinery (``buckets``), reductions in flight and their memory
+(``inflight``), flat layouts (``flat``), the strategies (``ddp``, ``zero`` with ``flat_grads``,
+``zero3`` with ``units``, ``zero_pipeline``, ``diloco``), what they share when sharded
+(``sharded``), fp32 masters (``master``) and offload (``offload``, ``nvme``).
+:func:`make_grad_sync` composes a strategy from the configuration.
 """
 from __future__ import annotations
 
@@ -17,42 +24,52 @@ from .ddp import DDP
 from .diloco import DiLoCo
 from .sharded import ELEMENTWISE_OPTIMIZERS
 from .units import find_units
-from .zero import Zero1, Zero2
+from .zero import FlatZero, Zero1, Zero2
 from .zero3 import Zero3
-from .zero_pipeline import PipelineZero2, PipelineZero3
+from .zero_pipeline import PipelineZero3
 
 
 def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
                    comm: Comm, *, module: nn.Module | None = None, precision: Any = None,
                    materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None = None,
-                   device: Any = None, layers: list[str] | None = None) -> GradSync:
-    """The strategy for ``cfg.zero``: 0 -> DDP, 1 -> :class:`Zero1`, 2 -> :class:`Zero2`,
-    3 -> :class:`Zero3`.
+                   device: Any = None, layers: list[str] | None = None,
+                   axis: str = "dp") -> GradSync:
+    """The strategy for ``cfg.zero`` over ``named_params`` (any subset of the model's
+    parameters) and the mesh group ``axis``: 0 -> DDP, 1 and 2 -> :class:`FlatZero` with its
+    stage's gradient storage, 3 -> :class:`Zero3` (:class:`PipelineZero3` under a pipeline).
+    Each is built from the shared components (readiness, bucketer, reductions, offload).
+    Several strategies may live side by side over disjoint parameter subsets and groups.
+    HSDP (``cfg.dp_shard`` < ``cfg.dp``, ZeRO >= 1): a ``dp`` strategy shards over
+    ``dp_shard`` and all-reduces each reduced shard over ``dp_replicate``.
 
     ``precision`` (a :class:`~trainmesh.engine.precision.Precision`) gives the dtype gradients are
     reduced in and the dtype parameters are held in (ZeRO 0-2, fp32 masters with the
     optimizer) or gathered in (ZeRO-3, fp32 shards); ``module`` is the model
     ZeRO-3 cuts into units; ``materialize`` (sharded init, ZeRO-3) gives a
     unit's meta parameters their values just before the unit is sharded. ``cfg`` was validated
-    when built. Under a pipeline (``cfg.pp > 1``) ZeRO-2 and ZeRO-3 take their pipeline forms
+    when built. Under a pipeline (``cfg.pp > 1``) ZeRO-3 takes its pipeline form
     (:mod:`.zero_pipeline`); ``layers`` are then the pipeline layers this rank holds (ZeRO-3's
     units).
     """
     mixed = precision is not None and getattr(precision, "mixed", False)
+    replicate = None
+    if axis == "dp" and cfg.cp > 1:     # context parallel: every dp x cp rank holds other tokens
+        axis = "dp_cp"
+    elif axis == "dp" and cfg.zero > 0 and cfg.shard_size < cfg.dp:   # HSDP: shard inside, replicate across
+        axis, replicate = "dp_shard", "dp_replicate"
     options = SyncOptions(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
                           reduce_dtype=getattr(precision, "reduce_dtype", None),
                           param_dtype=precision.compute_dtype if mixed and cfg.zero < 3 else None,
                           device=device, offload=cfg.offload, offload_dir=cfg.offload_dir,
-                          offload_params=cfg.offload_params, axis="dp_cp" if cfg.cp > 1 else "dp")
+                          offload_params=cfg.offload_params, axis=axis,
+                          replicate_axis=replicate)
     if cfg.strategy == "diloco":   # validated: zero 0, fp32, no tp or pp
         return DiLoCo(named_params, comm, options, inner_steps=cfg.inner_steps,
                       outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
     if cfg.zero == 0:
         return DDP(named_params, comm, options, allreduce=cfg.allreduce)
-    if cfg.zero == 1:
-        return Zero1(named_params, comm, options)
-    if cfg.zero == 2:
-        return (PipelineZero2 if cfg.pp > 1 else Zero2)(named_params, comm, options)
+    if cfg.zero in (1, 2):
+        return FlatZero(named_params, comm, options, stage=cfg.zero)
     if module is None:
         raise ValueError("ZeRO-3 needs the module (make_grad_sync(..., module=model))")
     if cfg.pp > 1:
@@ -65,6 +82,6 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
                  materialize=materialize, units=cfg.zero3_units)
 
 
-__all__ = ["DDP", "DiLoCo", "ELEMENTWISE_OPTIMIZERS", "GradSync", "PipelineZero2", "PipelineZero3",
+__all__ = ["DDP", "DiLoCo", "ELEMENTWISE_OPTIMIZERS", "FlatZero", "GradSync", "PipelineZero3",
            "SyncOptions", "Zero1", "Zero2", "Zero3",
            "find_units", "group_parameters", "make_grad_sync", "unique_named_parameters"]

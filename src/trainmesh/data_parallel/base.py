@@ -10,16 +10,23 @@ updates, and what it holds. The engine alone drives it, through the executor's s
     sq = strategy.grad_sq_sum(counted)                   # this rank's share of ||g||^2
     strategy.clip(coef); strategy.step(); strategy.zero_grad()
 
-What every strategy shares lives here: the options (:class:`SyncOptions`), the launch of ready
-buckets in one global order (:class:`BucketOrder`), the "received no gradient" check, and the
-scaling, clipping and overflow check of the reduced gradients (:meth:`GradSync.reduced_grads`).
+What every strategy shares lives here: the options (:class:`SyncOptions`), the components
+every strategy holds — which gradients are final (:class:`~.readiness.Readiness`, the pipeline's
+multi-backward bookkeeping included) and the reductions in flight with their transient memory
+(:class:`~.inflight.Reductions`) — and the scaling, clipping and overflow check of the reduced
+gradients (:meth:`GradSync.reduced_grads`). Bucketed strategies also hold a
+:class:`~.buckets.Bucketer`. :func:`~trainmesh.data_parallel.make_grad_sync` composes them.
+
+A strategy covers the parameters it is given over the group ``options.axis``: several can live
+side by side on disjoint parameter subsets (e.g. dense parameters over ``dp``, experts' over
+``edp``), each with its own hooks, buckets and collectives.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +34,9 @@ from torch import nn
 from trainmesh.core.errors import ConfigError
 
 from ..comm import Comm
+from .inflight import Reductions
 from .master import MasterWeights
+from .readiness import Readiness
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # (name, parameter) -> does this rank count it in the global gradient norm? (TP duplicates: once)
@@ -60,38 +69,10 @@ class SyncOptions:
     axis: str = "dp"
     """The mesh group the gradients are reduced (and ZeRO's states sharded) over: ``dp``, or a
     derived group of :class:`~trainmesh.core.mesh.ParallelMesh` (``dp_cp`` under context
-    parallelism, ``edp`` for expert parameters)."""
-
-
-class _Pending(Protocol):
-    pending: int
-
-
-B = TypeVar("B", bound=_Pending)
-
-
-class BucketOrder(Generic[B]):
-    """Launches buckets strictly in one global order, each once it is complete (``pending``
-    reached 0), so every rank issues the same sequence of collectives whatever order autograd
-    produces the gradients in."""
-
-    def __init__(self, launch: Callable[[B], None]) -> None:
-        self.buckets: Sequence[B] = []
-        self.launch = launch
-        self.next = 0
-
-    def reset(self, buckets: Sequence[B]) -> None:
-        """Start a backward pass: nothing launched yet."""
-        self.buckets, self.next = buckets, 0
-
-    def launch_ready(self, *, force: bool = False) -> None:
-        """Launch every complete bucket from the next one on (``force``: every bucket left)."""
-        while self.next < len(self.buckets):
-            b = self.buckets[self.next]
-            if b.pending > 0 and not force:
-                return
-            self.launch(b)
-            self.next += 1
+    parallelism, ``edp`` for expert parameters, ``dp_shard`` under HSDP)."""
+    replicate_axis: str | None = None
+    """HSDP: the group across which ZeRO's shards are replicated (``dp_replicate``): each
+    reduced gradient shard is all-reduced over it. None: no replicas."""
 
 
 def unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -126,61 +107,50 @@ class GradSync(ABC):
         self.options = options or SyncOptions()
         self.axis = self.options.axis
         self.dp = comm.mesh.size(self.axis)
+        self.device = self.options.device or (named_params[0][1].device if named_params
+                                              else torch.device("cpu"))
         self.optimizer: torch.optim.Optimizer | None = None
-        self.comm_buffer_peak_bytes = 0
         self.master: MasterWeights | None = None         # mixed precision at ZeRO 0-2
-        self._ready: set[int] = set()                   # params whose gradient is final
-        self._used: set[int] = set()                    # ... in any backward of this step
-        self._unused: list[nn.Parameter] = []           # no DP rank gave them a gradient
-        self._remaining: dict[int, int] | None = None   # pipeline mode: backwards left per param
+        self.readiness = Readiness(named_params, find_unused=self.options.find_unused_parameters)
+        self.reductions = Reductions(comm, self.axis, self.device,
+                                     replicate=self.options.replicate_axis)
 
-    def _grad_final(self, p: nn.Parameter) -> bool:
-        """Bookkeeping of a post-accumulate-grad hook: whether ``p``'s gradient is now final for
-        this backward (in pipeline mode: after all its expected backward passes)."""
-        if self._remaining is not None:
-            self._remaining[id(p)] -= 1
-            if self._remaining[id(p)] > 0:
-                return False
-        self._ready.add(id(p))
-        self._used.add(id(p))
-        return True
+    @property
+    def comm_buffer_peak_bytes(self) -> int:
+        """Peak bytes of transient communication memory (:class:`~.inflight.Reductions`)."""
+        return self.reductions.peak_bytes
+
+    @property
+    def replicas(self) -> int:
+        """HSDP: how many replicas of each shard (1 without)."""
+        axis = self.options.replicate_axis
+        return self.comm.mesh.size(axis) if axis else 1
 
     def _check_unused(self) -> None:
-        """Raise naming the parameters without a gradient in this step's backwards (unless the
-        options ask to reduce them anyway)."""
-        missing = [n for n, p in self.named_params if id(p) not in self._used]
-        if missing and not self.options.find_unused_parameters:
-            raise RuntimeError(
-                f"rank {self.comm.mesh.rank}: parameters received no gradient: "
-                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
-                "(pass find_unused_parameters=True to reduce them anyway)")
+        """Raise naming the parameters without a gradient in this step's backwards (unless
+        the options ask to reduce them anyway)."""
+        self.readiness.check_unused(self.comm.mesh.rank)
 
     def local_unused(self) -> int:
         """How many of this rank's parameters received no gradient in this step (0 unless
         ``find_unused_parameters``: otherwise :meth:`_check_unused` raises)."""
-        if not self.options.find_unused_parameters:
-            return 0
-        return sum(id(p) not in self._used for _, p in self.named_params)
+        return self.readiness.local_unused()
 
     def agree_unused(self, anywhere: bool) -> None:
         """The unused check: ``anywhere`` (some rank of the world has an unused parameter, from
         the engine's one reduction of the step's totals) costs one all-reduce over DP of a flag
         per parameter; a parameter no DP rank used gets no update this step (:meth:`step`), one
         used on some ranks keeps its reduced gradient, as DDP's ``find_unused_parameters``."""
-        self._unused = []
-        if not anywhere:
-            return
-        device = self.options.device or (self.named_params[0][1].device if self.named_params
-                                         else torch.device("cpu"))
-        flags = torch.tensor([float(id(p) in self._used) for _, p in self.named_params],
-                             dtype=torch.float32, device=device)
-        if self.dp > 1 and flags.numel():
-            self.comm.all_reduce(flags, self.axis)
-        self._unused = [p for (_, p), f in zip(self.named_params, flags.tolist()) if f == 0.0]
+        self.readiness.agree(anywhere, self.comm, self.axis, self.device,
+                             replicate=self.reductions.replicate)
+
+    @property
+    def _unused(self) -> list[nn.Parameter]:
+        return self.readiness.unused
 
     def _end_step(self) -> None:
         """``zero_grad``: the next step starts with no parameter used."""
-        self._used, self._unused = set(), []
+        self.readiness.end_step()
 
     @abstractmethod
     def build_optimizer(self, factory: OptimizerFactory,
@@ -197,7 +167,7 @@ class GradSync(ABC):
         Replaces the per-microbatch ``before_backward`` calls. Strategies without a pipeline
         mode override it with :meth:`_no_pipeline`."""
         self.before_backward(is_last=True)
-        self._remaining = {id(p): n for _, p in self.named_params}
+        self.readiness.expect(n)
 
     def _no_pipeline(self) -> None:
         raise ConfigError("pp", f"{type(self).__name__} cannot run under a pipeline (--pp > 1)")

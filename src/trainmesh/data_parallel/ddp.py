@@ -2,10 +2,12 @@
 
 Every parameter's ``.grad`` is a view into one contiguous buffer laid out in reverse
 registration order (the order gradients tend to become ready). The buffer is cut into buckets
-of about ``bucket_mb``. A post-accumulate-grad hook counts down each bucket; when a bucket's
-last gradient lands, its all-reduce is launched asynchronously — in bucket order, so every
-rank issues the same sequence — and overlaps the rest of backward. With gradient accumulation
-only the last microbatch's backward reduces. Gradients are summed, then scaled once.
+of about ``bucket_mb``. A post-accumulate-grad hook gives each final gradient to the
+:class:`~.buckets.Bucketer`, which launches a bucket's all-reduce asynchronously once it is
+complete — in bucket order, so every rank issues the same sequence — overlapping the rest of
+backward; :class:`~.inflight.Reductions` waits for them. With gradient accumulation only the
+last microbatch's backward reduces (under a pipeline: a gradient's last backward of the step,
+:class:`~.readiness.Readiness`). Gradients are summed, then scaled once.
 
 Mixed precision (``options.param_dtype``): parameters and the gradient buffer are 16-bit, the
 optimizer updates fp32 masters (:mod:`.master`): 2Ψ + 2Ψ + 12Ψ bytes with AdamW.
@@ -18,31 +20,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..comm import Comm, Handle
-from ..comm.algorithms import all_reduce
-from .base import (
-    BucketOrder,
-    CountedFn,
-    GradSync,
-    OptimizerFactory,
-    SyncOptions,
-    group_parameters,
-)
+from ..comm import Comm
+from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
+from .buckets import Bucket, Bucketer
 from .master import MasterWeights
 
 
 @dataclass
-class Bucket:
-    index: int
-    start: int                   # element offset in the flat buffer
-    end: int
-    params: list[nn.Parameter]
-    pending: int = 0
-    handle: Handle | None = None
+class FlatBucket(Bucket):
+    """A stretch ``[start, end)`` of DDP's flat gradient buffer."""
+
+    start: int = 0               # element offset in the flat buffer
+    end: int = 0
     launched_at: float = 0.0
     ready_when_launched: int = 0  # how many params of the model were ready at launch (overlap proof)
     names: list[str] = field(default_factory=list)
-    staging: torch.Tensor | None = None   # the bucket cast to reduce_dtype while it is reduced
 
 
 class DDP(GradSync):
@@ -59,22 +51,21 @@ class DDP(GradSync):
         dtype = self.options.param_dtype if masters else dtype
         self._numel = sum(p.numel() for p in params)
         self.buffer = torch.zeros(0, dtype=dtype, device=device)   # (Ψ,) every gradient, once allocated
-        self.buckets: list[Bucket] = []
-        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        self.buckets: list[FlatBucket] = []
         cap = max(1, int(self.options.bucket_mb * 2**20) // dtype.itemsize)
         offset, current = 0, None
         for name, p in reversed(named_params):
             if current is None or offset - current.start >= cap:
-                current = Bucket(len(self.buckets), offset, offset, [])
+                current = FlatBucket(len(self.buckets), start=offset, end=offset)
                 self.buckets.append(current)
             offset += p.numel()
             current.end = offset
             current.params.append(p)
             current.names.append(name)
-            self._bucket_of[p] = current
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = False
-        self._order = BucketOrder(self._launch)
+        self.bucketer = Bucketer(self.buckets, self._launch)
+        self.reductions.max_inflight = len(self.buckets)   # every bucket may be in flight
         if masters:
             self.master = MasterWeights(masters, [p.data for p in params], [])
         self._master_of = dict(zip(map(id, params), masters))
@@ -112,41 +103,27 @@ class DDP(GradSync):
     def before_backward(self, *, is_last: bool) -> None:
         self._allocate_grads()
         self._sync = is_last and self.dp > 1
-        self._remaining = None
-        self._ready = set()
-        self._order.reset(self.buckets)
-        for b in self.buckets:
-            b.pending, b.handle = len(b.params), None
+        self.readiness.start()
+        self.bucketer.arm()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._grad_final(p) or not self._sync:
-            return
-        self._bucket_of[p].pending -= 1
-        self._order.launch_ready()
+        if self.readiness.final(p) and self._sync:
+            self.bucketer.give(p)
 
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, b: FlatBucket) -> None:
         """All-reduce bucket ``b`` asynchronously (cast to ``reduce_dtype`` first, if set)."""
-        b.launched_at, b.ready_when_launched = time.perf_counter(), len(self._ready)
+        b.launched_at, b.ready_when_launched = time.perf_counter(), len(self.readiness.ready)
         grads = self.buffer[b.start : b.end]
         reduce_dtype = self.options.reduce_dtype
-        if reduce_dtype is not None and reduce_dtype != grads.dtype:
-            b.staging = grads.to(reduce_dtype)
-            grads = b.staging
-            live = sum(x.staging.numel() * x.staging.element_size() for x in self.buckets
-                       if x.staging is not None)
-            self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, live)
-        b.handle = all_reduce(self.comm, grads, self.axis, algorithm=self.allreduce, async_op=True)
+        staged = reduce_dtype is not None and reduce_dtype != grads.dtype
+        buf = self.reductions.alloc(grads.numel(), reduce_dtype).copy_(grads) if staged else grads
+        self.reductions.all_reduce(buf, grads, algorithm=self.allreduce, transient=staged)
 
     def finish(self, scale: float) -> None:
         if self._sync:
             self._check_unused()
-            self._order.launch_ready(force=True)
-            for b in self.buckets:
-                assert b.handle is not None
-                b.handle.wait()
-                if b.staging is not None:
-                    self.buffer[b.start : b.end].copy_(b.staging)
-                    b.staging = None
+            self.bucketer.flush()
+            self.reductions.drain()
         self._scale(scale)
 
     # ---------------------------------------------------------------- step

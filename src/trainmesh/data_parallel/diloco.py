@@ -56,7 +56,7 @@ class DiLoCo(GradSync):
 
     # ---------------------------------------------------------------- backward: nothing to reduce
     def before_backward(self, *, is_last: bool) -> None:
-        self._ready = set()
+        self.readiness.start()
 
     def expect_backwards(self, n: int) -> None:
         raise ConfigError("--pp", "is not supported with --strategy diloco (a replica holds the whole model)")
@@ -108,9 +108,10 @@ class DiLoCo(GradSync):
     def _outer_step(self) -> None:
         params = [p for _, p in self.named_params]
         delta = torch.cat([(t - p).reshape(-1) for t, p in zip(self.outer, params)])   # (Ψ,)
-        self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes,
-                                          delta.numel() * delta.element_size())
-        self.comm.all_reduce(delta, "dp")
+        nbytes = delta.numel() * delta.element_size()
+        self.reductions.count(nbytes)                   # transient: comm_buffer_peak_bytes
+        self.comm.all_reduce(delta, self.axis)
+        self.reductions.release(nbytes)
         delta.div_(self.dp)
         offset = 0
         for t in self.outer:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 
-from ..comm import Comm, Handle
+from ..comm import Comm
 from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 from .flat import Slot
 from .offload import HostMaster, make_store
@@ -46,40 +45,20 @@ def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
                       "(use --zero 0 for it)")
 
 
-@dataclass
-class Flight:
-    """A reduction in flight: when done, ``out`` (maybe in ``buf``) lands in ``dst``."""
-
-    handle: Handle | None
-    buf: torch.Tensor            # the collective's input
-    out: torch.Tensor            # its output (this rank's chunk)
-    dst: torch.Tensor            # where the reduced chunk belongs (may be ``out`` itself)
-    accumulate: bool             # add into dst (ZeRO-2/3, once per microbatch) or copy
-    transient: bool              # ``buf`` is a transient buffer counted in comm memory
-    final: tuple[int, int | slice] | None = None
-    """dst is ``grad_shards[group][index]`` and final for the step once this lands (offload
-    streams it to the host then); None: more reductions add into it this step."""
-
-
 class ShardedSync(GradSync):
-    """Base of the ZeRO stages over the mesh's DP axis."""
+    """Base of the ZeRO stages over the strategy's mesh group (``options.axis``)."""
 
     stage = 0
-    max_inflight = 2             # transient reductions in flight before the oldest is waited for
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
                  options: SyncOptions | None = None) -> None:
         super().__init__(named_params, comm, options)
         self.bucket_bytes = int(self.options.bucket_mb * 2**20)
         self.reduce_dtype = self.options.reduce_dtype
-        self.device = self.options.device or (named_params[0][1].device if named_params
-                                              else torch.device("cpu"))
         self.rank_in_dp = comm.mesh.index(self.axis)
         self.shard_params: list[nn.Parameter] = []      # one per optimizer group
         self.grad_shards: list[torch.Tensor] = []       # its reduced gradient (its .grad unless mixed)
         self._norm_pieces: list[tuple[str, nn.Parameter, torch.Tensor]] = []
-        self._inflight: list[Flight] = []
-        self._live_bytes = 0
         self.offloaded: HostMaster | None = None         # --offload cpu / nvme
 
     # ---------------------------------------------------------------- set-up
@@ -115,6 +94,8 @@ class ShardedSync(GradSync):
                                     device=self.device)
         self.master = self.offloaded
         self.shard_params = self.offloaded.masters
+        self.reductions.on_final = self.offloaded.stream   # stream each final shard slice
+        self.reductions.eager = True                       # ... as soon as it has landed
 
     def _resident(self) -> Any:
         """Offloaded states in host memory for the duration (checkpoints)."""
@@ -142,51 +123,6 @@ class ShardedSync(GradSync):
             return super().offloaded_bytes()
         return self.offloaded.offloaded_bytes(self.optimizer)
 
-    # ---------------------------------------------------------------- reductions
-    def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed transient communication buffer (counted in ``comm_buffer_peak_bytes``)."""
-        t = torch.zeros(numel, dtype=dtype, device=self.device)
-        self._count(t.numel() * t.element_size())
-        return t
-
-    def _count(self, nbytes: int) -> None:
-        self._live_bytes += nbytes
-        self.comm_buffer_peak_bytes = max(self.comm_buffer_peak_bytes, self._live_bytes)
-
-    def _reduce_scatter(self, buf: torch.Tensor, dst: torch.Tensor, *, accumulate: bool,
-                        transient: bool, final: tuple[int, int | slice] | None = None) -> None:
-        """Reduce-scatter ``buf`` (world * chunk,) in place into this rank's chunk, async
-        (``final``: see :class:`Flight`)."""
-        chunk = buf.numel() // self.dp
-        out = buf[self.rank_in_dp * chunk : (self.rank_in_dp + 1) * chunk]
-        handle = self.comm.reduce_scatter(out, buf, self.axis, async_op=True)
-        self._inflight.append(Flight(handle, buf, out, dst, accumulate, transient, final))
-        while sum(f.transient for f in self._inflight) > self.max_inflight:   # bound the memory
-            self._complete(self._inflight.pop(0))
-        while self.offloaded is not None and self._inflight and self._landed(self._inflight[0]):
-            self._complete(self._inflight.pop(0))   # its shard can stream to the host now
-
-    @staticmethod
-    def _landed(f: Flight) -> bool:
-        return f.handle is None or f.handle.is_completed()
-
-    def _complete(self, f: Flight) -> None:
-        if f.handle is not None:
-            f.handle.wait()
-        same = f.out.data_ptr() == f.dst.data_ptr() and f.out.dtype == f.dst.dtype
-        if f.accumulate:
-            f.dst.add_(f.out.view_as(f.dst))
-        elif not same:
-            f.dst.copy_(f.out.view_as(f.dst))
-        if f.final is not None and self.offloaded is not None:
-            self.offloaded.stream(*f.final)
-        if f.transient:
-            self._live_bytes -= f.buf.numel() * f.buf.element_size()
-
-    def _drain(self) -> None:
-        while self._inflight:
-            self._complete(self._inflight.pop(0))
-
     # ---------------------------------------------------------------- step
     @property
     def shard_grads(self) -> list[torch.Tensor]:
@@ -205,7 +141,10 @@ class ShardedSync(GradSync):
         return [v for n in names for v in pieces.get(n, [])]
 
     def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
-        # Shards are disjoint over DP: every rank contributes its own elements, each once.
+        # Shards are disjoint over the group: every rank contributes its own elements, each
+        # once; under HSDP the replicas hold the same shard and only the first one counts it.
+        if self.reductions.replicate and self.comm.mesh.index(self.reductions.replicate) != 0:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
         flags = [counted(name, p) for name, p, _ in self._norm_pieces]
         if all(flags):   # padding is zero, so the whole shard is the same sum
             parts = [g.float().pow(2).sum() for g in self.shard_grads]

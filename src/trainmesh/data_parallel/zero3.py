@@ -1,4 +1,4 @@
-"""ZeRO-3, FSDP style: parameters, gradients and optimizer states all sharded over DP.
+"""ZeRO-3, FSDP style: parameters, gradients and optimizer states all sharded over the group.
 
 The model is cut into *units* (:func:`find_units`): every element of a layer list
 (``ModuleList``/``Sequential``, e.g. each GPT block), every other child that owns parameters,
@@ -11,22 +11,17 @@ buffer of which this rank keeps a fp32 chunk, inside the group's flat shard — 
   precision) and prefetches the next unit of the previous forward's order; a post-hook frees it
   and hooks the unit's outputs, whose gradient marks the start of the unit's backward;
 - backward: that hook gathers the unit again (prefetching the next unit of backward); once every
-  parameter of the unit has its gradient (post-accumulate-grad hooks) the gradients are copied
-  into a transient buffer in ``reduce_dtype`` and reduce-scattered into this rank's fp32 gradient
-  shard, and the unit is freed.
+  parameter of the unit has its gradient (the unit is a bucket of the shared
+  :class:`~.buckets.Bucketer`) the gradients, staged in ``reduce_dtype``, are reduce-scattered
+  into this rank's fp32 gradient shard, and the unit is freed.
 
-Freeing resizes the storage of the unit's gathered buffer to zero (so tensors autograd saved,
-including views of parameters, see the data again after the next gather) and points every
-``param.data`` at an empty tensor (touching a freed parameter fails instead of reading freed
-memory). Under activation recomputation a unit's forward re-runs inside backward: it is then
-gathered (if not yet) and kept for its backward. Traffic per step with m microbatches:
-dp.all_gather 2m·Ψ·(compute bytes), dp.reduce_scatter m·Ψ·(reduce bytes).
+Gathering and freeing: :mod:`.residency`. Under activation recomputation a unit's forward re-runs
+inside backward: it is then gathered (if not yet) and kept for its backward. Traffic per step
+with m microbatches: all_gather 2m·Ψ·(compute bytes), reduce_scatter m·Ψ·(reduce bytes).
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -38,47 +33,16 @@ from trainmesh.core.compat import in_backward, queue_backward_callback
 from trainmesh.core.step import tensors_in
 from trainmesh.observe.metrics import storage_bytes
 
-from ..comm import Comm, Handle
+from ..comm import Comm
 from .base import SyncOptions
+from .buckets import Bucketer
 from .flat import FlatLayout, Slot
+from .residency import Piece as _Piece
+from .residency import Residency
+from .residency import State as _State
+from .residency import Unit as _Unit
 from .sharded import Groups, ShardedSync
 from .units import UnitSpec, find_units, owner
-
-
-class _State(enum.Enum):
-    FREE = 0
-    GATHERING = 1
-    GATHERED = 2
-
-
-@dataclass
-class _Piece:
-    """A unit's parameters of one optimizer group: one flat buffer, one all-gather."""
-
-    group: int
-    layout: FlatLayout        # a single bucket: padded = world * chunk
-    offset: int               # where this piece starts in the unit's gathered buffer
-    shard_start: int          # where this rank's chunk starts in the group's shard
-
-
-@dataclass
-class _Unit:
-    name: str
-    module: nn.Module
-    pieces: list[_Piece] = field(default_factory=list)
-    full: torch.Tensor | None = None                     # gathered params (storage freed when FREE)
-    views: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
-    state: _State = _State.FREE
-    handles: list[Handle | None] = field(default_factory=list)
-    sends: list[torch.Tensor] = field(default_factory=list)
-    reduce_bufs: list[torch.Tensor] | None = None
-    n_params: int = 0
-    pending: int = 0
-    done: bool = True         # its gradients were reduced in this microbatch's backward
-
-    @property
-    def nbytes(self) -> int:
-        return self.full.numel() * self.full.element_size()
 
 
 class Zero3(ShardedSync):
@@ -126,7 +90,7 @@ class Zero3(ShardedSync):
         for uname in unit_names:
             if uname not in owned:
                 continue
-            unit = _Unit(uname, modules[uname])
+            unit = _Unit(len(self.units), name=uname, module=modules[uname])
             offset = 0
             for gi in range(len(groups)):
                 named = [(n, p) for n, p in owned[uname] if group_of[id(p)] == gi]
@@ -136,12 +100,17 @@ class Zero3(ShardedSync):
                 unit.pieces.append(_Piece(gi, layout, offset, sizes[gi]))
                 offset += layout.padded
                 sizes[gi] += layout.chunk
-            unit.n_params = len(owned[uname])
+            unit.params = [p for _, p in owned[uname]]      # the bucket its gradients fill
             self.units.append(unit)
         dtypes = [groups[gi][1][0][1].dtype for gi in range(len(groups))]
         home = torch.device("cpu") if self.options.offload_params else self.device   # --offload-params
         pin = home != self.device and self.device.type == "cuda"
         self.group_shards = [torch.zeros(n, dtype=dt, device=home, pin_memory=pin) for n, dt in zip(sizes, dtypes)]
+        self.residency = Residency(self.comm, self.axis, self.device, self.reductions, self.units,
+                                   self.group_shards)
+        # Each unit is a bucket reduced as soon as it is complete (units finish in backward
+        # order, the same on every rank: the ranks agree on each unit before gathering it).
+        self.bucketer = Bucketer(self.units, lambda unit: self._post_backward(unit), ordered=False)
         for shard in self.group_shards:
             sp = nn.Parameter(shard)
             grad = torch.zeros(shard.shape, dtype=shard.dtype, device=self.device)
@@ -170,7 +139,7 @@ class Zero3(ShardedSync):
                 self.materialize([(s.name, s.param) for s in pc.layout.slots])
             flat = pc.layout.new(self.group_shards[pc.group].dtype, self.device)
             pc.layout.fill(flat)
-            self._chunk(pc).copy_(pc.layout.chunk_of(flat, 0))
+            self.residency.chunk(pc).copy_(pc.layout.chunk_of(flat, 0))
             grad = self.grad_shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
             for sp in pc.layout.shard_pieces():
                 self._norm_pieces.append((sp.slot.name, sp.slot.param, grad[sp.lo : sp.hi]))
@@ -178,71 +147,16 @@ class Zero3(ShardedSync):
                 unit.views.append((s.param, unit.full[pc.offset + s.start : pc.offset + s.end].view(s.shape)))
                 self._unit_of[id(s.param)] = unit
                 self._slot_of[id(s.param)] = (pi, s)
-        unit.pending = unit.n_params
+        unit.arm()
         unit.state = _State.GATHERED
-        self._count(unit.nbytes)
+        self.reductions.count(unit.nbytes)
         self._free(unit)
 
-    def _chunk(self, pc: _Piece) -> torch.Tensor:
-        return self.group_shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
-
-    # ---------------------------------------------------------------- gather / free
-    def _agree(self, unit: _Unit) -> None:
-        """Before a unit's all-gather, the DP ranks agree on which unit it is (one all-gather
-        of its index): a module whose forward (or backward) ran on some ranks and not others
-        is named here rather than left to mismatched collectives inside the backend."""
-        if self.dp == 1:
-            return
-        mine = torch.tensor([self.units.index(unit)], dtype=torch.int64, device=self.device)
-        everyone = torch.zeros(self.dp, dtype=torch.int64, device=self.device)
-        self.comm.all_gather(everyone, mine, self.axis)
-        if bool((everyone != mine).any()):
-            names = ", ".join(f"dp rank {r}: {self.units[i].name or '<root>'!r}"
-                              for r, i in enumerate(everyone.tolist()))
-            raise RuntimeError(
-                f"ZeRO-3: the DP ranks gather different units ({names}): a module ran on some "
-                f"ranks and not on others (rank {self.rank_in_dp} is at {unit.name or '<root>'!r}). "
-                "Every DP rank must run the same modules in the same order; run the module on "
-                "every rank (e.g. with a zero-weighted contribution) or put it inside a unit that "
-                "always runs (zero3_units=)")
-
     def _gather(self, unit: _Unit, *, wait: bool) -> None:
-        if unit.state is _State.FREE:
-            self._agree(unit)
-            unit.full.untyped_storage().resize_(unit.nbytes)
-            self._count(unit.nbytes)
-            unit.handles, unit.sends = [], []
-            for pc in unit.pieces:
-                send = self._chunk(pc)
-                if send.dtype != unit.full.dtype or send.device != unit.full.device:
-                    # mixed precision: gather in the compute dtype; --offload-params: from the host
-                    send = send.to(unit.full.device, unit.full.dtype, non_blocking=True)
-                    unit.sends.append(send)
-                    self._count(send.numel() * send.element_size())
-                out = unit.full[pc.offset : pc.offset + pc.layout.padded]
-                unit.handles.append(self.comm.all_gather(out, send, self.axis, async_op=True))
-            unit.state = _State.GATHERING
-        if wait and unit.state is _State.GATHERING:
-            for h in unit.handles:
-                if h is not None:
-                    h.wait()
-            for s in unit.sends:
-                self._live_bytes -= s.numel() * s.element_size()
-            unit.handles, unit.sends = [], []
-            for p, view in unit.views:
-                p.data = view
-            unit.state = _State.GATHERED
+        self.residency.gather(unit, wait=wait)
 
     def _free(self, unit: _Unit) -> None:
-        if unit.state is _State.FREE:
-            return
-        self._gather(unit, wait=True)   # never free memory a collective is writing
-        empty = torch.empty(0, dtype=unit.full.dtype, device=self.device)
-        for p, _ in unit.views:
-            p.data = empty
-        unit.full.untyped_storage().resize_(0)
-        self._live_bytes -= unit.nbytes
-        unit.state = _State.FREE
+        self.residency.free(unit)
 
     # ---------------------------------------------------------------- forward hooks
     def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any) -> None:
@@ -284,17 +198,14 @@ class Zero3(ShardedSync):
 
     def _on_grad(self, p: nn.Parameter) -> None:
         unit = self._unit_of[id(p)]
-        self._ready.add(id(p))
-        self._used.add(id(p))
+        self.readiness.mark(p)
         pi, slot = self._slot_of[id(p)]
         if unit.reduce_bufs is None:
-            unit.reduce_bufs = [self._alloc(pc.layout.padded, self.reduce_dtype or p.grad.dtype)
+            unit.reduce_bufs = [self.reductions.alloc(pc.layout.padded, self.reduce_dtype or p.grad.dtype)
                                 for pc in unit.pieces]
         unit.reduce_bufs[pi][slot.start : slot.end].copy_(p.grad.reshape(-1))
         p.grad = None
-        unit.pending -= 1
-        if unit.pending == 0:
-            self._post_backward(unit)
+        self.bucketer.give(p)          # the unit complete: reduce-scatter it (_post_backward)
 
     def _post_backward(self, unit: _Unit) -> None:
         """Reduce-scatter the unit's gradients into the gradient shards; free the unit."""
@@ -304,14 +215,14 @@ class Zero3(ShardedSync):
 
     def _reduce_unit(self, unit: _Unit, *, final: bool) -> None:
         """Reduce-scatter the unit's staged gradients (zeros if none) into the gradient shards
-        (``final``: the step's last reduction of the unit, see :class:`~.sharded.Flight`)."""
-        bufs = unit.reduce_bufs or [self._alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
+        (``final``: the step's last reduction of the unit, see :class:`~.inflight.Flight`)."""
+        bufs = unit.reduce_bufs or [self.reductions.alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
                                     for pc in unit.pieces]
         unit.reduce_bufs = None
         for pc, buf in zip(unit.pieces, bufs):
             where = slice(pc.shard_start, pc.shard_start + pc.layout.chunk)
-            self._reduce_scatter(buf, self.grad_shards[pc.group][where], accumulate=True,
-                                 transient=True, final=(pc.group, where) if final else None)
+            self.reductions.reduce_scatter(buf, self.grad_shards[pc.group][where], accumulate=True,
+                                           transient=True, final=(pc.group, where) if final else None)
 
     def _end_of_backward(self) -> None:
         """Reduce every unit no hook reduced (unused parameters: zeros, so every rank issues the
@@ -328,9 +239,11 @@ class Zero3(ShardedSync):
         self._last = is_last
         if self._fwd:
             self._last_fwd = self._fwd
-        self._fwd, self._post, self._ready = [], [], set()
+        self._fwd, self._post = [], []
+        self.readiness.start()
+        self.bucketer.arm()
         for unit in self.units:
-            unit.pending, unit.done = unit.n_params, False
+            unit.done = False
 
     def expect_backwards(self, n: int) -> None:
         self._no_pipeline()
@@ -339,7 +252,7 @@ class Zero3(ShardedSync):
         self._backward_done()
         self._check_unused()
         self._end_of_backward()
-        self._drain()
+        self.reductions.drain()
         self._scale(scale)
 
     def zero_grad(self) -> None:

@@ -1,20 +1,9 @@
-"""ZeRO-2 and ZeRO-3 under a pipeline: when gradients are reduced and parameters gathered.
+"""ZeRO-3 under a pipeline: when gradients are reduced and parameters gathered (ZeRO-1/2's
+pipeline mode is their readiness and bucket rounds, :mod:`.zero`).
 
 A pipeline rank runs its stage's ``m`` backward passes interleaved with forwards (any schedule,
 split backwards included: a ``W`` action is where the weight gradients appear). The runtime says
 once per step how many passes go through every parameter (``expect_backwards(m)``).
-
-ZeRO-2 (:class:`PipelineZero2`): reduce-scatter *per microbatch*, so only gradient shards ever
-persist. Each gradient autograd produces is added into its buckets' transient buffers and
-dropped; a bucket goes out (in the one global bucket order) once every parameter in it has
-given a gradient since its last reduction, and its reduced chunk is added to this rank's shard.
-The full-size gradient of a parameter therefore lives only in a transient bucket (counted in
-``comm_buffer_peak_bytes``: at most the bucket being filled plus ``max_inflight`` in flight).
-With one chunk per rank every bucket is reduced exactly ``m`` times a step:
-dp.reduce_scatter m·4Ψ + dp.all_gather 4Ψ (fp32), as without a pipeline. With interleaved
-chunks a bucket spanning two chunks sums gradients of different microbatches before it goes
-out (the sum is the same; fewer reductions); a partial round left at the end is reduced by
-``finish``.
 
 ZeRO-3 (:class:`PipelineZero3`): the units are the pipeline layers this rank holds (each called
 on its own by the runtime). ``reshard="step"`` gathers each unit at its first forward of the
@@ -40,55 +29,9 @@ from trainmesh.core.step import tensors_in
 
 from ..comm import Comm
 from .base import SyncOptions
-from .zero import Zero2, _Bucket
 from .zero3 import Zero3, _State, _Unit
 
 RESHARD = ("step", "microbatch")
-
-
-class PipelineZero2(Zero2):
-    """ZeRO-2 under a pipeline: gradients reduce-scattered per microbatch (module docstring)."""
-
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
-                 options: SyncOptions | None = None) -> None:
-        super().__init__(named_params, comm, options)
-        self._given: dict[int, set[int]] = {}    # id(bucket) -> params given since its reduction
-
-    def expect_backwards(self, n: int) -> None:
-        self._start_backward(reduce=True)
-        self._given = {id(b): set() for b in self.buckets}
-
-    def before_backward(self, *, is_last: bool) -> None:
-        raise RuntimeError("PipelineZero2 runs under a pipeline: expect_backwards(m) instead")
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        self._ready.add(id(p))
-        self._used.add(id(p))
-        buckets = self._buckets_of[id(p)]
-        self._take_grad(p, buckets)               # added into the transient buckets, dropped
-        for b in buckets:
-            given = self._given[id(b)]
-            if id(p) not in given:
-                given.add(id(p))
-                b.pending -= 1
-        self._order.launch_ready()
-        if self._order.next == len(self.buckets):  # a whole round out: the next one starts
-            self._order.reset(self.buckets)
-
-    def _launch(self, b: _Bucket) -> None:
-        super()._launch(b)
-        b.pending = len(b.slots)
-        self._given[id(b)] = set()
-
-    def finish(self, scale: float) -> None:
-        self._backward_done()       # (buckets reduce several times a step: copied at the step)
-        self._check_unused()
-        if self._order.next or any(self._given.values()):   # a partial round: reduce it too
-            self._order.launch_ready(force=True)
-        self._order.reset(self.buckets)
-        self._sync = False
-        self._drain()
-        self._scale(scale)
 
 
 class PipelineZero3(Zero3):
@@ -124,9 +67,10 @@ class PipelineZero3(Zero3):
 
     # ---------------------------------------------------------------- the seam
     def expect_backwards(self, n: int) -> None:
-        self._ready = set()
+        self.readiness.start()
+        self.bucketer.arm()
         for unit in self.units:
-            unit.pending, unit.done = unit.n_params, False
+            unit.done = False
             self._left[id(unit)], self._open[id(unit)] = n, 0
 
     def before_backward(self, *, is_last: bool) -> None:
@@ -140,7 +84,7 @@ class PipelineZero3(Zero3):
                 self._reduce_unit(unit, final=True)
                 self._left[id(unit)] = 0
             self._free(unit)
-        self._drain()
+        self.reductions.drain()
         self._scale(scale)
 
     # ---------------------------------------------------------------- hooks
@@ -180,7 +124,6 @@ class PipelineZero3(Zero3):
         """One backward's gradients of ``unit`` are in: reduce-scatter them; free the unit
         after its last backward of the step (``step``) or of this microbatch (``microbatch``)."""
         self._reduce_unit(unit, final=self._left[id(unit)] == 1)   # its last backward this step
-        unit.pending = unit.n_params
         self._left[id(unit)] -= 1
         self._open[id(unit)] = max(0, self._open[id(unit)] - 1)
         if self._left[id(unit)] == 0 or (self.reshard == "microbatch" and self._open[id(unit)] == 0):

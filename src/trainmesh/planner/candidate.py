@@ -27,7 +27,7 @@ from .shapes import ModelShape
 from .steptime import StepTime, flops_per_token, offload_seconds, step_time
 from .traffic import (
     Traffic,
-    dp_ops,
+    data_parallel_ops,
     empty,
     other_ops,
     pp_ops,
@@ -116,8 +116,9 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
     e = element_bytes(cfg.precision)
     tokens = model.tokens_per_microbatch // cfg.cp
     traffic = empty()
-    traffic["dp"] = dp_ops(psi_rank, dp=cfg.dp * cfg.cp, zero=cfg.zero, microbatches=cfg.microbatches,
-                           grad_bytes=e, param_bytes=e, regather=zero3_regathers(cfg))
+    traffic.update(data_parallel_ops(psi_rank, dp=cfg.dp * cfg.cp, shard=cfg.shard_size * cfg.cp,
+                                     zero=cfg.zero, microbatches=cfg.microbatches, grad_bytes=e,
+                                     param_bytes=e, regather=zero3_regathers(cfg)))
     traffic["tp"] = tp_ops(tp=cfg.tp, layers=layers, tokens=tokens, hidden=hidden, value_bytes=e,
                            microbatches=cfg.microbatches, first=rank == 0, last=rank == cfg.pp - 1,
                            sequence_parallel=cfg.sequence_parallel,
@@ -134,6 +135,13 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
     return traffic
 
 
+def _hsdp_groups(cfg: ParallelConfig) -> list[tuple[str, int]]:
+    """HSDP's two groups and their sizes (none without HSDP)."""
+    if cfg.zero == 0 or cfg.shard_size >= cfg.dp:
+        return []
+    return [("dp_shard", cfg.shard_size), ("dp_replicate", cfg.dp // cfg.shard_size)]
+
+
 def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, traffic: Traffic,
           layers_total: int, hidden: int, psi_rank: float) -> StepTime:
     m = cfg.microbatches
@@ -145,6 +153,9 @@ def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, traffic: Tra
     dp_bw = cluster.bandwidth(cfg.dp * cfg.cp * cfg.tp)
     pp_bw = cluster.bandwidth(cfg.world_size)
     dp_s = {op: b * ring_factor(op, cfg.dp * cfg.cp) / dp_bw for op, b in traffic["dp"].items()}
+    for axis, n in _hsdp_groups(cfg):   # HSDP: both terms, each over its own group
+        for op, b in traffic.get(axis, {}).items():
+            dp_s[op] = dp_s.get(op, 0.0) + b * ring_factor(op, n) / dp_bw
     tp_mb = wire_bytes(traffic["tp"], cfg.tp) / tp_bw / m
     if "cp" in traffic:   # counted as not overlapped with attention: an upper bound
         tp_mb += wire_bytes(traffic["cp"], cfg.cp) / 2 / cluster.bandwidth(cfg.cp * cfg.tp) / m
@@ -165,7 +176,7 @@ def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster) -> Candid
     """Score ``cfg`` for ``model`` on ``cluster`` (mixed-precision or fp32 Adam)."""
     layers_total, hidden = _shape(model)
     psi_rank = model.params / (cfg.pp * cfg.tp)
-    states = model_states(psi_rank, dp=cfg.dp * cfg.cp, zero=cfg.zero, precision=cfg.precision,
+    states = model_states(psi_rank, dp=cfg.shard_size * cfg.cp, zero=cfg.zero, precision=cfg.precision,
                           offload=cfg.offload, offload_params=cfg.offload_params)
     best: tuple[float, float, Traffic] | None = None
     for rank in sorted({0, cfg.pp - 1}):
@@ -184,6 +195,7 @@ def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster) -> Candid
     wire = {"dp": wire_bytes(traffic["dp"], cfg.dp * cfg.cp), "tp": wire_bytes(traffic["tp"], cfg.tp),
             "cp": wire_bytes(traffic.get("cp", {}), cfg.cp),
             "pp": wire_bytes(traffic["pp"], cfg.pp),
-            "other": wire_bytes(traffic["other"], cfg.world_size)}
+            "other": wire_bytes(traffic["other"], cfg.world_size),
+            **{axis: wire_bytes(traffic[axis], n) for axis, n in _hsdp_groups(cfg) if axis in traffic}}
     time = _time(model, cfg, cluster, traffic, layers_total, hidden, psi_rank)
     return Candidate(cfg, memory, traffic, wire, time, memory.total <= cluster.gpu_mem_bytes)

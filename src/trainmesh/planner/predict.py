@@ -47,7 +47,15 @@ from .activations import (
 )
 from .builtin import RankModel, block_params, rank_model
 from .memory import element_bytes, model_states
-from .traffic import AXES, Traffic, dp_ops, other_ops, pp_ops, tp_ops, zero3_regathers
+from .traffic import (
+    AXES,
+    Traffic,
+    data_parallel_ops,
+    other_ops,
+    pp_ops,
+    tp_ops,
+    zero3_regathers,
+)
 
 RUNTIME_BYTES = 90 * 2**20
 """CPU: what a worker's RSS grows by beyond its measured base and its model: building the model
@@ -109,8 +117,8 @@ def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str
     # ZeRO 0-2 hold the paper's mixed-precision bytes; trainmesh's ZeRO-3 keeps fp32 shards as
     # the parameters (FSDP2 style): fp32's 4 + 4 + 8 over N, the paper's 16Psi/N in total.
     precision = "fp32" if layout.zero >= 3 else layout.precision
-    st = model_states(held.params, dp=layout.dp * layout.cp, zero=layout.zero, precision=precision,
-                      optimizer=optimizer, offload=layout.offload,
+    st = model_states(held.params, dp=layout.shard_size * layout.cp, zero=layout.zero,  # N = S under HSDP
+                      precision=precision, optimizer=optimizer, offload=layout.offload,
                       offload_params=layout.offload_params)
     optim = st.optimizer
     if optimizer == "adamw" and layout.offload == "none":  # AdamW's step counters
@@ -125,7 +133,7 @@ def _init_peak(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: 
     first backward; ZeRO-1 full, ZeRO-2/3 the shard) + fp32 master shards (mixed precision,
     ZeRO 0-2; optimizer moments come with the first step) + at ZeRO-3 one unit in flight."""
     grads = states["grads"] if layout.zero >= 1 else 0
-    dp = layout.dp * layout.cp if layout.zero >= 1 else 1
+    dp = layout.shard_size * layout.cp if layout.zero >= 1 else 1
     masters = 4 * held.params / dp if layout.precision != "fp32" and layout.zero < 3 else 0
     unit = 0.0
     if layout.zero == 3:
@@ -140,8 +148,9 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
     replicas = layout.dp * layout.cp       # the gradient group: dp x cp (``dp_cp``)
     psi = held.params
+    shard = layout.shard_size * layout.cp if layout.zero >= 1 else replicas
     if layout.zero >= 1:
-        psi = math.ceil(psi / replicas) * replicas
+        psi = math.ceil(psi / shard) * shard
     tokens = micro_batch * gpt.seq_len // layout.cp
     m = layout.microbatches
     cp: Traffic = {}
@@ -151,10 +160,12 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
             tp=layout.tp, mode=layout.cp_comm, elem_bytes=e,
             forwards=1 if layout.recompute == "none" else 2)
         cp["cp"] = {op: b * held.blocks * m for op, b in per_layer.items()}
+    dp_traffic = data_parallel_ops(psi, dp=replicas, shard=shard, zero=layout.zero, microbatches=m,
+                                   grad_bytes=grad_bytes, param_bytes=e, regather=zero3_regathers(layout))
+    if layout.cp > 1:   # the gradient group is dp x cp, keyed by its name
+        dp_traffic = {"dp_cp": dp_traffic["dp"]}
     return {
-        "dp_cp" if layout.cp > 1 else "dp": dp_ops(
-            psi, dp=replicas, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
-            param_bytes=e, regather=zero3_regathers(layout)), **cp,
+        **dp_traffic, **cp,
         "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
                      value_bytes=e, microbatches=m, first=held.first, last=held.last,
                      sequence_parallel=layout.sequence_parallel,

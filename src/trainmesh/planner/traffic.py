@@ -13,6 +13,10 @@ q bytes per gathered parameter value (both the compute dtype by default), m micr
   gathered once per step and kept for every microbatch: dp.all_gather q*Psi (``microbatch``:
   2*m*q*Psi as without a pipeline, fewer under a split backward, which keeps a unit from ``I``
   to ``W``).
+* HSDP (``--dp-shard S`` < dp, ZeRO >= 1): the ZeRO terms above over the S ranks of the shard
+  group, keyed ``dp_shard`` (Psi padded to a multiple of S), and every reduce-scatter's result,
+  this rank's g*Psi/S shard, all-reduced over the dp/S replicas, keyed ``dp_replicate``:
+  dp_replicate.all_reduce g*Psi/S at ZeRO-1, m*g*Psi/S at ZeRO-2 and 3. Nothing is keyed ``dp``.
 * TP (per microbatch, A = b*s*h values): tp.all_reduce of A, 2 per layer forward and 2 per layer
   backward, + 1 for the vocab-parallel embedding's forward (first stage), + 1 for the head
   input's backward (last stage), + 3 fp32 b*s-sized reductions of the vocab-parallel cross
@@ -91,6 +95,22 @@ def dp_ops(psi: float, *, dp: int, zero: int, microbatches: int, grad_bytes: int
     _add(ops, "reduce_scatter", rs_rounds * grad_bytes * psi)
     _add(ops, "all_gather", ag_rounds * param_bytes * psi)
     return ops
+
+
+def data_parallel_ops(psi: float, *, dp: int, shard: int, zero: int, microbatches: int,
+                      grad_bytes: int, param_bytes: int, regather: bool = True) -> Traffic:
+    """The DP traffic by metrics key: ``{"dp": ...}``, or under HSDP (``shard`` < ``dp``, ZeRO
+    >= 1) ``{"dp_shard": ..., "dp_replicate": ...}``; ``psi`` padded to a multiple of the
+    group ZeRO shards over."""
+    if zero == 0 or shard >= dp:
+        return {"dp": dp_ops(psi, dp=dp, zero=zero, microbatches=microbatches, grad_bytes=grad_bytes,
+                             param_bytes=param_bytes, regather=regather)}
+    inner = dp_ops(psi, dp=shard, zero=zero, microbatches=microbatches, grad_bytes=grad_bytes,
+                   param_bytes=param_bytes, regather=regather)
+    rounds = 1 if zero == 1 else microbatches
+    across: dict[str, float] = {}
+    _add(across, "all_reduce", rounds * grad_bytes * psi / shard)
+    return {"dp": {}, "dp_shard": inner, "dp_replicate": across}
 
 
 def tp_ops(*, tp: int, layers: int, tokens: int, hidden: int, value_bytes: int,

@@ -1,0 +1,90 @@
+"""Which parameters' gradients are final, and which took part in the step.
+
+A gradient is final after the backward that produced it, except in a pipeline, where a stage
+runs ``m`` backward passes through every parameter in any interleaving of stages: there it is
+final only after its last (``m``-th) backward of the step (:meth:`Readiness.expect`). The
+same object remembers which parameters received a gradient in any backward of the step, for
+DDP's ``find_unused_parameters`` semantics: the unused ones are named (an error) or, when asked,
+agreed on over the strategy's group so that a parameter no rank used gets no update.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+
+
+class Readiness:
+    """Per-step gradient bookkeeping of one strategy's parameters ``named``."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], *, find_unused: bool) -> None:
+        self.named = named
+        self.find_unused = find_unused
+        self.ready: set[int] = set()      # id(param): gradient final in this backward
+        self.used: set[int] = set()       # ... in any backward of this step
+        self.unused: list[nn.Parameter] = []     # no rank of the group gave them a gradient
+        self._remaining: dict[int, int] | None = None   # pipeline: backwards left per param
+
+    def start(self) -> None:
+        """A backward begins (one per microbatch): every gradient is final after it."""
+        self.ready, self._remaining = set(), None
+
+    def expect(self, n: int) -> None:
+        """Pipeline mode: this step runs ``n`` backward passes through every parameter."""
+        self.ready = set()
+        self._remaining = {id(p): n for _, p in self.named}
+
+    @property
+    def pipelined(self) -> bool:
+        return self._remaining is not None
+
+    def final(self, p: nn.Parameter) -> bool:
+        """A post-accumulate-grad hook fired for ``p``: whether its gradient is now final."""
+        if self._remaining is not None:
+            self._remaining[id(p)] -= 1
+            if self._remaining[id(p)] > 0:
+                return False
+        self.mark(p)
+        return True
+
+    def mark(self, p: nn.Parameter) -> None:
+        """``p`` received a gradient (strategies that reduce every backward's gradient)."""
+        self.ready.add(id(p))
+        self.used.add(id(p))
+
+    def check_unused(self, rank: int) -> None:
+        """Raise naming the parameters without a gradient in this step's backwards (unless
+        ``find_unused``)."""
+        missing = [n for n, p in self.named if id(p) not in self.used]
+        if missing and not self.find_unused:
+            raise RuntimeError(
+                f"rank {rank}: parameters received no gradient: "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                "(pass find_unused_parameters=True to reduce them anyway)")
+
+    def local_unused(self) -> int:
+        """How many parameters received no gradient this step (0 unless ``find_unused``)."""
+        if not self.find_unused:
+            return 0
+        return sum(id(p) not in self.used for _, p in self.named)
+
+    def agree(self, anywhere: bool, comm: Comm, axis: str, device: torch.device, *,
+              replicate: str | None = None) -> None:
+        """``anywhere`` (some rank of the world has an unused parameter): one all-reduce over
+        ``axis`` (and ``replicate``, HSDP) of a flag per parameter; :attr:`unused` then lists
+        those no rank used."""
+        self.unused = []
+        if not anywhere:
+            return
+        flags = torch.tensor([float(id(p) in self.used) for _, p in self.named],
+                             dtype=torch.float32, device=device)
+        if comm.mesh.size(axis) > 1 and flags.numel():
+            comm.all_reduce(flags, axis)
+        if replicate is not None and flags.numel():
+            comm.all_reduce(flags, replicate)
+        self.unused = [p for (_, p), f in zip(self.named, flags.tolist()) if f == 0.0]
+
+    def end_step(self) -> None:
+        """The next step starts with no parameter used."""
+        self.used, self.unused = set(), []
