@@ -123,11 +123,11 @@ class Engine:
             return make_grad_sync(self.config, subset, self.comm, module=self.module,
                                   precision=self.precision, materialize=fill, device=self.device,
                                   layers=getattr(self.executor, "layer_names", None))
-        if self.config.ep == 1:
+        experts = [(n, p) for n, p in named if self.placements.expert(n)]
+        if not experts:   # no ep, or a pipeline stage without MoE layers (so is its edp group)
             return make(named)
         from trainmesh.expert_parallel.sync import ExpertSplitSync, expert_strategy
         dense = make([(n, p) for n, p in named if not self.placements.expert(n)])
-        experts = [(n, p) for n, p in named if self.placements.expert(n)]
         return ExpertSplitSync(dense, expert_strategy(dense, experts, self.comm, "edp"))
 
     def _build_executor(self, model: nn.Module, loss_fn: LossFn) -> Executor:

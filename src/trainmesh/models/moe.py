@@ -132,8 +132,10 @@ class MoE(nn.Module):
         return torch.cat(outs) if outs else rows
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(router probabilities (T, E) fp32, chosen experts (T, k), renormalised gates (T, k))."""
-        probs = self.router(flat).float().softmax(-1)
+        """(router probabilities (T, E) in fp32 or wider, chosen experts (T, k), renormalised
+        gates (T, k))."""
+        logits = self.router(flat)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)
         top_p, top_e = probs.topk(self.top_k, dim=-1)
         return probs, top_e, top_p / top_p.sum(-1, keepdim=True)
 
@@ -155,7 +157,7 @@ class MoE(nn.Module):
         if not torch.is_grad_enabled():
             return y
         # per-sequence load balancing: E * sum_e f_e P_e, f from the chosen slots, P from probs
-        f = F.one_hot(top_e.view(b, s * self.top_k), self.n_experts).sum(1).float() / (s * self.top_k)
+        f = F.one_hot(top_e.view(b, s * self.top_k), self.n_experts).sum(1).to(probs.dtype) / (s * self.top_k)
         aux = self.n_experts * (f * probs.view(b, s, -1).mean(1)).sum(-1)      # (b,)
         stats = self.stats
         if stats is not None and not _in_backward():
