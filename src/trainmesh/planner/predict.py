@@ -44,7 +44,10 @@ from .activations import (
 )
 from .builtin import RankModel, block_params, rank_model
 from .memory import element_bytes, model_states
-from .traffic import AXES, Traffic, dp_ops, other_ops, pp_ops, tp_ops, zero3_regathers
+from .traffic import AXES, Traffic, dp_ops, ep_ops, other_ops, pp_ops, tp_ops, zero3_regathers
+
+MOE_AXES = ("ep", "edp")
+"""Axes of expert parallelism's traffic (predicted where ``ep > 1``)."""
 
 RUNTIME_BYTES = 90 * 2**20
 """CPU: what a worker's RSS grows by beyond its measured base and its model: building the model
@@ -100,17 +103,30 @@ def _coords(rank: int, layout: ParallelConfig) -> dict[str, int]:
     return {"dp": (rank // tp) % dp, "pp": rank // (tp * dp), "tp": rank % tp}
 
 
+def _split(held: RankModel, layout: ParallelConfig) -> list[tuple[int, int]]:
+    """(parameter values, DP group size) of each strategy of a rank: the dense parameters over
+    dp, and under expert parallelism this rank's experts over edp = dp / ep."""
+    if layout.ep == 1 or not held.expert_params:
+        return [(held.params, layout.dp)]
+    return [(held.params - held.expert_params, layout.dp), (held.expert_params, layout.dp // layout.ep)]
+
+
 def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str, int]:
     # ZeRO 0-2 hold the paper's mixed-precision bytes; trainmesh's ZeRO-3 keeps fp32 shards as
     # the parameters (FSDP2 style): fp32's 4 + 4 + 8 over N, the paper's 16Psi/N in total.
     precision = "fp32" if layout.zero >= 3 else layout.precision
-    st = model_states(held.params, dp=layout.dp, zero=layout.zero, precision=precision,
-                      optimizer=optimizer, offload=layout.offload,
-                      offload_params=layout.offload_params)
-    optim = st.optimizer
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    parts = _split(held, layout)
+    for psi, dp in parts:
+        st = model_states(psi, dp=dp, zero=layout.zero, precision=precision,
+                          optimizer=optimizer, offload=layout.offload,
+                          offload_params=layout.offload_params)
+        out["params"] += int(st.params)
+        out["grads"] += int(st.grads)
+        out["optimizer"] += int(st.optimizer)
     if optimizer == "adamw" and layout.offload == "none":  # AdamW's step counters
-        optim += 4 * (held.tensors if layout.zero == 0 else 1)
-    return {"params": int(st.params), "grads": int(st.grads), "optimizer": int(optim)}
+        out["optimizer"] += 4 * (held.tensors if layout.zero == 0 else len(parts))
+    return out
 
 
 def _init_peak(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: dict[str, int],
@@ -133,14 +149,22 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
              pp_rank: int) -> Traffic:
     e = element_bytes(layout.precision)
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
-    psi = held.params
-    if layout.zero >= 1:
-        psi = math.ceil(psi / layout.dp) * layout.dp
     tokens = micro_batch * gpt.seq_len
     m = layout.microbatches
+    reduced = []
+    for psi, dp in _split(held, layout):   # the dense parameters over dp, experts over edp
+        psi = math.ceil(psi / dp) * dp if layout.zero >= 1 else psi
+        reduced.append(dp_ops(psi, dp=dp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
+                              param_bytes=e, regather=zero3_regathers(layout)))
+    other = other_ops(world=layout.world_size, precision=layout.precision)
+    if gpt.n_experts and layout.world_size > 1:   # the step's MoE figures: one float64 all-reduce
+        other["all_reduce"] = other.get("all_reduce", 0.0) + 8 * len(gpt.moe_blocks()) * (gpt.n_experts + 2)
+    moe = {"ep": ep_ops(ep=layout.ep, moe_layers=held.moe_blocks, tokens=tokens, top_k=gpt.top_k,
+                        hidden=gpt.d_model, value_bytes=e, microbatches=m, experts=gpt.n_experts),
+           "edp": reduced[1]} if len(reduced) > 1 else {}
     return {
-        "dp": dp_ops(psi, dp=layout.dp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
-                     param_bytes=e, regather=zero3_regathers(layout)),
+        **moe,
+        "dp": reduced[0],
         "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
                      value_bytes=e, microbatches=m, first=held.first, last=held.last,
                      sequence_parallel=layout.sequence_parallel,
@@ -148,7 +172,7 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
         "pp": pp_ops(pp=layout.pp, rank=pp_rank, virtual_stages=layout.virtual_stages,
                      microbatches=m, tokens=tokens, hidden=gpt.d_model, value_bytes=e,
                      tp=layout.tp, sequence_parallel=layout.sequence_parallel),
-        "other": other_ops(world=layout.world_size, precision=layout.precision),
+        "other": other,
     }
 
 
@@ -194,7 +218,8 @@ def zero3_gathered_bytes(held: RankModel, layout: ParallelConfig, gpt: GPTConfig
 
 
 def _ints(traffic: Traffic) -> dict[str, dict[str, int]]:
-    return {axis: {op: int(round(b)) for op, b in traffic.get(axis, {}).items()} for axis in AXES}
+    axes = (*AXES, *(a for a in MOE_AXES if a in traffic))
+    return {axis: {op: int(round(b)) for op, b in traffic.get(axis, {}).items()} for axis in axes}
 
 
 def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
@@ -206,7 +231,7 @@ def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
     ranks = []
     for pp_rank in range(layout.pp):
         held = rank_model(gpt, pp=layout.pp, tp=layout.tp, rank=pp_rank,
-                          virtual_stages=layout.virtual_stages)
+                          virtual_stages=layout.virtual_stages, ep=layout.ep)
         states = _states(held, layout, optimizer)
         acts, transient = _activations(held, layout, gpt, micro_batch, pp_rank)
         comm = _ints(_traffic(held, layout, gpt, micro_batch, pp_rank))
@@ -272,7 +297,7 @@ def compare(prediction: RunPrediction, summary: dict[str, Any]) -> list[str]:
             if not _close(want, have, TOLERANCE["model_state_bytes"]):
                 problems.append(f"rank {pred.rank} model_state_bytes.{kind}: "
                                 f"predicted {want}, measured {have}")
-        for axis in AXES:
+        for axis in (*AXES, *MOE_AXES):
             ops = set(pred.comm_bytes_per_step.get(axis, {})) | set(got["comm_bytes_per_step"].get(axis, {}))
             for op in sorted(ops):
                 want = pred.comm_bytes_per_step.get(axis, {}).get(op, 0)
