@@ -44,7 +44,16 @@ from .activations import (
 )
 from .builtin import RankModel, block_params, rank_model
 from .memory import element_bytes, model_states
-from .traffic import AXES, Traffic, dp_ops, ep_ops, other_ops, pp_ops, tp_ops, zero3_regathers
+from .traffic import (
+    AXES,
+    Traffic,
+    dp_ops,
+    ep_ops,
+    other_ops,
+    pp_ops,
+    tp_ops,
+    zero3_regathers,
+)
 
 MOE_AXES = ("ep", "edp")
 """Axes of expert parallelism's traffic (predicted where ``ep > 1``)."""
