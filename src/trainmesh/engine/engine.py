@@ -370,11 +370,15 @@ class Engine:
             self.precision.load_state_dict(state["precision"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The consolidated, unsharded model weights (identical on every rank for DDP)."""
+        """The consolidated, unsharded model weights (identical on every rank for DDP; under
+        expert parallelism every expert, gathered over ep)."""
         gathered = self.grad_sync.full_state_dict()
-        if gathered is not None:
-            return gathered
-        if self.mesh.size("tp") > 1:
+        if gathered is None and self.mesh.size("tp") > 1:
             from trainmesh.tensor_parallel.state import full_state_dict
-            return full_state_dict(self.module, self.comm, self.placements)
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            gathered = full_state_dict(self.module, self.comm, self.placements)
+        if gathered is None:
+            gathered = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.config.ep > 1:
+            from trainmesh.expert_parallel.shard import gather_experts
+            gathered = gather_experts(gathered, self.comm, self.placements)
+        return gathered

@@ -9,6 +9,7 @@ whole and by its global name, so it loads under any ``--ep``.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from trainmesh.comm import Comm
@@ -45,3 +46,14 @@ def shard_experts(model: nn.Module, comm: Comm, placements: Placements) -> None:
     for name, p in model.named_parameters():
         if name in experts:
             placements.mark(name, tuple(p.shape), expert=True)
+
+
+def gather_experts(state: dict[str, torch.Tensor], comm: Comm,
+                   placements: Placements) -> dict[str, torch.Tensor]:
+    """``state`` (this rank's weights by name) with every expert of its ep group added
+    (collective over ep, through pickled objects: for consolidation, never in a step)."""
+    mine = {k: v.cpu() for k, v in state.items() if placements.expert(k)}
+    merged = dict(state)
+    for theirs in comm.all_gather_object(mine, "ep"):
+        merged.update({k: v for k, v in theirs.items() if k not in merged})
+    return merged
