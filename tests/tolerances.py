@@ -81,6 +81,12 @@ Qwen3 q/k norm gradients not all-reduced       test_hf_families: qwen3 (k_norm o
 tied alias missing from full_state_dict (tp)   test_hf_families: tied_alias_under_tp_...
 tied alias missing from consolidate           test_hf_families: model_dir_any_family_...
 GPT -> GPT-2 export fusing q, k, v misordered  test_export_hf: builtin_gpt_exports_... (0.2)
+MoE: a routed slot dropped from the combine    test_moe: matches_the_dense_loop (0.24)
+MoE: gates not renormalised over the top k     test_moe: matches_the_dense_loop (0.29)
+MoE: aux gradient without the sequence weight  test_moe: matches_the_dense_loop (router grad)
+EP: a received row dropped in the exchange     test_expert_parallel: dp4-ep4 (norm, step 2)
+EP: expert gradients reduced over dp, not edp  test_expert_parallel: dp4-ep2-zero1 (norm, step 1)
+EP: experts' start broadcast over dp, not edp  test_expert_parallel: python_api_... (2.7e-3)
 ============================================  ==================================================
 """
 from __future__ import annotations
