@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -47,8 +48,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
 def expert_strategy(dense: GradSync, named: list[tuple[str, nn.Parameter]], comm: Comm,
                     axis: str) -> GradSync:
-    """A strategy of ``dense``'s kind for ``named``, reducing over ``axis``."""
-    options = dataclasses.replace(dense.options, axis=axis)
+    """A strategy of ``dense``'s kind for ``named``, reducing over ``axis`` (``--offload nvme``
+    with a directory: its state file in a subdirectory, apart from the dense strategy's)."""
+    where = dense.options.offload_dir
+    options = dataclasses.replace(dense.options, axis=axis,
+                                  offload_dir=str(Path(where) / "experts") if where else None)
     if isinstance(dense, DDP):
         return DDP(named, comm, options, allreduce=dense.allreduce)
     return type(dense)(named, comm, options)
