@@ -59,8 +59,8 @@ def _speed(a: dict) -> dict:
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
 
     def engine(config, mesh=None):
-        return Engine(GPT(cfg, seed=0), lambda ps: torch.optim.AdamW(ps, lr=3e-3), lambda m, b: m(**b),
-                      config, mesh=mesh)
+        return Engine(GPT(cfg, seed=0), lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+                      lambda m, b: m(**b), config, mesh=mesh)
     engines = {"ep1": engine(ParallelConfig(dp=2)), "ep2": engine(ParallelConfig(dp=2, ep=2)),
                "loop": engine(ParallelConfig(), ParallelMesh(local=True))}
     rank, batch = dist.get_rank(), a["batch"]
@@ -122,7 +122,8 @@ def main() -> None:
             a2a = rank0["comm_bytes_per_step"].get("ep", {}).get("all_to_all", 0.0)
             ratio = f"{tps[name] / tps['dp2']:.2f}x" if "dp2" in tps else "-"
             print(f"{name:10} {tps[name]:9,.0f} {ratio:>7} {expert_bytes:18,} "
-                  f"{expert_bytes / ep1:6.3f}x {a2a:14,.0f} {steps[0]['loss']:10.3f} {steps[-1]['loss']:9.3f}")
+                  f"{expert_bytes / ep1:6.3f}x {a2a:14,.0f} {steps[0]['loss']:10.3f} "
+                  f"{steps[-1]['loss']:9.3f}")
     speed(a)
 
 

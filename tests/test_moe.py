@@ -116,7 +116,8 @@ def test_parameter_counts_include_the_experts():
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
     per_expert = sum(p.numel() for p in model.blocks[1].mlp.experts["0"].parameters())
     assert cfg.num_params() - cfg.num_params(active=True) == 2 * (E - K) * per_expert
-    assert cfg.flops_per_token() < GPTConfig(**{**cfg.__dict__, "top_k": 4, "moe_hidden": 64}).flops_per_token()
+    top4 = GPTConfig(**{**cfg.__dict__, "top_k": 4, "moe_hidden": 64})   # twice the active experts
+    assert cfg.flops_per_token() < top4.flops_per_token()
 
 
 @pytest.mark.parametrize("flags, flag", [
@@ -125,6 +126,7 @@ def test_parameter_counts_include_the_experts():
     (["--ep", "2"], "--ep"),                      # ep must divide dp x cp = 1
     (["--dp", "2", "--ep", "2", "--experts", "3", "--top-k", "1"], "--ep"),
     (["--top-k", "5"], "--top-k"),
+    (["--moe-every", "3"], "--moe-every"),                # 2 layers: no MoE block
 ])
 def test_unsupported_layouts_exit_2_naming_the_flag(capsys, flags, flag):
     base = ["train", "--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",

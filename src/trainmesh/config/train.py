@@ -174,6 +174,9 @@ class TrainConfig:
     def _check_moe(self, gpt: GPTConfig) -> None:
         """What mixture-of-experts layers do not compose with (yet)."""
         p = self.parallel
+        if gpt.moe_every > gpt.n_layers:
+            raise ConfigError("--moe-every", f"must be at most --layers {gpt.n_layers} (no block "
+                              f"would be a mixture of experts); got {gpt.moe_every}")
         if p.cp > 1:
             raise ConfigError("--cp", "MoE layers need whole sequences on a rank (their load-"
                               "balancing loss is per sequence); valid with --experts: 1")

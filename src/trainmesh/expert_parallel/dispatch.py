@@ -27,7 +27,8 @@ class AllToAll(torch.autograd.Function):
     """``x`` (rows) -> the rows other ranks send, over ``axis``; backward: the reverse route."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str, send: list[int], recv: list[int]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str, send: list[int],
+                recv: list[int]) -> torch.Tensor:
         ctx.comm, ctx.axis, ctx.send, ctx.recv = comm, axis, send, recv
         out = x.new_empty((sum(recv), *x.shape[1:]))
         comm.all_to_all_v(out, x.contiguous(), axis, out_splits=recv, in_splits=send)
