@@ -85,6 +85,12 @@ HSDP: shards not all-reduced across replicas   test_hsdp: zero2 (grad_norm 1.40 
 HSDP: shard and replica groups swapped         test_hsdp: zero2 (traffic keyed on the wrong
                                               axis: dp_shard.all_reduce)
 a sync reducing over dp, not its own group     test_grad_sync_compose (expert grads off by ~2e-2)
+MoE: a routed slot dropped from the combine    test_moe: matches_the_dense_loop (0.24)
+MoE: gates not renormalised over the top k     test_moe: matches_the_dense_loop (0.29)
+MoE: aux gradient without the sequence weight  test_moe: matches_the_dense_loop (router grad)
+EP: a received row dropped in the exchange     test_expert_parallel: dp4-ep4 (norm, step 2)
+EP: expert gradients reduced over dp, not edp  test_expert_parallel: dp4-ep2-zero1 (norm, step 1)
+EP: experts' start broadcast over dp, not edp  test_expert_parallel: python_api_... (2.7e-3)
 ============================================  ==================================================
 """
 from __future__ import annotations

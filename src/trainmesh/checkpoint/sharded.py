@@ -156,9 +156,10 @@ def _tp_slice(comm: Comm, placement: Placement | None, full: torch.Tensor) -> to
                     shard_parts(placement)).contiguous()
 
 
-def _writer(key: str, comm: Comm) -> int:
-    """Which of the dp x cp x tp ranks sharing this rank's pipeline stage writes ``key``."""
-    return zlib.crc32(key.encode()) % (comm.mesh.size("dp_cp") * comm.mesh.size("tp"))
+def _writer(key: str, comm: Comm, axis: str = "dp_cp") -> int:
+    """Which of the ``axis`` x tp ranks sharing this rank's pipeline stage (``dp_cp``: the dp x cp
+    ranks; ``edp``: those holding the same experts) writes ``key``."""
+    return zlib.crc32(key.encode()) % (comm.mesh.size(axis) * comm.mesh.size("tp"))
 
 
 def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
@@ -166,17 +167,20 @@ def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
     """Collective over tp: the logical tensors of this pipeline stage that this rank writes,
     each whole and passed through ``stage(key, tensor)`` (a host copy). Tensors sharded over tp
     are gathered on every rank of the group, in the strategy's parameter order and sorted state
-    keys, the same on every rank; replicated ones are touched only by their writer."""
+    keys, the same on every rank; replicated ones are touched only by their writer. An expert's
+    parameters (expert parallelism) are written by one of the ranks holding them, by their
+    global name."""
     mesh = comm.mesh
-    me = mesh.index("dp_cp") * mesh.size("tp") + mesh.index("tp")
     params, optim = grad_sync.logical_state()
     mine: dict[str, torch.Tensor] = {}
     for name, t in params.items():
         placement = placements.get(name)
+        axis = "edp" if placement is not None and placement.expert else "dp"   # who holds it
+        me = mesh.index(axis) * mesh.size("tp") + mesh.index("tp")
         items = [(f"param/{name}", t), *((f"optim/{name}/{k}", v)
                                          for k, v in sorted(optim.get(name, {}).items()))]
         for key, value in items:
-            writes = _writer(key, comm) == me
+            writes = _writer(key, comm, axis) == me
             if shard_dim(placement) is not None and value.dim() > 0:
                 value = full_tensor(value, comm, placement=placement)   # collective over tp
             if writes:

@@ -232,6 +232,22 @@ class Comm:
                          lambda a: dist.all_to_all_single(out, t, group=g, async_op=a), t.shape, async_op,
                          collective=(g, t))
 
+    def all_to_all_v(self, out: torch.Tensor, t: torch.Tensor, axis: str, *, out_splits: list[int],
+                     in_splits: list[int], group=None) -> None:
+        """Variable sizes along dim 0: rank i's ``in_splits[j]`` rows go to rank j, which receives
+        them as its ``out_splits[i]`` rows (both ranks must agree: exchange the sizes first).
+        Recorded as op ``all_to_all``, the bytes of ``t`` (what this rank sends, its own share
+        included)."""
+        if self._size(axis, group) == 1:
+            out.copy_(t)
+            return None
+        g = self._group(axis, group)
+        self._run("all_to_all", axis, nbytes(t),
+                  lambda a: dist.all_to_all_single(out, t, output_split_sizes=out_splits,
+                                                   input_split_sizes=in_splits, group=g, async_op=a),
+                  t.shape, False, collective=(g, None))
+        return None
+
     def barrier(self, axis: str = "world", *, group=None) -> None:
         if self._size(axis, group) == 1:
             return

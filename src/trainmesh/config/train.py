@@ -174,6 +174,23 @@ class TrainConfig:
             raise ConfigError("--ep", "spreads the experts of MoE layers; needs --experts > 0")
         if gpt.n_experts and gpt.n_experts % p.ep:
             raise ConfigError("--ep", f"must divide --experts {gpt.n_experts}; got {p.ep}")
+        if gpt.n_experts:
+            self._check_moe(gpt)
+
+    def _check_moe(self, gpt: GPTConfig) -> None:
+        """What mixture-of-experts layers do not compose with (yet)."""
+        p = self.parallel
+        if gpt.moe_every > gpt.n_layers:
+            raise ConfigError("--moe-every", f"must be at most --layers {gpt.n_layers} (no block "
+                              f"would be a mixture of experts); got {gpt.moe_every}")
+        if p.cp > 1:
+            raise ConfigError("--cp", "MoE layers need whole sequences on a rank (their load-"
+                              "balancing loss is per sequence); valid with --experts: 1")
+        if p.sequence_parallel:
+            raise ConfigError("--sequence-parallel", "is not supported with --experts (MoE "
+                              "layers run on whole sequences, replicated over tp)")
+        if p.ep > 1 and p.zero == 3:
+            raise ConfigError("--zero", "3 is not supported with --ep > 1 (valid: 0, 1, 2)")
 
     @property
     def peak_lr(self) -> float:

@@ -10,6 +10,8 @@ rank, how its gradient must be completed, and whether the rank counts it in the 
 * ``partial_grad``: sequence parallelism leaves each TP rank with the gradient of its sequence
   chunk only (norm weights, row-parallel biases); the engine sums these over tp after backward.
 * ``duplicate``: a pipeline tie's copy on a rank other than the lowest one (counted once).
+* ``expert``: an MoE expert's parameter under expert parallelism: held only by the ranks of one
+  ``ep`` index, its gradient reduced over ``edp``, written to checkpoints by one of those ranks.
 
 :class:`Placements`, keyed by the parameter's name in the whole model, is owned by the engine:
 tensor parallelism records shards and partial gradients, the pipeline marks duplicates,
@@ -41,6 +43,8 @@ class Placement:
     """Sequence parallel: this rank's gradient covers its sequence chunk; summed over tp."""
     duplicate: bool = False
     """A pipeline tie's copy whose gradient another rank already counts in the norm."""
+    expert: bool = False
+    """An expert's parameter spread by expert parallelism (held by one ``ep`` index's ranks)."""
 
     def __post_init__(self) -> None:
         parts = self.tp_parts
@@ -111,6 +115,11 @@ class Placements:
     def sharded(self, name: str) -> bool:
         record = self._records.get(name)
         return record is not None and record.sharded
+
+    def expert(self, name: str) -> bool:
+        """Whether ``name`` is an expert's parameter under expert parallelism."""
+        record = self._records.get(name)
+        return record is not None and record.expert
 
     def partial_grad_names(self) -> list[str]:
         """Names whose gradient is partial over tp, sorted (the same order on every rank)."""

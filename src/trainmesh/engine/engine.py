@@ -42,6 +42,7 @@ from trainmesh.data_parallel import make_grad_sync, unique_named_parameters
 from trainmesh.data_parallel.base import OptimizerFactory
 from trainmesh.engine.executor import LocalExecutor
 from trainmesh.engine.materialize import InitFn, materialize
+from trainmesh.engine.moe_metrics import MoEMetrics
 from trainmesh.engine.precision import Precision
 from trainmesh.observe.flops import model_flops_per_token
 from trainmesh.observe.metrics import storage_bytes
@@ -85,15 +86,14 @@ class Engine:
         if self.executor.tied_parameters and cfg.zero >= 2:
             raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
                               "(their gradients are summed over stages before sharding)")
-        self.grad_sync = make_grad_sync(cfg, named, self.comm, module=self.module,
-                                        precision=self.precision, materialize=fill,
-                                        device=self.device,
-                                        layers=getattr(self.executor, "layer_names", None))
+        self.grad_sync = self._make_grad_sync(named, fill)
         self.hooks = StepHooks(autocast=self.precision.autocast, scale_loss=self.precision.scale_loss,
                                before_backward=self.grad_sync.before_backward,
                                expect_backwards=self.grad_sync.expect_backwards)
         self.optimizer = self.grad_sync.build_optimizer(optimizer, param_groups)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
+        self.moe = MoEMetrics(getattr(model, "moe_stats", None), self.comm)
+        """The MoE layers' aux loss and routing counts, per step and over the run."""
         self.step_count = 0
         self.last: dict[str, Any] = {}
         self.state_bytes = {"params": 0, "grads": 0, "optimizer": 0}
@@ -112,6 +112,9 @@ class Engine:
         if cfg.cp > 1:   # attention over the CP group's whole sequence, positions global
             from trainmesh.context_parallel import apply_context_parallel
             apply_context_parallel(model, self.mesh, self.comm, mode=cfg.cp_comm, device=self.device)
+        if cfg.ep > 1:
+            from trainmesh.expert_parallel import shard_experts
+            shard_experts(model, self.comm, self.placements)
         if cfg.recompute != "none":
             from trainmesh.engine.recompute import apply_recompute
             apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
@@ -119,6 +122,21 @@ class Engine:
             from trainmesh.engine.compile import compile_layers
             compile_layers(model, self.device.type)
         return model
+
+    def _make_grad_sync(self, named: list[tuple[str, nn.Parameter]],
+                        fill: Callable[[list[tuple[str, nn.Parameter]]], None] | None):
+        """The DP strategy; under expert parallelism one for the dense parameters and one of
+        the same kind for the experts, reduced over ``edp`` (:mod:`trainmesh.expert_parallel.sync`)."""
+        def make(subset: list[tuple[str, nn.Parameter]]):
+            return make_grad_sync(self.config, subset, self.comm, module=self.module,
+                                  precision=self.precision, materialize=fill, device=self.device,
+                                  layers=getattr(self.executor, "layer_names", None))
+        experts = [(n, p) for n, p in named if self.placements.expert(n)]
+        if not experts:   # no ep, or a pipeline stage without MoE layers (so is its edp group)
+            return make(named)
+        from trainmesh.expert_parallel.sync import ExpertSplitSync, expert_strategy
+        dense = make([(n, p) for n, p in named if not self.placements.expert(n)])
+        return ExpertSplitSync(dense, expert_strategy(dense, experts, self.comm, "edp"))
 
     def _build_executor(self, model: nn.Module, loss_fn: LossFn) -> Executor:
         """This rank's share of the model and how a step runs it: a pipeline stage or all of it."""
@@ -151,9 +169,9 @@ class Engine:
         axis = self.replica_axis
         if self.mesh.size(axis) == 1:
             return
-        root = self.mesh.ranks(axis)[0]
-        for _, p in named:
-            self.comm.broadcast(p.data, axis, src=root)
+        for name, p in named:     # an expert: from the first of the ranks holding it
+            axis = "edp" if self.placements.expert(name) else self.replica_axis
+            self.comm.broadcast(p.data, axis, src=self.mesh.ranks(axis)[0])
 
     def _mark_duplicates(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """Pipeline ties held on several ranks: record this rank's copy as a duplicate."""
@@ -205,6 +223,7 @@ class Engine:
             microbatches = split_microbatches(batch, self.config.microbatches)
         microbatches = self._cp_share(microbatches)
         self.comm.ledger.begin_step()
+        self.moe.begin_step(self.precision.loss_scale)
         loss_sum, count = self.executor.run(microbatches, self.hooks)
         holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
         sums = [loss_sum, count] if holds_loss else [0.0, 0.0]
@@ -231,6 +250,7 @@ class Engine:
         if self.lr_scheduler is not None and not skip:
             self.lr_scheduler.step()
         self.grad_sync.zero_grad()
+        moe = self.moe.end_step(holds=self.mesh.index("tp") == 0)   # MoE: one world all-reduce
         self.comm.end_step()   # with TRAINMESH_CHECK_COLLECTIVES=1: the ranks compare their collectives
         self.step_count += 1
         self.last = {"loss": global_loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}
@@ -238,6 +258,8 @@ class Engine:
             self.last.update(grad_norm=None, **({"outer": True} if self.grad_sync.synced else {}))
         if nonfinite:
             self.last["nonfinite"] = nonfinite
+        if moe is not None:
+            self.last["moe"] = moe
         return global_loss
 
     def _cp_share(self, microbatches: list) -> list:
@@ -368,11 +390,15 @@ class Engine:
             self.precision.load_state_dict(state["precision"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The consolidated, unsharded model weights (identical on every rank for DDP)."""
+        """The consolidated, unsharded model weights (identical on every rank for DDP; under
+        expert parallelism every expert, gathered over ep)."""
         gathered = self.grad_sync.full_state_dict()
-        if gathered is not None:
-            return gathered
-        if self.mesh.size("tp") > 1:
+        if gathered is None and self.mesh.size("tp") > 1:
             from trainmesh.tensor_parallel.state import full_state_dict
-            return full_state_dict(self.module, self.comm, self.placements)
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            gathered = full_state_dict(self.module, self.comm, self.placements)
+        if gathered is None:
+            gathered = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.config.ep > 1:
+            from trainmesh.expert_parallel.shard import gather_experts
+            gathered = gather_experts(gathered, self.comm, self.placements)
+        return gathered

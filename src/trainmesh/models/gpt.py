@@ -2,7 +2,10 @@
 
 Module names are part of the interface (tensor-parallel plans, checkpoints and the planner use
 them): ``embed.wte``, ``embed.wpe``, ``blocks.{i}.ln1``, ``blocks.{i}.attn.{q,k,v,proj}``,
-``blocks.{i}.ln2``, ``blocks.{i}.mlp.{fc,proj}``, ``head.ln_f``, ``head.out``. Attention derives
+``blocks.{i}.ln2``, ``blocks.{i}.mlp.{fc,proj}``, ``head.ln_f``, ``head.out``; with ``n_experts``
+> 0, the MLP of every ``moe_every``-th block (blocks ``moe_every - 1``, ``2 moe_every - 1``, ...) is a
+mixture of experts, ``blocks.{i}.mlp.router`` and ``blocks.{i}.mlp.experts.{e}.{fc,proj}``
+(:mod:`.moe`). Attention derives
 its local head count from the width of ``q``, so a column-sharded ``q``/``k``/``v`` simply holds
 fewer heads. Two parameter-free submodules, ``embed.positions`` (:class:`Positions`) and
 ``blocks.{i}.attn.causal`` (:class:`CausalAttention`), are the seams context parallelism swaps
@@ -25,6 +28,7 @@ from torch import nn
 from trainmesh.core.errors import ConfigError
 
 from .init import init_module, init_value
+from .moe import MoE, MoEStats
 
 
 @dataclass
@@ -66,16 +70,34 @@ class GPTConfig:
             if self.moe_hidden == 0:
                 self.moe_hidden = max(1, 4 * self.d_model // self.top_k)
 
-    def num_params(self) -> int:
-        """Logical parameter count: 2Vd + Sd + L(4d^2 + 2d*ff + 9d + ff) + 2d."""
+    def moe_blocks(self) -> list[int]:
+        """Indices of the blocks whose MLP is a mixture of experts (every ``moe_every``-th)."""
+        if not self.n_experts:
+            return []
+        return [i for i in range(self.n_layers) if (i + 1) % self.moe_every == 0]
+
+    def expert_params(self) -> int:
+        """Parameters of one expert: ``2 d h + h + d``."""
+        d, h = self.d_model, self.moe_hidden
+        return 2 * d * h + h + d
+
+    def num_params(self, *, active: bool = False) -> int:
+        """Logical parameter count: 2Vd + Sd + L(4d^2 + 2d*ff + 9d + ff) + 2d, each MoE block's
+        MLP replaced by its router (E d) and E experts (``active``: the k a token runs through)."""
         v, s, d, f, n_layers = self.vocab_size, self.seq_len, self.d_model, self.d_ff, self.n_layers
-        block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
-        return 2 * v * d + s * d + n_layers * block + 2 * d
+        mlp = (d * f + f) + (f * d + d)
+        block = 4 * (d * d + d) + mlp + 4 * d
+        moe = len(self.moe_blocks())
+        experts = self.top_k if active else self.n_experts
+        delta = moe * (self.n_experts * d + experts * self.expert_params() - mlp)
+        return 2 * v * d + s * d + n_layers * block + 2 * d + delta
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token, forward + backward: ``6N + 12·L·s·d`` (:mod:`trainmesh.observe.flops`)."""
+        """Training FLOPs per token, forward + backward: ``6N + 12·L·s·d`` with N the *active*
+        parameters (a token runs through k of the E experts; :mod:`trainmesh.observe.flops`)."""
         from trainmesh.observe.flops import transformer_flops_per_token
-        return transformer_flops_per_token(self.num_params(), self.n_layers, self.seq_len, self.d_model)
+        return transformer_flops_per_token(self.num_params(active=True), self.n_layers, self.seq_len,
+                                           self.d_model)
 
 
 def validate_gpt(cfg: GPTConfig, tp: int, *, sequence_parallel: bool = False) -> None:
@@ -93,8 +115,20 @@ def validate_gpt(cfg: GPTConfig, tp: int, *, sequence_parallel: bool = False) ->
             raise ConfigError(field, f"{what} must be divisible by --tp {tp}; got {value}")
 
 
-def gpt_plan() -> dict[str, str | tuple[str, ...]]:
-    """The GPT's Megatron tensor-parallel plan (styles: :mod:`trainmesh.tensor_parallel.plan`)."""
+def gpt_plan(cfg: GPTConfig | None = None) -> dict[str, str | tuple[str, ...]]:
+    """The GPT's Megatron tensor-parallel plan (styles: :mod:`trainmesh.tensor_parallel.plan`).
+    MoE layers stay whole on every TP rank (their experts replicated over tp): their blocks'
+    MLP entries name only the dense blocks."""
+    plan = _dense_plan()
+    moe = cfg.moe_blocks() if cfg is not None else []
+    if moe:
+        for key in ("blocks.*.mlp", "blocks.*.mlp.fc", "blocks.*.mlp.proj"):
+            style = plan.pop(key)
+            plan.update({key.replace("*", str(i)): style for i in range(cfg.n_layers) if i not in moe})
+    return plan
+
+
+def _dense_plan() -> dict[str, str | tuple[str, ...]]:
     return {
         "embed.wte": "vocab_embedding",
         "embed": "sequence_scatter",            # SP: the (wte + wpe) output is split by sequence
@@ -178,10 +212,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, moe: MoE | None = None) -> None:
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
-        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp: nn.Module = moe if moe is not None else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -214,9 +249,15 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.seed = seed
+        moe = cfg.moe_blocks()
+        self.moe_stats = MoEStats(len(moe), cfg.n_experts) if moe else None
+        """The MoE layers' side channel to the engine (None without experts)."""
         with torch.device("meta"):
             self.embed = Embedding(cfg)
-            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.blocks = nn.ModuleList(
+                Block(cfg, MoE(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.moe_hidden,
+                               aux_coef=cfg.moe_aux_loss, index=moe.index(i), stats=self.moe_stats)
+                      if i in moe else None) for i in range(cfg.n_layers))
             self.head = Head(cfg)
         self.criterion = CrossEntropySum()
         self.run_blocks = self._run_blocks
@@ -236,7 +277,7 @@ class GPT(nn.Module):
 
     # ---------------------------------------------------------------- parallel hints
     def tp_plan(self) -> dict[str, str | tuple[str, ...]]:
-        return gpt_plan()
+        return gpt_plan(self.cfg)
 
     def check_tp(self, tp: int, *, sequence_parallel: bool = False) -> None:
         validate_gpt(self.cfg, tp, sequence_parallel=sequence_parallel)

@@ -12,6 +12,10 @@ parallel rank of t, following trainmesh's Megatron plan (``tensor_parallel.plan.
 * head (last pipeline rank): ``head.ln_f`` replicated ``2d``, ``head.out`` vocab-parallel
   ``V/t x d``. With t = 1 the total is ``2Vd + Sd + L(12d^2 + 13d) + 2d``.
 
+Mixture of experts (``n_experts`` E > 0): a MoE block's MLP, ``(2df + f)/t + d`` above, is
+replaced by its router ``E d`` and the experts this rank holds, ``E/ep`` of them (``2dh + h + d``
+each; both replicated over tp).
+
 Pipeline: the L blocks are cut into ``pp * v`` consecutive chunks as evenly as possible, the
 first chunks taking one extra block when L does not divide; rank r holds chunks
 ``r, r + pp, ...`` (round-robin, :mod:`trainmesh.pipeline_parallel.schedules`); the embedding
@@ -41,6 +45,10 @@ class RankModel:
     """Parameter tensors this rank holds."""
     partial_grad_params: int
     """Replicated values whose gradients sequence parallelism all-reduces over tp."""
+    expert_params: int = 0
+    """Of ``params``, the values of this rank's experts (reduced over edp, not dp)."""
+    moe_blocks: int = 0
+    """MoE blocks on this rank."""
 
 
 def chunk_sizes(layers: int, chunks: int) -> list[int]:
@@ -53,12 +61,17 @@ def block_params(cfg: GPTConfig, tp: int) -> int:
     return (4 * d * d + 2 * d * f + 3 * d + f) // tp + 6 * d
 
 
-def rank_model(cfg: GPTConfig, *, pp: int, tp: int, rank: int, virtual_stages: int = 1) -> RankModel:
-    """What pipeline ``rank`` holds, per TP shard."""
+def rank_model(cfg: GPTConfig, *, pp: int, tp: int, rank: int, virtual_stages: int = 1,
+               ep: int = 1) -> RankModel:
+    """What pipeline ``rank`` holds, per TP shard (and, with experts, per ep rank)."""
     chunks = pp * virtual_stages
     sizes = chunk_sizes(cfg.n_layers, chunks)
     mine = range(rank, chunks, pp)
     blocks = sum(sizes[c] for c in mine)
+    here = [i for c in mine for i in range(sum(sizes[:c]), sum(sizes[:c + 1]))]
+    moe = len(set(here) & set(cfg.moe_blocks()))
+    local = cfg.n_experts // ep
+    experts = moe * local * cfg.expert_params() if moe else 0
     first, last = 0 in mine, chunks - 1 in mine
     d, vocab_rows = cfg.d_model, math.ceil(cfg.vocab_size / tp)
     params = blocks * block_params(cfg, tp)
@@ -66,4 +79,8 @@ def rank_model(cfg: GPTConfig, *, pp: int, tp: int, rank: int, virtual_stages: i
     params += (2 * d + vocab_rows * d) if last else 0
     tensors = 16 * blocks + 2 * int(first) + 3 * int(last)
     partial = 6 * d * blocks + 2 * d * int(last)
-    return RankModel(blocks, first, last, params, tensors, partial)
+    if moe:
+        mlp = (2 * d * cfg.d_ff + cfg.d_ff) // tp + d
+        params += moe * (cfg.n_experts * d - mlp) + experts
+        tensors += moe * (1 + 4 * local - 4)
+    return RankModel(blocks, first, last, params, tensors, partial, experts, moe)

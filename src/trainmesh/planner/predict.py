@@ -51,11 +51,16 @@ from .traffic import (
     AXES,
     Traffic,
     data_parallel_ops,
+    dp_ops,
+    ep_ops,
     other_ops,
     pp_ops,
     tp_ops,
     zero3_regathers,
 )
+
+MOE_AXES = ("ep", "edp")
+"""Axes of expert parallelism's traffic (predicted where ``ep > 1``)."""
 
 RUNTIME_BYTES = 90 * 2**20
 """CPU: what a worker's RSS grows by beyond its measured base and its model: building the model
@@ -113,17 +118,33 @@ def _coords(rank: int, layout: ParallelConfig) -> dict[str, int]:
             "cp": (rank // tp) % cp}
 
 
+def _split(held: RankModel, layout: ParallelConfig) -> list[tuple[int, int]]:
+    """(parameter values, the group ZeRO shards them over) of each strategy of a rank: the dense
+    parameters over dp x cp (HSDP: the shard group), under expert parallelism this rank's experts
+    over edp = dp x cp / ep."""
+    dense = layout.shard_size * layout.cp      # ZeRO's group: dp x cp, or HSDP's shard group
+    if layout.ep == 1 or not held.expert_params:
+        return [(held.params, dense)]
+    return [(held.params - held.expert_params, dense),
+            (held.expert_params, layout.dp * layout.cp // layout.ep)]
+
+
 def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str, int]:
     # ZeRO 0-2 hold the paper's mixed-precision bytes; trainmesh's ZeRO-3 keeps fp32 shards as
     # the parameters (FSDP2 style): fp32's 4 + 4 + 8 over N, the paper's 16Psi/N in total.
     precision = "fp32" if layout.zero >= 3 else layout.precision
-    st = model_states(held.params, dp=layout.shard_size * layout.cp, zero=layout.zero,  # N = S under HSDP
-                      precision=precision, optimizer=optimizer, offload=layout.offload,
-                      offload_params=layout.offload_params)
-    optim = st.optimizer
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    parts = _split(held, layout)
+    for psi, dp in parts:
+        st = model_states(psi, dp=dp, zero=layout.zero, precision=precision,
+                          optimizer=optimizer, offload=layout.offload,
+                          offload_params=layout.offload_params)
+        out["params"] += int(st.params)
+        out["grads"] += int(st.grads)
+        out["optimizer"] += int(st.optimizer)
     if optimizer == "adamw" and layout.offload == "none":  # AdamW's step counters
-        optim += 4 * (held.tensors if layout.zero == 0 else 1)
-    return {"params": int(st.params), "grads": int(st.grads), "optimizer": int(optim)}
+        out["optimizer"] += 4 * (held.tensors if layout.zero == 0 else len(parts))
+    return out
 
 
 def _init_peak(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: dict[str, int],
@@ -147,10 +168,6 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
     e = element_bytes(layout.precision)
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
     replicas = layout.dp * layout.cp       # the gradient group: dp x cp (``dp_cp``)
-    psi = held.params
-    shard = layout.shard_size * layout.cp if layout.zero >= 1 else replicas
-    if layout.zero >= 1:
-        psi = math.ceil(psi / shard) * shard
     tokens = micro_batch * gpt.seq_len // layout.cp
     m = layout.microbatches
     cp: Traffic = {}
@@ -160,12 +177,28 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
             tp=layout.tp, mode=layout.cp_comm, elem_bytes=e,
             forwards=1 if layout.recompute == "none" else 2)
         cp["cp"] = {op: b * held.blocks * m for op, b in per_layer.items()}
-    dp_traffic = data_parallel_ops(psi, dp=replicas, shard=shard, zero=layout.zero, microbatches=m,
-                                   grad_bytes=grad_bytes, param_bytes=e, regather=zero3_regathers(layout))
+    parts = _split(held, layout)   # the dense parameters over dp x cp (or HSDP's shard), experts over edp
+    psi, shard = parts[0]
+    if layout.zero >= 1:
+        psi = math.ceil(psi / shard) * shard
+    dp_traffic = data_parallel_ops(psi, dp=replicas, shard=shard if layout.zero >= 1 else replicas,
+                                   zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
+                                   param_bytes=e, regather=zero3_regathers(layout))
     if layout.cp > 1:   # the gradient group is dp x cp, keyed by its name
         dp_traffic = {"dp_cp": dp_traffic["dp"]}
+    other = other_ops(world=layout.world_size, precision=layout.precision)
+    moe: Traffic = {}
+    if gpt.n_experts and layout.world_size > 1:   # the step's MoE figures: one float64 all-reduce
+        other["all_reduce"] = other.get("all_reduce", 0.0) + 8 * len(gpt.moe_blocks()) * (gpt.n_experts + 2)
+    if len(parts) > 1:
+        psi_e, edp = parts[1]
+        psi_e = math.ceil(psi_e / edp) * edp if layout.zero >= 1 else psi_e
+        moe = {"ep": ep_ops(ep=layout.ep, moe_layers=held.moe_blocks, tokens=tokens, top_k=gpt.top_k,
+                            hidden=gpt.d_model, value_bytes=e, microbatches=m, experts=gpt.n_experts),
+               "edp": dp_ops(psi_e, dp=edp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
+                             param_bytes=e, regather=zero3_regathers(layout))}
     return {
-        **dp_traffic, **cp,
+        **moe, **dp_traffic, **cp,
         "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
                      value_bytes=e, microbatches=m, first=held.first, last=held.last,
                      sequence_parallel=layout.sequence_parallel,
@@ -173,7 +206,7 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
         "pp": pp_ops(pp=layout.pp, rank=pp_rank, virtual_stages=layout.virtual_stages,
                      microbatches=m, tokens=tokens, hidden=gpt.d_model, value_bytes=e,
                      tp=layout.tp, sequence_parallel=layout.sequence_parallel),
-        "other": other_ops(world=layout.world_size, precision=layout.precision),
+        "other": other,
     }
 
 
@@ -233,7 +266,7 @@ def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
     ranks = []
     for pp_rank in range(layout.pp):
         held = rank_model(gpt, pp=layout.pp, tp=layout.tp, rank=pp_rank,
-                          virtual_stages=layout.virtual_stages)
+                          virtual_stages=layout.virtual_stages, ep=layout.ep)
         states = _states(held, layout, optimizer)
         acts, transient = _activations(held, layout, gpt, micro_batch, pp_rank)
         comm = _ints(_traffic(held, layout, gpt, micro_batch, pp_rank))

@@ -113,6 +113,18 @@ def data_parallel_ops(psi: float, *, dp: int, shard: int, zero: int, microbatche
     return {"dp": {}, "dp_shard": inner, "dp_replicate": across}
 
 
+def ep_ops(*, ep: int, moe_layers: int, tokens: int, top_k: int, hidden: int, value_bytes: int,
+           microbatches: int, experts: int) -> dict[str, float]:
+    """Payload per step on the ``ep`` axis (docs/EXPERT_PARALLEL.md) of a rank holding
+    ``moe_layers`` MoE layers, routing balanced (each rank receives as many rows as it sends):
+    per layer and microbatch the counts (8 E) and ``2 (S + R) d b`` with ``S = R = tokens k``."""
+    ops: dict[str, float] = {}
+    if ep > 1:
+        rows = tokens * top_k
+        _add(ops, "all_to_all", microbatches * moe_layers * (4 * rows * hidden * value_bytes + 8 * experts))
+    return ops
+
+
 def tp_ops(*, tp: int, layers: int, tokens: int, hidden: int, value_bytes: int,
            microbatches: int, first: bool, last: bool, sequence_parallel: bool = False,
            partial_grad_bytes: float = 0.0) -> dict[str, float]:

@@ -332,8 +332,12 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
             "offloaded_bytes": engine.offloaded_bytes,
             "comm_buffer_peak_bytes": engine.comm_buffer_peak_bytes,
             "comm_bytes_per_step": engine.comm_bytes_per_step()}
+    if engine.moe.stats is not None:   # this rank's routing, for the all-to-all's accounting
+        mine["moe_rows"] = {"routed": engine.moe.routed.round().long().tolist(),
+                            "received": engine.moe.received.round().long().tolist()}
     ranks = engine.gather_object(mine)
     return {"event": "summary", "world_size": mesh.world_size,
             "layout": {**cfg.parallel.layout(), "experts": cfg.gpt_config().n_experts},
             "params": cfg.num_params(), "final_loss": final_loss,
-            "steps": engine.step_count, "ranks": ranks}
+            "steps": engine.step_count, "ranks": ranks,
+            **({"moe": engine.moe.summary()} if engine.moe.stats is not None else {})}

@@ -1,0 +1,66 @@
+"""The MoE layers' report per step: the aux loss and the load, summed over the world.
+
+The layers write into their model's :class:`~trainmesh.models.moe.MoEStats` (this rank's
+sequences and routed slots); :meth:`MoEMetrics.end_step` adds them over every rank in one
+all-reduce (TP ranks hold the same tokens: only TP index 0 contributes; a pipeline stage
+contributes the layers it holds) and returns the metrics file's ``"moe"`` entry:
+
+* ``aux_loss``: the mean over MoE layers of the mean over the global batch's sequences of the
+  per-sequence load-balancing loss ``E * sum_e f_e P_e`` (1.0 when balanced, E at worst), before
+  the ``--moe-aux-loss`` coefficient;
+* ``max_over_mean_load``: the largest, over MoE layers, of the busiest expert's routed slots over
+  the mean per expert (1.0 when balanced).
+
+The run's totals (:attr:`MoEMetrics.expert_tokens`, global; :attr:`MoEMetrics.routed`,
+:attr:`MoEMetrics.received`, this rank's) go to the summary.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainmesh.comm import Comm
+from trainmesh.models.moe import MoEStats
+
+
+class MoEMetrics:
+    """Per-step and whole-run MoE figures of one engine (module docstring)."""
+
+    def __init__(self, stats: MoEStats | None, comm: Comm) -> None:
+        self.stats, self.comm = stats, comm
+        layers, experts = (stats.n_layers, stats.n_experts) if stats is not None else (0, 0)
+        self.expert_tokens = torch.zeros(layers, experts, dtype=torch.float64)
+        """(token, expert) slots routed to each expert of each MoE layer, over the run, global."""
+        self.routed = torch.zeros(layers, experts, dtype=torch.float64)
+        """The same, this rank's tokens only."""
+        self.received = torch.zeros(layers, dtype=torch.float64)
+        """Rows this rank's experts computed, per MoE layer, over the run."""
+
+    def begin_step(self, loss_scale: float) -> None:
+        if self.stats is not None:
+            self.stats.reset()
+            self.stats.loss_scale = loss_scale
+
+    def end_step(self, *, holds: bool) -> dict[str, Any] | None:
+        """Collective over the world (where the model has MoE layers): the step's ``"moe"``."""
+        s = self.stats
+        if s is None:
+            return None
+        self.routed += s.counts
+        self.received += s.received
+        flat = torch.cat([s.counts.flatten(), s.aux_sum, s.sequences])
+        if not holds:
+            flat.zero_()
+        self.comm.all_reduce(flat, "world")
+        n = s.n_layers * s.n_experts
+        counts = flat[:n].view(s.n_layers, s.n_experts)
+        aux_sum, sequences = flat[n:n + s.n_layers], flat[n + s.n_layers:]
+        self.expert_tokens += counts
+        load = counts.max(1).values / counts.mean(1).clamp_min(1e-12)
+        return {"aux_loss": float((aux_sum / sequences.clamp_min(1)).mean()),
+                "max_over_mean_load": float(load.max())}
+
+    def summary(self) -> dict[str, Any]:
+        """The summary's global ``"moe"`` entry: per-layer expert slot counts over the run."""
+        return {"expert_tokens": self.expert_tokens.round().long().tolist()}

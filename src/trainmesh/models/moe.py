@@ -1,0 +1,169 @@
+"""Mixture of experts for the reference GPT: a top-k router, E GELU expert MLPs, dropless routing.
+
+One MoE layer replaces a block's MLP (``blocks.{i}.mlp``). Its parameters are
+``blocks.{i}.mlp.router.weight`` (E x d, no bias) and, per expert ``e`` by its *global* index,
+``blocks.{i}.mlp.experts.{e}.fc`` / ``.proj`` (the dense MLP's shapes with the expert width).
+Under expert parallelism a rank keeps only its experts, under the same names, so a checkpoint
+holds every expert once by its global index and loads under any ``--ep``.
+
+Forward, for the ``T = b * s`` tokens of a microbatch:
+
+1. router: ``p = softmax(x W_r^T)`` over the E experts; each token's ``k`` largest are its
+   experts, their gates renormalised to sum to 1 over the chosen k;
+2. dispatch: the ``T * k`` (token, expert) pairs sorted by expert (stable, so by token within an
+   expert); every pair is computed, none dropped (no capacity factor);
+3. each expert runs its rows in one matmul per layer (a loop over experts: CPU torch has no
+   grouped GEMM); under expert parallelism the rows travel to the expert's rank and back
+   (:class:`Exchange`, injected by :mod:`trainmesh.expert_parallel`);
+4. combine: each token's output is the gate-weighted sum of its k experts' outputs.
+
+Load balancing (Switch/GShard): per *sequence*, ``aux = E * sum_e f_e * P_e`` with ``f_e`` the
+share of the sequence's k-routed slots that went to expert e and ``P_e`` its mean router
+probability over the sequence (1.0 when perfectly balanced). It is computed per sequence, so its
+mean over the global batch does not depend on how sequences are split over ranks or
+microbatches. Its gradient enters without a loss term (:class:`AuxGrad`: the layer's output
+carries it in backward), so it works on every pipeline stage; the training objective is
+``CE mean + moe_aux_loss * sum over MoE layers of (mean over sequences of aux)`` when every
+position carries a label (each sequence's aux is weighted by its length ``s`` and the sum divided
+by the global label count, the denominator of the CE mean).
+
+The layers share one :class:`MoEStats` (``GPT.moe_stats``): the typed side channel through which
+the engine sets the loss scale of the aux gradient and reads the step's aux loss and routing
+counts. Nothing is a module global.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MoEStats:
+    """What the MoE layers of one model report per step, and the one setting the engine gives them.
+
+    ``counts[l, e]``: (token, expert) pairs this rank routed to expert ``e`` in MoE layer ``l``
+    this step (all microbatches); ``aux_sum[l]``: the sum over this rank's sequences of layer
+    ``l``'s per-sequence aux loss; ``sequences[l]``: how many sequences went through it (0 on a
+    pipeline stage without the layer); ``received[l]``: rows this rank's experts computed (under
+    expert parallelism, from every rank of its ``ep`` group). Forwards re-run in a backward
+    (activation recomputation) are not counted twice."""
+
+    def __init__(self, n_layers: int, n_experts: int) -> None:
+        self.n_layers, self.n_experts = n_layers, n_experts
+        self.loss_scale = 1.0
+        """Multiplies the aux gradient (fp16's loss scale; set by the engine each step)."""
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: every count at zero."""
+        self.counts = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64)
+        self.aux_sum = torch.zeros(self.n_layers, dtype=torch.float64)
+        self.sequences = torch.zeros(self.n_layers, dtype=torch.float64)
+        self.received = torch.zeros(self.n_layers, dtype=torch.float64)
+
+
+class Exchange(Protocol):
+    """Runs the experts on rows sorted by expert, wherever they live: ``(rows, counts, compute)``
+    -> (outputs in the rows' order, rows this rank's experts computed). ``counts``: rows per
+    global expert (int64, length E); ``compute(rows, per_expert)`` runs this rank's experts on
+    rows grouped by its local expert."""
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor,
+                 compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> tuple[torch.Tensor, int]:
+        ...
+
+
+class AuxGrad(torch.autograd.Function):
+    """Identity on ``x`` whose backward also gives ``aux`` the gradient ``weight``: the aux loss
+    joins the backward of whatever loss ``x`` feeds, on any pipeline stage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight, ctx.aux_dtype = weight, aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.weight, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+class Expert(nn.Module):
+    """One expert: the dense MLP's shape with width ``hidden``."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, hidden)
+        self.proj = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+def _in_backward() -> bool:
+    """Whether this forward is a recomputation inside a backward pass."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """A dropless top-k mixture of experts (module docstring); layer ``index`` of the model's
+    MoE layers, reporting into ``stats``."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, hidden: int, *, aux_coef: float,
+                 index: int, stats: MoEStats | None) -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.aux_coef, self.index = n_experts, top_k, aux_coef, index
+        self.stats = stats
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): Expert(d_model, hidden) for e in range(n_experts)})
+        self.exchange: Exchange | None = None
+        """Expert parallelism's all-to-all (None: every expert is here)."""
+
+    def local_experts(self) -> list[int]:
+        """Global indices of the experts this rank holds, ascending."""
+        return sorted(int(e) for e in self.experts)
+
+    def compute(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """This rank's experts on ``rows`` grouped by local expert (``per_expert`` rows each)."""
+        chunks = rows.split(per_expert)
+        outs = [self.experts[str(e)](chunk) for e, chunk in zip(self.local_experts(), chunks)]
+        return torch.cat(outs) if outs else rows
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router probabilities (T, E) in fp32 or wider, chosen experts (T, k), renormalised
+        gates (T, k))."""
+        logits = self.router(flat)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)
+        top_p, top_e = probs.topk(self.top_k, dim=-1)
+        return probs, top_e, top_p / top_p.sum(-1, keepdim=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # (b, s, d) -> (b, s, d)
+        b, s, d = x.shape
+        flat = x.reshape(-1, d)
+        probs, top_e, gates = self.route(flat)
+        expert_of = top_e.reshape(-1)                          # (T k,) slot -> expert
+        order = torch.argsort(expert_of, stable=True)         # slots sorted by expert
+        counts = torch.bincount(expert_of, minlength=self.n_experts)
+        token_of = order // self.top_k                         # sorted slot -> its token
+        rows = flat[token_of]
+        if self.exchange is None:
+            out, received = self.compute(rows, counts.tolist()), rows.shape[0]
+        else:
+            out, received = self.exchange(rows, counts, self.compute)
+        weighted = out * gates.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        y = flat.new_zeros(flat.shape).index_add(0, token_of, weighted.to(flat.dtype)).view(b, s, d)
+        if not torch.is_grad_enabled():
+            return y
+        # per-sequence load balancing: E * sum_e f_e P_e, f from the chosen slots, P from probs
+        f = F.one_hot(top_e.view(b, s * self.top_k), self.n_experts).sum(1).to(probs.dtype) / (s * self.top_k)
+        aux = self.n_experts * (f * probs.view(b, s, -1).mean(1)).sum(-1)      # (b,)
+        stats = self.stats
+        if stats is not None and not _in_backward():
+            stats.counts[self.index] += counts.double().cpu()
+            stats.aux_sum[self.index] += float(aux.detach().sum())
+            stats.sequences[self.index] += b
+            stats.received[self.index] += received
+        scale = stats.loss_scale if stats is not None else 1.0
+        return AuxGrad.apply(y, aux.sum(), self.aux_coef * s * scale)
