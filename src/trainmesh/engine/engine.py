@@ -19,7 +19,9 @@ duplicate) is one :class:`~trainmesh.core.placement.Placement` per name in ``eng
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -127,16 +129,19 @@ class Engine:
                         fill: Callable[[list[tuple[str, nn.Parameter]]], None] | None):
         """The DP strategy; under expert parallelism one for the dense parameters and one of
         the same kind for the experts, reduced over ``edp`` (:mod:`trainmesh.expert_parallel.sync`)."""
-        def make(subset: list[tuple[str, nn.Parameter]]):
-            return make_grad_sync(self.config, subset, self.comm, module=self.module,
+        def make(subset: list[tuple[str, nn.Parameter]], cfg: ParallelConfig, axis: str = "dp"):
+            return make_grad_sync(cfg, subset, self.comm, module=self.module,
                                   precision=self.precision, materialize=fill, device=self.device,
-                                  layers=getattr(self.executor, "layer_names", None))
+                                  layers=getattr(self.executor, "layer_names", None), axis=axis)
         experts = [(n, p) for n, p in named if self.placements.expert(n)]
         if not experts:   # no ep, or a pipeline stage without MoE layers (so is its edp group)
-            return make(named)
-        from trainmesh.expert_parallel.sync import ExpertSplitSync, expert_strategy
-        dense = make([(n, p) for n, p in named if not self.placements.expert(n)])
-        return ExpertSplitSync(dense, expert_strategy(dense, experts, self.comm, "edp"))
+            return make(named, self.config)
+        from trainmesh.expert_parallel.sync import ExpertSplitSync
+        dense = make([(n, p) for n, p in named if not self.placements.expert(n)], self.config)
+        cfg = self.config   # nvme offload: the experts' state file apart from the dense one's
+        if cfg.offload_dir is not None:
+            cfg = dataclasses.replace(cfg, offload_dir=os.path.join(cfg.offload_dir, "experts"))
+        return ExpertSplitSync(dense, make(experts, cfg, axis="edp"))
 
     def _build_executor(self, model: nn.Module, loss_fn: LossFn) -> Executor:
         """This rank's share of the model and how a step runs it: a pipeline stage or all of it."""

@@ -12,16 +12,11 @@ factory builds is made once per subset; :class:`CombinedOptimizer` shows them as
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from torch import nn
 
-from trainmesh.comm import Comm
 from trainmesh.data_parallel.base import CountedFn, GradSync, OptimizerFactory
-from trainmesh.data_parallel.ddp import DDP
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
@@ -44,18 +39,6 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for sync in self.syncs:
             sync.zero_grad()
-
-
-def expert_strategy(dense: GradSync, named: list[tuple[str, nn.Parameter]], comm: Comm,
-                    axis: str) -> GradSync:
-    """A strategy of ``dense``'s kind for ``named``, reducing over ``axis`` (``--offload nvme``
-    with a directory: its state file in a subdirectory, apart from the dense strategy's)."""
-    where = dense.options.offload_dir
-    options = dataclasses.replace(dense.options, axis=axis,
-                                  offload_dir=str(Path(where) / "experts") if where else None)
-    if isinstance(dense, DDP):
-        return DDP(named, comm, options, allreduce=dense.allreduce)
-    return type(dense)(named, comm, options)
 
 
 class ExpertSplitSync(GradSync):
