@@ -174,7 +174,7 @@ class TrainConfig:
         if p.fault_tolerant:
             self._check_fault_tolerant()
         per = p.dp * p.microbatches
-        if self.global_batch % per:
+        if self.global_batch % per and not p.fault_tolerant:   # fault-tolerant: split unevenly
             raise ConfigError("--global-batch", f"must be divisible by dp x microbatches = {p.dp} x "
                               f"{p.microbatches} = {per}; got {self.global_batch}")
         gpt = self.gpt_config()  # the shape's own rules (heads divide d-model)

@@ -125,6 +125,7 @@ class Coordinator:
             store.set(key("dec", q), decision.encode())
             if decision.abort:
                 self.error = decision.abort
+                store.set(DONE, str(self.committed))
                 return
             for req in requests.values():
                 pids = self.tally.pids.setdefault(req.replica, [])
@@ -212,8 +213,10 @@ class Coordinator:
                 if r not in got and self._alive(store, r, inc):
                     pending.append(r)
             now = time.monotonic()
-            if first_failure is None and any(not o.ok for o in got.values()):
+            if first_failure is None and (any(not o.ok for o in got.values())
+                                          or len(got) + len(pending) < len(decision.members)):
                 first_failure = now
+                store.set(key("abandon", q), "1")   # a member failed or was lost: stop waiting
             if (not pending or now > deadline
                     or (first_failure is not None and now - first_failure > SUSPECT_S)):
                 self._suspects = {r for r, _ in decision.members if r not in got}

@@ -9,6 +9,7 @@ Every key lives in the coordinator's store (docs/FAULT_TOLERANCE.md gives the pr
 - ``dec/{q}``: the coordinator's decision (a :class:`Decision`), read by every replica;
 - ``ok/{q}/{r}``: replica r's outcome of the step attempt of quorum q (an :class:`Outcome`);
 - ``commit/{q}``: ``"1"`` when every member succeeded (the step is applied), else ``"0"``;
+- ``abandon/{q}``: set once a member of q failed or was lost (the others stop waiting on it);
 - ``state/{q}``: the source's description of the live state it sends to the receivers;
 - ``pg/{q}/...``: the process group of quorum q (a ``PrefixStore``);
 - ``done``: set once the last step is committed (a replica still asking in ends).

@@ -31,6 +31,10 @@ from .protocol import (
 )
 
 
+class Abandoned(RuntimeError):
+    """The coordinator gave up the quorum this replica was waiting in."""
+
+
 class QuorumClient:
     """Replica ``replica`` (in its ``incarnation``: the agent's restart count) of the run whose
     coordinator serves ``address``."""
@@ -88,12 +92,16 @@ class QuorumClient:
                    f"the commit of quorum {q}")
         return self.store.get(key("commit", q)) == b"1"
 
-    def _wait(self, keys: list[str], bound: float, what: str, *, done_ok: bool = False) -> None:
-        """Until ``keys`` exist (or, ``done_ok``, the run is over), at most ``bound`` seconds."""
+    def _wait(self, keys: list[str], bound: float, what: str, *, done_ok: bool = False,
+              abandon: int | None = None) -> None:
+        """Until ``keys`` exist (or, ``done_ok``, the run is over), at most ``bound`` seconds;
+        raises :class:`Abandoned` once quorum ``abandon`` is given up."""
         deadline = time.monotonic() + bound
         while not self.store.check(keys):
             if done_ok and self.store.check([DONE]):
                 return
+            if abandon is not None and self.store.check([key("abandon", abandon)]):
+                raise Abandoned(f"quorum {abandon} was given up (a member failed or was lost)")
             if time.monotonic() > deadline:
                 raise CommTimeout(f"replica {self.replica}: no answer from the fault-tolerance "
                                   f"coordinator for {what} within {bound:.0f} s")
@@ -124,7 +132,8 @@ class QuorumClient:
     def recv_state(self, pg: Any, decision: Decision, params: list[tuple[str, torch.Tensor]]
                    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
         """A receiver: the source's (params, optimizer states, trainer state); sets the RNG."""
-        self._wait([key("state", decision.quorum)], self.timeout_s, "the source's state")
+        self._wait([key("state", decision.quorum)], self.timeout_s, "the source's state",
+                   abandon=decision.quorum)
         header = json.loads(self.store.get(key("state", decision.quorum)))
         shapes = ([(t.shape, t.dtype) for _, t in params]
                   + [(torch.Size(shape), getattr(torch, dtype)) for _, _, shape, dtype in header["optim"]]

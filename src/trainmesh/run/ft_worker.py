@@ -33,10 +33,6 @@ from trainmesh.fault_tolerance.protocol import Decision, Outcome, split_rows
 from trainmesh.fault_tolerance.replica import QuorumClient
 
 
-class QuorumAbort(RuntimeError):
-    """The coordinator ended the run (no replica holds the live state any more)."""
-
-
 @record
 def ft_worker_main(cfg: TrainConfig, replica: int, address: str) -> int:
     """Replica ``replica`` of the run whose coordinator serves ``address``."""
@@ -88,8 +84,8 @@ class Replica:
                 first = False
                 if decision is None:      # the run reached its last step meanwhile
                     break
-                if decision.abort:
-                    raise QuorumAbort(decision.abort)
+                if decision.abort:    # the launcher reports the reason and exits 1
+                    break
                 if decision.has(self.replica, self.incarnation):
                     self._member(decision)
                 else:                     # left out: the others may commit a step without it
