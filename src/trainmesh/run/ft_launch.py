@@ -29,9 +29,11 @@ from trainmesh.run.launch import (
     SHUTDOWN_GRACE_S,
     _headline,
     _quiet_agent,
+    apply_env,
     die_with_parent,
     end_process,
     local_rendezvous,
+    worker_env,
 )
 
 if TYPE_CHECKING:
@@ -63,8 +65,6 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     p = cfg.parallel
     _quiet_agent()
     bound_worker_shutdown(FAILURE_GRACE_S)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p.dp)))
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}
              if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
     gpt = cfg.gpt_config()
@@ -77,6 +77,8 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     _signals_raise()
     try:
         with local_rendezvous() as rendezvous:
+            env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // p.dp))
+
             def agent(replica: int) -> None:
                 config = LaunchConfig(
                     min_nodes=1, max_nodes=1, nproc_per_node=1, run_id=f"{run_id}-r{replica}",
@@ -84,7 +86,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
                     start_method="spawn", **rendezvous, **grace)
                 try:
                     elastic_launch(config, ft_worker_entry)(cfg, os.getpid(), worker_setup, replica,
-                                                            coordinator.address)
+                                                            coordinator.address, env)
                 except ChildFailedError as exc:
                     failures[replica] = _headline(exc).replace("rank 0", f"replica {replica}", 1)
                 except Exception as exc:   # noqa: BLE001 - the agent itself failed
@@ -154,9 +156,10 @@ def _signals_raise() -> None:
 
 
 def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], None] | None,
-                    replica: int, address: str) -> int:
+                    replica: int, address: str, env: dict[str, str]) -> int:
     """What each replica's worker runs (see :func:`~trainmesh.run.launch.worker_entry`)."""
     die_with_parent(launcher_pid)
+    apply_env(env)
     if setup is not None:
         setup()
     from trainmesh.run.ft_worker import ft_worker_main
