@@ -136,6 +136,10 @@ class Coordinator:
                          "lost": lost, "joined": joined}
                 if failed_at is not None:
                     event["recovering_s"] = round(time.monotonic() - failed_at, 3)
+                elif lost:   # lost between two steps: the wait for its heartbeat to stop
+                    waited = time.monotonic() - began
+                    event["recovering_s"] = round(waited, 3)
+                    self.tally.recovery_s += waited
                 self.metrics.write(event)
                 log.info("trainmesh: step %d: %d replicas%s%s", decision.step, len(decision.members),
                          f", lost {lost}" if lost else "", f", joined {joined}" if joined else "")
@@ -143,7 +147,12 @@ class Coordinator:
             attempt = time.monotonic()
             outcomes = self._outcomes(store, q, decision)
             ok = len(outcomes) == len(decision.members) and all(o.ok for o in outcomes)
-            store.set(key("commit", q), "1" if ok else "0")
+            nonfinite = outcomes[0].row.get("nonfinite") if ok else None
+            store.set(key("commit", q), "1" if ok and not nonfinite else "0")
+            if nonfinite:   # the same on every member (the sums are reduced): never applied
+                self.error = (f"step {decision.step}: non-finite {nonfinite} (--on-nonfinite stop); "
+                              "the run stops, nothing of the step was applied")
+                break
             if ok:
                 self._committed(decision, outcomes, failed_at)
                 failed_at = None

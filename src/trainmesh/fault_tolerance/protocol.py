@@ -9,6 +9,9 @@ Every key lives in the coordinator's store (docs/FAULT_TOLERANCE.md gives the pr
 - ``dec/{q}``: the coordinator's decision (a :class:`Decision`), read by every replica;
 - ``ok/{q}/{r}``: replica r's outcome of the step attempt of quorum q (an :class:`Outcome`);
 - ``commit/{q}``: ``"1"`` when every member succeeded (the step is applied), else ``"0"``;
+- ``arrive/{q}/{r}``: member r is about to build quorum q's process group (every member
+  waits for the others first, so a member lost meanwhile abandons q instead of a connect
+  waiting for it until ``--timeout``);
 - ``abandon/{q}``: set once a member of q failed or was lost (the others stop waiting on it);
 - ``state/{q}``: the source's description of the live state it sends to the receivers;
 - ``pg/{q}/...``: the process group of quorum q (a ``PrefixStore``);
@@ -22,7 +25,7 @@ from typing import Any
 
 HEARTBEAT_S = 0.2
 """How often a replica rewrites its heartbeat."""
-HEARTBEAT_TIMEOUT_S = 5.0
+HEARTBEAT_TIMEOUT_S = 2.0
 """A replica whose heartbeat has not changed for this long is lost (a restarted replica's new
 incarnation supersedes the old one at once)."""
 POLL_S = 0.02

@@ -110,7 +110,11 @@ class QuorumClient:
     def process_group(self, decision: Decision) -> Any:
         """The members' gloo process group for quorum ``decision.quorum``, over a PrefixStore
         of the coordinator's store (a fresh one per quorum: a failed group is never reused)."""
-        prefix = dist.PrefixStore(key("pg", decision.quorum), self.store)
+        q = decision.quorum   # everyone there first: a member lost before it abandons q at once
+        self.store.set(key("arrive", q, self.replica), "1")
+        self._wait([key("arrive", q, r) for r in decision.replicas], self.timeout_s,
+                   f"the members of quorum {q}", abandon=q)
+        prefix = dist.PrefixStore(key("pg", q), self.store)
         rank = decision.replicas.index(self.replica)
         return dist.ProcessGroupGloo(prefix, rank, len(decision.members),
                                      timedelta(seconds=self.timeout_s))

@@ -96,10 +96,11 @@ class Replica:
         return 0
 
     def _member(self, decision: Decision) -> None:
-        if self.pg is None or self.pg_members != decision.members or self.pg_quorum != decision.quorum - 1:
-            self.pg = self.client.process_group(decision)
+        # the same choice on every member: all were in quorum q-1 and saw it committed, or not
+        fresh = (self.pg is None or self.pg_members != decision.members
+                 or self.pg_quorum != decision.quorum - 1)
         self.pg_members, self.pg_quorum = decision.members, decision.quorum
-        outcome = self._attempt(decision)
+        outcome = self._attempt(decision, fresh)
         if self.client.report(decision.quorum, outcome):
             self._apply()
             self.steps_done = decision.step
@@ -107,10 +108,13 @@ class Replica:
             self.engine.grad_sync.zero_grad()   # discarded: the weights stay as they were
             self.pg = None                      # a group that saw a failure is not reused
 
-    def _attempt(self, d: Decision) -> Outcome:
+    def _attempt(self, d: Decision, fresh: bool) -> Outcome:
         began = time.perf_counter()
         row: dict[str, Any] = {}
         try:
+            if fresh:
+                self.pg = None
+                self.pg = self.client.process_group(d)
             if d.source == self.replica and d.receivers:
                 self.inject.maybe_die(d.step, "send")
                 params, optim = self.engine.grad_sync.logical_state()
@@ -124,6 +128,8 @@ class Replica:
             self.engine.grad_sync.zero_grad()
             return Outcome(self.replica, self.incarnation, False, f"{type(exc).__name__}: {exc}"[:300])
         dt = time.perf_counter() - began
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            row["nonfinite"] = f"loss {loss}" if not math.isfinite(loss) else f"grad_norm {norm}"
         row.update(loss=loss, grad_norm=norm, lr=self.engine.optimizer.param_groups[0]["lr"],
                    tokens=self.tokens, step_time_s=dt,
                    tokens_per_s=self.tokens / dt if dt > 0 else 0.0, mfu=None)
