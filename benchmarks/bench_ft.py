@@ -106,9 +106,6 @@ def main() -> None:
                     ft = summary["fault_tolerance"]
                     extra = (f"recovery {ft['recovery_s']:.2f} s, {ft['degraded_steps']} degraded "
                              f"steps, state transfer {ft['state_transfer_s']:.3f} s")
-                else:
-                    redone = sum(1 for r in hit_rec if r.get("event") == "step") - len(got)
-                    extra = f"{redone} steps recomputed"
                 rows.append((mode, clean, hit, hit - clean, worst, extra))
     print(f"{'mode':<15} {'clean s':>8} {'faulted s':>10} {'lost s':>7} {'max |dloss|':>12}  notes")
     for mode, clean, hit, lost, worst, extra in rows:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +58,11 @@ class Coordinator:
     the wait for a member's outcome (its collective timeout plus slack)."""
 
     def __init__(self, *, replicas: int, last: int, metrics_out: str | None, tokens: int,
-                 startup_timeout_s: float = 300.0, step_timeout_s: float = 330.0) -> None:
+                 startup_timeout_s: float = 300.0, step_timeout_s: float = 330.0,
+                 notify: Callable[[str], None] | None = None) -> None:
         self.replicas, self.last, self.tokens = replicas, last, tokens
+        self.notify = notify or log.info
+        """Where the one-line notices of membership changes and discarded steps go."""
         self.startup_timeout_s, self.step_timeout_s = startup_timeout_s, step_timeout_s
         self._server = server_store(LOOPBACK, timeout_s=step_timeout_s, multi_tenant=True)
         self.address = f"{LOOPBACK}:{self._server.port}"
@@ -87,12 +91,17 @@ class Coordinator:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        store = None
         try:
-            self._loop(client_store(self.address, timeout_s=self.step_timeout_s))
+            store = client_store(self.address, timeout_s=self.step_timeout_s)
+            self._loop(store)
         except _Stopped:
             pass
         except Exception as exc:   # noqa: BLE001 - reported by the launcher as the run's failure
             self.error = f"the fault-tolerance coordinator failed: {type(exc).__name__}: {exc}"
+        finally:   # whatever ended the loop: replicas still waiting end at once
+            if store is not None:
+                store.set(DONE, str(self.committed))
 
     # ---------------------------------------------------------------- liveness
     def _alive(self, store: Any, replica: int, incarnation: int) -> bool:
@@ -125,7 +134,6 @@ class Coordinator:
             store.set(key("dec", q), decision.encode())
             if decision.abort:
                 self.error = decision.abort
-                store.set(DONE, str(self.committed))
                 return
             for req in requests.values():
                 pids = self.tally.pids.setdefault(req.replica, [])
@@ -141,8 +149,8 @@ class Coordinator:
                     event["recovering_s"] = round(waited, 3)
                     self.tally.recovery_s += waited
                 self.metrics.write(event)
-                log.info("trainmesh: step %d: %d replicas%s%s", decision.step, len(decision.members),
-                         f", lost {lost}" if lost else "", f", joined {joined}" if joined else "")
+                self.notify(f"trainmesh: step {decision.step}: {len(decision.members)} replicas"
+                            + (f", lost {lost}" if lost else "") + (f", joined {joined}" if joined else ""))
             members = decision.members
             attempt = time.monotonic()
             outcomes = self._outcomes(store, q, decision)
@@ -161,11 +169,11 @@ class Coordinator:
                 failed_at = attempt if failed_at is None else failed_at
                 errors = [f"replica {o.replica}: {o.error}" for o in outcomes if not o.ok]
                 missing = sorted(set(decision.replicas) - {o.replica for o in outcomes})
-                log.info("trainmesh: step %d discarded (%s); redone by the replicas present",
-                         decision.step, "; ".join(errors + [f"replica {r} lost" for r in missing])[:300])
+                why = "; ".join(errors + [f"replica {r} lost" for r in missing])[:300]
+                self.notify(f"trainmesh: step {decision.step} discarded ({why}); redone by the "
+                            "replicas present")
             q += 1
             began = time.monotonic()
-        store.set(DONE, str(self.committed))
 
     def _collect(self, store: Any, q: int, members: list[list[int]], began: float) -> dict[int, Request]:
         """The requests for quorum q, once every live member of the last quorum made one (the

@@ -70,7 +70,8 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     gpt = cfg.gpt_config()
     coordinator = Coordinator(replicas=p.dp, last=cfg.exit_after or cfg.steps,
                               metrics_out=cfg.metrics_out, tokens=cfg.global_batch * gpt.seq_len,
-                              startup_timeout_s=STARTUP_TIMEOUT_S, step_timeout_s=p.timeout_s + 30)
+                              startup_timeout_s=STARTUP_TIMEOUT_S, step_timeout_s=p.timeout_s + 30,
+                              notify=lambda line: print(line, file=sys.stderr, flush=True))
     failures: dict[int, str] = {}
     run_id = f"trainmesh-ft-{uuid.uuid4().hex[:8]}"
     began = time.perf_counter()
