@@ -81,6 +81,12 @@ Qwen3 q/k norm gradients not all-reduced       test_hf_families: qwen3 (k_norm o
 tied alias missing from full_state_dict (tp)   test_hf_families: tied_alias_under_tp_...
 tied alias missing from consolidate           test_hf_families: model_dir_any_family_...
 GPT -> GPT-2 export fusing q, k, v misordered  test_export_hf: builtin_gpt_exports_... (0.2)
+fault-tolerant: failed step applied anyway     test_fault_tolerance: replica_lost_... (step 5
+  (not discarded)                               loss off by 3.5e-2)
+fault-tolerant: batch not re-split among the   test_fault_tolerance: replica_lost_... (step 5
+  replicas present (split by --dp)              loss off by 9.7e-3)
+fault-tolerant: joiner keeps its own weights   test_fault_tolerance: replica_lost_... (step 12
+  (live state not loaded)                       loss off by 0.2)
 ============================================  ==================================================
 """
 from __future__ import annotations
