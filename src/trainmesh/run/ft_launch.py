@@ -120,8 +120,8 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
           f"{t.degraded_steps} steps with fewer than {p.dp} replicas", flush=True)
     for why in failures.values():
         sys.stderr.write(f"trainmesh train: warning: {why}; the run finished without it\n")
-    if cfg.metrics_out:
-        sys.stderr.write(f"trainmesh: wrote {cfg.metrics_out} (metrics)\n")
+    from trainmesh.observe.progress import outputs_of, print_outputs
+    print_outputs(outputs_of(cfg))
     return 0
 
 
