@@ -98,3 +98,12 @@ def test_injection_syntax():
 @pytest.mark.timeout(30)
 def test_layouts_it_cannot_protect_are_refused(capsys, extra, flag):
     assert_refused(capsys, ["train", "--fault-tolerant", "--steps", "2", *extra], flag)
+
+
+@pytest.mark.timeout(30)
+def test_refused_under_torchrun(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = assert_refused(capsys, ["train", "--fault-tolerant", "--dp", "2", "--steps", "2"],
+                          "--fault-tolerant")
+    assert "torchrun" in line
