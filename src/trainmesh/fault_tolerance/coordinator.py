@@ -30,9 +30,6 @@ from .protocol import (
 )
 
 log = logging.getLogger("trainmesh")
-SUSPECT_S = 1.0
-"""After a member reported a failed collective, seconds the coordinator waits for the silent
-members' outcomes before it discards the attempt and suspects them."""
 
 
 @dataclass
@@ -75,8 +72,8 @@ class Coordinator:
         self._stop = threading.Event()
         self._beats: dict[int, tuple[str, float]] = {}
         self._suspects: set[int] = set()
-        """Members silent when their peers' collective failed: the next quorum goes on without
-        waiting for them (they are let in if they ask in time)."""
+        """Members lost during the last attempt: the next quorum does not wait for them (they
+        are let in if they ask in time)."""
         self._thread = threading.Thread(target=self._run, name="trainmesh-ft-coordinator", daemon=True)
 
     # ---------------------------------------------------------------- life cycle
@@ -213,9 +210,10 @@ class Coordinator:
                         receivers=receivers)
 
     def _outcomes(self, store: Any, q: int, decision: Decision) -> list[Outcome]:
-        """Each member's outcome. A member lost meanwhile (its heartbeat stopped), silent past
-        the step timeout, or silent :data:`SUSPECT_S` after a peer reported a failed collective
-        has none, and becomes a suspect: the next quorum does not wait for it."""
+        """Each member's outcome. A member lost meanwhile (its heartbeat stopped) or silent past
+        the step timeout has none, and becomes a suspect: the next quorum does not wait for it.
+        A live member is always waited for (one stuck in a collective with a failed peer fails
+        when that peer drops the group, at the latest after ``--timeout``)."""
         got: dict[int, Outcome] = {}
         deadline = time.monotonic() + self.step_timeout_s
         first_failure: float | None = None
@@ -234,8 +232,7 @@ class Coordinator:
                                           or len(got) + len(pending) < len(decision.members)):
                 first_failure = now
                 store.set(key("abandon", q), "1")   # a member failed or was lost: stop waiting
-            if (not pending or now > deadline
-                    or (first_failure is not None and now - first_failure > SUSPECT_S)):
+            if not pending or now > deadline:
                 self._suspects = {r for r, _ in decision.members if r not in got}
                 return [got[r] for r in sorted(got)]
             time.sleep(POLL_S)

@@ -106,14 +106,22 @@ class Replica:
             self.steps_done = decision.step
         else:
             self.engine.grad_sync.zero_grad()   # discarded: the weights stay as they were
-            self.pg = None                      # a group that saw a failure is not reused
+            self._drop_group()                  # a group that saw a failure is not reused
+
+    def _drop_group(self) -> None:
+        if self.pg is not None:
+            try:
+                self.pg.abort()
+            except Exception:   # noqa: BLE001 - already broken: nothing left to close
+                pass
+        self.pg = None
 
     def _attempt(self, d: Decision, fresh: bool) -> Outcome:
         began = time.perf_counter()
         row: dict[str, Any] = {}
         try:
             if fresh:
-                self.pg = None
+                self._drop_group()
                 self.pg = self.client.process_group(d)
             if d.source == self.replica and d.receivers:
                 self.inject.maybe_die(d.step, "send")
@@ -126,6 +134,7 @@ class Replica:
             loss, norm = self._forward_backward_reduce(d)
         except Exception as exc:   # noqa: BLE001 - a failed attempt: the coordinator decides
             self.engine.grad_sync.zero_grad()
+            self._drop_group()   # its connections closed: a peer still inside a collective fails now
             return Outcome(self.replica, self.incarnation, False, f"{type(exc).__name__}: {exc}"[:300])
         dt = time.perf_counter() - began
         if not (math.isfinite(loss) and math.isfinite(norm)):
