@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "trainmesh"
 LAYERS = {
     "core": 0, "comm": 1, "observe": 2, "models": 3, "data": 3, "config": 4,
     "data_parallel": 5, "tensor_parallel": 5, "pipeline_parallel": 5, "parameter_server": 5,
-    "planner": 5, "context_parallel": 5, "expert_parallel": 5, "checkpoint": 6, "engine": 7, "run": 8, "cli": 9,
+    "planner": 5, "context_parallel": 5, "expert_parallel": 5, "fault_tolerance": 5, "checkpoint": 6, "engine": 7, "run": 8, "cli": 9,
 }
 FACES = {"trainmesh", "trainmesh.__main__", "trainmesh.testing"}   # the package's public face
 

@@ -91,6 +91,12 @@ MoE: aux gradient without the sequence weight  test_moe: matches_the_dense_loop 
 EP: a received row dropped in the exchange     test_expert_parallel: dp4-ep4 (norm, step 2)
 EP: expert gradients reduced over dp, not edp  test_expert_parallel: dp4-ep2-zero1 (norm, step 1)
 EP: experts' start broadcast over dp, not edp  test_expert_parallel: python_api_... (2.7e-3)
+fault-tolerant: failed step applied anyway     test_fault_tolerance: replica_lost_... (step 5
+  (not discarded)                               loss off by 3.5e-2)
+fault-tolerant: batch not re-split among the   test_fault_tolerance: replica_lost_... (step 5
+  replicas present (split by --dp)              loss off by 9.7e-3)
+fault-tolerant: joiner keeps its own weights   test_fault_tolerance: replica_lost_... (step 12
+  (live state not loaded)                       loss off by 0.2)
 ============================================  ==================================================
 """
 from __future__ import annotations

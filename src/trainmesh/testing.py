@@ -19,8 +19,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 
 @record
-def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, args: tuple) -> Any:
+def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, args: tuple,
+            env: dict[str, str] | None = None) -> Any:
     import torch
+
+    from trainmesh.run.launch import apply_env
+    apply_env(env or {})
 
     from trainmesh.core.distributed import init_distributed, shutdown
     torch.set_num_threads(threads)
@@ -39,9 +43,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(*args)`` on ``world_size`` fresh processes; return {rank: result}."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from trainmesh.core.stores import STORE_ENV
     from trainmesh.run.launch import local_rendezvous
     with local_rendezvous() as rendezvous:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
                               run_id=f"tm-{uuid.uuid4().hex[:8]}", max_restarts=0,
                               monitor_interval=0.05, start_method="spawn", **rendezvous)
-        return elastic_launch(config, _worker)(fn, timeout_s, threads, args)
+        store = {STORE_ENV: rendezvous["rdzv_endpoint"]}   # the workers' environment, not ours
+        return elastic_launch(config, _worker)(fn, timeout_s, threads, args, store)

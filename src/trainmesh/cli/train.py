@@ -189,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
     given = bool(given_flags(args)) or args.config is not None
     world = launcher_world()
     cfg = build_train_config(collect(args, given, world=world))
+    if world is not None and cfg.parallel.fault_tolerant:
+        raise ConfigError("--fault-tolerant", "runs its replicas under trainmesh's own launcher "
+                          "(one elastic agent per replica); start it with `trainmesh train`, "
+                          "not under torchrun or srun")
     if world is not None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")))
         preflight(cfg, local_ranks=local, launching=False)
@@ -204,8 +208,11 @@ def run(args: argparse.Namespace) -> int:
         return worker_main(cfg)
     preflight(cfg, local_ranks=cfg.parallel.world_size, launching=True)
     warn_warmup(cfg)
-    from trainmesh.run.launch import launch_local
-
     from .logs import configure_worker_logging
-    return launch_local(cfg, nproc=cfg.parallel.world_size, max_restarts=cfg.max_restarts,
+    if cfg.parallel.fault_tolerant:
+        from trainmesh.run.ft_launch import launch_fault_tolerant
+        return launch_fault_tolerant(cfg, max_restarts=cfg.restart_limit,
+                                     worker_setup=configure_worker_logging)
+    from trainmesh.run.launch import launch_local
+    return launch_local(cfg, nproc=cfg.parallel.world_size, max_restarts=cfg.restart_limit,
                         worker_setup=configure_worker_logging)

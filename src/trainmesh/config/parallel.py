@@ -147,6 +147,7 @@ class ParallelConfig:
         self._check_ps()
         self._check_diloco()
         self._check_mesh_axes()
+        self._check_fault_tolerant()
 
     def _check_mesh_axes(self) -> None:
         """Context and expert parallelism, HSDP and fault tolerance: their rules between fields."""
@@ -193,6 +194,24 @@ class ParallelConfig:
             raise ConfigError("--dp-shard", "< --dp is not supported with --offload (shards streamed "
                               "to the host across replicas are not verified against one process); "
                               "use --offload none")
+
+    def _check_fault_tolerant(self) -> None:
+        """--fault-tolerant protects plain data parallelism (one process per replica, fp32)."""
+        if not self.fault_tolerant:
+            return
+        if self.dp < 2:
+            raise ConfigError("--fault-tolerant", f"needs --dp >= 2 (replicas that can stand in for "
+                              f"each other); got --dp {self.dp}")
+        for flag, changed, valid in (
+                ("--tp", self.tp > 1, "1"), ("--pp", self.pp > 1, "1"), ("--cp", self.cp > 1, "1"),
+                ("--ep", self.ep > 1, "1"), ("--zero", self.zero > 0, "0"),
+                ("--dp-shard", self.dp_shard not in (None, self.dp), "unset"),
+                ("--min-dp", self.min_dp is not None, "unset: replicas come and go per step"),
+                ("--precision", self.precision != "fp32", "fp32"),
+                ("--allreduce", self.allreduce != "native", "native")):
+            if changed:
+                raise ConfigError(flag, f"is not supported with --fault-tolerant, whose replica is "
+                                  f"one process holding the whole model (valid: {valid})")
 
     def build_mesh(self) -> ParallelMesh:
         """The mesh of this layout (a collective call: every rank builds it, in the same order)."""

@@ -87,7 +87,9 @@ class TrainConfig:
                                group="checkpoints")
     exit_after: int | None = setting(None, "stop cleanly after this step (planned preemption)", ge=1,
                                      group="checkpoints")
-    max_restarts: int = setting(0, "restarts of failed workers (local runs)", ge=0, group="launch")
+    max_restarts: int | None = setting(None, "restarts of failed workers (local runs; default 0, "
+                                             "with --fault-tolerant 3 per replica)", ge=0,
+                                       group="launch")
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
                                              "(pipeline runs)", path=True, group="observability")
     eval_every: int | None = setting(None, "validation loss on the held-out split (the last 5 percent "
@@ -113,6 +115,33 @@ class TrainConfig:
     force: bool = setting(False, "start even when the planner predicts the run will not fit "
                                  "this machine, or --resume with another --data than the "
                                  "checkpoint's", group="launch")
+
+    @property
+    def restart_limit(self) -> int:
+        """--max-restarts, or its default: 0, or 3 per replica with --fault-tolerant."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return 3 if self.parallel.fault_tolerant else 0
+
+    def _check_fault_tolerant(self) -> None:
+        """What a --fault-tolerant run cannot protect yet: refused, naming the flag."""
+        why = {"--save-dir": self.save_dir is not None and "replicas keep the live state; "
+                             "checkpoints are not written by fault-tolerant runs yet",
+               "--eval-every": self.eval_every is not None and "evaluation is not run by "
+                               "fault-tolerant replicas yet",
+               "--trace-out": self.trace_out is not None and "traces need a fixed world",
+               "--tensorboard": self.tensorboard is not None and "only the metrics file is "
+                                "written by fault-tolerant runs",
+               "--model-dir": self.model_dir is not None and "fault-tolerant runs train the "
+                              "built-in GPT",
+               "--on-nonfinite": self.on_nonfinite != "stop" and "a skipped step is not "
+                                 "supported by fault-tolerant runs (valid: stop)"}
+        for flag, reason in why.items():
+            if reason:
+                raise ConfigError(flag, f"is not supported with --fault-tolerant: {reason}")
+        if self.global_batch < self.parallel.dp:
+            raise ConfigError("--global-batch", f"must be at least --dp {self.parallel.dp} with "
+                              "--fault-tolerant (each replica takes rows of it)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.parallel, ParallelConfig):
@@ -142,8 +171,10 @@ class TrainConfig:
             if not self.timeline_out.endswith((".svg", ".png")):
                 raise ConfigError("--timeline-out", f"must end in .svg or .png; got {self.timeline_out!r}")
         p = self.parallel
+        if p.fault_tolerant:
+            self._check_fault_tolerant()
         per = p.dp * p.microbatches
-        if self.global_batch % per:
+        if self.global_batch % per and not p.fault_tolerant:   # fault-tolerant: split unevenly
             raise ConfigError("--global-batch", f"must be divisible by dp x microbatches = {p.dp} x "
                               f"{p.microbatches} = {per}; got {self.global_batch}")
         gpt = self.gpt_config()  # the shape's own rules (heads divide d-model)

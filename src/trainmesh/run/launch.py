@@ -89,8 +89,6 @@ def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int,
     with SaveDirLock(cfg.save_dir) if cfg.save_dir else contextlib.nullcontext():
         _quiet_agent()
         bound_worker_shutdown(FAILURE_GRACE_S)
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        os.environ.setdefault("PYTHONUNBUFFERED", "1")
         grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}   # where torch has it; else 30 s on signals
                  if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
         with local_rendezvous() as rendezvous:
@@ -98,8 +96,9 @@ def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int,
                 min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"trainmesh-{uuid.uuid4().hex[:8]}",
                 max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="spawn",
                 **rendezvous, **grace)
+            env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // nproc))
             try:
-                elastic_launch(config, worker_entry)(cfg, os.getpid(), worker_setup)
+                elastic_launch(config, worker_entry)(cfg, os.getpid(), worker_setup, env)
             except ChildFailedError as exc:
                 sys.stderr.write(f"trainmesh train: {_headline(exc)}\n")
                 return 1
@@ -118,25 +117,41 @@ def local_rendezvous(timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
     """The rendezvous fields of a single-node ``LaunchConfig``, over a store this process serves
     on the loopback address (port picked by the kernel at bind time) until the block ends.
 
-    Workers started inside the block find the store through ``TRAINMESH_LAUNCHER_STORE``. The
-    agent's own store sharing must be off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: it would
-    listen on every interface); rank 0 of the workers then serves the process group's store on
-    loopback (:func:`trainmesh.core.stores.process_group_store`)."""
+    Workers started inside the block find the store through ``TRAINMESH_LAUNCHER_STORE``, which
+    :func:`worker_env` gives them. The agent's own store sharing must be off
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, read by torch's rendezvous in this process: the
+    shared store would listen on every interface); rank 0 of the workers then serves the process
+    group's store on loopback (:func:`trainmesh.core.stores.process_group_store`)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     rendezvous_handler_registry.register(RDZV_BACKEND, _loopback_rendezvous)
     store = server_store(LOOPBACK, timeout_s=timeout_s, multi_tenant=True)
-    before = os.environ.get(STORE_ENV)
-    os.environ[STORE_ENV] = f"{LOOPBACK}:{store.port}"
-    try:
-        yield {"rdzv_backend": RDZV_BACKEND, "rdzv_endpoint": f"{LOOPBACK}:{store.port}",
-               "rdzv_configs": {"store": store}, "local_addr": LOOPBACK}
-    finally:
-        if before is None:
-            os.environ.pop(STORE_ENV, None)
-        else:
-            os.environ[STORE_ENV] = before
+    yield {"rdzv_backend": RDZV_BACKEND, "rdzv_endpoint": f"{LOOPBACK}:{store.port}",
+           "rdzv_configs": {"store": store}, "local_addr": LOOPBACK}
+
+
+def worker_env(rendezvous: dict[str, Any], *, threads: int) -> dict[str, str]:
+    """What the launcher's workers add to the environment they inherit (:func:`apply_env`):
+    the launcher's store (``TRAINMESH_LAUNCHER_STORE``), and unless already set, ``threads``
+    OpenMP threads and unbuffered output. Passed as an argument of the workers' entry point:
+    the launcher's own environment is left as it was."""
+    env = {STORE_ENV: rendezvous["rdzv_endpoint"]}
+    for name, value in (("OMP_NUM_THREADS", str(threads)), ("PYTHONUNBUFFERED", "1")):
+        if name not in os.environ:
+            env[name] = value
+    return env
+
+
+def apply_env(env: dict[str, str]) -> None:
+    """A worker: take ``env`` (:func:`worker_env`) into its environment, first thing. Output
+    becomes unbuffered as ``PYTHONUNBUFFERED`` would have made it at start-up."""
+    os.environ.update(env)
+    if env.get("PYTHONUNBUFFERED"):
+        for stream in (sys.stdout, sys.stderr):
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(write_through=True)
 
 
 def _loopback_rendezvous(params):
@@ -183,10 +198,12 @@ def _signal_exit_code(exc: BaseException) -> int | None:
 
 # ---------------------------------------------------------------- worker side
 def worker_entry(cfg: TrainConfig, launcher_pid: int,
-                 setup: Callable[[], None] | None = None) -> int:
-    """What each local worker runs: die with the launcher, ``setup()`` (the caller's logging
-    configuration: the library configures none), then train under ``cfg``."""
+                 setup: Callable[[], None] | None = None, env: dict[str, str] | None = None) -> int:
+    """What each local worker runs: die with the launcher, take the launcher's ``env``
+    (:func:`worker_env`), ``setup()`` (the caller's logging configuration: the library
+    configures none), then train under ``cfg``."""
     die_with_parent(launcher_pid)
+    apply_env(env or {})
     if setup is not None:
         setup()
     from trainmesh.comm.check import CollectiveOrderError

@@ -1,0 +1,126 @@
+"""Time lost per failure: ``--fault-tolerant`` against restart-from-checkpoint, same run.
+
+Four runs of ``trainmesh train`` (the SMALL test GPT, dp 3, CPU): each mode once without a
+failure and once with one worker SIGKILLed from outside as soon as step ``--kill-at`` appears
+in its metrics file. The time lost to the failure is the *stall*: seconds from the kill to the
+first record of the next step (against ``step s``, the clean run's median step time); wall
+times of both runs are printed too, but on a shared machine they carry more noise than the
+difference. The losses of the faulted runs are checked against the clean ones.
+
+- restart: ``--max-restarts 1 --save-dir D --save-every 1`` (each failure restarts every
+  worker, which resumes from the newest checkpoint, saved after every step);
+- fault-tolerant: ``--fault-tolerant`` (the survivors redo the failed step without the lost
+  replica, which its agent restarts and which rejoins from a peer's live state).
+
+Run from the repository root:
+
+    python benchmarks/bench_ft.py --steps 60 --kill-at 20 --trials 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
+         "--vocab-size", "64", "--global-batch", "12", "--warmup-steps", "5", "--dp", "3"]
+
+
+def workers_of(pid: int) -> list[int]:
+    """The worker processes started by the launcher ``pid`` (Linux: /proc's children lists)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in cmd:
+                out.append(int(child))
+    return sorted(out)
+
+
+def steps_logged(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass    # a line being written
+    return rows
+
+
+def run(args: list[str], out: Path, kill_at: int | None) -> tuple[float, list[dict], float]:
+    """(wall seconds, metrics records, stall) of one ``trainmesh train`` run; stall: seconds
+    from the kill to the first record of step ``kill_at + 1`` (0 without a kill)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    began = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *args,
+                             "--metrics-out", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killed_at = None
+    stall = 0.0
+    while proc.poll() is None:
+        logged = {r.get("step") for r in steps_logged(out) if r.get("event") == "step"}
+        if kill_at is not None and killed_at is None and kill_at in logged:
+            victims = workers_of(proc.pid)
+            if victims:
+                os.kill(victims[-1], signal.SIGKILL)
+                killed_at = time.perf_counter()
+        if killed_at is not None and not stall and kill_at + 1 in logged:
+            stall = time.perf_counter() - killed_at
+        time.sleep(0.02)
+    wall = time.perf_counter() - began
+    if proc.returncode:
+        sys.exit(f"run failed ({proc.returncode}): {' '.join(args)}\n{proc.stderr.read()[-2000:]}")
+    return wall, steps_logged(out), stall
+
+
+def final_steps(records: list[dict]) -> dict[int, float]:
+    """step -> loss, the newest record of each step (a restarted run logs some twice)."""
+    return {r["step"]: r["loss"] for r in records if r.get("event") == "step"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--kill-at", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=1)
+    a = ap.parse_args()
+    base = [*MODEL, "--steps", str(a.steps)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        modes = {"restart": lambda d: [*base, "--max-restarts", "1", "--save-dir", str(t / d),
+                                       "--save-every", "1"],
+                 "fault-tolerant": lambda d: [*base, "--fault-tolerant"]}
+        for trial in range(a.trials):
+            for mode, flags in modes.items():   # alternated: machine noise hits both alike
+                name = f"{mode}-{trial}"
+                clean, clean_rec, _ = run(flags(f"{name}-clean"), t / f"{name}-clean.jsonl", None)
+                hit, hit_rec, stall = run(flags(f"{name}-hit"), t / f"{name}-hit.jsonl", a.kill_at)
+                step_s = statistics.median(r["step_time_s"] for r in clean_rec
+                                           if r.get("event") == "step")
+                ref, got = final_steps(clean_rec), final_steps(hit_rec)
+                worst = max(abs(got[k] - ref[k]) for k in ref)
+                extra = ""
+                summary = next((r for r in hit_rec if r.get("event") == "summary"), {})
+                if "fault_tolerance" in summary:
+                    ft = summary["fault_tolerance"]
+                    extra = (f"recovery {ft['recovery_s']:.2f} s, {ft['degraded_steps']} degraded "
+                             f"steps, state transfer {ft['state_transfer_s']:.3f} s")
+                rows.append((mode, clean, hit, stall, step_s, worst, extra))
+    print(f"{'mode':<15} {'clean s':>8} {'faulted s':>10} {'stall s':>8} {'step s':>7} "
+          f"{'max |dloss|':>12}  notes")
+    for mode, clean, hit, stall, step_s, worst, extra in rows:
+        print(f"{mode:<15} {clean:8.1f} {hit:10.1f} {stall:8.2f} {step_s:7.3f} {worst:12.2e}  {extra}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Test-only fault injection: ``TRAINMESH_FT_INJECT`` makes chosen replicas fail on cue.
+
+The value is a comma-separated list of ``R@K:POINT`` entries (``R.I@K:POINT`` for replica R's
+incarnation I, its I-th restart; I is 0 by default): at step K, replica R
+
+- ``reduce`` (the default when ``:POINT`` is left out): SIGKILLs itself after its forward and
+  backward, just before the gradient all-reduce (its peers are in the collective);
+- ``send``: SIGKILLs itself as the source of a state transfer, before sending (a failure during
+  recovery);
+- ``hold``: before asking into the quorum of step K, waits until every other replica has asked
+  into it (at most :data:`HOLD_S`), so that a restarting replica rejoins at step K whatever the
+  machine's speed.
+
+Never set it outside tests.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from .protocol import INJECT_ENV, POLL_S
+
+POINTS = ("reduce", "send", "hold")
+HOLD_S = 120.0
+
+
+def parse(value: str) -> list[tuple[int, int, int, str]]:
+    """``(replica, incarnation, step, point)`` entries of an injection string."""
+    out = []
+    for item in filter(None, (s.strip() for s in value.split(","))):
+        where, _, point = item.partition(":")
+        who, _, step = where.partition("@")
+        replica, _, incarnation = who.partition(".")
+        if (point or "reduce") not in POINTS:
+            raise ValueError(f"{INJECT_ENV}: unknown point {point!r} in {item!r} ({', '.join(POINTS)})")
+        out.append((int(replica), int(incarnation or 0), int(step), point or "reduce"))
+    return out
+
+
+class Injector:
+    """Where this replica's incarnation is to fail, from the environment (nowhere by default)."""
+
+    def __init__(self, replica: int, incarnation: int, value: str | None = None) -> None:
+        value = os.environ.get(INJECT_ENV, "") if value is None else value
+        self.at = {(step, point) for r, i, step, point in parse(value)
+                   if (r, i) == (replica, incarnation)}
+
+    def maybe_die(self, step: int, point: str) -> None:
+        if (step, point) in self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_hold(self, step: int, everyone_asked: Callable[[], bool]) -> None:
+        if (step, "hold") in self.at:
+            deadline = time.monotonic() + HOLD_S
+            while not everyone_asked() and time.monotonic() < deadline:
+                time.sleep(POLL_S)

@@ -1,0 +1,115 @@
+"""The quorum protocol's records and store keys, shared by the coordinator and the replicas.
+
+Every key lives in the coordinator's store (docs/FAULT_TOLERANCE.md gives the protocol):
+
+- ``hb/{r}``: replica r's heartbeat, ``"{incarnation}:{counter}"``, rewritten every
+  :data:`HEARTBEAT_S`;
+- ``next``: the number of the quorum the coordinator is collecting;
+- ``req/{q}/{r}``: replica r asks to take part in quorum q (a :class:`Request`);
+- ``dec/{q}``: the coordinator's decision (a :class:`Decision`), read by every replica;
+- ``ok/{q}/{r}``: replica r's outcome of the step attempt of quorum q (an :class:`Outcome`);
+- ``commit/{q}``: ``"1"`` when every member succeeded (the step is applied), else ``"0"``;
+- ``arrive/{q}/{r}``: member r is about to build quorum q's process group (every member
+  waits for the others first, so a member lost meanwhile abandons q instead of a connect
+  waiting for it until ``--timeout``);
+- ``abandon/{q}``: set once a member of q failed or was lost (the others stop waiting on it);
+- ``state/{q}``: the source's description of the live state it sends to the receivers;
+- ``pg/{q}/...``: the process group of quorum q (a ``PrefixStore``);
+- ``done``: set once the last step is committed (a replica still asking in ends).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+HEARTBEAT_S = 0.2
+"""How often a replica rewrites its heartbeat."""
+HEARTBEAT_TIMEOUT_S = 2.0
+"""A replica whose heartbeat has not changed for this long is lost (a restarted replica's new
+incarnation supersedes the old one at once)."""
+POLL_S = 0.02
+"""How often the coordinator and the replicas look at the store."""
+DONE = "done"
+INJECT_ENV = "TRAINMESH_FT_INJECT"
+"""Test-only fault injection (:mod:`trainmesh.fault_tolerance.inject`)."""
+
+
+def key(*parts: Any) -> str:
+    return "/".join(str(p) for p in parts)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A replica asking to take part in a quorum."""
+
+    replica: int
+    incarnation: int
+    step: int
+    """Optimizer steps it has applied (its state is the run's state after that step)."""
+    needs_state: bool
+    """Its state is not the live one (a restarted replica, or one that missed a commit)."""
+    pid: int
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def decode(raw: bytes) -> Request:
+        return Request(**json.loads(raw))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The members of quorum q and the step they run, the same for every replica."""
+
+    quorum: int
+    members: list[list[int]] = field(default_factory=list)
+    """``[replica, incarnation]`` pairs, by replica id: the process-group ranks in this order."""
+    step: int = 0
+    """The step this quorum attempts."""
+    source: int | None = None
+    """The replica that sends the live state to ``receivers`` (None when nobody needs it)."""
+    receivers: list[int] = field(default_factory=list)
+    abort: str | None = None
+    """Set when the run cannot go on: the reason, in one line."""
+
+    @property
+    def replicas(self) -> list[int]:
+        return [r for r, _ in self.members]
+
+    def has(self, replica: int, incarnation: int) -> bool:
+        return [replica, incarnation] in self.members
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def decode(raw: bytes) -> Decision:
+        return Decision(**json.loads(raw))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a member's attempt at the step of a quorum went, with its metrics row when it did."""
+
+    replica: int
+    incarnation: int
+    ok: bool
+    error: str = ""
+    row: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def decode(raw: bytes) -> Outcome:
+        return Outcome(**json.loads(raw))
+
+
+def split_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of part ``index`` of ``rows`` split into ``parts`` contiguous pieces whose
+    sizes differ by at most one (the first ``rows % parts`` pieces take one more)."""
+    base, extra = divmod(rows, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)

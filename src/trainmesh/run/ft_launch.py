@@ -1,0 +1,171 @@
+"""The local launcher of a ``--fault-tolerant`` run: one elastic agent per replica, and the
+coordinator (docs/FAULT_TOLERANCE.md).
+
+Each replica runs under its own PyTorch elastic agent (a thread of this process, one worker
+each, its own rendezvous run id over the launcher's loopback store), so the agent of a failed
+replica restarts that replica alone (``--max-restarts``, :data:`FT_MAX_RESTARTS` by default)
+while the others go on. The coordinator (:mod:`trainmesh.fault_tolerance.coordinator`) decides
+every step's quorum and commit and writes the metrics file; this module adds the summary.
+
+Exit status: 0 when the last step was committed (a replica whose agent gave up is reported in
+one line); 1 when the run could not go on, with the coordinator's reason or the first failed
+replica's headline; 130/143 after Ctrl-C/SIGTERM (workers die with this process).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from trainmesh.run.launch import (
+    FAILURE_GRACE_S,
+    MONITOR_INTERVAL_S,
+    SHUTDOWN_GRACE_S,
+    _headline,
+    _quiet_agent,
+    apply_env,
+    die_with_parent,
+    end_process,
+    local_rendezvous,
+    worker_env,
+)
+
+if TYPE_CHECKING:
+    from trainmesh.config.train import TrainConfig
+
+FT_MAX_RESTARTS = 3
+"""Restarts of each replica when ``--max-restarts`` is not given with ``--fault-tolerant``."""
+STARTUP_TIMEOUT_S = 300.0
+"""How long the first quorum waits for every replica to start."""
+
+
+def launch_fault_tolerant(cfg: TrainConfig, *, max_restarts: int,
+                          worker_setup: Callable[[], None] | None = None) -> int:
+    """Run the replicas and the coordinator until the last step; the exit code (a failure or a
+    signal ends this process right there, as :func:`~trainmesh.run.launch.launch_local`)."""
+    code = _launch(cfg, max_restarts=max_restarts, worker_setup=worker_setup)
+    if code:
+        end_process(code)
+    return code
+
+
+def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], None] | None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from trainmesh.core.compat import bound_worker_shutdown
+    from trainmesh.fault_tolerance.coordinator import Coordinator
+
+    p = cfg.parallel
+    _quiet_agent()
+    bound_worker_shutdown(FAILURE_GRACE_S)
+    grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}
+             if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
+    gpt = cfg.gpt_config()
+    coordinator = Coordinator(replicas=p.dp, last=cfg.exit_after or cfg.steps,
+                              metrics_out=cfg.metrics_out, tokens=cfg.global_batch * gpt.seq_len,
+                              startup_timeout_s=STARTUP_TIMEOUT_S, step_timeout_s=p.timeout_s + 30,
+                              notify=lambda line: print(line, file=sys.stderr, flush=True))
+    failures: dict[int, str] = {}
+    run_id = f"trainmesh-ft-{uuid.uuid4().hex[:8]}"
+    began = time.perf_counter()
+    _signals_raise()
+    try:
+        with local_rendezvous() as rendezvous:
+            env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // p.dp))
+
+            def agent(replica: int) -> None:
+                config = LaunchConfig(
+                    min_nodes=1, max_nodes=1, nproc_per_node=1, run_id=f"{run_id}-r{replica}",
+                    max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S,
+                    start_method="spawn", **rendezvous, **grace)
+                try:
+                    elastic_launch(config, ft_worker_entry)(cfg, os.getpid(), worker_setup, replica,
+                                                            coordinator.address, env)
+                except ChildFailedError as exc:
+                    failures[replica] = _headline(exc).replace("rank 0", f"replica {replica}", 1)
+                except Exception as exc:   # noqa: BLE001 - the agent itself failed
+                    failures[replica] = f"replica {replica}: agent failed: {exc}"
+
+            agents = [threading.Thread(target=agent, args=(r,), name=f"trainmesh-ft-agent-{r}",
+                                       daemon=True) for r in range(p.dp)]
+            coordinator.start()
+            for t in agents:
+                t.start()
+            while any(t.is_alive() for t in agents):
+                for t in agents:
+                    t.join(0.2)
+    except _Signalled as exc:
+        sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(exc.signum).name}; "
+                         "workers stopped\n")
+        return 128 + exc.signum
+    coordinator.stop()
+    coordinator.join(5.0)
+    last = cfg.exit_after or cfg.steps
+    coordinator.metrics.write(_summary(cfg, coordinator, failures))
+    if coordinator.committed < last:
+        why = coordinator.error or next(iter(failures.values()), "every replica ended early")
+        sys.stderr.write(f"trainmesh train: {why} (fault-tolerant run stopped after step "
+                         f"{coordinator.committed} of {last})\n")
+        return 1
+    t = coordinator.tally
+    print(f"trainmesh: {last} steps in {time.perf_counter() - began:.1f} s, final loss "
+          f"{coordinator.final_loss:.4f}; {t.failed_attempts} step attempts discarded, "
+          f"{t.degraded_steps} steps with fewer than {p.dp} replicas", flush=True)
+    for why in failures.values():
+        sys.stderr.write(f"trainmesh train: warning: {why}; the run finished without it\n")
+    from trainmesh.observe.progress import outputs_of, print_outputs
+    print_outputs(outputs_of(cfg))
+    return 0
+
+
+def _summary(cfg: TrainConfig, coordinator: Any, failures: dict[int, str]) -> dict[str, Any]:
+    t = coordinator.tally
+    return {"event": "summary", "world_size": cfg.parallel.dp,
+            "layout": {**cfg.parallel.layout(), "experts": cfg.gpt_config().n_experts},
+            "params": cfg.num_params(), "final_loss": coordinator.final_loss,
+            "steps": coordinator.committed,
+            "ranks": [{"rank": r, "replica": r, "pids": t.pids.get(r, []),
+                       "restarts": max(0, len(t.pids.get(r, [])) - 1),
+                       **({"failed": failures[r]} if r in failures else {})}
+                      for r in range(cfg.parallel.dp)],
+            "fault_tolerance": {"degraded_steps": t.degraded_steps,
+                                "failed_attempts": t.failed_attempts,
+                                "recovery_s": round(t.recovery_s, 3),
+                                "state_transfer_s": round(t.transfer_s, 3)}}
+
+
+class _Signalled(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _signals_raise() -> None:
+    """Ctrl-C and SIGTERM end the launcher (the agents run in threads: the main thread takes
+    the signal); the workers die with it (parent-death signal)."""
+    def raise_(signum: int, _frame: Any) -> NoReturn:
+        raise _Signalled(signum)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, raise_)
+
+
+def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], None] | None,
+                    replica: int, address: str, env: dict[str, str]) -> int:
+    """What each replica's worker runs (see :func:`~trainmesh.run.launch.worker_entry`)."""
+    die_with_parent(launcher_pid)
+    apply_env(env)
+    if setup is not None:
+        setup()
+    from trainmesh.run.ft_worker import ft_worker_main
+    try:
+        return ft_worker_main(cfg, replica, address)
+    except Exception:
+        traceback.print_exc()
+        end_process(1)
