@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model under a parallel layout",
                        usage="trainmesh train [--config FILE.toml] [FLAG VALUE ...]",
                        description="Train the built-in GPT (or a Hugging Face model, --model-dir) "
-                                   "under a dp x pp x tp layout. " + LAYOUT_RULE)
+                                   "under a dp x cp x pp x tp layout. " + LAYOUT_RULE)
     p.add_argument("--config", metavar="FILE.toml", help="TOML file setting any of these flags "
                    "(keys: the flag names without '--'); flags win")
     add_version(p)

@@ -104,7 +104,7 @@ class ParallelConfig:
     ``(name, module) -> bool`` (None: each child of the model's largest ``nn.ModuleList`` and
     the other modules that run once; API only)."""
     # -- parameter server and all-reduce algorithms
-    strategy: str = setting("mesh", "mesh (dp x pp x tp), ps (RPC parameter server: --dp trainers, "
+    strategy: str = setting("mesh", "mesh (dp x cp x pp x tp), ps (RPC parameter server: --dp trainers, "
                                     "--ps-servers servers) or diloco (--dp replicas taking "
                                     "--inner-steps local steps between synchronisations)",
                             choices=STRATEGIES)

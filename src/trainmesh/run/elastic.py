@@ -34,14 +34,14 @@ class Layout:
     dp: int
     microbatches: int
     world: int
-    """Processes this layout uses: dp x pp x tp (at most the world size)."""
+    """Processes this layout uses: dp x cp x pp x tp (at most the world size)."""
 
 
 def resize(world: int, *, dp: int, pp: int, tp: int, microbatches: int, min_dp: int,
            microbatch_multiple: int = 1, cp: int = 1) -> Layout:
     """The layout ``world`` processes run, from the full layout (``dp``, ``microbatches``).
 
-    The largest dp in ``[min_dp, dp]`` with ``dp x pp x tp <= world`` whose microbatches
+    The largest dp in ``[min_dp, dp]`` with ``dp x cp x pp x tp <= world`` whose microbatches
     ``dp x microbatches / new dp`` is a whole multiple of ``microbatch_multiple``. Raises
     :class:`ResizeError` saying which axis cannot shrink when there is none.
     """
@@ -88,7 +88,7 @@ def layout_change(saved: dict[str, Any] | None, now: dict[str, Any], *, step: in
 
 def join(cfg: TrainConfig, *, rank: int, world: int) -> tuple[TrainConfig, bool]:
     """(this worker's config at world size ``world`` (:func:`fit_world`), whether this rank
-    takes part): ranks beyond the layout's ``dp x pp x tp`` end at once. The caller joins the
+    takes part): ranks beyond the layout's ``dp x cp x pp x tp`` end at once. The caller joins the
     process group with ``cfg.parallel.world_size`` processes (not the launcher's
     ``WORLD_SIZE``), so it holds exactly the mesh. Raises :class:`ResizeError`."""
     if cfg.parallel.min_dp is None:

@@ -1,6 +1,6 @@
 """Local workers through PyTorch's elastic launcher (the machinery behind ``torchrun``).
 
-``trainmesh train`` started directly runs ``dp*pp*tp`` workers under an elastic agent; each
+``trainmesh train`` started directly runs ``dp*cp*pp*tp`` workers under an elastic agent; each
 worker runs :func:`worker_entry` with the ``TrainConfig`` the
 launcher already validated. The launcher
 
