@@ -33,7 +33,7 @@ def test_replica_lost_and_rejoined_keeps_the_curve(reference_run, tmp_path, monk
     failure during recovery): replica 2 sends it instead, and replica 0 is back at step 16.
     Replica 2 runs throughout in one process."""
     ref = reference_run(one_process())
-    monkeypatch.setenv("TRAINMESH_FT_INJECT", "1@5,0@12:hold,0@12:send,2@16:hold")
+    monkeypatch.setenv("TRAINMESH_FT_INJECT", "1@5,1.1@12:join,0@12:hold,0@12:send,0.1@16:join,2@16:hold")
     proc, records = run_train([*one_process(), *FT], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _same_curve(ref, records, 20)
@@ -56,7 +56,7 @@ def test_failures_in_a_row_and_during_recovery_end_with_exit_1(reference_run, tm
     at step 7 both are back, and replica 0, the only holder of the live state, dies while
     sending it: the run stops with exit 1 naming why, the steps committed before still exact."""
     ref = reference_run(one_process())
-    monkeypatch.setenv("TRAINMESH_FT_INJECT", "1@3,2@4,0@7:hold,0@7:send")
+    monkeypatch.setenv("TRAINMESH_FT_INJECT", "1@3,2@4,1.1@7:join,2.1@7:join,0@7:hold,0@7:send")
     proc, records = run_train([*one_process(), *FT], tmp_path, timeout=240)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "no replica holding the live state is left" in proc.stderr, proc.stderr[-3000:]

@@ -124,6 +124,7 @@ class Coordinator:
         failed_at: float | None = None   # start of the first failed attempt since the last commit
         while self.committed < self.last:
             store.set("next", str(q))
+            store.set("next_step", str(self.committed + 1))
             requests = self._collect(store, q, members, began)
             decision = self._decide(q, requests)
             lost = [r for r, inc in members if not decision.has(r, inc)]

@@ -9,7 +9,9 @@ incarnation I, its I-th restart; I is 0 by default): at step K, replica R
   recovery);
 - ``hold``: before asking into the quorum of step K, waits until every other replica has asked
   into it (at most :data:`HOLD_S`), so that a restarting replica rejoins at step K whatever the
-  machine's speed.
+  machine's speed;
+- ``join``: (a restarted incarnation, ``R.I@K:join`` with I >= 1) asks back in no earlier than
+  the quorum of step K, so that a restart faster than the steps does not rejoin early.
 
 Never set it outside tests.
 """
@@ -22,7 +24,7 @@ from collections.abc import Callable
 
 from .protocol import INJECT_ENV, POLL_S
 
-POINTS = ("reduce", "send", "hold")
+POINTS = ("reduce", "send", "hold", "join")
 HOLD_S = 120.0
 
 
@@ -55,4 +57,12 @@ class Injector:
         if (step, "hold") in self.at:
             deadline = time.monotonic() + HOLD_S
             while not everyone_asked() and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+
+    def maybe_wait_to_join(self, next_step: Callable[[], int]) -> None:
+        """``join``: wait until the quorum being collected is that of the given step (bounded)."""
+        steps = [step for step, point in self.at if point == "join"]
+        if steps:
+            deadline = time.monotonic() + HOLD_S
+            while next_step() < max(steps) and time.monotonic() < deadline:
                 time.sleep(POLL_S)

@@ -69,6 +69,10 @@ class QuorumClient:
         self._wait(["next"], self.startup_timeout_s, "the coordinator")
         return int(self.store.get("next"))
 
+    def next_step(self) -> int:
+        """The step the quorum being collected now would run (0 before the first quorum)."""
+        return int(self.store.get("next_step")) if self.store.check(["next_step"]) else 0
+
     def request(self, q: int, *, step: int, needs_state: bool, pid: int,
                 first: bool) -> Decision | None:
         """Ask for a place in quorum ``q``; the coordinator's decision, or None when the run

@@ -73,6 +73,8 @@ class Replica:
 
     def run(self) -> int:
         last = self.cfg.exit_after or self.cfg.steps
+        if self.incarnation > 0:
+            self.inject.maybe_wait_to_join(self.client.next_step)
         q = 0 if self.incarnation == 0 else self.client.next_quorum()
         first = self.incarnation == 0
         try:
