@@ -81,6 +81,11 @@ Qwen3 q/k norm gradients not all-reduced       test_hf_families: qwen3 (k_norm o
 tied alias missing from full_state_dict (tp)   test_hf_families: tied_alias_under_tp_...
 tied alias missing from consolidate           test_hf_families: model_dir_any_family_...
 GPT -> GPT-2 export fusing q, k, v misordered  test_export_hf: builtin_gpt_exports_... (0.2)
+ZeRO-2 accumulation overwriting the shard     test_zero: stages_..._at_dp2 (zero2-m2, 6 steps)
+param_groups options dropped at ZeRO          test_zero: stages_..._at_dp2 (zero1-groups, 2e-3)
+a trainer's push lost on a PS server          test_parameter_server: sync_is_data_parallel
+AdamW's exp_avg_sq misread on load            test_checkpoint: resume_under_another_layout
+eval loss off under dp > 1                    test_observe: eval_loss_is_the_same_... (1e-2)
 ============================================  ==================================================
 """
 from __future__ import annotations
