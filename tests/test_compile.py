@@ -1,21 +1,22 @@
 """``--compile`` and MFU end to end: compiled layouts match the eager single-process run; MFU
 follows its formula; bad input exits 2.
 
-Compiling is slow on a loaded CPU: the model is the tiny SMALL GPT for 10 steps, and inductor's
-default on-disk cache (shared across runs and ranks) is kept so that DP ranks and later runs
-reuse each other's kernels instead of compiling the same graph again.
+Compiling is slow on a loaded CPU: the model is the tiny SMALL GPT for its first 10 steps
+(``--exit-after``, the schedule of the session's shared 20-step reference), and inductor's default
+on-disk cache (shared across runs and ranks) is kept so that DP ranks and later runs reuse each
+other's kernels instead of compiling the same graph again.
 """
 from __future__ import annotations
 
 import pytest
-from helpers import SMALL, assert_equivalent, run_train, steps, summary
+from helpers import SMALL, assert_equivalent, one_process, run_train, steps, summary
 
 from trainmesh.cli import main
 from trainmesh.core.errors import ConfigError
 from trainmesh.engine.compile import check_compile
 
 STEPS = 10
-ARGS = [*SMALL, "--steps", str(STEPS)]
+ARGS = [*SMALL, "--optimizer", "adamw", "--exit-after", str(STEPS)]   # one_process's schedule
 SHAPE = {"layers": 2, "seq_len": 16, "d_model": 32}  # SMALL's, for the FLOPs formula
 PEAK = 0.002  # TFLOP/s per device: a made-up CPU peak, so MFU is defined
 COMPILED = {"dp2-zero0": ["--dp", "2", "--zero", "0"], "dp2-zero3": ["--dp", "2", "--zero", "3"],
@@ -23,11 +24,15 @@ COMPILED = {"dp2-zero0": ["--dp", "2", "--zero", "0"], "dp2-zero3": ["--dp", "2"
 
 
 @pytest.fixture(scope="module")
-def eager(tmp_path_factory):
-    """The uncompiled single-process run (MFU against PEAK)."""
-    proc, records = run_train([*ARGS, "--peak-tflops", str(PEAK)], tmp_path_factory.mktemp("eager"))
-    assert proc.returncode == 0, proc.stderr
-    return records
+def compiled(tmp_path_factory) -> dict[str, list[dict]]:
+    """DP (bucket hooks), ZeRO-3 (gather/free hooks around compiled units) and TP (collectives
+    outside the graphs), each compiled; dp2-zero0 with a peak, so MFU is defined."""
+    tmp, out = tmp_path_factory.mktemp("compiled"), {}
+    for name, layout in COMPILED.items():
+        peak = ["--peak-tflops", str(PEAK)] if name == "dp2-zero0" else []
+        proc, out[name] = run_train([*ARGS, "--compile", *layout, *peak], tmp, name=name, timeout=600)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+    return out
 
 
 def hand_mfu(tokens_per_s: float, params: int, world: int) -> float:
@@ -47,24 +52,19 @@ def check_mfu(records: list[dict], world: int) -> None:
 
 
 @pytest.mark.slow
-def test_mfu_follows_the_formula(eager):
-    check_mfu(eager, world=1)
+@pytest.mark.timeout(900)
+def test_mfu_follows_the_formula(compiled):
+    check_mfu(compiled["dp2-zero0"], world=2)
+    for name in ("dp2-zero3", "tp2"):   # no peak known on CPU: null
+        assert all(r["mfu"] is None for r in steps(compiled[name])) and summary(compiled[name])["mfu"] is None
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_compiled_layouts_match_one_process(eager, tmp_path):
-    """DP (bucket hooks), ZeRO-3 (gather/free hooks around compiled units) and TP (collectives
-    outside the graphs), each compiled, against the eager single-process run."""
-    for name, layout in COMPILED.items():
-        peak = ["--peak-tflops", str(PEAK)] if name == "dp2-zero0" else []
-        proc, run = run_train([*ARGS, "--compile", *layout, *peak], tmp_path, name=name, timeout=600)
-        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
-        assert_equivalent(eager, run, min_steps=STEPS)
-        if peak:
-            check_mfu(run, world=2)
-        else:   # no peak known on CPU: null
-            assert all(r["mfu"] is None for r in steps(run)) and summary(run)["mfu"] is None
+def test_compiled_layouts_match_one_process(compiled, reference_run):
+    eager = reference_run(one_process("adamw"))
+    for name, run in compiled.items():
+        assert_equivalent(eager, run, min_steps=STEPS, first=STEPS)
 
 
 @pytest.mark.parametrize("args, field", [

@@ -1,6 +1,6 @@
 """DDP internals in real processes: gradients equal the single-process gradients, buckets
 overlap backward, accumulation reduces once, unused parameters are named, and a planted
-gradient-scale bug is caught by the equivalence check."""
+gradient-scale bug is caught by the equivalence check (one launch for all of it)."""
 from __future__ import annotations
 
 import pytest
@@ -102,12 +102,23 @@ def equivalent(rows) -> bool:
     return all(abs(a - b) <= LOSS_ABS and abs(na - nb) <= NORM_REL * na for a, na, b, nb in rows)
 
 
+def _world2() -> dict:
+    """Everything this module checks, in one launch of 2 processes (a launch costs ~5 s here);
+    the unused-parameter error last, since it leaves a step unfinished."""
+    return {"grads": {m: _grads_and_buckets(m) for m in (1, 2)},
+            "good": _planted_bug(False), "bad": _planted_bug(True), "unused": _unused_check()}
+
+
+@pytest.fixture(scope="module")
+def world2() -> dict:
+    return run_distributed(_world2, 2, timeout_s=120)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_ddp_gradients_buckets_and_accumulation():
-    for microbatches in (1, 2):
-        res = run_distributed(_grads_and_buckets, 2, microbatches)
-        for out in res.values():
+@pytest.mark.timeout(240)
+def test_ddp_gradients_buckets_and_accumulation(world2):
+    for rank in world2.values():
+        for microbatches, out in rank["grads"].items():
             assert out["err"] <= out["tol"], \
                 f"m={microbatches}: gradients differ from one process by {out['err']} > {out['tol']}"
             assert out["grad_is_view"], "param.grad must be views into the flat buffer"
@@ -119,18 +130,16 @@ def test_ddp_gradients_buckets_and_accumulation():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_unused_parameters_are_named():
-    res = run_distributed(_unused_check, 2)
-    for out in res.values():
+@pytest.mark.timeout(240)
+def test_unused_parameters_are_named(world2):
+    for rank in world2.values():
+        out = rank["unused"]
         assert "unused.weight" in out[False] and "unused.bias" in out[False]
         assert out[True] == "ok"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_equivalence_check_catches_a_planted_scale_bug():
-    good = run_distributed(_planted_bug, 2, False)
-    bad = run_distributed(_planted_bug, 2, True)
-    assert all(equivalent(rows) for rows in good.values())
-    assert not any(equivalent(rows) for rows in bad.values())
+@pytest.mark.timeout(240)
+def test_equivalence_check_catches_a_planted_scale_bug(world2):
+    assert all(equivalent(rank["good"]) for rank in world2.values())
+    assert not any(equivalent(rank["bad"]) for rank in world2.values())

@@ -13,7 +13,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL, assert_equivalent, run_train
+from helpers import EVAL, SMALL, assert_equivalent, one_process, run_train
 
 from trainmesh.cli import main
 from trainmesh.config.parallel import ParallelConfig
@@ -23,22 +23,23 @@ from trainmesh.engine.engine import Engine
 from trainmesh.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
-EVAL = ["--eval-every", "5", "--eval-batches", "2", "--microbatches", "2"]
-LAYOUTS = {"one": [], "dp2": ["--dp", "2"], "dp2tp2zero3": ["--dp", "2", "--tp", "2", "--zero", "3"],
+EVAL_MB2 = [*EVAL, "--microbatches", "2"]
+LAYOUTS = {"dp2": ["--dp", "2"], "dp2tp2zero3": ["--dp", "2", "--tp", "2", "--zero", "3"],
            "dp2pp2": ["--dp", "2", "--pp", "2"]}
-"""One launch per layout, each checked for several things; tp and ZeRO-3 share a launch."""
+"""One launch per layout, each checked for several things; tp and ZeRO-3 share a launch. The
+one process is the session's shared reference (helpers.one_process: it evaluates too)."""
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def runs(tmp_path_factory, reference_run) -> dict[str, list[dict]]:
     """Each layout trained once with every observation switched on: its metrics records."""
-    out = {}
+    out = {"one": reference_run(one_process("adamw"))}
     for name, layout in LAYOUTS.items():
         tmp = tmp_path_factory.mktemp(name)
         trace = tmp / "trace.json"
         board = ["--tensorboard", str(tmp / "tb")] if HAS_TENSORBOARD and name == "dp2pp2" else []
-        proc, records = run_train([*SMALL, *EVAL, *layout, "--trace-out", str(trace), *board],
+        proc, records = run_train([*SMALL, *EVAL_MB2, *layout, "--trace-out", str(trace), *board],
                                   tmp, timeout=240)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
         out[name] = records
@@ -53,7 +54,7 @@ def evals(records: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "one"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_eval_loss_is_the_same_under_every_layout(runs, layout):
     ref, run = runs["one"], runs[layout]
     assert_equivalent(ref, run)   # evaluating between steps leaves training untouched

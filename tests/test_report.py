@@ -1,4 +1,5 @@
-"""`trainmesh report`: one self-contained HTML page of a 3D run, checked in a headless browser."""
+"""`trainmesh report`: one self-contained HTML page of a dp x pp run (4 ranks, traffic on two
+axes), checked in a headless browser."""
 from __future__ import annotations
 
 import re
@@ -13,7 +14,7 @@ from trainmesh.cli import main
 
 RUN = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
        "--global-batch", "8", "--steps", "6", "--warmup-steps", "2", "--microbatches", "2",
-       "--eval-every", "2", "--dp", "2", "--pp", "2", "--tp", "2"]
+       "--eval-every", "2", "--dp", "2", "--pp", "2"]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -37,13 +38,13 @@ def test_report_is_self_contained_with_every_chart(page):
     text = page.read_text()
     assert "<script" not in text and "<link" not in text
     assert not re.search(r'(src|href)="(https?:|//|file:)', text)      # nothing loaded from outside
-    assert len(re.findall(r'id="memory-bar-rank\d"', text)) == 8      # one bar per rank
+    assert len(re.findall(r'id="memory-bar-rank\d"', text)) == 4      # one bar per rank
     for gid, n in (("loss-curve", 6), ("grad-norm-curve", 6), ("tokens-curve", 6), ("eval-curve", 3)):
         m = re.search(rf'<g id="{gid}">\s*<path d="([^"]+)"', text)
         assert m and _points(m.group(1)) == n, gid
-    assert re.search(r'id="traffic-bar-(dp|tp|pp|other)"', text)
+    assert re.search(r'id="traffic-bar-dp"', text) and re.search(r'id="traffic-bar-pp"', text)
     assert "<pre" not in text and "{&quot;" not in text and '{"' not in text   # tables, not JSON
-    assert "<td>dp 2 x pp 2 x tp 2, 2 microbatches, schedule 1f1b, fp32 on 8 processes</td>" in text
+    assert "<td>dp 2 x pp 2 x tp 1, 2 microbatches, schedule 1f1b, fp32 on 4 processes</td>" in text
     assert re.search(r"<td>[\d.,]+ (KiB|MiB)</td>", text)                   # sizes, not bytes
 
 
@@ -57,7 +58,7 @@ def test_report_loads_in_a_browser_without_errors(page):
     assert proc.returncode == 0, proc.stderr[-2000:]
     console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line]
     assert not console, console
-    assert 'id="loss-curve"' in proc.stdout and len(re.findall(r'id="memory-bar-rank\d"', proc.stdout)) == 8
+    assert 'id="loss-curve"' in proc.stdout and len(re.findall(r'id="memory-bar-rank\d"', proc.stdout)) == 4
 
 
 def test_report_of_a_missing_file_exits_2(tmp_path, capsys):

@@ -3,9 +3,9 @@
 The engines are built as `trainmesh train` builds them (flags -> TrainConfig -> the GPT on the
 meta device -> sharded initialisation -> AdamW/SGD with the CLI's parameter groups and LR
 schedule); one launch per world size runs every layout of :data:`MATRIX` one after another,
-and one real `trainmesh train --tp 2 --sequence-parallel` launch checks that this is the CLI's
-own path. Every run must match the single process: loss within LOSS_ABS, grad norm within
-NORM_REL, every step (tolerances.py). Also: each parameter's placement is a record, never an
+and one real `trainmesh train --tp 2 --sequence-parallel --compile` launch checks that this is
+the CLI's own path, compiled. Every run must match the single process: loss within LOSS_ABS,
+grad norm within NORM_REL, every step (tolerances.py). Also: each parameter's placement is a record, never an
 attribute on the tensor; sharded initialisation keeps the records; SP with --offload exits 2.
 
 Planted bugs this module catches (each seen failing with an assertion): the engine's SP
@@ -116,24 +116,15 @@ def test_matrix_matches_one_process(reference, world):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_cli_sequence_parallel_matches_one_process(reference, tmp_path):
-    """The reported case, through `python -m trainmesh train` itself."""
-    proc, records = run_train([*BASE, *SP, *OPTIMIZER_FLAGS["adamw"]], tmp_path, timeout=220)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = [(r["loss"], r["grad_norm"]) for r in steps(records)]
-    failures = _differences(reference["adamw"], run, "trainmesh train --tp 2 --sequence-parallel")
-    assert not failures, "\n".join(failures)
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_compiled_sequence_parallel_matches_one_process(reference, tmp_path):
+def test_cli_sequence_parallel_matches_one_process(reference, tmp_path):
+    """The reported case, through `python -m trainmesh train` itself, compiled: the CLI's own
+    path (the eager engine it builds is the matrix's tp2-sp) and --compile in one launch."""
     proc, records = run_train([*BASE, *SP, *OPTIMIZER_FLAGS["adamw"], "--compile"], tmp_path,
                               timeout=850)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = [(r["loss"], r["grad_norm"]) for r in steps(records)]
-    failures = _differences(reference["adamw"], run, "--tp 2 --sequence-parallel --compile")
+    failures = _differences(reference["adamw"], run, "trainmesh train --tp 2 --sequence-parallel --compile")
     assert not failures, "\n".join(failures)
 
 

@@ -97,6 +97,11 @@ fault-tolerant: batch not re-split among the   test_fault_tolerance: replica_los
   replicas present (split by --dp)              loss off by 9.7e-3)
 fault-tolerant: joiner keeps its own weights   test_fault_tolerance: replica_lost_... (step 12
   (live state not loaded)                       loss off by 0.2)
+ZeRO-2 accumulation overwriting the shard     test_zero: stages_..._at_dp2 (zero2-m2, 6 steps)
+param_groups options dropped at ZeRO          test_zero: stages_..._at_dp2 (zero1-groups, 2e-3)
+a trainer's push lost on a PS server          test_parameter_server: sync_is_data_parallel
+AdamW's exp_avg_sq misread on load            test_checkpoint: resume_under_another_layout
+eval loss off under dp > 1                    test_observe: eval_loss_is_the_same_... (1e-2)
 ============================================  ==================================================
 """
 from __future__ import annotations

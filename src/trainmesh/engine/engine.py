@@ -24,15 +24,17 @@ import math
 import os
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from trainmesh.checkpoint import sharded as checkpoint
+from trainmesh.checkpoint.async_save import AsyncSaver
 from trainmesh.checkpoint.export_hf import model_record
 from trainmesh.comm import Comm
+from trainmesh.comm.ledger import Span
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.compat import set_last_lr
 from trainmesh.core.errors import ConfigError
@@ -48,6 +50,9 @@ from trainmesh.engine.moe_metrics import MoEMetrics
 from trainmesh.engine.precision import Precision
 from trainmesh.observe.flops import model_flops_per_token
 from trainmesh.observe.metrics import storage_bytes
+
+if TYPE_CHECKING:
+    from trainmesh.pipeline_parallel.schedules import Timeline
 
 
 class Engine:
@@ -327,6 +332,26 @@ class Engine:
     def last_step_traffic(self) -> dict[str, Any]:
         """The communication ledger's record of the last step (axis -> op -> stats)."""
         return self.comm.ledger.steps[-1]
+
+    def trace_comm(self, enabled: bool = True) -> None:
+        """Keep a span (issue to completion, axis, op, bytes) of every communication op of the
+        steps that follow (``--trace-out``), until called with ``False``."""
+        self.comm.ledger.tracing = enabled
+
+    def last_step_spans(self) -> list[Span]:
+        """The communication spans of the last step (empty unless :meth:`trace_comm` was on)."""
+        ledger = self.comm.ledger
+        return [s for s in ledger.spans if s.step == ledger.closed - 1]
+
+    @property
+    def last_timeline(self) -> Timeline | None:
+        """This rank's measured forward/backward spans of the last step (a pipeline's: one row
+        per stage rank), None before the first step."""
+        return self.executor.last_timeline
+
+    def async_saver(self) -> AsyncSaver:
+        """A saver for :meth:`save` that writes checkpoints in the background (``--async-save``)."""
+        return AsyncSaver(self.comm)
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Collective: ``obj`` of every rank of the world, in rank order."""

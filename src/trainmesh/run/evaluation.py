@@ -1,7 +1,7 @@
 """Validation loss during training (``--eval-every N --eval-batches K``).
 
 Every N steps the engine scores the same K global batches of the held-out split
-(:func:`trainmesh.data.corpus.make_datasets`) forward only, through the executor of the layout, and
+(:func:`trainmesh.data.corpus.make_datasets`) forward only (``Engine.evaluate``: under every layout), and
 the trainer logs ``{"event": "eval", "step", "loss", "tokens"}``. The batches are a function
 of (seed, k) only, so every layout evaluates the same tokens and reports the same loss.
 """

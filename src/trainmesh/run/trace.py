@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainmesh.comm.ledger import Span
 from trainmesh.engine.engine import Engine
 
 CATEGORY = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
@@ -32,21 +33,25 @@ class Tracer:
     path: str
     first: int
     """The first traced step."""
-    _windows: list[int] = field(default_factory=list)
+    _traced: int = 0
     _ledger_bytes: int = 0
     _compute: list[tuple[str, str, float, float, dict]] = field(default_factory=list)
+    _comm: list[tuple[int, Span]] = field(default_factory=list)
+    """(traced step's index, span): read at the end, when every op has completed."""
 
     def before_step(self, step: int) -> None:
         if step >= self.first:
-            self.engine.comm.ledger.tracing = True
+            self.engine.trace_comm(True)
 
     def after_step(self, step: int, start: float, end: float) -> None:
         """Book step ``step`` (run between ``start`` and ``end``, ``perf_counter`` seconds)."""
         if step < self.first:
             return
-        self._windows.append(self.engine.comm.ledger.closed - 1)
-        self._ledger_bytes += self.engine.comm.ledger.step_bytes(self._windows[-1])
-        timeline = self.engine.executor.last_timeline
+        self._comm += [(self._traced, s) for s in self.engine.last_step_spans()]
+        self._traced += 1
+        traffic = self.engine.last_step_traffic()
+        self._ledger_bytes += sum(s.bytes for ops in traffic.values() for s in ops.values())
+        timeline = self.engine.last_timeline
         row = timeline.ranks[min(self.engine.mesh.index("pp"), timeline.pp - 1)] if timeline else []
         for t in row:
             a = t.action
@@ -59,18 +64,16 @@ class Tracer:
 
     def write(self) -> Path | None:
         """Collective: gather every rank's spans; rank 0 writes the trace. Its path on rank 0."""
-        comm, mesh = self.engine.comm, self.engine.mesh
-        ledger = comm.ledger
+        mesh = self.engine.mesh
         offset = time.time() - time.perf_counter()
-        spans = [s for s in ledger.spans if s.step in self._windows]
         mine = {"rank": mesh.rank, "coords": mesh.coords,
                 "compute": [(n, c, a + offset, b + offset, args) for n, c, a, b, args in self._compute],
                 "comm": [(s.axis, s.op, s.nbytes, s.start + offset,
-                          (s.end if s.end is not None else s.start) + offset,
-                          self._windows.index(s.step)) for s in spans],
+                          (s.end if s.end is not None else s.start) + offset, k)
+                         for k, s in self._comm],
                 "ledger_bytes": self._ledger_bytes}
-        ledger.tracing = False
-        gathered = comm.all_gather_object(mine)
+        self.engine.trace_comm(False)
+        gathered = self.engine.gather_object(mine)
         if mesh.rank != 0:
             return None
         trace = chrome_trace(gathered, first_step=self.first)

@@ -161,7 +161,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     peak = device_peak_tflops(device, p.precision, cfg.peak_tflops, cfg.gpu)
     first_loss = loss = eval_loss = float("nan")
     nonfinite_run = 0   # non-finite steps in a row
-    saver = AsyncSaver(engine.comm) if cfg.async_save else None
+    saver = engine.async_saver() if cfg.async_save else None
     timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
 
     def batch_of(step: int) -> dict[str, torch.Tensor]:
