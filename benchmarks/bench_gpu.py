@@ -2,8 +2,8 @@
 
 The targets: trainmesh ``--compile`` at >= 1.0x the plain compiled loop's tokens/s and >= 50%
 MFU on an H100 (bf16). Both live in this process and alternate steps, so clock and thermal
-drift hit both alike; each reports the median of its timed steps. The plain loop is the one of
-``../shared/bench/gpu_native.py``: same model, batch, AdamW (fused), bf16 autocast, clip 1.0.
+drift hit both alike; each reports the median of its timed steps. The plain loop is PyTorch's own
+recipe in this file: same model, batch, AdamW (fused), bf16 autocast, clip 1.0.
 Run from the repository root on a machine with a CUDA GPU (and triton):
 
     python benchmarks/bench_gpu.py --steps 30            # GPT-2 small shape, batch 16 x 1024

@@ -7,7 +7,7 @@ on the same synthetic global batches, every TP rank seeing the whole batch, worl
 
 - ``dtensor``: ``parallelize_module`` with ColwiseParallel q/k/v/fc, RowwiseParallel proj,
   a vocab-parallel embedding (RowwiseParallel, input Replicate) and a vocab-sharded head under
-  ``loss_parallel`` — the recipe of /work/shared/bench/native_baseline.py's ``tp`` strategy.
+  ``loss_parallel`` — PyTorch's own tensor-parallel recipe.
 - ``trainmesh``: ``trainmesh.Engine`` with ``ParallelConfig(tp=world)`` — the whole trainmesh
   step (ledger, gradient-norm measurement, loss all-reduce included).
 - ``trainmesh-layers``: ``trainmesh.tensor_parallel.parallelize`` with a plain training loop,

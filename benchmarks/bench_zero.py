@@ -19,10 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import BENCH_GPT, GLOBAL_BATCH, batches, native_step, report, timed  # noqa: E402
+from common import BENCH_GPT, GLOBAL_BATCH, interleaved, native_step, report  # noqa: E402
 
 from trainmesh import Engine, ParallelConfig  # noqa: E402
-from trainmesh.data.corpus import dp_slice  # noqa: E402
 from trainmesh.models.gpt import GPT  # noqa: E402
 from trainmesh.testing import run_distributed  # noqa: E402
 
@@ -61,16 +60,7 @@ def worker(steps: int, warmup: int, bucket_mb: float, pairs: list[str]) -> str |
     if "zero1" in pairs:
         impls["trainmesh ZeRO-1"] = engine(1).train_step
         impls["torch ZeroRedundancyOptimizer"] = zero_redundancy_step_fn(copy.deepcopy(base), world, bucket_mb)
-    times: dict[str, list[float]] = {k: [] for k in impls}
-    losses: dict[str, list[float]] = {k: [] for k in impls}
-    for k, batch in enumerate(batches(steps + warmup)):
-        mine = dp_slice(batch, rank, world)
-        order = list(impls) if k % 2 == 0 else list(reversed(impls))   # no fixed position bias
-        for name in order:
-            t, loss = timed(lambda: impls[name](mine))
-            if k >= warmup:
-                times[name].append(t)
-            losses[name].append(loss)
+    times, losses = interleaved(impls, steps, warmup, rank=rank, world=world)
     if rank:
         return None
     tokens = GLOBAL_BATCH * BENCH_GPT.seq_len

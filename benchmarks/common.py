@@ -10,7 +10,7 @@ import torch
 from trainmesh.data.corpus import SyntheticCorpus
 from trainmesh.models.gpt import GPTConfig
 
-# The model of ../shared/bench/native_baseline.py's table: a small GPT, 2048 tokens per step.
+# The benchmarks' common model: a small GPT, 2048 tokens per step.
 BENCH_GPT = GPTConfig(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=4)
 GLOBAL_BATCH = 16
 
@@ -41,6 +41,24 @@ def timed(fn: Callable[[], float]) -> tuple[float, float]:
     loss = fn()
     dist.barrier()
     return time.perf_counter() - t0, loss
+
+
+def interleaved(impls: dict[str, Callable], steps: int, warmup: int, *, rank: int, world: int
+                ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(step times after ``warmup``, losses of every step) of each step function, run on this
+    rank's DP slice of the same batches, alternating their order each step (no position bias)."""
+    from trainmesh.data.corpus import dp_slice
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    losses: dict[str, list[float]] = {k: [] for k in impls}
+    for k, batch in enumerate(batches(steps + warmup)):
+        mine = dp_slice(batch, rank, world)
+        order = list(impls) if k % 2 == 0 else list(reversed(impls))
+        for name in order:
+            t, loss = timed(lambda: impls[name](mine))
+            if k >= warmup:
+                times[name].append(t)
+            losses[name].append(loss)
+    return times, losses
 
 
 def report(name_a: str, times_a: list[float], name_b: str, times_b: list[float], tokens: int,
