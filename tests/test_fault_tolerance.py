@@ -5,7 +5,7 @@ exit 1 naming the cause, never a hang. Faults are injected with TRAINMESH_FT_INJ
 from __future__ import annotations
 
 import pytest
-from helpers import assert_refused, one_process, run_train, steps, summary
+from helpers import SMALL, assert_refused, one_process, run_train, steps, summary
 from tolerances import LOSS_ABS, NORM_REL
 
 from trainmesh.fault_tolerance.inject import parse
@@ -34,7 +34,7 @@ def test_replica_lost_and_rejoined_keeps_the_curve(reference_run, tmp_path, monk
     Replica 2 runs throughout in one process."""
     ref = reference_run(one_process())
     monkeypatch.setenv("TRAINMESH_FT_INJECT", "1@5,1.1@12:join,0@12:hold,0@12:send,0.1@16:join,2@16:hold")
-    proc, records = run_train([*one_process(), *FT], tmp_path, timeout=240)
+    proc, records = run_train([*SMALL, "--optimizer", "adamw", *FT], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _same_curve(ref, records, 20)
     quorums = [r for r in records if r["event"] == "quorum"]
@@ -57,7 +57,7 @@ def test_failures_in_a_row_and_during_recovery_end_with_exit_1(reference_run, tm
     sending it: the run stops with exit 1 naming why, the steps committed before still exact."""
     ref = reference_run(one_process())
     monkeypatch.setenv("TRAINMESH_FT_INJECT", "1@3,2@4,1.1@7:join,2.1@7:join,0@7:hold,0@7:send")
-    proc, records = run_train([*one_process(), *FT], tmp_path, timeout=240)
+    proc, records = run_train([*SMALL, "--optimizer", "adamw", *FT], tmp_path, timeout=240)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "no replica holding the live state is left" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr.splitlines()[-1]

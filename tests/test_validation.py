@@ -242,7 +242,8 @@ def test_consolidate_bad_output_paths(capsys, tmp_path):
 
 # ---------------------------------------------------------------- F. resume checks the checkpoint
 RUN = {"layers": 2, "d_model": 32, "heads": 4, "seq_len": 16, "vocab_size": 64, "optimizer": "sgd",
-       "seed": 0, "global_batch": 8, "lr": 0.3, "warmup_steps": 20, "steps": 4, "data": "synthetic"}
+       "seed": 0, "global_batch": 8, "lr": 0.3, "warmup_steps": 20, "steps": 4, "data": "synthetic",
+       "experts": 0, "top_k": 2, "moe_every": 1, "moe_hidden": 0, "moe_aux_loss": 0.01}
 
 
 @pytest.mark.parametrize("args, flag", [
