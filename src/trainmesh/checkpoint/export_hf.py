@@ -6,7 +6,9 @@
 
 - a run of a Hugging Face model (``--model-dir``, or any model with a ``config`` that
   ``to_json_string``s): the checkpoint records the model's config (:func:`model_record`); the
-  weights are its parameters under their own names, tied aliases included;
+  weights are its parameters, tied aliases included, under the names ``save_pretrained``
+  writes (transformers' conversion reversed: a mixture of experts held stacked is written
+  expert by expert, as Mixtral's and Qwen-MoE's files hold them);
 - the built-in GPT: it maps onto GPT-2 exactly — ``embed.wte/wpe`` -> ``transformer.wte/wpe``;
   per block ``ln1``/``ln2`` -> ``ln_1``/``ln_2``, ``attn.q/k/v`` fused into the ``Conv1D``
   ``attn.c_attn`` ([q | k | v], weights transposed), ``attn.proj`` -> ``attn.c_proj``,
@@ -102,7 +104,9 @@ def export_hf(root: str | Path, outdir: str | Path) -> Path:
         raise ConfigError("DIR", str(exc)) from None
     trainer = manifest.get("trainer", {})
     if "hf_config" in trainer:
+        from trainmesh.models.hf_weights import file_state
         config = dict(trainer["hf_config"])
+        weights = file_state(config, weights, field="DIR")   # e.g. stacked experts one by one
     elif "embed.wte.weight" in weights and "head.out.weight" in weights:
         heads = trainer.get("run", {}).get("heads")
         if not isinstance(heads, int):

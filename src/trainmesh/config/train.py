@@ -71,7 +71,7 @@ class TrainConfig:
     init_from: str | None = setting(None, "start from pretrained weights: a safetensors file with "
                                           "the GPT's parameter names and shapes (e.g. `trainmesh "
                                           "checkpoint consolidate` output)", path=True, group="checkpoints")
-    model_dir: str | None = setting(None, "train the Hugging Face causal LM (GPT-2 or Llama) of "
+    model_dir: str | None = setting(None, "train the Hugging Face causal LM (GPT-2, Llama, Mixtral, ...) of "
                                           "this directory instead of the built-in GPT: config.json "
                                           "+ model.safetensors, as save_pretrained writes (needs "
                                           "transformers); dp and tp, not pp", path=True, group="model")

@@ -5,7 +5,8 @@ under tp where it declares a plan. A model directory is what ``save_pretrained``
 :func:`from_pretrained` builds the model from its config with every parameter on the meta
 device (buffers, such as Llama's rotary frequencies, are built for real: they are small and
 derived from the config) and gives it ``init_parameter`` reading the weights slice by slice
-(:func:`~trainmesh.engine.materialize.safetensors_init`). The engine then materialises each rank's part
+(:func:`pretrained_init`: under the names the model holds, converted as transformers converts
+them on load, e.g. a mixture of experts saved expert by expert and held stacked). The engine then materialises each rank's part
 after the tensor-parallel split — a column shard of a GPT-2 ``Conv1D`` is a slice of its
 ``(in, out)`` weight, a shard of the fused ``c_attn`` one slice of each of q, k and v — so no
 rank ever holds the whole model::
@@ -26,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
-from trainmesh.engine.materialize import safetensors_init
+from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, WEIGHTS, build_on_meta
+from trainmesh.models.hf_weights import CheckpointView
 
 
 def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
@@ -35,8 +37,16 @@ def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
     parameters on the meta device, with ``init_parameter(name, shape, index)`` reading its
     weights slice by slice (the engine calls it for what each rank holds)."""
     model = build_on_meta(path, field=field)
-    model.init_parameter = safetensors_init(str(Path(path) / WEIGHTS), field=field)
+    model.init_parameter = pretrained_init(path, model, field=field)
     return model
+
+
+def pretrained_init(path: str, model: nn.Module, *, field: str = FIELD) -> InitFn:
+    """``init(name, shape, index)`` reading ``full[index]`` of a parameter from the directory's
+    weights under the model's names, converted as transformers converts them on load (e.g. a
+    mixture of experts saved expert by expert, held stacked: read whole, then sliced)."""
+    view = CheckpointView(str(Path(path) / WEIGHTS), model, field=field)
+    return view.read
 
 
 def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD,
@@ -44,9 +54,8 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
     """Every parameter of the model (built from ``path`` on meta unless given) is in
     ``model.safetensors`` with its shape, and with ``tp`` > 1 the model has a plan trainmesh
     maps (GPT-2's, or the one its config declares): checked before any worker starts."""
-    from trainmesh.engine.materialize import check_safetensors
-    model = model if model is not None else from_pretrained(path, field=field)
-    check_safetensors(str(Path(path) / WEIGHTS), model, field=field)
+    model = model if model is not None else build_on_meta(path, field=field)
+    CheckpointView(str(Path(path) / WEIGHTS), model, field=field).check(model)
     if tp > 1:
         from trainmesh.tensor_parallel.hf import (
             declared_plan,
@@ -61,8 +70,19 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """``(loss_sum, tokens)`` of a Hugging Face causal LM on a batch whose ``labels`` are the
-    next tokens already (trainmesh's data): cross-entropy over every token, as the built-in GPT."""
-    logits = model(input_ids=batch["input_ids"], use_cache=False).logits  # (b, s, vocab)
+    next tokens already (trainmesh's data): cross-entropy over every token, as the built-in GPT.
+
+    A mixture-of-experts model's load-balancing loss (``router_aux_loss_coef``) is not added, and
+    its router logits are not returned (``output_router_logits=False``): that loss is computed
+    over the tokens of one forward, so its value would depend on how the global batch is split
+    over ranks and microbatches, and the loss would no longer be the exact mean over the batch."""
+    extra = {"output_router_logits": False} if _routes(model) else {}
+    logits = model(input_ids=batch["input_ids"], use_cache=False, **extra).logits  # (b, s, vocab)
     labels = batch["labels"]                                             # (b, s)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
     return loss, labels.numel()
+
+
+def _routes(model: nn.Module) -> bool:
+    """The model's forward takes ``output_router_logits`` (a Hugging Face mixture of experts)."""
+    return hasattr(getattr(model, "config", None), "output_router_logits")

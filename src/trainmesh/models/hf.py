@@ -47,6 +47,18 @@ def max_positions(config: dict[str, Any]) -> int | None:
     return config.get("n_positions") or config.get("max_position_embeddings")
 
 
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""config.json fields that count a mixture-of-experts layer's experts (Mixtral; Qwen-MoE; DeepSeek)."""
+
+
+def n_experts(config: dict[str, Any]) -> int:
+    """Experts per mixture-of-experts layer of a model's config.json (0: a dense model)."""
+    for key in EXPERT_COUNTS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return 0
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Inside, every parameter a module registers moves to the meta device (no storage);

@@ -1,0 +1,144 @@
+"""A Hugging Face weights file read and written under the names the model holds in memory.
+
+transformers 5 keeps some parameters in another form than its files: a mixture-of-experts
+layer holds its experts *stacked* (Mixtral's ``mlp.experts.gate_up_proj``, ``(E, 2h, d)``,
+and ``mlp.experts.down_proj``, ``(E, d, h)``), while ``save_pretrained`` writes them one expert
+at a time (``block_sparse_moe.experts.{e}.w1/w3/w2.weight``; Qwen2-MoE and Qwen3-MoE
+``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``). transformers' own conversion mapping
+(``transformers.conversion_mapping``) says how: renamings, then converters that stack the
+experts (``MergeModulelist``) and join gate and up (``Concatenate``). This module applies that
+mapping and nothing hand-written, both ways:
+
+- :class:`CheckpointView` groups a file's tensors by the model parameter they make and builds one
+  parameter on request (a converted one is read whole, then sliced; a renamed one reads only its
+  slice), or only its shape (the conversion run on meta tensors) for checks before any worker starts;
+- :func:`to_file_names` turns a state dict under the model's names back into the file's form
+  (transformers' ``revert_weight_conversion``, what ``save_pretrained`` writes).
+
+A file already holding the model's names (stacked experts) is read as is. Imports core only.
+"""
+from __future__ import annotations
+
+from copy import deepcopy
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainmesh.core.errors import ConfigError
+
+
+def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """(renamings, converters) transformers applies when loading ``model``; none for a model
+    transformers has no mapping for (or an older transformers without the API)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:
+        return [], []
+    transforms = get_model_conversion_mapping(model) if hasattr(model, "config") else []
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)])
+
+
+def _natural(key: str) -> list[Any]:
+    """Sort key: numbers by value (expert 10 after expert 9), as transformers orders a file."""
+    return [int(p) if p.isdigit() else p for p in key.split(".")]
+
+
+class CheckpointView:
+    """The safetensors file ``path`` as the parameters of ``model`` (on meta is fine)."""
+
+    def __init__(self, path: str, model: nn.Module, *, field: str) -> None:
+        from safetensors import safe_open
+        self.path, self.field = path, field
+        try:
+            self.handle = safe_open(path, framework="pt")
+            keys = sorted(self.handle.keys(), key=_natural)
+        except Exception as exc:   # OSError, or safetensors' own SafetensorError
+            raise ConfigError(field, f"cannot read {path} as safetensors: {exc}") from None
+        renamings, self.converters = _conversions(model)
+        names = dict(model.named_parameters())
+        self.sources: dict[str, list[tuple[str | None, str]]] = {}
+        """model name -> [(converter source pattern or None, file key)], in the file's order."""
+        if renamings or self.converters:
+            from transformers.core_model_loading import rename_source_key
+            prefix = getattr(model, "base_model_prefix", None)
+            for key in keys:
+                target, pattern = rename_source_key(key, renamings, self.converters, prefix, names)
+                self.sources.setdefault(target, []).append((pattern, key))
+        else:
+            self.sources = {key: [(None, key)] for key in keys}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sources
+
+    def _converted(self, name: str, tensor_of: Any) -> torch.Tensor:
+        """Parameter ``name`` from its file tensors (``tensor_of(key)``) by its converter."""
+        pattern = self.sources[name][0][0]
+        converter = deepcopy(next(c for c in self.converters if pattern in c.source_patterns))
+        for pat, key in self.sources[name]:
+            converter.add_tensor(name, key, pat, lambda key=key: tensor_of(key))
+        out = converter.convert(name)
+        if name not in out:
+            raise ConfigError(self.field, f"{self.path}: converting {name} gave {sorted(out)}")
+        return out[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of parameter ``name`` as the file makes it (nothing read)."""
+        (pattern, key), *_ = self.sources[name]
+        if pattern is None:
+            return tuple(self.handle.get_slice(key).get_shape())
+        meta = lambda key: torch.empty(self.handle.get_slice(key).get_shape(), device="meta")  # noqa: E731
+        return tuple(self._converted(name, meta).shape)
+
+    def read(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+        """``full[index]`` of parameter ``name``, float32; ConfigError naming the field when the
+        file lacks it or makes another shape."""
+        if name not in self.sources:
+            raise ConfigError(self.field, f"{self.path} has no tensor for {name!r}")
+        if self.shape(name) != tuple(shape):
+            raise ConfigError(self.field, f"{self.path}: {name} has shape {self.shape(name)}, "
+                              f"the model's is {tuple(shape)}")
+        (pattern, key), *_ = self.sources[name]
+        if pattern is None:
+            return self.handle.get_slice(key)[index].to(torch.float32)
+        return self._converted(name, self.handle.get_tensor)[index].to(torch.float32)
+
+    def check(self, model: nn.Module) -> None:
+        """Every parameter of ``model`` is in the file with its shape, or ConfigError."""
+        for name, p in model.named_parameters():
+            if name not in self.sources:
+                raise ConfigError(self.field, f"{self.path} has no tensor for {name!r} (valid: "
+                                  "a save_pretrained directory of this model)")
+            if self.shape(name) != tuple(p.shape):
+                raise ConfigError(self.field, f"{self.path}: {name} has shape {self.shape(name)}, "
+                                  f"the model's is {tuple(p.shape)}")
+
+
+def file_state(hf_config: dict[str, Any], state: dict[str, torch.Tensor], *, field: str
+               ) -> dict[str, torch.Tensor]:
+    """``state`` (names held in memory) of the model ``hf_config`` (a config.json as a dict)
+    describes, in the form its ``save_pretrained`` writes; ConfigError naming ``field`` when
+    transformers cannot build that model."""
+    from trainmesh.models.hf import params_on_meta, transformers_module
+    transformers = transformers_module(field)
+    fields = {k: v for k, v in hf_config.items() if k != "model_type"}
+    try:
+        config = transformers.AutoConfig.for_model(hf_config["model_type"], **fields)
+        with params_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(field, f"transformers cannot build the recorded "
+                          f"{hf_config.get('model_type')!r} model: {exc}") from None
+    return to_file_names(model, state)
+
+
+def to_file_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (the model's names) in the form ``save_pretrained`` writes for ``model``'s
+    type: experts one by one where transformers stores them so."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:     # a transformers without conversions stores what it holds
+        return state
+    return revert_weight_conversion(model, state)
