@@ -14,9 +14,9 @@ the reference's curve; both checkpoints export to directories ``from_pretrained`
 exactly the checkpoint's tensors, written under the names ``save_pretrained`` writes.
 
 Planted bugs this module catches (each seen failing with an assertion): experts ordered as
-strings (expert 10 read as expert 2: ``test_weights_read_...`` and the Qwen run's loss at step
-1); the router's weight left without gradient (the runs' grad norm at step 1, loss at step 2);
-the export writing the stacked names (key set) or experts in another order (tensors).
+strings (expert 10 read as expert 2: ``test_weights_read_...`` and the Qwen run's loss, off by
+4.7e-2 at step 1); the router's routing weights detached (the runs stop: the engine names the
+router weights as receiving no gradient); the export writing the stacked names (key set).
 """
 from __future__ import annotations
 
@@ -131,8 +131,8 @@ def _differences(ref, run, what: str, first: int = 1) -> list[str]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_moe_model_dir_trains_like_plain_pytorch(runs, kind):
-    """Bugs: experts read in another order; the router's gradient dropped; an aux loss of
-    the microbatch in the loss."""
+    """Bugs: experts read in another order; the router's gradient dropped; a per-microbatch
+    aux loss in the loss (2 microbatches x 2 ranks: not the global batch's)."""
     run = runs[kind]
     assert run["proc"].returncode == 0, run["proc"].stderr[-3000:]
     curve = [(r["loss"], r["grad_norm"]) for r in steps(run["records"])]

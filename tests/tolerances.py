@@ -81,6 +81,11 @@ Qwen3 q/k norm gradients not all-reduced       test_hf_families: qwen3 (k_norm o
 tied alias missing from full_state_dict (tp)   test_hf_families: tied_alias_under_tp_...
 tied alias missing from consolidate           test_hf_families: model_dir_any_family_...
 GPT -> GPT-2 export fusing q, k, v misordered  test_export_hf: builtin_gpt_exports_... (0.2)
+HF experts stacked in string order (10 < 2)    test_hf_moe: weights_read_...; qwen2_moe run
+                                              (loss off by 4.7e-2 at step 1)
+HF router's routing weights detached           test_hf_moe: trains_like_... (the engine names
+                                              the router as receiving no gradient)
+export-hf writing stacked expert names         test_hf_moe: checkpoint_resumes_... (key set)
 HSDP: shards not all-reduced across replicas   test_hsdp: zero2 (grad_norm 1.40 vs 0.98, step 1)
 HSDP: shard and replica groups swapped         test_hsdp: zero2 (traffic keyed on the wrong
                                               axis: dp_shard.all_reduce)
