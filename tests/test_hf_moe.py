@@ -131,8 +131,7 @@ def _differences(ref, run, what: str, first: int = 1) -> list[str]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_moe_model_dir_trains_like_plain_pytorch(runs, kind):
-    """Bugs: experts read in another order; the router's gradient dropped; a per-microbatch
-    aux loss in the loss (2 microbatches x 2 ranks: not the global batch's)."""
+    """Bugs: experts read in another order; the router's gradient dropped."""
     run = runs[kind]
     assert run["proc"].returncode == 0, run["proc"].stderr[-3000:]
     curve = [(r["loss"], r["grad_norm"]) for r in steps(run["records"])]
