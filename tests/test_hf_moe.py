@@ -35,6 +35,7 @@ SCHEDULE = STEPS + 2          # the runs stop after STEPS of a SCHEDULE-step sch
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
               pad_token_id=0, tie_word_embeddings=False, num_experts_per_tok=2)
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")    # read and written; the first two trained
 LAYOUTS = {"mixtral": ["--dp", "2", "--zero", "3"],
            "qwen2_moe": ["--dp", "2", "--zero", "2", "--microbatches", "2"]}
 BASE = ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--steps", str(SCHEDULE),
@@ -48,6 +49,10 @@ def moe_model(kind: str) -> torch.nn.Module:
     if kind == "mixtral":
         config = transformers.MixtralConfig(**COMMON, intermediate_size=24, num_local_experts=4)
         model = transformers.MixtralForCausalLM(config)
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=8,
+                                             num_experts=12, head_dim=8)
+        model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=8,
                                              shared_expert_intermediate_size=24, num_experts=12)
@@ -63,7 +68,7 @@ def moe_model(kind: str) -> torch.nn.Module:
 def dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hfmoe")
     out = {}
-    for kind in LAYOUTS:
+    for kind in FAMILIES:
         moe_model(kind).save_pretrained(str(root / kind))
         out[kind] = str(root / kind)
     return out
@@ -182,7 +187,7 @@ def test_checkpoint_resumes_at_dp1_and_exports_what_from_pretrained_loads(runs, 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", list(LAYOUTS))
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_weights_read_under_the_models_names_equal_from_pretrained(dirs, kind):
     """Every parameter trainmesh builds from the directory, whole and a slice of it, equals
     what transformers' from_pretrained loads. Bug: experts ordered as strings (10 before 2)."""
@@ -196,6 +201,27 @@ def test_weights_read_under_the_models_names_equal_from_pretrained(dirs, kind):
         assert torch.equal(model.init_parameter(name, tuple(p.shape), whole), p), name
         rows = (slice(1, 3), *whole[1:])
         assert torch.equal(model.init_parameter(name, tuple(p.shape), rows), p[1:3]), name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_weights_written_are_what_save_pretrained_writes(dirs, kind):
+    """The export's conversion of a state dict under the model's names: the file
+    ``save_pretrained`` wrote, name for name and tensor for tensor. Bugs: the stacked names
+    written; experts split in another order or gate and up swapped."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from trainmesh.models.hf_weights import file_state
+    model = transformers.AutoModelForCausalLM.from_pretrained(dirs[kind])
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    written = file_state(config, state, field="DIR")
+    want = load_file(str(Path(dirs[kind]) / "model.safetensors"))
+    assert sorted(written) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(written[name], tensor), name
 
 
 @pytest.mark.timeout(120)
