@@ -204,6 +204,33 @@ def test_weights_read_under_the_models_names_equal_from_pretrained(dirs, kind):
 
 
 @pytest.mark.timeout(120)
+def test_a_sharded_directory_reads_like_one_file(tmp_path):
+    """``save_pretrained`` above ``max_shard_size`` writes shards and an index (as large MoE
+    checkpoints come): read as the single file is; an index naming a file that is not there
+    is a ConfigError naming --model-dir."""
+    import json
+
+    from trainmesh import ConfigError
+    from trainmesh.engine.pretrained import check_model_dir, from_pretrained
+    directory = tmp_path / "sharded"
+    moe_model("qwen2_moe").save_pretrained(str(directory), max_shard_size="20KB")
+    shards = sorted(p.name for p in directory.glob("model-*.safetensors"))
+    assert len(shards) > 1 and not (directory / "model.safetensors").exists(), shards
+    model = from_pretrained(str(directory))
+    check_model_dir(str(directory), model)
+    for name, p in transformers.AutoModelForCausalLM.from_pretrained(str(directory)).named_parameters():
+        whole = tuple(slice(None) for _ in p.shape)
+        assert torch.equal(model.init_parameter(name, tuple(p.shape), whole), p), name
+    index = directory / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    content["weight_map"]["lm_head.weight"] = "model-99999-of-99999.safetensors"
+    index.write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match="model-99999") as err:
+        from_pretrained(str(directory))
+    assert err.value.field == "--model-dir"
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_weights_written_are_what_save_pretrained_writes(dirs, kind):
     """The export's conversion of a state dict under the model's names: the file

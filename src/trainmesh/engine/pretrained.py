@@ -1,7 +1,8 @@
 """Hugging Face causal LMs from a local model directory, built so each rank holds only its part.
 
 Any Hugging Face causal LM (``AutoModelForCausalLM``) works under dp and every ZeRO stage,
-under tp where it declares a plan. A model directory is what ``save_pretrained`` writes: ``config.json`` and ``model.safetensors``.
+under tp where it declares a plan. A model directory is what ``save_pretrained`` writes: ``config.json`` and
+``model.safetensors`` (or its shards and ``model.safetensors.index.json``).
 :func:`from_pretrained` builds the model from its config with every parameter on the meta
 device (buffers, such as Llama's rotary frequencies, are built for real: they are small and
 derived from the config) and gives it ``init_parameter`` reading the weights slice by slice
@@ -20,15 +21,13 @@ transformers) so ``trainmesh train --model-dir`` refuses a bad directory before 
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.engine.materialize import InitFn
-from trainmesh.models.hf import FIELD, WEIGHTS, build_on_meta
+from trainmesh.models.hf import FIELD, build_on_meta, weight_files
 from trainmesh.models.hf_weights import CheckpointView
 
 
@@ -45,7 +44,7 @@ def pretrained_init(path: str, model: nn.Module, *, field: str = FIELD) -> InitF
     """``init(name, shape, index)`` reading ``full[index]`` of a parameter from the directory's
     weights under the model's names, converted as transformers converts them on load (e.g. a
     mixture of experts saved expert by expert, held stacked: read whole, then sliced)."""
-    view = CheckpointView(str(Path(path) / WEIGHTS), model, field=field)
+    view = CheckpointView(weight_files(path, field), model, field=field)
     return view.read
 
 
@@ -55,7 +54,7 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
     ``model.safetensors`` with its shape, and with ``tp`` > 1 the model has a plan trainmesh
     maps (GPT-2's, or the one its config declares): checked before any worker starts."""
     model = model if model is not None else build_on_meta(path, field=field)
-    CheckpointView(str(Path(path) / WEIGHTS), model, field=field).check(model)
+    CheckpointView(weight_files(path, field), model, field=field).check(model)
     if tp > 1:
         from trainmesh.tensor_parallel.hf import (
             declared_plan,

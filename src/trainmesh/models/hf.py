@@ -18,6 +18,8 @@ from torch import nn
 from trainmesh.core.errors import ConfigError
 
 WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+"""A sharded directory's index (``save_pretrained`` above ``max_shard_size``): tensor -> file."""
 FIELD = "--model-dir"
 
 
@@ -91,11 +93,8 @@ def build_on_meta(path: str, *, field: str = FIELD) -> nn.Module:
     parameters on the meta device (buffers real); ConfigError naming ``field`` when the
     directory, its config or its weights file cannot make one."""
     read_model_config(path, field)
-    weights = Path(path) / WEIGHTS
-    if not weights.is_file():
-        raise ConfigError(field, f"{path!r} has no {WEIGHTS} (valid: save_pretrained output "
-                          "with safetensors weights)")
-    check_weights_header(weights, field)
+    for weights in weight_files(path, field):
+        check_weights_header(weights, field)
     transformers = transformers_module(field)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
@@ -105,6 +104,28 @@ def build_on_meta(path: str, *, field: str = FIELD) -> nn.Module:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(field, f"{path!r} is not a causal LM transformers can build: {first}") from None
     return model.float()   # fp32 parameters whatever config.json's dtype: --precision sets the compute's
+
+
+def weight_files(path: str, field: str = FIELD) -> list[Path]:
+    """The safetensors files of model directory ``path``: ``model.safetensors``, or the shards
+    ``model.safetensors.index.json`` names (in name order); ConfigError naming ``field`` when
+    there are none or the index names a file that is not in the directory."""
+    directory = Path(path)
+    if (directory / WEIGHTS).is_file():
+        return [directory / WEIGHTS]
+    index = directory / INDEX
+    if not index.is_file():
+        raise ConfigError(field, f"{path!r} has no {WEIGHTS} nor {INDEX} (valid: save_pretrained "
+                          "output with safetensors weights)")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(field, f"cannot read {index} (a weight_map of tensor -> file): {exc!r}") from None
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or not (directory / name).is_file():
+            raise ConfigError(field, f"{index} names {name!r}, not a file of {path!r}")
+    return [directory / name for name in names]
 
 
 def count_params(path: str) -> int:

@@ -20,6 +20,7 @@ A file already holding the model's names (stacked experts) is read as is. Import
 from __future__ import annotations
 
 from copy import deepcopy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,16 +48,21 @@ def _natural(key: str) -> list[Any]:
 
 
 class CheckpointView:
-    """The safetensors file ``path`` as the parameters of ``model`` (on meta is fine)."""
+    """The safetensors ``files`` of a model directory (one, or the shards of its index) as the
+    parameters of ``model`` (on meta is fine)."""
 
-    def __init__(self, path: str, model: nn.Module, *, field: str) -> None:
+    def __init__(self, files: list[Path], model: nn.Module, *, field: str) -> None:
         from safetensors import safe_open
-        self.path, self.field = path, field
+        self.path, self.field = str(files[0].parent), field
+        self.handle_of: dict[str, Any] = {}
+        """file key -> the open file holding it (one, or the shards of an index)."""
         try:
-            self.handle = safe_open(path, framework="pt")
-            keys = sorted(self.handle.keys(), key=_natural)
+            for file in files:
+                handle = safe_open(str(file), framework="pt")
+                self.handle_of.update((key, handle) for key in handle.keys())
         except Exception as exc:   # OSError, or safetensors' own SafetensorError
-            raise ConfigError(field, f"cannot read {path} as safetensors: {exc}") from None
+            raise ConfigError(field, f"cannot read {file} as safetensors: {exc}") from None
+        keys = sorted(self.handle_of, key=_natural)
         renamings, self.converters = _conversions(model)
         names = dict(model.named_parameters())
         self.sources: dict[str, list[tuple[str | None, str]]] = {}
@@ -69,6 +75,9 @@ class CheckpointView:
                 self.sources.setdefault(target, []).append((pattern, key))
         else:
             self.sources = {key: [(None, key)] for key in keys}
+
+    def _slice(self, key: str) -> Any:
+        return self.handle_of[key].get_slice(key)
 
     def __contains__(self, name: str) -> bool:
         return name in self.sources
@@ -88,8 +97,8 @@ class CheckpointView:
         """The full shape of parameter ``name`` as the file makes it (nothing read)."""
         (pattern, key), *_ = self.sources[name]
         if pattern is None:
-            return tuple(self.handle.get_slice(key).get_shape())
-        meta = lambda key: torch.empty(self.handle.get_slice(key).get_shape(), device="meta")  # noqa: E731
+            return tuple(self._slice(key).get_shape())
+        meta = lambda key: torch.empty(self._slice(key).get_shape(), device="meta")  # noqa: E731
         return tuple(self._converted(name, meta).shape)
 
     def read(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
@@ -102,8 +111,8 @@ class CheckpointView:
                               f"the model's is {tuple(shape)}")
         (pattern, key), *_ = self.sources[name]
         if pattern is None:
-            return self.handle.get_slice(key)[index].to(torch.float32)
-        return self._converted(name, self.handle.get_tensor)[index].to(torch.float32)
+            return self._slice(key)[index].to(torch.float32)
+        return self._converted(name, lambda key: self.handle_of[key].get_tensor(key))[index].to(torch.float32)
 
     def check(self, model: nn.Module) -> None:
         """Every parameter of ``model`` is in the file with its shape, or ConfigError."""
