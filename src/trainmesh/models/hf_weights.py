@@ -42,9 +42,10 @@ def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
             [t for t in transforms if isinstance(t, WeightConverter)])
 
 
-def _natural(key: str) -> list[Any]:
-    """Sort key: numbers by value (expert 10 after expert 9), as transformers orders a file."""
-    return [int(p) if p.isdigit() else p for p in key.split(".")]
+def _natural(key: str) -> list[tuple[int, int, str]]:
+    """Sort key: numbers by value (expert 10 after expert 9), as transformers orders a file;
+    a number sorts before a name at the same place."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
 
 
 class CheckpointView:
