@@ -8,8 +8,8 @@ loss and the routing counts as the reference's. In the ep runs, each rank's
 ``comm_bytes_per_step.ep.all_to_all`` equals the documented formula (docs/EXPERT_PARALLEL.md)
 computed from the routing counts of its ep group, and the rows its experts received equal what
 that group routed to them. A checkpoint written at dp 4 x ep 2 ZeRO-3 resumes at one process
-(ep 1, ZeRO 0) on the uninterrupted curve, and that run's checkpoint back at dp 4 x ep 2 ZeRO-3
-(experts saved by global index; any ep and ZeRO stage loads them).
+(ep 1, ZeRO 0) on the uninterrupted curve, and that run's checkpoint back at ep 2 ZeRO-3 inside
+a pipeline, pp 2 x dp 2 x ep 2 (experts saved by global index; any ep and ZeRO stage loads them).
 
 The ZeRO-1, ZeRO-3 and pipeline runs also check `trainmesh plan`'s prediction (model states,
 traffic). The Python API: ``Engine`` at dp 2 x ep 2 on an initialised model (its start
@@ -117,7 +117,7 @@ def test_equivalent_to_one_process(label, reference_run, tmp_path):
     if label in PLANNED:
         _check_plan([*BASE, *LAYOUTS[label]], summary(run))
     if saves:
-        _resume_across_layouts(ref, tmp_path, LAYOUTS[label])
+        _resume_across_layouts(ref, tmp_path)
 
 
 def _resume(ref: list[dict], where, source, step: int, layout: list[str], extra: list[str]) -> None:
@@ -134,11 +134,13 @@ def _resume(ref: list[dict], where, source, step: int, layout: list[str], extra:
     assert_equivalent(tail, steps(resumed), min_steps=STEPS - step)
 
 
-def _resume_across_layouts(ref: list[dict], tmp_path, layout: list[str]) -> None:
-    """ep 2 ZeRO-3 -> one process (ep 1, ZeRO 0) from step 2, saving step 3 -> back from it."""
+def _resume_across_layouts(ref: list[dict], tmp_path) -> None:
+    """ep 2 ZeRO-3 -> one process (ep 1, ZeRO 0) from step 2, saving step 3 -> back to ep 2
+    ZeRO-3 from it, inside a pipeline (pp 2 x dp 2 x ep 2: the experts' units of the second
+    stage over edp = 1, the dense ones over dp = 2)."""
     one = tmp_path / "one"
     _resume(ref, one, tmp_path / "ck", 2, ["--dp", "1"], ["--save-every", "1"])
-    _resume(ref, tmp_path / "back", one / "ck", 3, layout, [])
+    _resume(ref, tmp_path / "back", one / "ck", 3, [*LAYOUTS["pp2-dp2-ep2"], "--zero", "3"], [])
 
 
 def _api_run() -> dict:
