@@ -12,7 +12,7 @@ that group routed to them. A checkpoint written at dp 4 x ep 2 ZeRO-3 resumes at
 a pipeline, pp 2 x dp 2 x ep 2 (experts saved by global index; any ep and ZeRO stage loads them).
 
 The ZeRO-1, ZeRO-3 and pipeline runs also check `trainmesh plan`'s prediction (model states,
-traffic). The Python API: ``Engine`` at dp 2 x ep 2 on an initialised model (its start
+traffic). The Python API: ``Engine`` at dp 2 x ep 2 (ZeRO 0 and 3) on an initialised model (its start
 broadcast, experts over edp) matches one process, and ``full_state_dict`` holds every expert.
 
 Planted bugs this module catches (each seen failing with an assertion): the last row an ep rank
@@ -145,9 +145,9 @@ def _resume_across_layouts(ref: list[dict], tmp_path) -> None:
 
 def _api_run() -> dict:
     """The Python API: ``Engine`` with an initialised MoE GPT (so the start is broadcast: experts
-    over edp), dp 2 x ep 2, SGD, 3 steps; rank 0 also runs the same steps in one process
-    (``ParallelMesh(local=True)``). Returns both curves and whether the consolidated weights
-    (every expert, gathered over ep) equal the one-process model's."""
+    over edp), dp 2 x ep 2 at ZeRO 0 and ZeRO 3, SGD, 3 steps each; rank 0 also runs the same
+    steps in one process (``ParallelMesh(local=True)``). Returns the curves and whether each
+    layout's consolidated weights (every expert, gathered over ep) equal the one-process model's."""
     import torch
 
     from trainmesh import Engine, ParallelConfig
@@ -162,21 +162,25 @@ def _api_run() -> dict:
         return Engine(GPT(cfg, seed=3), lambda ps: torch.optim.SGD(ps, lr=0.5),
                       lambda m, b: m(**b), config, mesh=mesh)
 
-    par = engine(ParallelConfig(dp=2, ep=2), None)
-    rank = par.mesh.rank
-    curve = []
-    for k in range(3):
-        batch = corpus.batch(5, k, 8)
-        mine = {key: v[4 * rank:4 * rank + 4] for key, v in batch.items()}
-        curve.append((par.train_step(mine), par.last["grad_norm"]))
-    full = par.full_state_dict()
-    out = {"curve": curve, "names": sorted(full)}
+    out: dict = {}
+    fulls = {}
+    for zero in (0, 3):
+        par = engine(ParallelConfig(dp=2, ep=2, zero=zero), None)
+        rank = par.mesh.rank
+        curve = []
+        for k in range(3):
+            batch = corpus.batch(5, k, 8)
+            mine = {key: v[4 * rank:4 * rank + 4] for key, v in batch.items()}
+            curve.append((par.train_step(mine), par.last["grad_norm"]))
+        fulls[zero] = par.full_state_dict()
+        out[f"curve{zero}"], out[f"names{zero}"] = curve, sorted(fulls[zero])
     if rank == 0:
         ref = engine(ParallelConfig(), ParallelMesh(local=True))
         out["ref"] = [(ref.train_step(corpus.batch(5, k, 8)), ref.last["grad_norm"]) for k in range(3)]
         want = ref.full_state_dict()
-        out["weights_match"] = sorted(want) == sorted(full) and all(
-            torch.allclose(want[n], full[n], rtol=1e-4, atol=1e-6) for n in want)
+        out["weights_match"] = [sorted(want) == sorted(full) and all(
+            want[n].shape == full[n].shape and torch.allclose(want[n], full[n], rtol=1e-4, atol=1e-6)
+            for n in want) for full in fulls.values()]
     return out
 
 
@@ -186,8 +190,8 @@ def test_python_api_engine_dp2_ep2():
     from trainmesh.testing import run_distributed
     res = run_distributed(_api_run, 2, timeout_s=180)
     ref = res[0]["ref"]
-    for rank in (0, 1):
-        for (loss, norm), (rl, rn) in zip(res[rank]["curve"], ref):
-            assert abs(loss - rl) <= LOSS_ABS and abs(norm - rn) <= NORM_REL * rn, (rank, loss, rl, norm, rn)
-    assert res[0]["names"] == res[1]["names"]
-    assert res[0]["weights_match"]
+    for rank, zero in ((0, 0), (1, 0), (0, 3), (1, 3)):
+        for (loss, norm), (rl, rn) in zip(res[rank][f"curve{zero}"], ref):
+            assert abs(loss - rl) <= LOSS_ABS and abs(norm - rn) <= NORM_REL * rn, (rank, zero, loss, rl, norm, rn)
+        assert res[0][f"names{zero}"] == res[1][f"names{zero}"]
+    assert res[0]["weights_match"] == [True, True]     # ZeRO 0 and 3: every expert, whole
