@@ -19,11 +19,12 @@ Planted bugs this module catches (each seen failing with an assertion): the last
 receives dropped (zeroed) in the exchange (dp4-ep4: grad norm 0.14% off at step 2); the expert
 gradients reduced over ``dp`` instead of ``edp`` (dp4-ep2-zero1: grad norm 0.8% off at step 1);
 the experts' start broadcast over ``dp`` instead of ``edp`` (the API test: loss 2.7e-3 off);
-at ZeRO-3 the experts' strategy built over ``dp`` (units gathered and
-reduce-scattered over dp: grad norm 2.6% off at step 1), the experts' reduce-scatter left out
-(2.9% off at step 1), their units gathered over ``dp`` alone (the run fails: all_gather sizes);
-the strategies not split under a pipeline (pp2-dp2-ep2: grad norm 0.8% off at step 1); the
-experts' part skipped when a checkpoint loads at ZeRO-3 (the resume back: loss 6e-3 off).
+at ZeRO-3 the experts' strategy built over ``dp`` (units gathered and reduce-scattered over dp:
+grad norm 2.6% off at step 1), the experts' reduce-scatter left out (2.9% off at step 1), their
+units gathered over ``dp`` alone (the run fails: all_gather sizes); the strategies not split
+under a pipeline (pp2-dp2-ep2: grad norm 0.8% off at step 1); the experts' part skipped when a
+checkpoint loads at ZeRO-3 (the resume back: loss 6e-3 off); the experts' part left out of the
+consolidated weights at ZeRO-3 (the API test: weights differ).
 """
 from __future__ import annotations
 
