@@ -193,6 +193,7 @@ def test_python_api_engine_dp2_ep2():
     ref = res[0]["ref"]
     for rank, zero in ((0, 0), (1, 0), (0, 3), (1, 3)):
         for (loss, norm), (rl, rn) in zip(res[rank][f"curve{zero}"], ref):
-            assert abs(loss - rl) <= LOSS_ABS and abs(norm - rn) <= NORM_REL * rn, (rank, zero, loss, rl, norm, rn)
+            assert abs(loss - rl) <= LOSS_ABS and abs(norm - rn) <= NORM_REL * rn, \
+                (rank, zero, loss, rl, norm, rn)
         assert res[0][f"names{zero}"] == res[1][f"names{zero}"]
     assert res[0]["weights_match"] == [True, True]     # ZeRO 0 and 3: every expert, whole

@@ -20,8 +20,9 @@ of the tiny and small presets (DDP, TP, TP+SP, SGD, accumulation), which they ma
 On CUDA the summary reports ``max_memory_allocated``, so base and runtime are 0 there (not yet
 calibrated on a GPU). Compare the peak within 20%.
 Activations follow :mod:`.activations` (the built-in GPT's own count, MoE blocks by what the
-layer saves with balanced routing; pipeline microbatches in flight per schedule). Mixed precision is predicted ZeRO-paper style (16-bit parameters and
-gradients, fp32 master in the optimizer states); AdamW's per-tensor ``step`` counters (4 bytes
+layer saves with balanced routing; pipeline microbatches in flight per schedule). Mixed
+precision is predicted ZeRO-paper style (16-bit parameters and gradients, fp32 master in the
+optimizer states); AdamW's per-tensor ``step`` counters (4 bytes
 per parameter tensor, or per flat shard under ZeRO) are included. Under context parallelism each
 rank holds s/cp tokens, sends the K/V traffic of docs/CONTEXT_PARALLEL.md (axis ``cp``) and
 reduces gradients over dp x cp (axis ``dp_cp``, ZeRO shards over it).
