@@ -16,8 +16,14 @@ Two parts, both on the synthetic corpus with an MoE GPT (every other block's MLP
    shared machine hit all alike. Prints the median step time, tokens/s and the ratio to ep 1,
    and the CPU seconds per step (process time, max over ranks), less sensitive to other load.
    ``loop`` runs the whole global batch on one rank while the other waits.
+3. **ZeRO-3** (``--zero3``, instead of 1 and 2): ``trainmesh train`` at dp 4 with ep 1, 2 and 4,
+   ZeRO-3: model states per rank (16 Psi / dp whatever ep: the experts are sharded over edp
+   = dp / ep, each rank holding 1/ep of them), the bytes all-gathered per step on dp (at ep 1
+   the experts with the dense parameters) and on edp (the experts: 1/ep of them, none at
+   ep = dp), the all-to-all, the first and last loss.
 
     python benchmarks/bench_moe.py --steps 30
+    python benchmarks/bench_moe.py --steps 30 --zero3
 """
 from __future__ import annotations
 
@@ -92,6 +98,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--world4", action="store_true", help="also dp 4 and dp 4 x ep 4 (memory)")
     ap.add_argument("--speed-only", action="store_true", help="only part 2 (speed)")
+    ap.add_argument("--zero3", action="store_true", help="part 3 only: ZeRO-3 at dp 4, ep 1/2/4")
     a = ap.parse_args()
     from trainmesh.models.gpt import GPTConfig
     base = ["--layers", str(a.layers), "--d-model", str(a.d_model), "--heads", "4", "--seq-len", "64",
@@ -101,6 +108,8 @@ def main() -> None:
                     n_experts=a.experts, top_k=2, moe_every=2)
     expert_params = len(cfg.moe_blocks()) * cfg.n_experts * cfg.expert_params()
     dense = cfg.num_params() - expert_params
+    if a.zero3:
+        return zero3(base, a.steps)
     layouts = {"loop": [], "dp2": ["--dp", "2"], "dp2-ep2": ["--dp", "2", "--ep", "2"]}
     if a.world4:
         layouts.update({"dp4": ["--dp", "4"], "dp4-ep4": ["--dp", "4", "--ep", "4"]})
@@ -127,6 +136,22 @@ def main() -> None:
     speed(a)
 
 
+def zero3(base: list[str], steps: int) -> None:
+    """Part 3 of the module docstring: dp 4 ZeRO-3 at ep 1, 2, 4 (sequential runs)."""
+    print(f"{'layout':14} {'model states/rank':>17} {'dp all_gather':>13} {'edp all_gather':>14} "
+          f"{'ep a2a B/step':>13} {'first loss':>10} {'last loss':>9}   ({steps} steps)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for ep in (1, 2, 4):
+            name = f"dp4-ep{ep}-zero3"
+            records = run([*base, "--dp", "4", "--ep", str(ep), "--zero", "3"], Path(tmp) / f"{name}.jsonl")
+            losses = [r["loss"] for r in records if r["event"] == "step"]
+            rank0 = next(r for r in records if r["event"] == "summary")["ranks"][0]
+            comm = rank0["comm_bytes_per_step"]
+            gathered = {axis: comm.get(axis, {}).get("all_gather", 0.0) for axis in ("dp", "edp")}
+            a2a = comm.get("ep", {}).get("all_to_all", 0.0)
+            print(f"{name:14} {sum(rank0['model_state_bytes'].values()):17,} "
+                  f"{gathered['dp']:13,.0f} {gathered['edp']:14,.0f} {a2a:13,.0f} "
+                  f"{losses[0]:10.3f} {losses[-1]:9.3f}")
 
 
 def speed(a: argparse.Namespace) -> None:

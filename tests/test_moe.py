@@ -121,7 +121,6 @@ def test_parameter_counts_include_the_experts():
 
 
 @pytest.mark.parametrize("flags, flag", [
-    (["--dp", "2", "--ep", "2", "--zero", "3"], "--zero"),
     (["--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
     (["--ep", "2"], "--ep"),                      # ep must divide dp x cp = 1
     (["--dp", "2", "--ep", "2", "--experts", "3", "--top-k", "1"], "--ep"),

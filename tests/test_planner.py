@@ -325,6 +325,50 @@ def test_activation_count_matches_the_gpt_saved_tensors():
     assert predicted == pytest.approx(sum(saved.values()), rel=0.05)
 
 
+def _saved_bytes(layer, x) -> int:
+    """Bytes of the distinct storages autograd saves running ``layer`` on ``x`` (parameters aside)."""
+    import torch
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_activation_count_matches_the_saved_tensors(top_k):
+    """A MoE block saves the dense block's norms and attention plus the routed tokens' expert
+    activations (k copies of each token through an expert MLP), the dispatch and combine rows and
+    the routing state: the count of planner/activations.py, against what autograd keeps."""
+    torch = pytest.importorskip("torch")
+    from trainmesh.models.gpt import Block, GPTConfig
+    from trainmesh.models.moe import MoE, MoEStats
+    from trainmesh.planner.activations import moe_mlp_bytes
+    cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_layers=1, n_heads=4, n_experts=4,
+                    top_k=top_k, moe_every=1)
+    b, h = 4, cfg.moe_hidden
+    moe = MoE(cfg.d_model, cfg.n_experts, top_k, h, aux_coef=0.01, index=0, stats=MoEStats(1, 4))
+    torch.manual_seed(0)
+    block = Block(cfg, moe)
+    x = torch.randn(b, cfg.seq_len, cfg.d_model, requires_grad=True)
+    shape = dict(seq=cfg.seq_len, batch=b, hidden=cfg.d_model)
+    dense = gpt_block_bytes(heads=cfg.n_heads, ffn=cfg.d_ff, **shape) - 2 * b * cfg.seq_len * cfg.d_ff * 4
+    predicted = dense + moe_mlp_bytes(experts=cfg.n_experts, top_k=top_k, expert_hidden=h, **shape)
+    assert predicted == _saved_bytes(block, x)    # exact: every row and index counted
+    # the experts' hidden activations: k copies of every token, whatever the routing
+    expert_part = 2 * b * cfg.seq_len * top_k * h * 4
+    assert _saved_bytes(block.mlp.experts["0"], torch.randn(10, cfg.d_model, requires_grad=True)) \
+        == 2 * 10 * h * 4 + 10 * cfg.d_model * 4
+    assert expert_part > 0.3 * predicted
+
+
 def test_peak_prediction_stands_on_the_measured_base():
     """The base footprint is measured where the run happens: a CUDA build of torch imports
     ~650 MiB where the CPU wheel imports ~220 MiB; a constant base fits only one wheel."""

@@ -96,6 +96,12 @@ MoE: aux gradient without the sequence weight  test_moe: matches_the_dense_loop 
 EP: a received row dropped in the exchange     test_expert_parallel: dp4-ep4 (norm, step 2)
 EP: expert gradients reduced over dp, not edp  test_expert_parallel: dp4-ep2-zero1 (norm, step 1)
 EP: experts' start broadcast over dp, not edp  test_expert_parallel: python_api_... (2.7e-3)
+EP ZeRO-3: experts' units over dp, not edp    test_expert_parallel: dp4-ep2-zero3 (norm, step 1)
+EP ZeRO-3: experts' reduce-scatter left out   test_expert_parallel: dp4-ep2-zero3 (norm, step 1)
+EP ZeRO-3: experts skipped on a load          test_expert_parallel: dp4-ep2-zero3 (resume back)
+EP ZeRO-3: experts missing in full_state_dict test_expert_parallel: python_api_... (weights)
+EP under pp: experts reduced over dp          test_expert_parallel: pp2-dp2-ep2 (norm, step 1)
+MoE activations: k copies not counted         test_planner: moe_activation_count_... (k = 2)
 fault-tolerant: failed step applied anyway     test_fault_tolerance: replica_lost_... (step 5
   (not discarded)                               loss off by 3.5e-2)
 fault-tolerant: batch not re-split among the   test_fault_tolerance: replica_lost_... (step 5

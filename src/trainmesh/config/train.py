@@ -220,8 +220,6 @@ class TrainConfig:
         if p.sequence_parallel:
             raise ConfigError("--sequence-parallel", "is not supported with --experts (MoE "
                               "layers run on whole sequences, replicated over tp)")
-        if p.ep > 1 and p.zero == 3:
-            raise ConfigError("--zero", "3 is not supported with --ep > 1 (valid: 0, 1, 2)")
 
     @property
     def peak_lr(self) -> float:

@@ -6,7 +6,8 @@ One concern per file: the seam and its options (``base``), which gradients are f
 (``readiness``), the bucket machinery (``buckets``), reductions in flight and their memory
 (``inflight``), flat layouts (``flat``), the strategies (``ddp``, ``zero`` with ``flat_grads``,
 ``zero3`` with ``units``, ``zero_pipeline``, ``diloco``), what they share when sharded
-(``sharded``), fp32 masters (``master``) and offload (``offload``, ``nvme``).
+(``sharded``), fp32 masters (``master``) and offload (``offload``, ``nvme``); strategies over
+disjoint parameter subsets shown as one (``composite``).
 :func:`make_grad_sync` composes a strategy from the configuration.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from trainmesh.config.parallel import ParallelConfig
 
 from ..comm import Comm
 from .base import GradSync, SyncOptions, group_parameters, unique_named_parameters
+from .composite import CombinedOptimizer, CompositeSync
 from .ddp import DDP
 from .diloco import DiLoCo
 from .sharded import ELEMENTWISE_OPTIMIZERS
@@ -82,6 +84,6 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
                  materialize=materialize, units=cfg.zero3_units)
 
 
-__all__ = ["DDP", "DiLoCo", "ELEMENTWISE_OPTIMIZERS", "FlatZero", "GradSync", "PipelineZero3",
-           "SyncOptions", "Zero1", "Zero2", "Zero3",
+__all__ = ["DDP", "CombinedOptimizer", "CompositeSync", "DiLoCo", "ELEMENTWISE_OPTIMIZERS",
+           "FlatZero", "GradSync", "PipelineZero3", "SyncOptions", "Zero1", "Zero2", "Zero3",
            "find_units", "group_parameters", "make_grad_sync", "unique_named_parameters"]

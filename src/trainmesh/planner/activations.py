@@ -24,6 +24,20 @@ per-head log-sum-exp, never the s x s scores). Per block, in values of the compu
 
 and the head keeps ln_f's input and output (2*s*b*h) and the fp32 log-softmax (s*b*V/t).
 
+**A mixture-of-experts block** keeps the same norms and attention; its MLP's ``2*s*b*f/t`` is
+replaced by what :class:`~trainmesh.models.moe.MoE` saves (whole on every TP rank), for the
+``T = s*b`` tokens, top-k, E experts of width ``h_e`` and ``R`` rows this rank's experts run
+(``T*k`` without expert parallelism; under ``--ep`` the rows its ep group routed to them,
+``T*k`` when routing is balanced)::
+
+    experts:   R*h_e fc output + R*h_e GELU output                   (compute dtype)
+    dispatch:  R*d   the experts' input rows (each token copied k times)
+    combine:   2*T*k*d the experts' outputs back in slot order and gate-weighted (what the
+               scatter-add into the tokens keeps), T*k gates (compute dtype)
+    routing:   T*E   router probabilities (fp32), T*k kept gate values and T their sums (fp32),
+               3*T*k int64 indices (chosen experts, slot order, slot -> token)
+    balance:   b*E   the per-sequence load shares (fp32)
+
 **Pipeline in flight**: a stage holds the activations of several microbatches at its peak:
 1F1B ``min(p - stage, m)`` (stage 0 holds p), GPipe ``m``, naive 1, ZB-H1 ``min(p, m)``,
 interleaved ``min(2(p - r - 1) + (v - 1)p + 1, m*v)`` chunk-microbatches of 1/v stage each.
@@ -62,6 +76,18 @@ def gpt_block_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int, 
     inside = (4 * sb * hidden + 2 * sb * ffn) / tp
     stats = 4 * sb * 4 + (0 if recompute == "selective" else heads * sb / tp * 4)
     return (outside + inside) * value_bytes + stats
+
+
+def moe_mlp_bytes(*, seq: int, batch: int, hidden: int, experts: int, top_k: int,
+                  expert_hidden: int, value_bytes: int = 4, received: float | None = None) -> float:
+    """Bytes a MoE layer saves for one microbatch in place of the dense MLP's (module doc);
+    ``received``: rows this rank's experts run (None: ``T*k``, balanced routing)."""
+    tokens = seq * batch
+    slots = tokens * top_k
+    rows = slots if received is None else received
+    compute = (2 * rows * expert_hidden + rows * hidden + 2 * slots * hidden + slots) * value_bytes
+    routing = 4 * tokens * experts + 4 * (slots + tokens) + 8 * 3 * slots
+    return compute + routing + 4 * batch * experts
 
 
 def gpt_block_input_bytes(*, seq: int, batch: int, hidden: int, tp: int = 1,

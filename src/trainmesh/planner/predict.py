@@ -19,9 +19,10 @@ allocator slack (glibc keeps freed blocks resident). Both constants were fitted 
 of the tiny and small presets (DDP, TP, TP+SP, SGD, accumulation), which they match within 11%.
 On CUDA the summary reports ``max_memory_allocated``, so base and runtime are 0 there (not yet
 calibrated on a GPU). Compare the peak within 20%.
-Activations follow :mod:`.activations` (the built-in GPT's own count; pipeline microbatches in
-flight per schedule). Mixed precision is predicted ZeRO-paper style (16-bit parameters and
-gradients, fp32 master in the optimizer states); AdamW's per-tensor ``step`` counters (4 bytes
+Activations follow :mod:`.activations` (the built-in GPT's own count, MoE blocks by what the
+layer saves with balanced routing; pipeline microbatches in flight per schedule). Mixed
+precision is predicted ZeRO-paper style (16-bit parameters and gradients, fp32 master in the
+optimizer states); AdamW's per-tensor ``step`` counters (4 bytes
 per parameter tensor, or per flat shard under ZeRO) are included. Under context parallelism each
 rank holds s/cp tokens, sends the K/V traffic of docs/CONTEXT_PARALLEL.md (axis ``cp``) and
 reduces gradients over dp x cp (axis ``dp_cp``, ZeRO shards over it).
@@ -44,6 +45,7 @@ from .activations import (
     gpt_block_input_bytes,
     gpt_head_bytes,
     inflight_stages,
+    moe_mlp_bytes,
 )
 from .builtin import RankModel, block_params, rank_model
 from .memory import element_bytes, model_states
@@ -219,12 +221,19 @@ def _activations(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
                  sequence_parallel=layout.sequence_parallel)
     block = gpt_block_bytes(heads=gpt.n_heads, ffn=gpt.d_ff, recompute=layout.recompute,
                             value_bytes=e, **shape)
+    moe_block = block   # a MoE block: the dense MLP's fc and GELU outputs replaced (balanced routing)
+    if held.moe_blocks:
+        moe_block += moe_mlp_bytes(seq=seq, batch=micro_batch, hidden=gpt.d_model,
+                                   experts=gpt.n_experts, top_k=gpt.top_k,
+                                   expert_hidden=gpt.moe_hidden, value_bytes=e) \
+            - 2 * seq * micro_batch * gpt.d_ff / layout.tp * e
     if layout.recompute == "full":
         k = layout.recompute_segment
         per_mb = math.ceil(held.blocks / k) * gpt_block_input_bytes(value_bytes=e, **shape)
-        working = min(k, held.blocks) * block
+        working = min(k, held.blocks) * max(block, moe_block)
     else:
-        per_mb, working = held.blocks * block, 0.0
+        per_mb = (held.blocks - held.moe_blocks) * block + held.moe_blocks * moe_block
+        working = 0.0
     logits = micro_batch * seq * math.ceil(gpt.vocab_size / layout.tp) * 4
     if held.last:
         per_mb += gpt_head_bytes(seq=seq, batch=micro_batch, hidden=gpt.d_model,
