@@ -1,7 +1,8 @@
 """Test-only fault injection: ``TRAINMESH_FT_INJECT`` makes chosen replicas fail on cue.
 
 The value is a comma-separated list of ``R@K:POINT`` entries (``R.I@K:POINT`` for replica R's
-incarnation I, its I-th restart; I is 0 by default): at step K, replica R
+incarnation I, its I-th restart; I is 0 by default; ``R/J...`` for rank J of a replica of
+several ranks, 0 by default): at step K, replica R (its rank J)
 
 - ``reduce`` (the default when ``:POINT`` is left out): SIGKILLs itself after its forward and
   backward, just before the gradient all-reduce (its peers are in the collective);
@@ -28,26 +29,29 @@ POINTS = ("reduce", "send", "hold", "join")
 HOLD_S = 120.0
 
 
-def parse(value: str) -> list[tuple[int, int, int, str]]:
-    """``(replica, incarnation, step, point)`` entries of an injection string."""
+def parse(value: str) -> list[tuple[int, int, int, str, int]]:
+    """``(replica, incarnation, step, point, rank)`` entries of an injection string."""
     out = []
     for item in filter(None, (s.strip() for s in value.split(","))):
         where, _, point = item.partition(":")
         who, _, step = where.partition("@")
-        replica, _, incarnation = who.partition(".")
+        who, _, incarnation = who.partition(".")
+        replica, _, rank = who.partition("/")
         if (point or "reduce") not in POINTS:
             raise ValueError(f"{INJECT_ENV}: unknown point {point!r} in {item!r} ({', '.join(POINTS)})")
-        out.append((int(replica), int(incarnation or 0), int(step), point or "reduce"))
+        out.append((int(replica), int(incarnation or 0), int(step), point or "reduce", int(rank or 0)))
     return out
 
 
 class Injector:
-    """Where this replica's incarnation is to fail, from the environment (nowhere by default)."""
+    """Where this rank of a replica's incarnation is to fail, from the environment (nowhere by
+    default)."""
 
-    def __init__(self, replica: int, incarnation: int, value: str | None = None) -> None:
+    def __init__(self, replica: int, incarnation: int, value: str | None = None, *,
+                 rank: int = 0) -> None:
         value = os.environ.get(INJECT_ENV, "") if value is None else value
-        self.at = {(step, point) for r, i, step, point in parse(value)
-                   if (r, i) == (replica, incarnation)}
+        self.at = {(step, point) for r, i, step, point, j in parse(value)
+                   if (r, i, j) == (replica, incarnation, rank)}
 
     def maybe_die(self, step: int, point: str) -> None:
         if (step, point) in self.at:
