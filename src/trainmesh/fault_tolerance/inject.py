@@ -8,6 +8,8 @@ several ranks, 0 by default): at step K, replica R (its rank J)
   backward, just before the gradient all-reduce (its peers are in the collective);
 - ``send``: SIGKILLs itself as the source of a state transfer, before sending (a failure during
   recovery);
+- ``recv``: SIGKILLs itself as a receiver of a state transfer, before receiving (a failure
+  during its own recovery);
 - ``hold``: before asking into the quorum of step K, waits until every other replica has asked
   into it (at most :data:`HOLD_S`), so that a restarting replica rejoins at step K whatever the
   machine's speed;
@@ -25,7 +27,7 @@ from collections.abc import Callable
 
 from .protocol import INJECT_ENV, POLL_S
 
-POINTS = ("reduce", "send", "hold", "join")
+POINTS = ("reduce", "send", "recv", "hold", "join")
 HOLD_S = 120.0
 
 

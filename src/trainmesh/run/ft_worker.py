@@ -152,6 +152,7 @@ class Replica:
                 named, optim = self._local_state()
                 self.client.send_state(self.pg, d, named, optim, self.engine.checkpoint_state())
             if self.replica in d.receivers:
+                self.inject.maybe_die(d.step, "recv")
                 got = self.client.recv_state(self.pg, d, self._local_state()[0])
             error = ""
         except Exception as exc:   # noqa: BLE001 - a failed attempt: the coordinator decides
