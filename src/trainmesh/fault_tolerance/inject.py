@@ -10,9 +10,9 @@ several ranks, 0 by default): at step K, replica R (its rank J)
   recovery);
 - ``recv``: SIGKILLs itself as a receiver of a state transfer, before receiving (a failure
   during its own recovery);
-- ``hold``: before asking into the quorum of step K, waits until every other replica has asked
-  into it (at most :data:`HOLD_S`), so that a restarting replica rejoins at step K whatever the
-  machine's speed;
+- ``hold``: before asking into the first quorum of step K, waits until every other replica has
+  asked into it (at most :data:`HOLD_S`), so that a restarting replica rejoins at step K whatever
+  the machine's speed (once: a redo of step K does not wait again);
 - ``join``: (a restarted incarnation, ``R.I@K:join`` with I >= 1) asks back in no earlier than
   the quorum of step K, so that a restart faster than the steps does not rejoin early.
 
@@ -61,6 +61,7 @@ class Injector:
 
     def maybe_hold(self, step: int, everyone_asked: Callable[[], bool]) -> None:
         if (step, "hold") in self.at:
+            self.at.discard((step, "hold"))
             deadline = time.monotonic() + HOLD_S
             while not everyone_asked() and time.monotonic() < deadline:
                 time.sleep(POLL_S)

@@ -166,9 +166,12 @@ def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], Non
     apply_env(env)
     if setup is not None:
         setup()
-    from trainmesh.run.ft_worker import ft_worker_main
+    from trainmesh.run.ft_worker import ReplicaRankLost, ft_worker_main
     try:
         return ft_worker_main(cfg, replica, address)
+    except ReplicaRankLost as exc:
+        sys.stderr.write(f"trainmesh: {exc}\n")
+        end_process(1)
     except Exception:
         traceback.print_exc()
         end_process(1)

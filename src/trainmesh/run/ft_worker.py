@@ -16,11 +16,13 @@ are dropped and the step is redone from unchanged weights.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -56,6 +58,11 @@ def ft_worker_main(cfg: TrainConfig, replica: int, address: str) -> int:
     finally:
         client.close()
         dist.destroy_process_group()
+
+
+class ReplicaRankLost(RuntimeError):
+    """A collective inside the replica failed: one of its ranks was lost, and its agent restarts
+    them all (this rank ends with one line, no traceback)."""
 
 
 class Replica:
@@ -160,10 +167,11 @@ class Replica:
         error, _ = self._agree(error)
         if error:
             return Outcome(self.replica, self.incarnation, False, error)
-        if got is not None:   # every rank of the replica received its part: load it
-            self._load(*got)
-            row["state_transfer_s"] = time.perf_counter() - began
-        totals = self._forward_backward(d)
+        with self._inside():
+            if got is not None:   # every rank of the replica received its part: load it
+                self._load(*got)
+                row["state_transfer_s"] = time.perf_counter() - began
+            totals = self._forward_backward(d)
         try:
             self.inject.maybe_die(d.step, "reduce")
             sq = self._reduce_across(totals)
@@ -196,9 +204,22 @@ class Replica:
         if self.ranks == 1:
             return error, sq
         seen: list[Any] = [None] * self.ranks
-        dist.all_gather_object(seen, (error, sq))
+        with self._inside():
+            dist.all_gather_object(seen, (error, sq))
         errors = [e for e, _ in seen if e]
         return (errors[0] if errors else ""), sum(s for _, s in seen)
+
+    @contextlib.contextmanager
+    def _inside(self) -> Iterator[None]:
+        """Collectives among the replica's ranks: a failure there is the loss of one of them."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.ranks == 1:
+                raise
+            first = (str(exc).splitlines() or [""])[0][:200]
+            raise ReplicaRankLost(f"replica {self.replica} rank {self.rank}: a collective inside "
+                                  f"the replica failed ({first}); its agent restarts it") from None
 
     def _local_state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
         """What this rank sends as a source: one rank, the whole model; a shard group, this
@@ -251,7 +272,8 @@ class Replica:
         engine, clip = self.engine, self.cfg.parallel.grad_clip
         if clip > 0 and self.norm > clip:
             engine.grad_sync.clip(clip / (self.norm + 1e-6))
-        engine.grad_sync.step()
+        with self._inside():
+            engine.grad_sync.step()
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.step()
         engine.grad_sync.zero_grad()
