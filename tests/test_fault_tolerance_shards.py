@@ -46,14 +46,16 @@ def test_a_rank_lost_takes_its_replica_down_and_it_rejoins(reference_run, tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_failures_during_the_recovery_of_a_two_rank_replica(reference_run, tmp_path, monkeypatch):
-    """ZeRO-3. Replica 1 fails at step 3 (its rank 0). Rejoining at step 6, its rank 1 dies
+    """ZeRO-3. At step 2 the all-reduce across replicas of replica 0's rank 1 fails, the process
+    alive, while its rank 0's goes through: both ranks discard step 2 and every replica redoes
+    it. Replica 1 fails at step 3 (its rank 0). Rejoining at step 6, its rank 1 dies
     before receiving its shard (a receiver lost during recovery): discarded, replica 0 goes on
     alone and replica 1 is restarted again. Rejoining at step 9, the source's rank 1 dies before
     sending (the source lost during recovery): no replica holding the live state is left, so
     the run ends with exit 1 naming why, the steps committed before still exact."""
     ref = reference_run(one_process())
     monkeypatch.setenv("TRAINMESH_FT_INJECT", ",".join([
-        "1@3", "1.1@6:join", "0@6:hold", "1/1.1@6:recv",
+        "0/1@2:fail", "1@3", "1.1@6:join", "0@6:hold", "1/1.1@6:recv",
         "1.2@9:join", "0@9:hold", "0/1@9:send"]))
     proc, records = run_train([*SMALL, *FT, "--zero", "3"], tmp_path, timeout=240)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -63,4 +65,5 @@ def test_failures_during_the_recovery_of_a_two_rank_replica(reference_run, tmp_p
     assert _quorums(records)[:4] == [(3, 1, [1], []), (6, 2, [], [1]), (6, 1, [1], []),
                                      (9, 2, [], [1])], _quorums(records)
     s = summary(records)
-    assert s["steps"] == 8 and s["fault_tolerance"]["failed_attempts"] == 3, s
+    assert s["steps"] == 8 and s["fault_tolerance"]["failed_attempts"] == 4, s
+    assert [r["replicas"] for r in steps(records)][:3] == [2, 2, 1]   # step 2 redone by both

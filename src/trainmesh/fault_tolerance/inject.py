@@ -8,6 +8,8 @@ several ranks, 0 by default): at step K, replica R (its rank J)
   backward, just before the gradient all-reduce (its peers are in the collective);
 - ``send``: SIGKILLs itself as the source of a state transfer, before sending (a failure during
   recovery);
+- ``fail``: raises an error in place of its all-reduce across replicas, alive (a collective that
+  fails on one rank of a replica and not on its peers; once: the redo of step K goes through);
 - ``recv``: SIGKILLs itself as a receiver of a state transfer, before receiving (a failure
   during its own recovery);
 - ``hold``: before asking into the first quorum of step K, waits until every other replica has
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 from .protocol import INJECT_ENV, POLL_S
 
-POINTS = ("reduce", "send", "recv", "hold", "join")
+POINTS = ("reduce", "fail", "send", "recv", "hold", "join")
 HOLD_S = 120.0
 
 
@@ -58,6 +60,11 @@ class Injector:
     def maybe_die(self, step: int, point: str) -> None:
         if (step, point) in self.at:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_fail(self, step: int) -> None:
+        if (step, "fail") in self.at:
+            self.at.discard((step, "fail"))
+            raise RuntimeError(f"{INJECT_ENV}: injected failure of the all-reduce of step {step}")
 
     def maybe_hold(self, step: int, everyone_asked: Callable[[], bool]) -> None:
         if (step, "hold") in self.at:

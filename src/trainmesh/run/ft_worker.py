@@ -174,6 +174,7 @@ class Replica:
             totals = self._forward_backward(d)
         try:
             self.inject.maybe_die(d.step, "reduce")
+            self.inject.maybe_fail(d.step)
             sq = self._reduce_across(totals)
             error = ""
         except Exception as exc:   # noqa: BLE001 - as above
