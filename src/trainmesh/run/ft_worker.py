@@ -215,9 +215,9 @@ class Replica:
         """Collectives among the replica's ranks: a failure there is the loss of one of them."""
         try:
             yield
-        except RuntimeError as exc:
-            if self.ranks == 1:
-                raise
+        except RuntimeError as exc:   # gloo's transport errors are plain RuntimeErrors
+            if self.ranks == 1 or not (isinstance(exc, dist.DistError) or "gloo" in str(exc)):
+                raise   # not a collective's failure: the traceback says what it was
             first = (str(exc).splitlines() or [""])[0][:200]
             raise ReplicaRankLost(f"replica {self.replica} rank {self.rank}: a collective inside "
                                   f"the replica failed ({first}); its agent restarts it") from None
