@@ -10,11 +10,15 @@ difference. The losses of the faulted runs are checked against the clean ones.
 - restart: ``--max-restarts 1 --save-dir D --save-every 1`` (each failure restarts every
   worker, which resumes from the newest checkpoint, saved after every step);
 - fault-tolerant: ``--fault-tolerant`` (the survivors redo the failed step without the lost
-  replica, which its agent restarts and which rejoins from a peer's live state).
+  replica, which its agent restarts and which rejoins from a peer's live state);
+- fault-tolerant-2rank: ``--fault-tolerant --dp 4 --dp-shard 2 --zero 2`` (two replicas of two
+  ranks each, an HSDP shard group: the killed rank takes its replica down, its agent restarts
+  both ranks, which rejoin with their shards copied from the same ranks of the other replica).
 
 Run from the repository root:
 
     python benchmarks/bench_ft.py --steps 60 --kill-at 20 --trials 2
+    python benchmarks/bench_ft.py --modes fault-tolerant-2rank   # one mode only
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ import time
 from pathlib import Path
 
 MODEL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
-         "--vocab-size", "64", "--global-batch", "12", "--warmup-steps", "5", "--dp", "3"]
+         "--vocab-size", "64", "--global-batch", "12", "--warmup-steps", "5"]
+MODES = ("restart", "fault-tolerant", "fault-tolerant-2rank")
 
 
 def workers_of(pid: int) -> list[int]:
@@ -92,14 +97,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at", type=int, default=20)
     ap.add_argument("--trials", type=int, default=1)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     a = ap.parse_args()
+    chosen = [m for m in a.modes.split(",") if m]
+    if not chosen or any(m not in MODES for m in chosen):
+        ap.error(f"--modes: a comma-separated list of {', '.join(MODES)}; got {a.modes!r}")
     base = [*MODEL, "--steps", str(a.steps)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        modes = {"restart": lambda d: [*base, "--max-restarts", "1", "--save-dir", str(t / d),
-                                       "--save-every", "1"],
-                 "fault-tolerant": lambda d: [*base, "--fault-tolerant"]}
+        flags_of = {"restart": lambda d: [*base, "--dp", "3", "--max-restarts", "1",
+                                          "--save-dir", str(t / d), "--save-every", "1"],
+                    "fault-tolerant": lambda d: [*base, "--dp", "3", "--fault-tolerant"],
+                    "fault-tolerant-2rank": lambda d: [*base, "--dp", "4", "--dp-shard", "2",
+                                                       "--zero", "2", "--fault-tolerant"]}
+        modes = {m: flags_of[m] for m in chosen}
         for trial in range(a.trials):
             for mode, flags in modes.items():   # alternated: machine noise hits both alike
                 name = f"{mode}-{trial}"
@@ -116,10 +128,10 @@ def main() -> None:
                     extra = (f"recovery {ft['recovery_s']:.2f} s, {ft['degraded_steps']} degraded "
                              f"steps, state transfer {ft['state_transfer_s']:.3f} s")
                 rows.append((mode, clean, hit, stall, step_s, worst, extra))
-    print(f"{'mode':<15} {'clean s':>8} {'faulted s':>10} {'stall s':>8} {'step s':>7} "
+    print(f"{'mode':<21} {'clean s':>8} {'faulted s':>10} {'stall s':>8} {'step s':>7} "
           f"{'max |dloss|':>12}  notes")
     for mode, clean, hit, stall, step_s, worst, extra in rows:
-        print(f"{mode:<15} {clean:8.1f} {hit:10.1f} {stall:8.2f} {step_s:7.3f} {worst:12.2e}  {extra}")
+        print(f"{mode:<21} {clean:8.1f} {hit:10.1f} {stall:8.2f} {step_s:7.3f} {worst:12.2e}  {extra}")
 
 
 if __name__ == "__main__":

@@ -79,8 +79,8 @@ def test_uneven_split_covers_the_batch_once():
 
 
 def test_injection_syntax():
-    assert parse("1@5, 0.2@12:hold,2@3:send") == [(1, 0, 5, "reduce"), (0, 2, 12, "hold"),
-                                                   (2, 0, 3, "send")]
+    assert parse("1@5, 0.2@12:hold,2@3:send,1/1.2@7:recv") == [
+        (1, 0, 5, "reduce", 0), (0, 2, 12, "hold", 0), (2, 0, 3, "send", 0), (1, 2, 7, "recv", 1)]
     with pytest.raises(ValueError, match="unknown point"):
         parse("1@5:boom")
 
@@ -89,6 +89,7 @@ def test_injection_syntax():
     (["--dp", "1"], "--fault-tolerant"),
     (["--dp", "2", "--tp", "2"], "--tp"),
     (["--dp", "2", "--zero", "1"], "--zero"),
+    (["--dp", "4", "--dp-shard", "2", "--zero", "2", "--precision", "bf16"], "--precision"),
     (["--dp", "2", "--min-dp", "1"], "--min-dp"),
     (["--dp", "2", "--precision", "bf16"], "--precision"),
     (["--dp", "2", "--strategy", "diloco"], "--fault-tolerant"),

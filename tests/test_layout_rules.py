@@ -55,6 +55,10 @@ LAYOUTS = [
     (["--strategy", "ps", "--dp", "2", "--cp", "2"], "--cp", dict(strategy="ps", dp=2, cp=2)),
     (["--strategy", "diloco", "--dp", "2", "--fault-tolerant"], "--fault-tolerant",
      dict(strategy="diloco", dp=2, fault_tolerant=True)),
+    (["--dp", "4", "--zero", "2", "--fault-tolerant"], "--zero",       # one replica: nothing stands in
+     dict(dp=4, zero=2, fault_tolerant=True)),
+    (["--dp", "4", "--dp-shard", "2", "--zero", "2", "--fault-tolerant", "--ep", "2", "--experts", "2"],
+     "--dp-shard", dict(dp=4, dp_shard=2, zero=2, fault_tolerant=True, ep=2)),
     (["--cp", "2", "--seq-len", "6"], "--seq-len", None),
     (["--dp", "2", "--ep", "2"], "--ep", None),                                  # no --experts
     (["--dp", "2", "--ep", "2", "--experts", "3"], "--ep", None),
@@ -95,6 +99,9 @@ def test_valid_layouts_get_past_validation(no_launch):
     assert len(no_launch) == 1 and no_launch[0].parallel.virtual_stages == 2
     assert no_launch[0].parallel.grad_clip == 1.0      # trainmesh train's default clip
     assert ParallelConfig().grad_clip == 0.0           # the Python API's: no clipping
+    # fault-tolerant replicas of one HSDP shard group each (2 replicas of 2 ranks)
+    assert ParallelConfig(dp=4, dp_shard=2, zero=2, fault_tolerant=True).replica_ranks == 2
+    assert ParallelConfig(dp=3, fault_tolerant=True).replica_ranks == 1
 
 
 @pytest.mark.timeout(30)

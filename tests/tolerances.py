@@ -108,6 +108,12 @@ fault-tolerant: batch not re-split among the   test_fault_tolerance: replica_los
   replicas present (split by --dp)              loss off by 9.7e-3)
 fault-tolerant: joiner keeps its own weights   test_fault_tolerance: replica_lost_... (step 12
   (live state not loaded)                       loss off by 0.2)
+fault-tolerant 2-rank replica: a joiner's     test_fault_tolerance_shards: a_rank_lost_...
+  rank j paired with the source's other rank    (step 10 loss off by 0.19)
+fault-tolerant 2-rank replica: the failed      test_fault_tolerance_shards: a_rank_lost_...
+  step's gradients dropped by rank 0 only       (step 5 loss off by 0.12)
+fault-tolerant 2-rank replica: each rank       test_fault_tolerance_shards: failures_during_...
+  keeps its own outcome (no agreement)          (step 2 grad_norm 1.38 vs 2.12)
 ZeRO-2 accumulation overwriting the shard     test_zero: stages_..._at_dp2 (zero2-m2, 6 steps)
 param_groups options dropped at ZeRO          test_zero: stages_..._at_dp2 (zero1-groups, 2e-3)
 a trainer's push lost on a PS server          test_parameter_server: sync_is_data_parallel

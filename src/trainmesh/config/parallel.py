@@ -186,32 +186,41 @@ class ParallelConfig:
             if value > 1:
                 raise ConfigError("--dp-shard", f"< --dp is not supported with --{flag} > 1 ({why}); "
                                   f"got --{flag} {value} (valid with it: leave --dp-shard unset)")
-        if (self.min_dp is not None and self.min_dp < self.dp) or self.fault_tolerant:
-            raise ConfigError("--dp-shard", "< --dp is not supported with --min-dp or "
-                              "--fault-tolerant (a changing dp would break the shard groups); "
-                              "leave --dp-shard unset")
+        if self.min_dp is not None and self.min_dp < self.dp:
+            raise ConfigError("--dp-shard", "< --dp is not supported with --min-dp (a changing dp "
+                              "would break the shard groups); leave --dp-shard unset")
         if self.offload != "none":
             raise ConfigError("--dp-shard", "< --dp is not supported with --offload (shards streamed "
                               "to the host across replicas are not verified against one process); "
                               "use --offload none")
 
     def _check_fault_tolerant(self) -> None:
-        """--fault-tolerant protects plain data parallelism (one process per replica, fp32)."""
+        """--fault-tolerant protects data-parallel replicas in fp32: one process each (--zero 0),
+        or one HSDP shard group of --dp-shard ranks each (--zero 1, 2 or 3)."""
         if not self.fault_tolerant:
             return
         if self.dp < 2:
             raise ConfigError("--fault-tolerant", f"needs --dp >= 2 (replicas that can stand in for "
                               f"each other); got --dp {self.dp}")
+        if self.zero > 0 and self.shard_size == self.dp:
+            raise ConfigError("--zero", f"{self.zero} with --fault-tolerant shards inside each replica: "
+                              "needs --dp-shard S < --dp (replicas of S ranks); valid without it: 0")
         for flag, changed, valid in (
                 ("--tp", self.tp > 1, "1"), ("--pp", self.pp > 1, "1"), ("--cp", self.cp > 1, "1"),
-                ("--ep", self.ep > 1, "1"), ("--zero", self.zero > 0, "0"),
-                ("--dp-shard", self.dp_shard not in (None, self.dp), "unset"),
+                ("--ep", self.ep > 1, "1"),
                 ("--min-dp", self.min_dp is not None, "unset: replicas come and go per step"),
                 ("--precision", self.precision != "fp32", "fp32"),
                 ("--allreduce", self.allreduce != "native", "native")):
             if changed:
-                raise ConfigError(flag, f"is not supported with --fault-tolerant, whose replica is "
-                                  f"one process holding the whole model (valid: {valid})")
+                raise ConfigError(flag, "is not supported with --fault-tolerant, whose replica is one "
+                                  "process, or one shard group of --dp-shard ranks, holding the "
+                                  f"whole model (valid: {valid})")
+
+    @property
+    def replica_ranks(self) -> int:
+        """--fault-tolerant: the ranks of one replica (its unit of failure): the shard group of
+        --dp-shard ranks under ZeRO, else one process."""
+        return self.shard_size if self.zero > 0 else 1
 
     def build_mesh(self) -> ParallelMesh:
         """The mesh of this layout (a collective call: every rank builds it, in the same order)."""

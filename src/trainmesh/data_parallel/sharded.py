@@ -274,6 +274,30 @@ class ShardedSync(GradSync):
             if state:
                 self.optimizer.state[sp] = state
 
+    def local_shards(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        """This rank's flat shards (``shard<i>``, one per optimizer group) and their optimizer
+        states, as held (no collective): what the same rank of another replica holds (HSDP,
+        fault-tolerant replicas). fp32 without offload only."""
+        assert self.optimizer is not None and self.master is None, "fp32 shards in memory only"
+        optim = {f"shard{gi}": {k: v for k, v in self.optimizer.state.get(sp, {}).items()
+                                if torch.is_tensor(v)} for gi, sp in enumerate(self.shard_params)}
+        return [(f"shard{gi}", sp.detach()) for gi, sp in enumerate(self.shard_params)], optim
+
+    @torch.no_grad()
+    def load_local_shards(self, params: dict[str, torch.Tensor],
+                          optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take :meth:`local_shards` of the same rank of another replica; then (collective over
+        the group, every rank) make the parameters whole again."""
+        assert self.optimizer is not None and self.master is None, "fp32 shards in memory only"
+        for gi, sp in enumerate(self.shard_params):
+            sp.data.copy_(params[f"shard{gi}"])
+            state = optim.get(f"shard{gi}", {})
+            if state:
+                self.optimizer.state[sp] = {k: v.clone() for k, v in state.items()}
+            else:
+                self.optimizer.state.pop(sp, None)
+        self._after_load()
+
     @abstractmethod
     def _slots(self, gi: int) -> list[Slot]:
         """Every parameter slot of group ``gi``."""

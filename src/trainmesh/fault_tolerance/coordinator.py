@@ -45,7 +45,7 @@ class Tally:
     transfer_s: float = 0.0
     """Seconds the receivers spent getting the live state, summed."""
     pids: dict[int, list[int]] = field(default_factory=dict)
-    """Each replica's process ids, one per incarnation, in order."""
+    """Each replica's process ids, one per rank of each incarnation, in order."""
 
 
 class Coordinator:
@@ -135,8 +135,7 @@ class Coordinator:
                 return
             for req in requests.values():
                 pids = self.tally.pids.setdefault(req.replica, [])
-                if req.pid not in pids:
-                    pids.append(req.pid)
+                pids += [pid for pid in req.pids or [req.pid] if pid not in pids]
             if q > 0 and (lost or joined):
                 event = {"event": "quorum", "step": decision.step, "replicas": len(decision.members),
                          "lost": lost, "joined": joined}

@@ -1,15 +1,20 @@
 """Test-only fault injection: ``TRAINMESH_FT_INJECT`` makes chosen replicas fail on cue.
 
 The value is a comma-separated list of ``R@K:POINT`` entries (``R.I@K:POINT`` for replica R's
-incarnation I, its I-th restart; I is 0 by default): at step K, replica R
+incarnation I, its I-th restart; I is 0 by default; ``R/J...`` for rank J of a replica of
+several ranks, 0 by default): at step K, replica R (its rank J)
 
 - ``reduce`` (the default when ``:POINT`` is left out): SIGKILLs itself after its forward and
   backward, just before the gradient all-reduce (its peers are in the collective);
 - ``send``: SIGKILLs itself as the source of a state transfer, before sending (a failure during
   recovery);
-- ``hold``: before asking into the quorum of step K, waits until every other replica has asked
-  into it (at most :data:`HOLD_S`), so that a restarting replica rejoins at step K whatever the
-  machine's speed;
+- ``fail``: raises an error in place of its all-reduce across replicas, alive (a collective that
+  fails on one rank of a replica and not on its peers; once: the redo of step K goes through);
+- ``recv``: SIGKILLs itself as a receiver of a state transfer, before receiving (a failure
+  during its own recovery);
+- ``hold``: before asking into the first quorum of step K, waits until every other replica has
+  asked into it (at most :data:`HOLD_S`), so that a restarting replica rejoins at step K whatever
+  the machine's speed (once: a redo of step K does not wait again);
 - ``join``: (a restarted incarnation, ``R.I@K:join`` with I >= 1) asks back in no earlier than
   the quorum of step K, so that a restart faster than the steps does not rejoin early.
 
@@ -24,37 +29,46 @@ from collections.abc import Callable
 
 from .protocol import INJECT_ENV, POLL_S
 
-POINTS = ("reduce", "send", "hold", "join")
+POINTS = ("reduce", "fail", "send", "recv", "hold", "join")
 HOLD_S = 120.0
 
 
-def parse(value: str) -> list[tuple[int, int, int, str]]:
-    """``(replica, incarnation, step, point)`` entries of an injection string."""
+def parse(value: str) -> list[tuple[int, int, int, str, int]]:
+    """``(replica, incarnation, step, point, rank)`` entries of an injection string."""
     out = []
     for item in filter(None, (s.strip() for s in value.split(","))):
         where, _, point = item.partition(":")
         who, _, step = where.partition("@")
-        replica, _, incarnation = who.partition(".")
+        who, _, incarnation = who.partition(".")
+        replica, _, rank = who.partition("/")
         if (point or "reduce") not in POINTS:
             raise ValueError(f"{INJECT_ENV}: unknown point {point!r} in {item!r} ({', '.join(POINTS)})")
-        out.append((int(replica), int(incarnation or 0), int(step), point or "reduce"))
+        out.append((int(replica), int(incarnation or 0), int(step), point or "reduce", int(rank or 0)))
     return out
 
 
 class Injector:
-    """Where this replica's incarnation is to fail, from the environment (nowhere by default)."""
+    """Where this rank of a replica's incarnation is to fail, from the environment (nowhere by
+    default)."""
 
-    def __init__(self, replica: int, incarnation: int, value: str | None = None) -> None:
+    def __init__(self, replica: int, incarnation: int, value: str | None = None, *,
+                 rank: int = 0) -> None:
         value = os.environ.get(INJECT_ENV, "") if value is None else value
-        self.at = {(step, point) for r, i, step, point in parse(value)
-                   if (r, i) == (replica, incarnation)}
+        self.at = {(step, point) for r, i, step, point, j in parse(value)
+                   if (r, i, j) == (replica, incarnation, rank)}
 
     def maybe_die(self, step: int, point: str) -> None:
         if (step, point) in self.at:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def maybe_fail(self, step: int) -> None:
+        if (step, "fail") in self.at:
+            self.at.discard((step, "fail"))
+            raise RuntimeError(f"{INJECT_ENV}: injected failure of the all-reduce of step {step}")
+
     def maybe_hold(self, step: int, everyone_asked: Callable[[], bool]) -> None:
         if (step, "hold") in self.at:
+            self.at.discard((step, "hold"))
             deadline = time.monotonic() + HOLD_S
             while not everyone_asked() and time.monotonic() < deadline:
                 time.sleep(POLL_S)

@@ -2,19 +2,26 @@
 
 Every key lives in the coordinator's store (docs/FAULT_TOLERANCE.md gives the protocol):
 
-- ``hb/{r}``: replica r's heartbeat, ``"{incarnation}:{counter}"``, rewritten every
+- ``hb/{r}``: replica r's heartbeat (from its first rank), ``"{incarnation}:{counter}"``, rewritten every
   :data:`HEARTBEAT_S`;
 - ``next``: the number of the quorum the coordinator is collecting;
-- ``req/{q}/{r}``: replica r asks to take part in quorum q (a :class:`Request`);
+- ``req/{q}/{r}``: replica r asks to take part in quorum q (a :class:`Request`, from its first
+  rank; the others read the decision);
+- ``start/{r}/{i}``: the quorum replica r's incarnation i asks into first (its first rank
+  writes it, its other ranks read it);
+- ``shard/{r}/{i}/...``: the process group of replica r's ranks in incarnation i (a
+  ``PrefixStore``; replicas of several ranks);
 - ``dec/{q}``: the coordinator's decision (a :class:`Decision`), read by every replica;
-- ``ok/{q}/{r}``: replica r's outcome of the step attempt of quorum q (an :class:`Outcome`);
+- ``ok/{q}/{r}``: replica r's outcome of the step attempt of quorum q (an :class:`Outcome`,
+  the one its ranks agreed on);
 - ``commit/{q}``: ``"1"`` when every member succeeded (the step is applied), else ``"0"``;
-- ``arrive/{q}/{r}``: member r is about to build quorum q's process group (every member
+- ``arrive/{q}/{r}/{j}``: rank j of member r is about to build quorum q's group j (every member
   waits for the others first, so a member lost meanwhile abandons q instead of a connect
   waiting for it until ``--timeout``);
 - ``abandon/{q}``: set once a member of q failed or was lost (the others stop waiting on it);
-- ``state/{q}``: the source's description of the live state it sends to the receivers;
-- ``pg/{q}/...``: the process group of quorum q (a ``PrefixStore``);
+- ``state/{q}/{j}``: the description of the live state rank j of the source sends to rank j of
+  the receivers;
+- ``pg/{q}/{j}/...``: process group j of quorum q, rank j of every member (a ``PrefixStore``);
 - ``done``: set once the last step is committed (a replica still asking in ends).
 """
 from __future__ import annotations
@@ -50,6 +57,8 @@ class Request:
     needs_state: bool
     """Its state is not the live one (a restarted replica, or one that missed a commit)."""
     pid: int
+    pids: list[int] = field(default_factory=list)
+    """The process ids of all its ranks (a replica of several ranks), in rank order."""
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -36,18 +36,20 @@ class Abandoned(RuntimeError):
 
 
 class QuorumClient:
-    """Replica ``replica`` (in its ``incarnation``: the agent's restart count) of the run whose
-    coordinator serves ``address``."""
+    """Rank ``rank`` of replica ``replica`` (in its ``incarnation``: the agent's restart count)
+    of the run whose coordinator serves ``address``. The replica's first rank (rank 0) beats,
+    asks into quorums and reports; every rank reads the decisions and the commits."""
 
     def __init__(self, address: str, replica: int, incarnation: int, *, timeout_s: float,
-                 startup_timeout_s: float = 300.0) -> None:
-        self.replica, self.incarnation = replica, incarnation
+                 startup_timeout_s: float = 300.0, rank: int = 0) -> None:
+        self.replica, self.incarnation, self.rank = replica, incarnation, rank
         self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
         self.store = client_store(address, timeout_s=timeout_s + startup_timeout_s)
-        self._beat_store = client_store(address, timeout_s=timeout_s)
         self._stop = threading.Event()
-        self._beat()
-        threading.Thread(target=self._beats, name="trainmesh-ft-heartbeat", daemon=True).start()
+        if rank == 0:
+            self._beat_store = client_store(address, timeout_s=timeout_s)
+            self._beat()
+            threading.Thread(target=self._beats, name="trainmesh-ft-heartbeat", daemon=True).start()
 
     def _beat(self, n: int = 0) -> None:
         self._beat_store.set(key("hb", self.replica), f"{self.incarnation}:{n}")
@@ -69,17 +71,40 @@ class QuorumClient:
         self._wait(["next"], self.startup_timeout_s, "the coordinator")
         return int(self.store.get("next"))
 
+    def start_quorum(self, ranks: int) -> int:
+        """Where a restarted replica of ``ranks`` ranks asks in first, the same for all of them:
+        its first rank picks :meth:`next_quorum`, the others read it."""
+        at = key("start", self.replica, self.incarnation)
+        if self.rank == 0:
+            q = self.next_quorum()
+            if ranks > 1:
+                self.store.set(at, str(q))
+            return q
+        self._wait([at], self.startup_timeout_s, "the first rank of this replica")
+        return int(self.store.get(at))
+
+    def shard_store(self) -> Any:
+        """The store of this replica incarnation's own process group (its ranks)."""
+        return dist.PrefixStore(key("shard", self.replica, self.incarnation), self.store)
+
     def next_step(self) -> int:
         """The step the quorum being collected now would run (0 before the first quorum)."""
         return int(self.store.get("next_step")) if self.store.check(["next_step"]) else 0
 
     def request(self, q: int, *, step: int, needs_state: bool, pid: int,
-                first: bool) -> Decision | None:
+                first: bool, pids: list[int] | None = None) -> Decision | None:
         """Ask for a place in quorum ``q``; the coordinator's decision, or None when the run
         already reached its last step."""
         self.store.set(key("req", q, self.replica),
-                       Request(self.replica, self.incarnation, step, needs_state, pid).encode())
+                       Request(self.replica, self.incarnation, step, needs_state, pid,
+                               pids or [pid]).encode())
         bound = self.startup_timeout_s if first else self.timeout_s + 2 * HEARTBEAT_TIMEOUT_S
+        return self.decision(q, bound)
+
+    def decision(self, q: int, bound: float | None = None) -> Decision | None:
+        """The decision of quorum ``q`` (or None once the run is over); the ranks other than
+        the first wait as long as the start-up timeout (the first may hold back, in tests)."""
+        bound = self.startup_timeout_s if bound is None else bound
         self._wait([key("dec", q)], bound, f"the decision of quorum {q}", done_ok=True)
         if not self.store.check([key("dec", q)]):
             return None
@@ -89,9 +114,11 @@ class QuorumClient:
         """Whether every other replica has asked into quorum ``q``."""
         return self.store.check([key("req", q, r) for r in range(replicas) if r != self.replica])
 
-    def report(self, q: int, outcome: Outcome) -> bool:
-        """Post this member's outcome of quorum ``q``'s attempt; whether the step is committed."""
-        self.store.set(key("ok", q, self.replica), outcome.encode())
+    def report(self, q: int, outcome: Outcome | None) -> bool:
+        """Post this member's outcome of quorum ``q``'s attempt (the first rank; the others pass
+        None); whether the step is committed."""
+        if outcome is not None:
+            self.store.set(key("ok", q, self.replica), outcome.encode())
         self._wait([key("commit", q)], self.timeout_s + 2 * HEARTBEAT_TIMEOUT_S,
                    f"the commit of quorum {q}")
         return self.store.get(key("commit", q)) == b"1"
@@ -112,13 +139,14 @@ class QuorumClient:
             time.sleep(POLL_S)
 
     def process_group(self, decision: Decision) -> Any:
-        """The members' gloo process group for quorum ``decision.quorum``, over a PrefixStore
-        of the coordinator's store (a fresh one per quorum: a failed group is never reused)."""
-        q = decision.quorum   # everyone there first: a member lost before it abandons q at once
-        self.store.set(key("arrive", q, self.replica), "1")
-        self._wait([key("arrive", q, r) for r in decision.replicas], self.timeout_s,
+        """The gloo process group of quorum ``decision.quorum`` that connects this rank with
+        the same rank of every other member, over a PrefixStore of the coordinator's store (a
+        fresh one per quorum: a failed group is never reused)."""
+        q, j = decision.quorum, self.rank   # everyone there first: a member lost abandons q at once
+        self.store.set(key("arrive", q, self.replica, j), "1")
+        self._wait([key("arrive", q, r, j) for r in decision.replicas], self.timeout_s,
                    f"the members of quorum {q}", abandon=q)
-        prefix = dist.PrefixStore(key("pg", q), self.store)
+        prefix = dist.PrefixStore(key("pg", q, j), self.store)
         rank = decision.replicas.index(self.replica)
         return dist.ProcessGroupGloo(prefix, rank, len(decision.members),
                                      timedelta(seconds=self.timeout_s))
@@ -126,10 +154,11 @@ class QuorumClient:
     # ---------------------------------------------------------------- live state
     def send_state(self, pg: Any, decision: Decision, params: list[tuple[str, torch.Tensor]],
                    optim: dict[str, dict[str, torch.Tensor]], trainer: dict[str, Any]) -> None:
-        """The source: describe the state in the store, then send it to every receiver."""
+        """The source (each of its ranks): describe the state in the store, then send it to
+        the same rank of every receiver."""
         layout = [[name, k, list(t.shape), str(t.dtype).removeprefix("torch.")]
                   for name, _ in params for k, t in sorted(optim.get(name, {}).items())]
-        self.store.set(key("state", decision.quorum), json.dumps({"optim": layout, "trainer": trainer}))
+        self.store.set(key("state", decision.quorum, self.rank), json.dumps({"optim": layout, "trainer": trainer}))
         flat = _flatten([t for _, t in params]
                         + [optim[name][k] for name, k, _, _ in layout] + [torch.get_rng_state()])
         for r in decision.receivers:
@@ -140,9 +169,9 @@ class QuorumClient:
     def recv_state(self, pg: Any, decision: Decision, params: list[tuple[str, torch.Tensor]]
                    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
         """A receiver: the source's (params, optimizer states, trainer state); sets the RNG."""
-        self._wait([key("state", decision.quorum)], self.timeout_s, "the source's state",
-                   abandon=decision.quorum)
-        header = json.loads(self.store.get(key("state", decision.quorum)))
+        at = key("state", decision.quorum, self.rank)
+        self._wait([at], self.timeout_s, "the source's state", abandon=decision.quorum)
+        header = json.loads(self.store.get(at))
         shapes = ([(t.shape, t.dtype) for _, t in params]
                   + [(torch.Size(shape), getattr(torch, dtype)) for _, _, shape, dtype in header["optim"]]
                   + [(torch.get_rng_state().shape, torch.uint8)])

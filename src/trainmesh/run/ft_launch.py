@@ -2,8 +2,9 @@
 coordinator (docs/FAULT_TOLERANCE.md).
 
 Each replica runs under its own PyTorch elastic agent (a thread of this process, one worker
-each, its own rendezvous run id over the launcher's loopback store), so the agent of a failed
-replica restarts that replica alone (``--max-restarts``, :data:`FT_MAX_RESTARTS` by default)
+per rank of the replica: one, or the --dp-shard ranks of a shard group; its own rendezvous run
+id over the launcher's loopback store), so the agent of a failed replica restarts that replica
+(all its ranks) alone (``--max-restarts``, :data:`FT_MAX_RESTARTS` by default)
 while the others go on. The coordinator (:mod:`trainmesh.fault_tolerance.coordinator`) decides
 every step's quorum and commit and writes the metrics file; this module adds the summary.
 
@@ -68,7 +69,8 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}
              if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
     gpt = cfg.gpt_config()
-    coordinator = Coordinator(replicas=p.dp, last=cfg.exit_after or cfg.steps,
+    ranks = p.replica_ranks
+    coordinator = Coordinator(replicas=p.dp // ranks, last=cfg.exit_after or cfg.steps,
                               metrics_out=cfg.metrics_out, tokens=cfg.global_batch * gpt.seq_len,
                               startup_timeout_s=STARTUP_TIMEOUT_S, step_timeout_s=p.timeout_s + 30,
                               notify=lambda line: print(line, file=sys.stderr, flush=True))
@@ -82,19 +84,20 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
 
             def agent(replica: int) -> None:
                 config = LaunchConfig(
-                    min_nodes=1, max_nodes=1, nproc_per_node=1, run_id=f"{run_id}-r{replica}",
+                    min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"{run_id}-r{replica}",
                     max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S,
                     start_method="spawn", **rendezvous, **grace)
                 try:
                     elastic_launch(config, ft_worker_entry)(cfg, os.getpid(), worker_setup, replica,
                                                             coordinator.address, env)
                 except ChildFailedError as exc:
-                    failures[replica] = _headline(exc).replace("rank 0", f"replica {replica}", 1)
+                    failures[replica] = (_headline(exc).replace("rank 0", f"replica {replica}", 1)
+                                         if ranks == 1 else f"replica {replica}: {_headline(exc)}")
                 except Exception as exc:   # noqa: BLE001 - the agent itself failed
                     failures[replica] = f"replica {replica}: agent failed: {exc}"
 
             agents = [threading.Thread(target=agent, args=(r,), name=f"trainmesh-ft-agent-{r}",
-                                       daemon=True) for r in range(p.dp)]
+                                       daemon=True) for r in range(p.dp // ranks)]
             coordinator.start()
             for t in agents:
                 t.start()
@@ -117,7 +120,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     t = coordinator.tally
     print(f"trainmesh: {last} steps in {time.perf_counter() - began:.1f} s, final loss "
           f"{coordinator.final_loss:.4f}; {t.failed_attempts} step attempts discarded, "
-          f"{t.degraded_steps} steps with fewer than {p.dp} replicas", flush=True)
+          f"{t.degraded_steps} steps with fewer than {p.dp // ranks} replicas", flush=True)
     for why in failures.values():
         sys.stderr.write(f"trainmesh train: warning: {why}; the run finished without it\n")
     from trainmesh.observe.progress import outputs_of, print_outputs
@@ -126,15 +129,15 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
 
 
 def _summary(cfg: TrainConfig, coordinator: Any, failures: dict[int, str]) -> dict[str, Any]:
-    t = coordinator.tally
+    t, ranks = coordinator.tally, cfg.parallel.replica_ranks
     return {"event": "summary", "world_size": cfg.parallel.dp,
             "layout": {**cfg.parallel.layout(), "experts": cfg.gpt_config().n_experts},
             "params": cfg.num_params(), "final_loss": coordinator.final_loss,
             "steps": coordinator.committed,
-            "ranks": [{"rank": r, "replica": r, "pids": t.pids.get(r, []),
-                       "restarts": max(0, len(t.pids.get(r, [])) - 1),
+            "ranks": [{"rank": r * ranks, "replica": r, "pids": t.pids.get(r, []),
+                       "restarts": max(0, len(t.pids.get(r, [])) // ranks - 1),
                        **({"failed": failures[r]} if r in failures else {})}
-                      for r in range(cfg.parallel.dp)],
+                      for r in range(cfg.parallel.dp // ranks)],
             "fault_tolerance": {"degraded_steps": t.degraded_steps,
                                 "failed_attempts": t.failed_attempts,
                                 "recovery_s": round(t.recovery_s, 3),
@@ -163,9 +166,12 @@ def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], Non
     apply_env(env)
     if setup is not None:
         setup()
-    from trainmesh.run.ft_worker import ft_worker_main
+    from trainmesh.run.ft_worker import ReplicaRankLost, ft_worker_main
     try:
         return ft_worker_main(cfg, replica, address)
+    except ReplicaRankLost as exc:
+        sys.stderr.write(f"trainmesh: {exc}\n")
+        end_process(1)
     except Exception:
         traceback.print_exc()
         end_process(1)

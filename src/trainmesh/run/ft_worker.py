@@ -1,22 +1,28 @@
 """One replica of a ``--fault-tolerant`` run (docs/FAULT_TOLERANCE.md).
 
-Each replica is one process under its own elastic agent, in a world of its own (a one-process
-default group: the engine runs the plain single-process step). Per step it asks the
-coordinator for a place in the quorum; the members form a gloo process group over a
-PrefixStore of the coordinator's store (a fresh one whenever membership changed or an attempt
-failed), a receiver gets the live state from the source over it, each member runs forward and
-backward on its rows of the step's global batch (split among the members present, sizes
-differing by at most one), and the members sum the loss, the token count and the gradients over
-the group. The step is applied only when the coordinator commits it (every member succeeded);
-otherwise the gradients are dropped and the step is redone from unchanged weights.
+A replica is one process, or (``--dp-shard S`` with ZeRO) the S ranks of one HSDP shard group,
+under its own elastic agent, in a world of its own: its default group holds its S ranks (one:
+the plain single-process engine), over which the engine shards ZeRO's states. Per step its
+first rank asks the coordinator for a place in the quorum and every rank reads the decision;
+rank j of every member joins the quorum's gloo group j over a PrefixStore of the coordinator's
+store (a fresh one whenever membership changed or an attempt failed); rank j of a receiver gets
+rank j's live state from the source over it; each rank runs forward and backward on its rows of
+the step's global batch (split among the members' ranks present, sizes differing by at most one),
+reduces its gradient shard inside the replica and all-reduces it, with the loss and the token
+count, over group j. The replica's ranks then agree (one all-reduce over the replica) whether
+every one of them succeeded, so they report, apply or discard the step together. The step is
+applied only when the coordinator commits it (every member succeeded); otherwise the gradients
+are dropped and the step is redone from unchanged weights.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,35 +41,51 @@ from trainmesh.fault_tolerance.replica import QuorumClient
 
 @record
 def ft_worker_main(cfg: TrainConfig, replica: int, address: str) -> int:
-    """Replica ``replica`` of the run whose coordinator serves ``address``."""
+    """Rank ``LOCAL_RANK`` of replica ``replica`` of the run whose coordinator serves ``address``."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: os._exit(128 + signum))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = pick_device(cfg.device)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+    ranks, rank = cfg.parallel.replica_ranks, int(os.environ.get("LOCAL_RANK", "0"))
+    client = QuorumClient(address, replica, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                          timeout_s=cfg.parallel.timeout_s, rank=rank)
+    # the replica's own group: its ranks, in this incarnation (one rank: a world of its own)
+    store = dist.HashStore() if ranks == 1 else client.shard_store()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks,
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
     try:
-        return Replica(cfg, replica, address, device).run()
+        return Replica(cfg, replica, client, device).run()
     finally:
+        client.close()
         dist.destroy_process_group()
 
 
-class Replica:
-    """The training loop of one replica."""
+class ReplicaRankLost(RuntimeError):
+    """A collective inside the replica failed: one of its ranks was lost, and its agent restarts
+    them all (this rank ends with one line, no traceback)."""
 
-    def __init__(self, cfg: TrainConfig, replica: int, address: str, device: torch.device) -> None:
+
+class Replica:
+    """The training loop of one rank of a replica."""
+
+    def __init__(self, cfg: TrainConfig, replica: int, client: QuorumClient, device: torch.device) -> None:
         from trainmesh.run.trainer import build_engine
-        self.cfg, self.replica, self.device = cfg, replica, device
-        self.incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        local = dataclasses.replace(cfg.parallel, dp=1, fault_tolerant=False)
+        self.cfg, self.replica, self.device, self.client = cfg, replica, device, client
+        self.incarnation, self.rank = client.incarnation, client.rank
+        self.ranks = cfg.parallel.replica_ranks
+        # ZeRO over the replica's ranks (plain ZeRO of dp = S); one rank: the single process
+        local = dataclasses.replace(cfg.parallel, dp=self.ranks, dp_shard=None, fault_tolerant=False)
         one = dataclasses.replace(cfg, parallel=local)
         self.engine: Engine = build_engine(one, device, local.build_mesh())
         gpt = cfg.gpt_config()
         self.dataset, _ = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
                                         held_out=False, tokenizer=cfg.tokenizer)
         self.tokens = cfg.global_batch * gpt.seq_len
-        self.client = QuorumClient(address, replica, self.incarnation, timeout_s=cfg.parallel.timeout_s)
-        self.inject = Injector(replica, self.incarnation)
+        self.inject = Injector(replica, self.incarnation, rank=self.rank)
+        self.pids = [os.getpid()]
+        if self.ranks > 1:
+            self.pids = [0] * self.ranks
+            dist.all_gather_object(self.pids, os.getpid())
         self.steps_done = 0
         self.needs_state = self.incarnation > 0   # a restarted replica copies the live state
         self.pg: Any = None
@@ -73,28 +95,29 @@ class Replica:
 
     def run(self) -> int:
         last = self.cfg.exit_after or self.cfg.steps
-        if self.incarnation > 0:
+        lead = self.rank == 0   # asks into quorums and reports for the replica
+        if self.incarnation > 0 and lead:
             self.inject.maybe_wait_to_join(self.client.next_step)
-        q = 0 if self.incarnation == 0 else self.client.next_quorum()
+        q = 0 if self.incarnation == 0 else self.client.start_quorum(self.ranks)
         first = self.incarnation == 0
-        try:
-            while self.steps_done < last:
+        while self.steps_done < last:
+            if lead:
                 self.inject.maybe_hold(self.steps_done + 1, lambda: self.client.everyone_asked(
-                    q, self.cfg.parallel.dp))
+                    q, self.cfg.parallel.dp // self.ranks))
                 decision = self.client.request(q, step=self.steps_done, needs_state=self.needs_state,
-                                               pid=os.getpid(), first=first)
-                first = False
-                if decision is None:      # the run reached its last step meanwhile
-                    break
-                if decision.abort:    # the launcher reports the reason and exits 1
-                    break
-                if decision.has(self.replica, self.incarnation):
-                    self._member(decision)
-                else:                     # left out: the others may commit a step without it
-                    self.needs_state = True
-                q += 1
-        finally:
-            self.client.close()
+                                               pid=os.getpid(), first=first, pids=self.pids)
+            else:
+                decision = self.client.decision(q)
+            first = False
+            if decision is None:      # the run reached its last step meanwhile
+                break
+            if decision.abort:    # the launcher reports the reason and exits 1
+                break
+            if decision.has(self.replica, self.incarnation):
+                self._member(decision)
+            else:                     # left out: the others may commit a step without it
+                self.needs_state = True
+            q += 1
         return 0
 
     def _member(self, decision: Decision) -> None:
@@ -102,8 +125,8 @@ class Replica:
         fresh = (self.pg is None or self.pg_members != decision.members
                  or self.pg_quorum != decision.quorum - 1)
         self.pg_members, self.pg_quorum = decision.members, decision.quorum
-        outcome = self._attempt(decision, fresh)
-        if self.client.report(decision.quorum, outcome):
+        outcome = self._attempt(decision, fresh)   # the same on every rank of the replica
+        if self.client.report(decision.quorum, outcome if self.rank == 0 else None):
             self._apply()
             self.steps_done = decision.step
         else:
@@ -119,25 +142,48 @@ class Replica:
         self.pg = None
 
     def _attempt(self, d: Decision, fresh: bool) -> Outcome:
+        """One attempt at step ``d.step``. What involves other replicas may fail on some ranks
+        of this one and not on others: after each such part the ranks agree (:meth:`_agree`),
+        so they go on, or give up, together; what happens inside the replica (forward,
+        backward, the reductions of ZeRO) never fails alone (a rank lost takes the whole
+        replica down: its agent restarts every rank)."""
         began = time.perf_counter()
         row: dict[str, Any] = {}
+        got = None
         try:
             if fresh:
                 self._drop_group()
                 self.pg = self.client.process_group(d)
             if d.source == self.replica and d.receivers:
                 self.inject.maybe_die(d.step, "send")
-                params, optim = self.engine.grad_sync.logical_state()
-                self.client.send_state(self.pg, d, list(params.items()), optim,
-                                       self.engine.checkpoint_state())
+                named, optim = self._local_state()
+                self.client.send_state(self.pg, d, named, optim, self.engine.checkpoint_state())
             if self.replica in d.receivers:
-                self._receive(d)
-                row["state_transfer_s"] = time.perf_counter() - began
-            loss, norm = self._forward_backward_reduce(d)
+                self.inject.maybe_die(d.step, "recv")
+                got = self.client.recv_state(self.pg, d, self._local_state()[0])
+            error = ""
         except Exception as exc:   # noqa: BLE001 - a failed attempt: the coordinator decides
-            self.engine.grad_sync.zero_grad()
-            self._drop_group()   # its connections closed: a peer still inside a collective fails now
-            return Outcome(self.replica, self.incarnation, False, f"{type(exc).__name__}: {exc}"[:300])
+            error = self._failed(exc)
+        error, _ = self._agree(error)
+        if error:
+            return Outcome(self.replica, self.incarnation, False, error)
+        with self._inside():
+            if got is not None:   # every rank of the replica received its part: load it
+                self._load(*got)
+                row["state_transfer_s"] = time.perf_counter() - began
+            totals = self._forward_backward(d)
+        try:
+            self.inject.maybe_die(d.step, "reduce")
+            self.inject.maybe_fail(d.step)
+            sq = self._reduce_across(totals)
+            error = ""
+        except Exception as exc:   # noqa: BLE001 - as above
+            error, sq = self._failed(exc), 0.0
+        error, sq = self._agree(error, sq)
+        if error:
+            return Outcome(self.replica, self.incarnation, False, error)
+        loss, norm = (totals[0] / totals[1]).item(), math.sqrt(sq)
+        self.norm = norm
         dt = time.perf_counter() - began
         if not (math.isfinite(loss) and math.isfinite(norm)):
             row["nonfinite"] = f"loss {loss}" if not math.isfinite(loss) else f"grad_norm {norm}"
@@ -146,49 +192,93 @@ class Replica:
                    tokens_per_s=self.tokens / dt if dt > 0 else 0.0, mfu=None)
         return Outcome(self.replica, self.incarnation, True, row=row)
 
-    def _receive(self, d: Decision) -> None:
-        named = list(self.engine.grad_sync.logical_state()[0].items())
-        params, optim, trainer = self.client.recv_state(self.pg, d, named)
-        self.engine.grad_sync.load_logical_state(params, optim)
+    def _failed(self, exc: Exception) -> str:
+        """A part involving other replicas failed on this rank: drop the group at once (its
+        connections close, so a peer still inside a collective with it fails now)."""
+        self._drop_group()
+        where = f"rank {self.rank}: " if self.ranks > 1 else ""
+        return f"{where}{type(exc).__name__}: {exc}"[:300]
+
+    def _agree(self, error: str, sq: float = 0.0) -> tuple[str, float]:
+        """What every rank of the replica takes from a part that may have failed on some of
+        them: the first error (empty: none), and the sum of ``sq`` over the ranks."""
+        if self.ranks == 1:
+            return error, sq
+        seen: list[Any] = [None] * self.ranks
+        with self._inside():
+            dist.all_gather_object(seen, (error, sq))
+        errors = [e for e, _ in seen if e]
+        return (errors[0] if errors else ""), sum(s for _, s in seen)
+
+    @contextlib.contextmanager
+    def _inside(self) -> Iterator[None]:
+        """Collectives among the replica's ranks: a failure there is the loss of one of them."""
+        try:
+            yield
+        except RuntimeError as exc:   # gloo's transport errors are plain RuntimeErrors
+            if self.ranks == 1 or not (isinstance(exc, dist.DistError) or "gloo" in str(exc)):
+                raise   # not a collective's failure: the traceback says what it was
+            first = (str(exc).splitlines() or [""])[0][:200]
+            raise ReplicaRankLost(f"replica {self.replica} rank {self.rank}: a collective inside "
+                                  f"the replica failed ({first}); its agent restarts it") from None
+
+    def _local_state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        """What this rank sends as a source: one rank, the whole model; a shard group, this
+        rank's shards (the same rank of every replica holds the same shard)."""
+        if self.ranks == 1:
+            params, optim = self.engine.grad_sync.logical_state()
+            return list(params.items()), optim
+        return self.engine.grad_sync.local_shards()
+
+    def _load(self, params: dict[str, torch.Tensor], optim: dict[str, dict[str, torch.Tensor]],
+              trainer: dict[str, Any]) -> None:
+        if self.ranks == 1:
+            self.engine.grad_sync.load_logical_state(params, optim)
+        else:   # then every rank gathers its parameters whole (ZeRO-1/2): together
+            self.engine.grad_sync.load_local_shards(params, optim)
         self.engine.restore_checkpoint_state(trainer)
         self.steps_done = int(trainer["step"])
         self.needs_state = False
 
-    def _forward_backward_reduce(self, d: Decision) -> tuple[float, float]:
-        """This member's rows of step ``d.step``: forward, backward; the sums over the members;
-        the gradient scaled to the mean over every token of the global batch. (loss, norm)."""
+    def _forward_backward(self, d: Decision) -> torch.Tensor:
+        """This rank's rows of step ``d.step`` (member i's rank j takes piece i * S + j):
+        forward, backward, the reductions inside the replica; the replica's (loss sum, count)."""
         cfg, engine = self.cfg, self.engine
         batch = self.dataset.batch(cfg.seed, d.step, cfg.global_batch)
-        start, end = split_rows(cfg.global_batch, len(d.members), d.replicas.index(self.replica))
+        piece = d.replicas.index(self.replica) * self.ranks + self.rank
+        start, end = split_rows(cfg.global_batch, len(d.members) * self.ranks, piece)
         mine = {k: v[start:end].to(self.device) for k, v in batch.items()}
         parts = min(cfg.parallel.microbatches, end - start)
         loss_sum, count = engine.executor.run(_split(mine, parts), engine.hooks)
         engine.grad_sync.finish(1.0)
-        self.inject.maybe_die(d.step, "reduce")
         totals = torch.tensor([loss_sum, count], dtype=torch.float64)
+        if self.ranks > 1:
+            dist.all_reduce(totals)
+        return totals
+
+    def _reduce_across(self, totals: torch.Tensor) -> float:
+        """The sums over the members (this rank's group: the same rank of every member); the
+        gradient scaled to the mean over every token of the global batch. This rank's part of
+        the squared gradient norm."""
+        engine = self.engine
         self.pg.allreduce([totals]).wait()
         for buf in engine.grad_sync.reduced_grads():
             held = buf.cpu()
             self.pg.allreduce([held]).wait()
             buf.copy_(held.div_(totals[1].item()))
-        self.norm = _norm(engine)
-        return (totals[0] / totals[1]).item(), self.norm
+        return float(engine.grad_sync.grad_sq_sum(lambda _name, _p: True))
 
     def _apply(self) -> None:
         """The committed step: clip, optimizer and LR schedule, as the single-process engine."""
         engine, clip = self.engine, self.cfg.parallel.grad_clip
         if clip > 0 and self.norm > clip:
             engine.grad_sync.clip(clip / (self.norm + 1e-6))
-        engine.grad_sync.step()
+        with self._inside():
+            engine.grad_sync.step()
         if engine.lr_scheduler is not None:
             engine.lr_scheduler.step()
         engine.grad_sync.zero_grad()
         engine.step_count += 1
-
-
-def _norm(engine: Engine) -> float:
-    """The global gradient norm (the reduced gradients are whole on every member)."""
-    return math.sqrt(sum(float(torch.dot(g.float(), g.float())) for g in engine.grad_sync.reduced_grads()))
 
 
 def _split(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
