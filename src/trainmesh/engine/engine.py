@@ -90,6 +90,10 @@ class Engine:
         named = unique_named_parameters(self.module)
         self.frozen = frozen_named_parameters(self.module)
         """Parameters with ``requires_grad=False``: whole on every DP rank, no sync, no optimizer."""
+        if not named:   # a pipeline stage of frozen layers only: no optimizer to build
+            raise ConfigError("model", f"no trainable parameter on rank {self.mesh.rank} "
+                              f"(pipeline stage {self.mesh.index('pp')}); valid: every stage "
+                              "holds one with requires_grad=True (move the split, or fewer --pp)")
         self._mark_duplicates(named)
         fill = self._sharded_init(named, init_fn or getattr(model, "init_parameter", None))
         if broadcast_init and fill is None:
