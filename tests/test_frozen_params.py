@@ -2,7 +2,8 @@
 materialised from the init function on every rank at every ZeRO stage, never synchronised nor
 updated, saved in checkpoints and restored from them, and, under tensor parallelism, split like
 a trainable weight. One launch at world 2 covers dp 2 with ZeRO 0-3 against plain one-process
-PyTorch, a checkpoint round trip and a frozen TP-split GPT weight."""
+PyTorch, a checkpoint round trip, a frozen TP-split GPT weight and the start broadcast of a
+materialised model's frozen layer."""
 from __future__ import annotations
 
 import zlib
@@ -116,6 +117,9 @@ def _job(root: str) -> dict:
         except Exception as exc:           # reported as an assertion in the test, not a crash
             out[zero] = {"error": f"{type(exc).__name__}: {exc}"}
     out["tp"] = _gpt_tp2()
+    torch.manual_seed(dist.get_rank())        # a materialised model: other values on each rank
+    e = Engine(build(), adamw, loss_fn, ParallelConfig(dp=2), device="cpu")
+    out["broadcast"] = {n: p.detach().clone() for n, p in e.module.named_parameters()}
     return out
 
 
@@ -185,6 +189,8 @@ def test_frozen_layer_and_buffer_train_as_plain_pytorch_at_every_zero_stage(tmp_
         for name in FROZEN:                # restored over other initial values
             assert torch.equal(saved["reloaded"][name], start[name]), f"rank {rank}: {name} reloaded"
         assert saved["next"][0] == pytest.approx(saved["next"][1], abs=LOSS_ABS), saved["next"]
+    for name in FROZEN:                    # from the DP root, as DDP does
+        assert torch.equal(res[0]["broadcast"][name], res[1]["broadcast"][name]), f"{name} broadcast"
     weights = load_file(str(consolidate(root, tmp_path / "model.safetensors")))
     for name in FROZEN:
         assert torch.equal(weights[name], start[name]), f"consolidated checkpoint: {name}"
