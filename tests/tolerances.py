@@ -119,6 +119,10 @@ param_groups options dropped at ZeRO          test_zero: stages_..._at_dp2 (zero
 a trainer's push lost on a PS server          test_parameter_server: sync_is_data_parallel
 AdamW's exp_avg_sq misread on load            test_checkpoint: resume_under_another_layout
 eval loss off under dp > 1                    test_observe: eval_loss_is_the_same_... (1e-2)
+frozen parameters of a meta model never       test_frozen_params (each stage's error reported:
+  materialised                                a meta tensor in the forward)
+frozen layer not broadcast from the DP root   test_frozen_params (0.weight differs by rank)
+frozen parameters missing from checkpoints    test_frozen_params (0.weight reloaded)
 ============================================  ==================================================
 """
 from __future__ import annotations

@@ -26,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,8 @@ class AsyncSaver:
 
     def save(self, root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
              layout: dict[str, Any], trainer_state: dict[str, Any],
-             placements: Placements | None = None) -> float:
+             placements: Placements | None = None,
+             untrained: Sequence[tuple[str, torch.Tensor]] = ()) -> float:
         """Collective, as :func:`trainmesh.checkpoint.sharded.save` (whose arguments it takes; ``comm``
         is this saver's): snapshot the state as checkpoint ``step`` under ``root`` and start
         its write. Returns the blocking seconds (waiting for the previous write included)."""
@@ -127,7 +129,7 @@ class AsyncSaver:
         final = step_dir(root, step)
         tmp = root / f".{final.name}.tmp"
         mine = pieces(grad_sync, comm, placements or Placements(),   # collectives: same order
-                      lambda key, t: _stage(t, self._buffers, key))
+                      lambda key, t: _stage(t, self._buffers, key), untrained)
         if any(t.is_pinned() for t in mine.values()):
             torch.cuda.synchronize()   # the non-blocking device-to-host copies have landed
         if mesh.rank == 0:

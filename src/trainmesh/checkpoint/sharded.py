@@ -27,7 +27,7 @@ import logging
 import os
 import shutil
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -163,15 +163,18 @@ def _writer(key: str, comm: Comm, axis: str = "dp_cp") -> int:
 
 
 def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
-           stage: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+           stage: Callable[[str, torch.Tensor], torch.Tensor],
+           untrained: Sequence[tuple[str, torch.Tensor]] = ()) -> dict[str, torch.Tensor]:
     """Collective over tp: the logical tensors of this pipeline stage that this rank writes,
     each whole and passed through ``stage(key, tensor)`` (a host copy). Tensors sharded over tp
     are gathered on every rank of the group, in the strategy's parameter order and sorted state
     keys, the same on every rank; replicated ones are touched only by their writer. An expert's
     parameters (expert parallelism) are written by one of the ranks holding them, by their
-    global name."""
+    global name. The ``untrained`` tensors (frozen parameters, persistent buffers: no optimizer
+    state) follow, as ``param/<name>``."""
     mesh = comm.mesh
     params, optim = grad_sync.logical_state()
+    params = {**params, **{name: t.detach() for name, t in untrained}}
     mine: dict[str, torch.Tensor] = {}
     for name, t in params.items():
         placement = placements.get(name)
@@ -219,17 +222,19 @@ def publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- save
 def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
          layout: dict[str, Any], trainer_state: dict[str, Any],
-         placements: Placements | None = None) -> Path:
+         placements: Placements | None = None,
+         untrained: Sequence[tuple[str, torch.Tensor]] = ()) -> Path:
     """Collective: every rank calls it. Writes the parameters and optimizer states
     ``grad_sync`` holds on ``comm``'s mesh as checkpoint ``step`` under ``root``, with the
     ``layout`` record and the (JSON) ``trainer_state``; ``placements`` says which are
-    tensor-parallel shards. Returns the checkpoint directory."""
+    tensor-parallel shards; ``untrained``: the frozen parameters and persistent buffers, outside
+    the strategy (written as parameters, never sharded by DP). Returns the checkpoint directory."""
     root = Path(root)
     mesh = comm.mesh
     final = step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
     mine = pieces(grad_sync, comm, placements or Placements(),
-                  lambda _, t: t.cpu().contiguous())
+                  lambda _, t: t.cpu().contiguous(), untrained)
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -331,11 +336,13 @@ def _none_intact(root: str | Path, skipped: list[tuple[Path, str]]) -> str:
 
 
 def load(root: str | Path, grad_sync: GradSync, comm: Comm,
-         placements: Placements | None = None) -> dict[str, Any]:
+         placements: Placements | None = None,
+         untrained: Sequence[tuple[str, torch.Tensor]] = ()) -> dict[str, Any]:
     """Collective: restore the parameters and optimizer states of the newest intact checkpoint
     under ``root`` (:func:`choose`) into ``grad_sync``, resharded to ``comm``'s mesh
     (``placements``: the tensor-parallel shards). Returns the trainer state saved with it (the
-    caller restores its step, LR schedule and loss scaler from it)."""
+    caller restores its step, LR schedule and loss scaler from it). The ``untrained`` tensors
+    (as :func:`save`) get their saved values in place; one the checkpoint lacks is left as it is."""
     directory = choose(root, comm)
     with reading(directory):
         reader = _Reader(directory)
@@ -348,6 +355,10 @@ def load(root: str | Path, grad_sync: GradSync, comm: Comm,
             prefix = f"optim/{name}/"
             optim[name] = {k[len(prefix):]: _tp_slice(comm, placement, reader.get(k))
                            for k in sorted(reader.manifest["tensors"]) if k.startswith(prefix)}
+        for name, t in untrained:
+            if reader.has(f"param/{name}"):
+                with torch.no_grad():
+                    t.copy_(_tp_slice(comm, placements.get(name), reader.get(f"param/{name}")))
     grad_sync.load_logical_state(params, optim)
     return reader.manifest["trainer"]
 

@@ -20,7 +20,14 @@ from torch import nn
 from trainmesh.config.parallel import ParallelConfig
 
 from ..comm import Comm
-from .base import GradSync, SyncOptions, group_parameters, unique_named_parameters
+from .base import (
+    GradSync,
+    SyncOptions,
+    frozen_named_parameters,
+    group_parameters,
+    unique_named_parameters,
+    untrained_state,
+)
 from .composite import CombinedOptimizer, CompositeSync
 from .ddp import DDP
 from .diloco import DiLoCo
@@ -86,4 +93,5 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
 
 __all__ = ["DDP", "CombinedOptimizer", "CompositeSync", "DiLoCo", "ELEMENTWISE_OPTIMIZERS",
            "FlatZero", "GradSync", "PipelineZero3", "SyncOptions", "Zero1", "Zero2", "Zero3",
-           "find_units", "group_parameters", "make_grad_sync", "unique_named_parameters"]
+           "find_units", "frozen_named_parameters", "group_parameters", "make_grad_sync",
+           "unique_named_parameters", "untrained_state"]

@@ -86,6 +86,25 @@ def unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]
     return out
 
 
+def frozen_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters that take no gradient (``requires_grad=False``) in registration order, each
+    shared one once: no gradient sync, no optimizer, never sharded by a DP strategy."""
+    return [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
+
+
+def untrained_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a checkpoint holds beside the strategy's state: the frozen parameters, then the
+    persistent buffers (BatchNorm statistics), in registration order."""
+    buffers = [(name, b) for name, b in module.named_buffers()
+               if name.rpartition(".")[2] not in _owner(module, name)._non_persistent_buffers_set]
+    return [*frozen_named_parameters(module), *buffers]
+
+
+def _owner(module: nn.Module, name: str) -> nn.Module:
+    path = name.rpartition(".")[0]
+    return module.get_submodule(path) if path else module
+
+
 def group_parameters(named: list[tuple[str, nn.Parameter]],
                      options: Callable[[str], dict] | None) -> list[tuple[dict, list[tuple[str, nn.Parameter]]]]:
     """Split parameters into optimizer groups by the options ``options(name)`` gives them."""

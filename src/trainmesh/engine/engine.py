@@ -42,10 +42,15 @@ from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
 from trainmesh.core.step import Executor, LossFn, StepHooks
 from trainmesh.data.corpus import split_microbatches
-from trainmesh.data_parallel import make_grad_sync, unique_named_parameters
+from trainmesh.data_parallel import (
+    frozen_named_parameters,
+    make_grad_sync,
+    unique_named_parameters,
+    untrained_state,
+)
 from trainmesh.data_parallel.base import OptimizerFactory
 from trainmesh.engine.executor import LocalExecutor
-from trainmesh.engine.materialize import InitFn, materialize
+from trainmesh.engine.materialize import InitFn, materialize, materialize_buffers
 from trainmesh.engine.moe_metrics import MoEMetrics
 from trainmesh.engine.precision import Precision
 from trainmesh.observe.flops import model_flops_per_token
@@ -83,10 +88,16 @@ class Engine:
         self.executor: Executor = self._build_executor(self.model, loss_fn)
         self.module: nn.Module = self.executor.module
         named = unique_named_parameters(self.module)
+        self.frozen = frozen_named_parameters(self.module)
+        """Parameters with ``requires_grad=False``: whole on every DP rank, no sync, no optimizer."""
+        if not named:   # a pipeline stage of frozen layers only: no optimizer to build
+            raise ConfigError("model", f"no trainable parameter on rank {self.mesh.rank} "
+                              f"(pipeline stage {self.mesh.index('pp')}); valid: every stage "
+                              "holds one with requires_grad=True (move the split, or fewer --pp)")
         self._mark_duplicates(named)
         fill = self._sharded_init(named, init_fn or getattr(model, "init_parameter", None))
         if broadcast_init and fill is None:
-            self._broadcast_from_dp_root(named)
+            self._broadcast_from_dp_root(named + self.frozen)
         if cfg.broadcast_buffers and self.mesh.size(self.replica_axis) > 1:
             self._broadcast_buffers()
             self.module.register_forward_pre_hook(self._buffers_before_forward)
@@ -162,13 +173,17 @@ class Engine:
                       ) -> Callable[[list[tuple[str, nn.Parameter]]], None] | None:
         """A model on the meta device: give this rank's parameters (after the tensor and pipeline
         split) their values from ``init``, or leave that to ZeRO-3, unit by unit (returns the
-        function it calls). None when the model is already materialised."""
-        if not any(p.is_meta for _, p in named):
+        function it calls). Frozen parameters and meta buffers get theirs here at every stage
+        (the same init on every rank: nothing shards them). None when nothing is on meta."""
+        tensors = [*(p for _, p in named + self.frozen), *self.module.buffers()]
+        if not any(t.is_meta for t in tensors):
             return None
         if init is None:
             raise ConfigError("model", "parameters on the meta device need an init function "
                               "(Engine(init_fn=...) or a model.init_parameter(name, shape, index))")
         fill = partial(materialize, init=init, device=self.device, placements=self.placements)
+        fill(self.frozen)
+        materialize_buffers(self.module, init, self.device)
         if self.config.zero < 3:
             fill(named)
         return fill
@@ -380,12 +395,14 @@ class Engine:
         write = checkpoint.save if saver is None else saver.save
         return write(path, self.grad_sync, self.comm, step=self.step_count,
                      layout=self.config.layout(), placements=self.placements,
+                     untrained=untrained_state(self.module),
                      trainer_state={**self.checkpoint_state(), **(trainer_state or {})})
 
     def load(self, path: str) -> dict[str, Any]:
         """Collective: resume from the newest checkpoint under ``path``, in this layout; returns
         the trainer state saved with it."""
-        state = checkpoint.load(path, self.grad_sync, self.comm, self.placements)
+        state = checkpoint.load(path, self.grad_sync, self.comm, self.placements,
+                                untrained_state(self.module))
         self.restore_checkpoint_state(state)
         return state
 

@@ -12,7 +12,9 @@ Which slice a tensor-parallel shard is comes from its record in the engine's
 block); a parameter without a record is whole. The records are keyed by name, so they stay
 valid when the real parameter replaces the meta one. The engine materialises after the tensor and
 pipeline split (so a stage or a TP rank builds only its own), and ZeRO-3 unit by unit, keeping
-only its flat shard.
+only its flat shard. Frozen parameters (``requires_grad=False``) are materialised whole (or as
+their TP slice) on every rank at every ZeRO stage, as is every meta buffer
+(:func:`materialize_buffers`, from the same init function, whole).
 """
 from __future__ import annotations
 
@@ -67,6 +69,26 @@ def materialize(named: list[tuple[str, nn.Parameter]], init: InitFn, device: tor
         real = nn.Parameter(value.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
         real.__dict__.update(p.__dict__)      # the user's attributes travel with the swap
         torch.utils.swap_tensors(p, real)     # same object: hooks and references stay valid
+
+
+@torch.no_grad()
+def materialize_buffers(module: nn.Module, init: InitFn, device: torch.device) -> None:
+    """Give every meta buffer of ``module`` its whole value from ``init`` (by its name in
+    ``module``; a buffer shared by several modules once), in place of the meta one."""
+    made: dict[int, torch.Tensor] = {}
+    for name, b in list(module.named_buffers(remove_duplicate=False)):
+        if b is None or not b.is_meta:
+            continue
+        if id(b) not in made:
+            shape = tuple(b.shape)
+            value = init(name, shape, tuple(slice(None) for _ in shape))
+            if tuple(value.shape) != shape:
+                raise ValueError(f"init of buffer {name} gave shape {tuple(value.shape)}, "
+                                 f"expected {shape}")
+            made[id(b)] = value.to(device=device, dtype=b.dtype)
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        owner._buffers[leaf] = made[id(b)]    # keeps the buffer's persistence
 
 
 def safetensors_init(path: str, *, field: str = "--init-from") -> InitFn:
