@@ -1,5 +1,5 @@
-"""--fault-tolerant with tensor parallelism inside each replica (``--dp 2 --tp 2``: two replicas,
-each the 2 tp ranks of one dp index under its own elastic agent). A tp rank lost takes its whole
+"""--fault-tolerant with tensor (and pipeline) parallelism inside each replica (``--dp 2 --tp 2``:
+two replicas, each the 2 tp ranks of one dp index under its own elastic agent). A tp rank lost takes its whole
 replica down and never the other; the survivor redoes the step on the whole global batch; the
 restarted replica's tp rank j gets tp rank j's slice of the live state from the same rank of a
 peer; the loss curve is the single process's. Faults are injected with TRAINMESH_FT_INJECT
@@ -56,3 +56,19 @@ def test_shard_groups_of_tp_groups(reference_run, tmp_path, monkeypatch):
     assert [r["replicas"] for r in steps(records)] == [2, 2, 1, 1, 2, 2]
     s = summary(records)
     assert [len(r["pids"]) for r in s["ranks"]] == [4, 8], s["ranks"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_stages_in_a_replica(reference_run, tmp_path, monkeypatch):
+    """``--dp 2 --pp 2 --microbatches 2``: two replicas of two pipeline stages. Stage 1 of
+    replica 1 is SIGKILLed at step 3; replica 0's two stages redo it on the whole global batch
+    (2 microbatches of 4 rows); the restarted replica's stage j copies stage j's live state."""
+    ref = reference_run(one_process())
+    monkeypatch.setenv("TRAINMESH_FT_INJECT", "1/1@3,1.1@5:join,0@5:hold")
+    proc, records = run_train([*SMALL, "--dp", "2", "--pp", "2", "--microbatches", "2", *TP[2:],
+                               "--exit-after", "6"], tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_curve(ref, records, 6)
+    assert [r["replicas"] for r in steps(records)] == [2, 2, 1, 1, 2, 2]
+    assert [len(r["pids"]) for r in summary(records)["ranks"]] == [2, 4]

@@ -59,7 +59,10 @@ LAYOUTS = [
      dict(dp=4, zero=2, fault_tolerant=True)),
     (["--dp", "4", "--dp-shard", "2", "--zero", "2", "--fault-tolerant", "--ep", "2", "--experts", "2"],
      "--dp-shard", dict(dp=4, dp_shard=2, zero=2, fault_tolerant=True, ep=2)),
-    (["--dp", "2", "--pp", "2", "--fault-tolerant"], "--pp", dict(dp=2, pp=2, fault_tolerant=True)),
+    (["--dp", "4", "--dp-shard", "2", "--zero", "1", "--pp", "2", "--fault-tolerant"], "--dp-shard",
+     dict(dp=4, dp_shard=2, zero=1, pp=2, fault_tolerant=True)),
+    (["--dp", "3", "--pp", "2", "--global-batch", "6", "--microbatches", "2", "--fault-tolerant"],
+     "--global-batch", None),    # 1..3 replicas cut 6 rows into 2 equal microbatches: needs 12
     (["--dp", "2", "--tp", "2", "--sequence-parallel", "--fault-tolerant"], "--sequence-parallel",
      dict(dp=2, tp=2, sequence_parallel=True, fault_tolerant=True)),
     (["--dp", "2", "--tp", "2", "--cp", "2", "--fault-tolerant"], "--cp",
@@ -112,6 +115,8 @@ def test_valid_layouts_get_past_validation(no_launch):
     assert (tp.replica_ranks, tp.replica_dp, tp.replicas) == (2, 1, 2)
     both = ParallelConfig(dp=4, dp_shard=2, zero=2, tp=2, fault_tolerant=True)
     assert (both.replica_ranks, both.replica_dp, both.replicas) == (4, 2, 2)
+    pp = ParallelConfig(dp=2, pp=2, tp=2, fault_tolerant=True)      # 2 replicas of pp x tp = 4
+    assert (pp.replica_ranks, pp.replica_dp, pp.replicas) == (4, 1, 2)
 
 
 @pytest.mark.timeout(30)

@@ -197,9 +197,9 @@ class ParallelConfig:
                               "use --offload none")
 
     def _check_fault_tolerant(self) -> None:
-        """--fault-tolerant protects data-parallel replicas in fp32: the tp ranks of one dp
+        """--fault-tolerant protects data-parallel replicas in fp32: the pp x tp ranks of one dp
         index each (--zero 0), or one HSDP shard group of --dp-shard dp indices each (--zero 1,
-        2 or 3)."""
+        2 or 3; tp, not pp: HSDP's rule)."""
         if not self.fault_tolerant:
             return
         if self.dp < 2:
@@ -208,9 +208,6 @@ class ParallelConfig:
         if self.zero > 0 and self.shard_size == self.dp:
             raise ConfigError("--zero", f"{self.zero} with --fault-tolerant shards inside each replica: "
                               "needs --dp-shard S < --dp (replicas of S ranks); valid without it: 0")
-        if self.pp > 1:
-            raise ConfigError("--pp", "is not supported with --fault-tolerant (a replica's pipeline "
-                              "stages are not verified against one process); valid: 1")
         if self.sequence_parallel:
             raise ConfigError("--sequence-parallel", "is not supported with --fault-tolerant (its "
                               "partial gradients inside a replica are not verified); leave it unset")
@@ -221,14 +218,14 @@ class ParallelConfig:
                 ("--allreduce", self.allreduce != "native", "native")):
             if changed:
                 raise ConfigError(flag, "is not supported with --fault-tolerant, whose replica is the "
-                                  "tp group of one dp index, or of one shard group of --dp-shard "
-                                  f"dp indices, holding the whole model (valid: {valid})")
+                                  "pp x tp ranks of one dp index, or the tp ranks of one shard "
+                                  f"group of --dp-shard dp indices (valid: {valid})")
 
     @property
     def replica_ranks(self) -> int:
-        """--fault-tolerant: the ranks of one replica (its unit of failure): tp ranks for each
-        of its dp indices (the shard group of --dp-shard under ZeRO, else one)."""
-        return self.replica_dp * self.tp
+        """--fault-tolerant: the ranks of one replica (its unit of failure): pp x tp ranks for
+        each of its dp indices (the shard group of --dp-shard under ZeRO, else one)."""
+        return self.replica_dp * self.pp * self.tp
 
     @property
     def replica_dp(self) -> int:

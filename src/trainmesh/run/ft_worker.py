@@ -255,7 +255,7 @@ class Replica:
         parts = min(cfg.parallel.microbatches, end - start)
         loss_sum, count = engine.executor.run(_split(mine, parts), engine.hooks)
         engine.grad_sync.finish(1.0)
-        holds = engine.mesh.index("tp") == 0      # the tp ranks of a dp index: the same loss
+        holds = engine.executor.holds_loss and engine.mesh.index("tp") == 0   # last stage, tp rank 0
         totals = torch.tensor([loss_sum, count] if holds else [0.0, 0.0], dtype=torch.float64)
         if self.ranks > 1:
             dist.all_reduce(totals)
