@@ -87,7 +87,7 @@ def test_injection_syntax():
 
 @pytest.mark.parametrize("extra, flag", [
     (["--dp", "1"], "--fault-tolerant"),
-    (["--dp", "2", "--tp", "2"], "--tp"),
+    (["--dp", "2", "--tp", "2", "--cp", "2"], "--cp"),
     (["--dp", "2", "--zero", "1"], "--zero"),
     (["--dp", "4", "--dp-shard", "2", "--zero", "2", "--precision", "bf16"], "--precision"),
     (["--dp", "2", "--min-dp", "1"], "--min-dp"),

@@ -59,6 +59,14 @@ LAYOUTS = [
      dict(dp=4, zero=2, fault_tolerant=True)),
     (["--dp", "4", "--dp-shard", "2", "--zero", "2", "--fault-tolerant", "--ep", "2", "--experts", "2"],
      "--dp-shard", dict(dp=4, dp_shard=2, zero=2, fault_tolerant=True, ep=2)),
+    (["--dp", "4", "--dp-shard", "2", "--zero", "1", "--pp", "2", "--fault-tolerant"], "--dp-shard",
+     dict(dp=4, dp_shard=2, zero=1, pp=2, fault_tolerant=True)),
+    (["--dp", "3", "--pp", "2", "--global-batch", "6", "--microbatches", "2", "--fault-tolerant"],
+     "--global-batch", None),    # 1..3 replicas cut 6 rows into 2 equal microbatches: needs 12
+    (["--dp", "2", "--tp", "2", "--sequence-parallel", "--fault-tolerant"], "--sequence-parallel",
+     dict(dp=2, tp=2, sequence_parallel=True, fault_tolerant=True)),
+    (["--dp", "2", "--tp", "2", "--cp", "2", "--fault-tolerant"], "--cp",
+     dict(dp=2, tp=2, cp=2, fault_tolerant=True)),
     (["--cp", "2", "--seq-len", "6"], "--seq-len", None),
     (["--dp", "2", "--ep", "2"], "--ep", None),                                  # no --experts
     (["--dp", "2", "--ep", "2", "--experts", "3"], "--ep", None),
@@ -102,6 +110,13 @@ def test_valid_layouts_get_past_validation(no_launch):
     # fault-tolerant replicas of one HSDP shard group each (2 replicas of 2 ranks)
     assert ParallelConfig(dp=4, dp_shard=2, zero=2, fault_tolerant=True).replica_ranks == 2
     assert ParallelConfig(dp=3, fault_tolerant=True).replica_ranks == 1
+    # ... of the tp ranks of one dp index (2 replicas of 2), or of a shard group's (2 of 4)
+    tp = ParallelConfig(dp=2, tp=2, fault_tolerant=True)
+    assert (tp.replica_ranks, tp.replica_dp, tp.replicas) == (2, 1, 2)
+    both = ParallelConfig(dp=4, dp_shard=2, zero=2, tp=2, fault_tolerant=True)
+    assert (both.replica_ranks, both.replica_dp, both.replicas) == (4, 2, 2)
+    pp = ParallelConfig(dp=2, pp=2, tp=2, fault_tolerant=True)      # 2 replicas of pp x tp = 4
+    assert (pp.replica_ranks, pp.replica_dp, pp.replicas) == (4, 1, 2)
 
 
 @pytest.mark.timeout(30)

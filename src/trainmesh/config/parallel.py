@@ -175,12 +175,14 @@ class ParallelConfig:
 
     def _check_hsdp(self) -> None:
         """HSDP (dp-shard < dp) is built for the data-parallel layout alone: what it does not
-        combine with is refused, naming why."""
+        combine with is refused, naming why (--fault-tolerant builds its own replicas: each a
+        shard group of its tp groups)."""
         if self.shard_size == self.dp:
             return
         for flag, value, why in (
                 ("pp", self.pp, "HSDP inside pipeline stages is not verified against one process"),
-                ("tp", self.tp, "HSDP with tensor parallelism is not verified against one process"),
+                ("tp", 1 if self.fault_tolerant else self.tp,
+                 "HSDP with tensor parallelism is not verified against one process"),
                 ("cp", self.cp, "dense gradients are reduced over dp x cp, not over dp shards"),
                 ("ep", self.ep, "expert gradients are reduced over their own groups")):
             if value > 1:
@@ -195,8 +197,9 @@ class ParallelConfig:
                               "use --offload none")
 
     def _check_fault_tolerant(self) -> None:
-        """--fault-tolerant protects data-parallel replicas in fp32: one process each (--zero 0),
-        or one HSDP shard group of --dp-shard ranks each (--zero 1, 2 or 3)."""
+        """--fault-tolerant protects data-parallel replicas in fp32: the pp x tp ranks of one dp
+        index each (--zero 0), or one HSDP shard group of --dp-shard dp indices each (--zero 1,
+        2 or 3; tp, not pp: HSDP's rule)."""
         if not self.fault_tolerant:
             return
         if self.dp < 2:
@@ -205,22 +208,34 @@ class ParallelConfig:
         if self.zero > 0 and self.shard_size == self.dp:
             raise ConfigError("--zero", f"{self.zero} with --fault-tolerant shards inside each replica: "
                               "needs --dp-shard S < --dp (replicas of S ranks); valid without it: 0")
+        if self.sequence_parallel:
+            raise ConfigError("--sequence-parallel", "is not supported with --fault-tolerant (its "
+                              "partial gradients inside a replica are not verified); leave it unset")
         for flag, changed, valid in (
-                ("--tp", self.tp > 1, "1"), ("--pp", self.pp > 1, "1"), ("--cp", self.cp > 1, "1"),
-                ("--ep", self.ep > 1, "1"),
+                ("--cp", self.cp > 1, "1"), ("--ep", self.ep > 1, "1"),
                 ("--min-dp", self.min_dp is not None, "unset: replicas come and go per step"),
                 ("--precision", self.precision != "fp32", "fp32"),
                 ("--allreduce", self.allreduce != "native", "native")):
             if changed:
-                raise ConfigError(flag, "is not supported with --fault-tolerant, whose replica is one "
-                                  "process, or one shard group of --dp-shard ranks, holding the "
-                                  f"whole model (valid: {valid})")
+                raise ConfigError(flag, "is not supported with --fault-tolerant, whose replica is the "
+                                  "pp x tp ranks of one dp index, or the tp ranks of one shard "
+                                  f"group of --dp-shard dp indices (valid: {valid})")
 
     @property
     def replica_ranks(self) -> int:
-        """--fault-tolerant: the ranks of one replica (its unit of failure): the shard group of
-        --dp-shard ranks under ZeRO, else one process."""
+        """--fault-tolerant: the ranks of one replica (its unit of failure): pp x tp ranks for
+        each of its dp indices (the shard group of --dp-shard under ZeRO, else one)."""
+        return self.replica_dp * self.pp * self.tp
+
+    @property
+    def replica_dp(self) -> int:
+        """--fault-tolerant: the dp indices of one replica (--dp-shard under ZeRO, else one)."""
         return self.shard_size if self.zero > 0 else 1
+
+    @property
+    def replicas(self) -> int:
+        """--fault-tolerant: how many replicas stand in for each other (dp / replica_dp)."""
+        return self.dp // self.replica_dp
 
     def build_mesh(self) -> ParallelMesh:
         """The mesh of this layout (a collective call: every rank builds it, in the same order)."""

@@ -8,6 +8,7 @@ the dashes (``global-batch`` or ``global_batch``, ``timeout``), at top level or 
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -142,6 +143,12 @@ class TrainConfig:
         if self.global_batch < self.parallel.dp:
             raise ConfigError("--global-batch", f"must be at least --dp {self.parallel.dp} with "
                               "--fault-tolerant (each replica takes rows of it)")
+        p = self.parallel
+        whole = math.lcm(*range(1, p.replicas + 1)) * p.microbatches
+        if p.pp > 1 and self.global_batch % whole:
+            raise ConfigError("--global-batch", f"must be divisible by {whole} with --fault-tolerant "
+                              f"--pp (each quorum of 1..{p.replicas} replicas cuts its rows into "
+                              f"--microbatches {p.microbatches} equal microbatches); got {self.global_batch}")
 
     def __post_init__(self) -> None:
         if not isinstance(self.parallel, ParallelConfig):

@@ -70,7 +70,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
              if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
     gpt = cfg.gpt_config()
     ranks = p.replica_ranks
-    coordinator = Coordinator(replicas=p.dp // ranks, last=cfg.exit_after or cfg.steps,
+    coordinator = Coordinator(replicas=p.replicas, last=cfg.exit_after or cfg.steps,
                               metrics_out=cfg.metrics_out, tokens=cfg.global_batch * gpt.seq_len,
                               startup_timeout_s=STARTUP_TIMEOUT_S, step_timeout_s=p.timeout_s + 30,
                               notify=lambda line: print(line, file=sys.stderr, flush=True))
@@ -80,7 +80,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     _signals_raise()
     try:
         with local_rendezvous() as rendezvous:
-            env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // p.dp))
+            env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // p.world_size))
 
             def agent(replica: int) -> None:
                 config = LaunchConfig(
@@ -97,7 +97,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
                     failures[replica] = f"replica {replica}: agent failed: {exc}"
 
             agents = [threading.Thread(target=agent, args=(r,), name=f"trainmesh-ft-agent-{r}",
-                                       daemon=True) for r in range(p.dp // ranks)]
+                                       daemon=True) for r in range(p.replicas)]
             coordinator.start()
             for t in agents:
                 t.start()
@@ -120,7 +120,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     t = coordinator.tally
     print(f"trainmesh: {last} steps in {time.perf_counter() - began:.1f} s, final loss "
           f"{coordinator.final_loss:.4f}; {t.failed_attempts} step attempts discarded, "
-          f"{t.degraded_steps} steps with fewer than {p.dp // ranks} replicas", flush=True)
+          f"{t.degraded_steps} steps with fewer than {p.replicas} replicas", flush=True)
     for why in failures.values():
         sys.stderr.write(f"trainmesh train: warning: {why}; the run finished without it\n")
     from trainmesh.observe.progress import outputs_of, print_outputs
@@ -130,14 +130,14 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
 
 def _summary(cfg: TrainConfig, coordinator: Any, failures: dict[int, str]) -> dict[str, Any]:
     t, ranks = coordinator.tally, cfg.parallel.replica_ranks
-    return {"event": "summary", "world_size": cfg.parallel.dp,
+    return {"event": "summary", "world_size": cfg.parallel.world_size,
             "layout": {**cfg.parallel.layout(), "experts": cfg.gpt_config().n_experts},
             "params": cfg.num_params(), "final_loss": coordinator.final_loss,
             "steps": coordinator.committed,
             "ranks": [{"rank": r * ranks, "replica": r, "pids": t.pids.get(r, []),
                        "restarts": max(0, len(t.pids.get(r, [])) // ranks - 1),
                        **({"failed": failures[r]} if r in failures else {})}
-                      for r in range(cfg.parallel.dp // ranks)],
+                      for r in range(cfg.parallel.replicas)],
             "fault_tolerance": {"degraded_steps": t.degraded_steps,
                                 "failed_attempts": t.failed_attempts,
                                 "recovery_s": round(t.recovery_s, 3),

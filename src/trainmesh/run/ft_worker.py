@@ -1,15 +1,17 @@
 """One replica of a ``--fault-tolerant`` run (docs/FAULT_TOLERANCE.md).
 
-A replica is one process, or (``--dp-shard S`` with ZeRO) the S ranks of one HSDP shard group,
-under its own elastic agent, in a world of its own: its default group holds its S ranks (one:
-the plain single-process engine), over which the engine shards ZeRO's states. Per step its
+A replica is the T = ``--tp`` ranks of one dp index, or (``--dp-shard S`` with ZeRO) of the S
+dp indices of one HSDP shard group, under its own elastic agent, in a world of its own: its
+default group holds its S x T ranks (one: the plain single-process engine), laid out as the
+engine's mesh of dp = S, tp = T (rank = dp index x T + tp index). Per step its
 first rank asks the coordinator for a place in the quorum and every rank reads the decision;
 rank j of every member joins the quorum's gloo group j over a PrefixStore of the coordinator's
 store (a fresh one whenever membership changed or an attempt failed); rank j of a receiver gets
-rank j's live state from the source over it; each rank runs forward and backward on its rows of
-the step's global batch (split among the members' ranks present, sizes differing by at most one),
-reduces its gradient shard inside the replica and all-reduces it, with the loss and the token
-count, over group j. The replica's ranks then agree (one all-reduce over the replica) whether
+rank j's live state from the source over it (the same (dp, tp) coordinates: the same shard of
+the same tp slice); each rank runs forward and backward on its dp index's rows of the step's
+global batch (split among the members' dp indices present, sizes differing by at most one; the
+tp ranks of a dp index see the same rows), reduces its gradient shard inside the replica and
+all-reduces it, with the loss and the token count (counted on tp rank 0 only), over group j. The replica's ranks then agree (one all-reduce over the replica) whether
 every one of them succeeded, so they report, apply or discard the step together. The step is
 applied only when the coordinator commits it (every member succeeded); otherwise the gradients
 are dropped and the step is redone from unchanged weights.
@@ -72,9 +74,9 @@ class Replica:
         from trainmesh.run.trainer import build_engine
         self.cfg, self.replica, self.device, self.client = cfg, replica, device, client
         self.incarnation, self.rank = client.incarnation, client.rank
-        self.ranks = cfg.parallel.replica_ranks
-        # ZeRO over the replica's ranks (plain ZeRO of dp = S); one rank: the single process
-        local = dataclasses.replace(cfg.parallel, dp=self.ranks, dp_shard=None, fault_tolerant=False)
+        self.ranks, self.shards = cfg.parallel.replica_ranks, cfg.parallel.replica_dp
+        # the replica's mesh: dp = S (plain ZeRO over them), tp = T; one rank: the single process
+        local = dataclasses.replace(cfg.parallel, dp=self.shards, dp_shard=None, fault_tolerant=False)
         one = dataclasses.replace(cfg, parallel=local)
         self.engine: Engine = build_engine(one, device, local.build_mesh())
         gpt = cfg.gpt_config()
@@ -103,7 +105,7 @@ class Replica:
         while self.steps_done < last:
             if lead:
                 self.inject.maybe_hold(self.steps_done + 1, lambda: self.client.everyone_asked(
-                    q, self.cfg.parallel.dp // self.ranks))
+                    q, self.cfg.parallel.replicas))
                 decision = self.client.request(q, step=self.steps_done, needs_state=self.needs_state,
                                                pid=os.getpid(), first=first, pids=self.pids)
             else:
@@ -223,16 +225,17 @@ class Replica:
                                   f"the replica failed ({first}); its agent restarts it") from None
 
     def _local_state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
-        """What this rank sends as a source: one rank, the whole model; a shard group, this
-        rank's shards (the same rank of every replica holds the same shard)."""
-        if self.ranks == 1:
+        """What this rank sends as a source: without ZeRO, its whole tp slice of the model (one
+        rank: the whole model); a shard group, this rank's shards (the same rank of every
+        replica holds the same shard of the same tp slice)."""
+        if self.cfg.parallel.zero == 0:
             params, optim = self.engine.grad_sync.logical_state()
             return list(params.items()), optim
         return self.engine.grad_sync.local_shards()
 
     def _load(self, params: dict[str, torch.Tensor], optim: dict[str, dict[str, torch.Tensor]],
               trainer: dict[str, Any]) -> None:
-        if self.ranks == 1:
+        if self.cfg.parallel.zero == 0:
             self.engine.grad_sync.load_logical_state(params, optim)
         else:   # then every rank gathers its parameters whole (ZeRO-1/2): together
             self.engine.grad_sync.load_local_shards(params, optim)
@@ -241,17 +244,19 @@ class Replica:
         self.needs_state = False
 
     def _forward_backward(self, d: Decision) -> torch.Tensor:
-        """This rank's rows of step ``d.step`` (member i's rank j takes piece i * S + j):
-        forward, backward, the reductions inside the replica; the replica's (loss sum, count)."""
+        """This rank's rows of step ``d.step`` (member i's dp index s takes piece i * S + s,
+        the same on its tp ranks): forward, backward, the reductions inside the replica; the
+        replica's (loss sum, count), counted on tp rank 0 only."""
         cfg, engine = self.cfg, self.engine
         batch = self.dataset.batch(cfg.seed, d.step, cfg.global_batch)
-        piece = d.replicas.index(self.replica) * self.ranks + self.rank
-        start, end = split_rows(cfg.global_batch, len(d.members) * self.ranks, piece)
+        piece = d.replicas.index(self.replica) * self.shards + engine.mesh.index("dp")
+        start, end = split_rows(cfg.global_batch, len(d.members) * self.shards, piece)
         mine = {k: v[start:end].to(self.device) for k, v in batch.items()}
         parts = min(cfg.parallel.microbatches, end - start)
         loss_sum, count = engine.executor.run(_split(mine, parts), engine.hooks)
         engine.grad_sync.finish(1.0)
-        totals = torch.tensor([loss_sum, count], dtype=torch.float64)
+        holds = engine.executor.holds_loss and engine.mesh.index("tp") == 0   # last stage, tp rank 0
+        totals = torch.tensor([loss_sum, count] if holds else [0.0, 0.0], dtype=torch.float64)
         if self.ranks > 1:
             dist.all_reduce(totals)
         return totals
@@ -259,14 +264,14 @@ class Replica:
     def _reduce_across(self, totals: torch.Tensor) -> float:
         """The sums over the members (this rank's group: the same rank of every member); the
         gradient scaled to the mean over every token of the global batch. This rank's part of
-        the squared gradient norm."""
+        the squared gradient norm (each logical parameter counted once, as the engine does)."""
         engine = self.engine
         self.pg.allreduce([totals]).wait()
         for buf in engine.grad_sync.reduced_grads():
             held = buf.cpu()
             self.pg.allreduce([held]).wait()
             buf.copy_(held.div_(totals[1].item()))
-        return float(engine.grad_sync.grad_sq_sum(lambda _name, _p: True))
+        return float(engine.grad_sync.grad_sq_sum(engine._counted_in_norm))
 
     def _apply(self) -> None:
         """The committed step: clip, optimizer and LR schedule, as the single-process engine."""
