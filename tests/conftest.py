@@ -14,6 +14,10 @@ fast tier is ``pytest -m "not slow"``.
 from __future__ import annotations
 
 import copy
+import fcntl
+import hashlib
+import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,16 +66,31 @@ def metrics_path(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> Callable[..., list[dict]]:
     """``reference_run(args)``: the metrics records of ``trainmesh train ARGS`` (a one-process
-    reference, by default), run once per session for each distinct argument list."""
+    reference, by default), run once per session for each distinct argument list; with
+    pytest-xdist (``-n``), once for all its workers (a file per argument list under the
+    session's tmp root, written under a lock)."""
     from helpers import run_train
     cache: dict[tuple[str, ...], list[dict]] = {}
+    shared = (tmp_path_factory.getbasetemp().parent / "references"
+              if os.environ.get("PYTEST_XDIST_WORKER") else None)
+
+    def run(args: tuple[str, ...], timeout: float) -> list[dict]:
+        proc, records = run_train(list(args), tmp_path_factory.mktemp("reference"), timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return records
 
     def get(args: list[str], *, timeout: float = 180) -> list[dict]:
         key = tuple(args)
         if key not in cache:
-            proc, records = run_train(list(args), tmp_path_factory.mktemp("reference"),
-                                      timeout=timeout)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            cache[key] = records
+            if shared is None:
+                cache[key] = run(key, timeout)
+            else:
+                shared.mkdir(exist_ok=True)
+                path = shared / hashlib.sha256("\0".join(key).encode()).hexdigest()
+                with open(path.with_suffix(".lock"), "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)   # the other workers wait for this one
+                    if not path.exists():
+                        path.write_text(json.dumps(run(key, timeout)))
+                cache[key] = json.loads(path.read_text())
         return copy.deepcopy(cache[key])   # a test may edit its records
     return get

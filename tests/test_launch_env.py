@@ -35,3 +35,24 @@ def test_apply_env_sets_the_workers_environment(monkeypatch):
     apply_env({"TRAINMESH_TEST_ONLY": "1"})
     assert os.environ["TRAINMESH_TEST_ONLY"] == "1"
     monkeypatch.delenv("TRAINMESH_TEST_ONLY")
+
+
+def _what_the_worker_sees() -> tuple[bool, str | None]:
+    import sys
+
+    from trainmesh.run.launch import WORKER_IMAGE
+    return WORKER_IMAGE in sys.modules, os.environ.get("TRAINMESH_TEST_ONLY")
+
+
+@pytest.mark.timeout(120)
+def test_workers_fork_from_the_worker_image_and_see_the_current_environment(monkeypatch):
+    """Workers start from the fork server's imports (where the platform has one), and see the
+    launching process's environment as it is at each launch, not as it was when the server
+    started."""
+    import multiprocessing
+
+    from trainmesh.testing import run_distributed
+    forked = "forkserver" in multiprocessing.get_all_start_methods()
+    for value in ("first", "second"):
+        monkeypatch.setenv("TRAINMESH_TEST_ONLY", value)
+        assert run_distributed(_what_the_worker_sees, 2) == {0: (forked, value), 1: (forked, value)}

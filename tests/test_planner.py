@@ -222,12 +222,14 @@ def test_prediction_tensor_and_pipeline_traffic(capsys):
     assert held == 4 * PSI  # the two stages hold the model once between them
 
 
-def test_prediction_human_table(capsys):
+def test_prediction_human_table(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)   # a pipe (pytest-xdist sets 80)
     code, out, _ = run_cli(capsys, ["plan", "--model", "tiny", "--dp", "2", "--zero", "1"])
     assert code == 0 and "predicted metrics" in out and "dp.reduce_scatter" in out
 
 
-def test_advisor_human_table(capsys):
+def test_advisor_human_table(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)   # a pipe (pytest-xdist sets 80)
     code, out, _ = run_cli(capsys, ["plan", "--params", "7.5B", "--gpus", "16", *SHAPE_7B])
     assert code == 0 and "Recommended:" in out and "Why:" in out and "->" in out
     assert "no --gpu: assuming h100" in out        # the assumption is said, not silent

@@ -18,6 +18,7 @@ from helpers import (
     run_train,
     steps,
     summary,
+    worker_pids,
 )
 
 from trainmesh.cli import main
@@ -139,15 +140,6 @@ def test_toml_config_and_flags_win(tmp_path):
     assert main(["train", "--config", str(cfg_file)]) == 2
 
 
-def _children(pid: int) -> list[int]:
-    """The launcher's workers (not multiprocessing's resource tracker)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()
-                if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_killed_worker_fails_the_run_naming_the_rank(metrics_path):
@@ -160,7 +152,7 @@ def test_killed_worker_fails_the_run_naming_the_rank(metrics_path):
         deadline = time.time() + 60
         while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
             time.sleep(0.2)
-        workers = _children(proc.pid)
+        workers = worker_pids(proc.pid)
         assert len(workers) == 2, workers
         victim = workers[1]
         os.kill(victim, signal.SIGKILL)

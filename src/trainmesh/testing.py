@@ -11,6 +11,7 @@ that rank and its error.
 """
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, args: tuple,
             env: dict[str, str] | None = None) -> Any:
     import torch
 
-    from trainmesh.run.launch import apply_env
+    from trainmesh.run.launch import apply_env, run_exit_handlers
     apply_env(env or {})
 
     from trainmesh.core.distributed import init_distributed, shutdown
@@ -35,6 +36,7 @@ def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, args: tuple,
         shutdown(barrier=False)
         raise
     shutdown()
+    run_exit_handlers()   # as a spawned worker's interpreter would at exit
     return result
 
 
@@ -44,10 +46,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from trainmesh.core.stores import STORE_ENV
-    from trainmesh.run.launch import local_rendezvous
+    from trainmesh.run.launch import local_rendezvous, worker_start_method
     with local_rendezvous() as rendezvous:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
                               run_id=f"tm-{uuid.uuid4().hex[:8]}", max_restarts=0,
-                              monitor_interval=0.05, start_method="spawn", **rendezvous)
-        store = {STORE_ENV: rendezvous["rdzv_endpoint"]}   # the workers' environment, not ours
-        return elastic_launch(config, _worker)(fn, timeout_s, threads, args, store)
+                              monitor_interval=0.05, start_method=worker_start_method(),
+                              **rendezvous)
+        # the workers' environment, not ours: this process's as it is now (the fork server
+        # holds the one of its start) and the store
+        env = {**os.environ, STORE_ENV: rendezvous["rdzv_endpoint"]}
+        return elastic_launch(config, _worker)(fn, timeout_s, threads, args, env)

@@ -77,3 +77,11 @@ def bound_worker_shutdown(grace_s: float) -> None:
     bounded_join.__wrapped__ = original  # type: ignore[attr-defined]
     bounded_join.trainmesh_grace_s = grace_s  # type: ignore[attr-defined]
     ProcessContext.join = bounded_join
+
+
+def load_lazy_imports() -> None:
+    """Do now the imports torch defers to first use: its optimizers import ``torch._dynamo``
+    (about 1.4 CPU-seconds and 75 MiB) in the first ``add_param_group``. A throwaway optimizer
+    over one scalar; no thread pool is started. Workers do it before measuring their base
+    footprint, so the base means the same however they were started (docs/METRICS.md)."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)

@@ -12,11 +12,13 @@ wheel (~220 MiB for torch 2.13 CPU, ~650 MiB for a CUDA build with no GPU in use
 records its own in the summary (``base_mem_bytes``: RSS after joining the job, before building
 the model) and :func:`compare` predicts on top of it; a prediction made ahead of a run
 (``trainmesh plan --model``) measures the planning process itself, which has imported the same
-torch (:func:`measured_base_bytes`). ``runtime`` (:data:`RUNTIME_BYTES`) is what the first
-set-up and step add whatever the model: the optimizer's lazy imports and the kernel code they
-page in. The 0.3 x activations on top is the backward's working set (activation gradients) plus
-allocator slack (glibc keeps freed blocks resident). Both constants were fitted on seven CPU runs
-of the tiny and small presets (DDP, TP, TP+SP, SGD, accumulation), which they match within 11%.
+torch (:func:`measured_base_bytes`). Workers and the planning process both measure it after torch's
+deferred imports; a worker forked by the launcher's fork server measures less than the planning
+process (about 64 MiB of torch's code pages are shared with the server and not yet touched), so a
+plan made ahead of a local run errs on the safe side. ``runtime`` (:data:`RUNTIME_BYTES`) is what
+the first set-up and step add whatever the model: the kernel code they page in. The 0.3 x activations on top is the backward's working set (activation gradients) plus
+allocator slack (glibc keeps freed blocks resident). Both constants were fitted on CPU runs of the tiny
+and small presets (DDP, TP, TP+SP, SGD, accumulation).
 On CUDA the summary reports ``max_memory_allocated``, so base and runtime are 0 there (not yet
 calibrated on a GPU). Compare the peak within 20%.
 Activations follow :mod:`.activations` (the built-in GPT's own count, MoE blocks by what the
@@ -64,9 +66,10 @@ from .traffic import (
 MOE_AXES = ("ep", "edp")
 """Axes of expert parallelism's traffic (predicted where ``ep > 1``)."""
 
-RUNTIME_BYTES = 90 * 2**20
-"""CPU: what a worker's RSS grows by beyond its measured base and its model: building the model
-and the optimizer pages in ~75 MiB (lazy imports, kernel code), the first step ~15 MiB."""
+RUNTIME_BYTES = 25 * 2**20
+"""CPU: what a worker's RSS grows by beyond its measured base (taken after torch's deferred
+imports, :func:`~trainmesh.core.compat.load_lazy_imports`) and its model: the kernel code that
+building the model and the first step page in, 5-30 MiB measured (spawned and forked workers)."""
 
 BACKWARD_WORKING_SET = 0.3
 """Extra peak memory during backward, as a fraction of the activations kept (fitted on CPU)."""
@@ -298,7 +301,9 @@ def measured_base_bytes(device: str = "cpu") -> int:
         return 0
     import torch
 
+    from trainmesh.core.compat import load_lazy_imports
     from trainmesh.observe.metrics import memory_now
+    load_lazy_imports()   # as a worker does before measuring its base
     return memory_now(torch.device("cpu"))
 
 

@@ -23,6 +23,7 @@ from trainmesh.checkpoint.resume import (
 )
 from trainmesh.checkpoint.savedir import SaveDirLock, remove_stale_tmp
 from trainmesh.config.train import TrainConfig
+from trainmesh.core.compat import load_lazy_imports
 from trainmesh.core.distributed import init_distributed, shutdown
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import LossFn
@@ -140,6 +141,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     began = time.perf_counter()
     mesh = p.build_mesh()
     rank0 = mesh.rank == 0
+    load_lazy_imports()             # in the base however the worker started
     base_mem = memory_now(device)   # runtime's own footprint (torch, gloo), before the model
     with returning_freed_memory():
         engine = build_engine(cfg, device, mesh)
