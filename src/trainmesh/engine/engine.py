@@ -322,9 +322,14 @@ class Engine:
         self.comm.all_reduce(t, "world", op=dist.ReduceOp.MIN)
         return t
 
+    def local_grad_sq_sum(self) -> torch.Tensor:
+        """This rank's part of the squared gradient norm (each logical parameter counted once
+        over the mesh); :meth:`grad_norm` sums it over the world."""
+        return self.grad_sync.grad_sq_sum(self._counted_in_norm)
+
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient, each logical parameter counted once."""
-        sq = self.grad_sync.grad_sq_sum(self._counted_in_norm).reshape(1).to(torch.float32)
+        sq = self.local_grad_sq_sum().reshape(1).to(torch.float32)
         self.comm.all_reduce(sq, "world")
         return math.sqrt(float(sq))
 

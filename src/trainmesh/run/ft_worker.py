@@ -271,7 +271,7 @@ class Replica:
             held = buf.cpu()
             self.pg.allreduce([held]).wait()
             buf.copy_(held.div_(totals[1].item()))
-        return float(engine.grad_sync.grad_sq_sum(engine._counted_in_norm))
+        return float(engine.local_grad_sq_sum())
 
     def _apply(self) -> None:
         """The committed step: clip, optimizer and LR schedule, as the single-process engine."""
