@@ -14,6 +14,7 @@ replica's headline; 130/143 after Ctrl-C/SIGTERM (workers die with this process)
 """
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -34,7 +35,9 @@ from trainmesh.run.launch import (
     die_with_parent,
     end_process,
     local_rendezvous,
+    run_exit_handlers,
     worker_env,
+    worker_start_method,
 )
 
 if TYPE_CHECKING:
@@ -81,12 +84,15 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     try:
         with local_rendezvous() as rendezvous:
             env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // p.world_size))
+            start_method = worker_start_method()
+            if start_method == "forkserver":   # started here: it dies with this thread, which
+                multiprocessing.forkserver.ensure_running()   # outlives every agent's thread
 
             def agent(replica: int) -> None:
                 config = LaunchConfig(
                     min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"{run_id}-r{replica}",
                     max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S,
-                    start_method="spawn", **rendezvous, **grace)
+                    start_method=start_method, **rendezvous, **grace)
                 try:
                     elastic_launch(config, ft_worker_entry)(cfg, os.getpid(), worker_setup, replica,
                                                             coordinator.address, env)
@@ -168,7 +174,9 @@ def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], Non
         setup()
     from trainmesh.run.ft_worker import ReplicaRankLost, ft_worker_main
     try:
-        return ft_worker_main(cfg, replica, address)
+        code = ft_worker_main(cfg, replica, address)
+        run_exit_handlers()   # a forked worker ends with os._exit
+        return code
     except ReplicaRankLost as exc:
         sys.stderr.write(f"trainmesh: {exc}\n")
         end_process(1)
