@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainmesh.testing import worker_pids
+
 WORDS = np.array(["the", "rank", "shard", "gather", "pipeline", "bubble", "gradient", "optimizer",
                   "token", "layer", "tensor", "parallel", "memory", "offload", "stage", "ring"])
 MODEL = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq-len", "64", "--vocab-size", "256",
@@ -51,25 +53,6 @@ def _hwm(pid: int) -> int | None:
     return None
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            out += [int(c) for c in (task / "children").read_text().split()]
-    except OSError:
-        pass
-    return out
-
-
-def _is_worker(pid: int) -> bool:
-    """A spawned worker, once it runs its own program (a child seen between fork and exec still
-    shows the launcher's memory)."""
-    try:
-        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 def run_job(args: list[str], tmp: Path) -> dict:
     """Run ``trainmesh train ARGS``; {"launcher": peak, "workers": [peaks by pid order], "s": wall}."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -82,7 +65,7 @@ def run_job(args: list[str], tmp: Path) -> dict:
 
     def poll() -> None:
         while not done.is_set():
-            for pid in [proc.pid, *(c for c in _children(proc.pid) if _is_worker(c))]:
+            for pid in [proc.pid, *worker_pids(proc.pid)]:
                 hwm = _hwm(pid)
                 if hwm is not None:
                     peaks[pid] = max(peaks.get(pid, 0), hwm)

@@ -33,20 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainmesh.testing import worker_pids
+
 MODEL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
          "--vocab-size", "64", "--global-batch", "12", "--warmup-steps", "5"]
 MODES = ("restart", "fault-tolerant", "fault-tolerant-2rank")
 
 
-def workers_of(pid: int) -> list[int]:
-    """The worker processes started by the launcher ``pid`` (Linux: /proc's children lists)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"spawn_main" in cmd:
-                out.append(int(child))
-    return sorted(out)
 
 
 def steps_logged(path: Path) -> list[dict]:
@@ -74,7 +67,7 @@ def run(args: list[str], out: Path, kill_at: int | None) -> tuple[float, list[di
     while proc.poll() is None:
         logged = {r.get("step") for r in steps_logged(out) if r.get("event") == "step"}
         if kill_at is not None and killed_at is None and kill_at in logged:
-            victims = workers_of(proc.pid)
+            victims = worker_pids(proc.pid)
             if victims:
                 os.kill(victims[-1], signal.SIGKILL)
                 killed_at = time.perf_counter()

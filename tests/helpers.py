@@ -79,28 +79,3 @@ def check_prediction(args: list[str], measured: dict) -> None:
     cfg = build_train_config(collect(build_parser().parse_args(["train", *args]), True))
     problems = compare(predict_run(cfg), measured)
     assert not problems, problems
-
-
-def worker_pids(launcher: int) -> list[int]:
-    """A local launcher's worker processes, by local rank (started in rank order, so by pid;
-    their RANK is set after they start, so /proc's environ does not show it): its children, or
-    where workers are forked by its fork server, the server's children. Linux only."""
-    pids = []
-    for child in _children(launcher):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"forkserver" in cmdline:
-            pids.extend(_children(child))
-        elif b"resource_tracker" not in cmdline:
-            pids.append(child)
-    return sorted(pids)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-                for child in (task / "children").read_text().split()]
-    except OSError:
-        return []

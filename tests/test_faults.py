@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import worker_pids
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.engine.precision import Precision
+from trainmesh.testing import worker_pids
 
 T = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
      "--global-batch", "8"]

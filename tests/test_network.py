@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import worker_pids
+
+from trainmesh.testing import worker_pids
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -16,11 +16,11 @@ from helpers import (
     run_train,
     steps,
     summary,
-    worker_pids,
 )
 
 from trainmesh.cli import main
 from trainmesh.parameter_server import shard_by_bytes
+from trainmesh.testing import worker_pids
 
 
 def _ps_bytes_ok(run: list[dict]) -> None:

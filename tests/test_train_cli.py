@@ -18,10 +18,10 @@ from helpers import (
     run_train,
     steps,
     summary,
-    worker_pids,
 )
 
 from trainmesh.cli import main
+from trainmesh.testing import worker_pids
 
 LAYOUTS = {"dp2": ["--dp", "2"], "dp4": ["--dp", "4"], "mb4": ["--microbatches", "4"],
            "dp2mb2": ["--dp", "2", "--microbatches", "2"]}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -56,3 +57,32 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         # holds the one of its start) and the store
         env = {**os.environ, STORE_ENV: rendezvous["rdzv_endpoint"]}
         return elastic_launch(config, _worker)(fn, timeout_s, threads, args, env)
+
+
+def worker_pids(launcher: int) -> list[int]:
+    """The worker processes of the local launcher ``launcher`` (``trainmesh train``), by pid
+    (started in rank order): the children of its fork server, or its spawned children. Linux
+    (/proc) only; for tests and benchmarks that signal or measure workers."""
+    pids = []
+    for child in _children(launcher):
+        cmdline = _cmdline(child)
+        if b"forkserver" in cmdline:
+            pids.extend(_children(child))
+        elif b"spawn_main" in cmdline:
+            pids.append(child)
+    return sorted(pids)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
