@@ -79,3 +79,15 @@ def check_prediction(args: list[str], measured: dict) -> None:
     cfg = build_train_config(collect(build_parser().parse_args(["train", *args]), True))
     problems = compare(predict_run(cfg), measured)
     assert not problems, problems
+
+
+def check_one_replica_restarted(records: list[dict], *, ranks: int, degraded: int) -> None:
+    """A fault-tolerant run's summary: replica 0's ``ranks`` processes never restarted, replica 1
+    restarted once (its ranks twice over), one failed attempt, ``degraded`` steps short of a
+    replica."""
+    s = summary(records)
+    pids = {r["replica"]: r["pids"] for r in s["ranks"]}
+    assert len(pids[0]) == ranks and len(pids[1]) == 2 * ranks, pids
+    assert [r["restarts"] for r in s["ranks"]] == [0, 1]
+    ft = s["fault_tolerance"]
+    assert ft["failed_attempts"] == 1 and ft["degraded_steps"] == degraded, ft
