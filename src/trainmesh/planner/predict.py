@@ -12,8 +12,9 @@ wheel (~220 MiB for torch 2.13 CPU, ~650 MiB for a CUDA build with no GPU in use
 records its own in the summary (``base_mem_bytes``: RSS after joining the job, before building
 the model) and :func:`compare` predicts on top of it; a prediction made ahead of a run
 (``trainmesh plan --model``) measures the planning process itself, which has imported the same
-torch (:func:`measured_base_bytes`). Workers and the planning process both measure it after torch's
-deferred imports; a worker forked by the launcher's fork server measures less than the planning
+torch (:func:`measured_base_bytes`). Workers measure it after torch's deferred imports,
+and the planning process adds what those imports take (:data:`~trainmesh.core.compat.DEFERRED_IMPORT_BYTES`)
+where it has not done them; a worker forked by the launcher's fork server measures less than the planning
 process (about 64 MiB of torch's code pages are shared with the server and not yet touched), so a
 plan made ahead of a local run errs on the safe side. ``runtime`` (:data:`RUNTIME_BYTES`) is what
 the first set-up and step add whatever the model: the kernel code they page in. The 0.3 x activations on top is the backward's working set (activation gradients) plus
@@ -301,10 +302,11 @@ def measured_base_bytes(device: str = "cpu") -> int:
         return 0
     import torch
 
-    from trainmesh.core.compat import load_lazy_imports
+    from trainmesh.core.compat import DEFERRED_IMPORT_BYTES, lazy_imports_loaded
     from trainmesh.observe.metrics import memory_now
-    load_lazy_imports()   # as a worker does before measuring its base
-    return memory_now(torch.device("cpu"))
+    base = memory_now(torch.device("cpu"))
+    # a worker measures after torch's deferred imports; counted, not done (the launcher's check)
+    return base if lazy_imports_loaded() else base + DEFERRED_IMPORT_BYTES
 
 
 def predict_run(cfg: Any, *, base_bytes: int | None = None) -> RunPrediction:
