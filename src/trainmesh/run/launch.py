@@ -259,18 +259,25 @@ def die_with_parent(launcher_pid: int) -> None:
     parent is the launcher, or its fork server, which the same signal ends with the launcher
     (:mod:`trainmesh.run.worker_image`). Elsewhere, and where the parent is some other
     process, a daemon thread polls the launcher."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
-                if not _alive(launcher_pid):   # it died before prctl took effect
-                    os._exit(1)
-                if os.getppid() == launcher_pid or WORKER_IMAGE in sys.modules:   # its fork server
-                    return
-        except (OSError, AttributeError):
-            pass
+    if kill_with_parent():
+        if not _alive(launcher_pid):   # it died before prctl took effect
+            os._exit(1)
+        if os.getppid() == launcher_pid or WORKER_IMAGE in sys.modules:   # its fork server
+            return
     threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True,
                      name="trainmesh-launcher-watch").start()
+
+
+def kill_with_parent() -> bool:
+    """Linux: have the kernel SIGKILL this process when its parent dies (prctl
+    PR_SET_PDEATHSIG); whether that took. Elsewhere False."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(
+            PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _alive(pid: int) -> bool:

@@ -4,19 +4,15 @@ Workers forked from the server start with torch, torch.distributed and trainmesh
 run loop already imported, and torch's deferred imports done
 (:func:`~trainmesh.core.compat.load_lazy_imports`). The server dies with the launcher (the
 parent-death signal), and its workers with it."""
-import ctypes
 import importlib
-import signal
-import sys
 
 from trainmesh.core.compat import load_lazy_imports
-from trainmesh.run.launch import PR_SET_PDEATHSIG
+from trainmesh.run.launch import kill_with_parent
 
 PRELOADED = ("torch.distributed", "trainmesh.run.trainer", "trainmesh.testing")
 """Modules a worker would otherwise import first thing (the trainer; the test helpers' worker)."""
 
-if sys.platform.startswith("linux"):
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+kill_with_parent()
 for module in PRELOADED:
     importlib.import_module(module)
 load_lazy_imports()
