@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 HEARTBEAT_S = 0.2
 """How often a replica rewrites its heartbeat."""
@@ -46,8 +46,22 @@ def key(*parts: Any) -> str:
     return "/".join(str(p) for p in parts)
 
 
+_R = TypeVar("_R", bound="_Record")
+
+
+class _Record:
+    """A dataclass record written to the store as JSON."""
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls: type[_R], raw: bytes) -> _R:
+        return cls(**json.loads(raw))
+
+
 @dataclass(frozen=True)
-class Request:
+class Request(_Record):
     """A replica asking to take part in a quorum."""
 
     replica: int
@@ -60,16 +74,9 @@ class Request:
     pids: list[int] = field(default_factory=list)
     """The process ids of all its ranks (a replica of several ranks), in rank order."""
 
-    def encode(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def decode(raw: bytes) -> Request:
-        return Request(**json.loads(raw))
-
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(_Record):
     """The members of quorum q and the step they run, the same for every replica."""
 
     quorum: int
@@ -90,16 +97,9 @@ class Decision:
     def has(self, replica: int, incarnation: int) -> bool:
         return [replica, incarnation] in self.members
 
-    def encode(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def decode(raw: bytes) -> Decision:
-        return Decision(**json.loads(raw))
-
 
 @dataclass(frozen=True)
-class Outcome:
+class Outcome(_Record):
     """How a member's attempt at the step of a quorum went, with its metrics row when it did."""
 
     replica: int
@@ -107,13 +107,6 @@ class Outcome:
     ok: bool
     error: str = ""
     row: dict[str, Any] = field(default_factory=dict)
-
-    def encode(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def decode(raw: bytes) -> Outcome:
-        return Outcome(**json.loads(raw))
 
 
 def split_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
