@@ -306,29 +306,18 @@ def test_activation_count_matches_the_gpt_saved_tensors():
     cfg, b = TINY, 8
     # the GPT's own layers, built directly on CPU (GPT() goes through the meta device, slow to warm)
     layers = [Embedding(cfg), *(Block(cfg) for _ in range(cfg.n_layers)), Head(cfg)]
-    params = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
     idx = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        x = idx
-        for layer in layers:
-            x = layer(x)
-        CrossEntropySum()(x, idx)
+    saved = _saved_bytes(torch.nn.Sequential(*layers), idx,
+                         loss=lambda out: CrossEntropySum()(out, idx))
     shape = dict(seq=cfg.seq_len, batch=b, hidden=cfg.d_model)
     predicted = (cfg.n_layers * gpt_block_bytes(heads=cfg.n_heads, ffn=cfg.d_ff, **shape)
                  + gpt_head_bytes(vocab=cfg.vocab_size, **shape))
-    assert predicted == pytest.approx(sum(saved.values()), rel=0.05)
+    assert predicted == pytest.approx(saved, rel=0.05)
 
 
-def _saved_bytes(layer, x) -> int:
-    """Bytes of the distinct storages autograd saves running ``layer`` on ``x`` (parameters aside)."""
+def _saved_bytes(layer, x, loss=None) -> int:
+    """Bytes of the distinct storages autograd saves running ``layer`` on ``x`` (and ``loss`` on
+    its output), parameters aside."""
     import torch
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     saved: dict[int, int] = {}
@@ -340,7 +329,9 @@ def _saved_bytes(layer, x) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
+        out = layer(x)
+        if loss is not None:
+            loss(out)
     return sum(saved.values())
 
 
