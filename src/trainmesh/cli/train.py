@@ -170,7 +170,7 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         from trainmesh.data.corpus import make_datasets
         gpt = cfg.gpt_config()
         make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
-                      held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
+                      held_out=cfg.eval_every is not None, **cfg.data_options())
 
 
 def _check_nvme_space(cfg, local_ranks: int) -> None:

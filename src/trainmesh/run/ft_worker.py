@@ -81,7 +81,7 @@ class Replica:
         self.engine: Engine = build_engine(one, device, local.build_mesh())
         gpt = cfg.gpt_config()
         self.dataset, _ = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
-                                        held_out=False, tokenizer=cfg.tokenizer)
+                                        held_out=False, **cfg.data_options())
         self.tokens = cfg.global_batch * gpt.seq_len
         self.inject = Injector(replica, self.incarnation, rank=self.rank)
         self.pids = [os.getpid()]

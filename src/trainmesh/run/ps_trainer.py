@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.config.train import TrainConfig
-from trainmesh.data.corpus import dp_slice, make_dataset
+from trainmesh.data.corpus import dp_slice, make_datasets
 from trainmesh.models.gpt import GPT
 from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
 from trainmesh.observe.progress import print_summary, timed_steps
@@ -32,7 +32,8 @@ def train_ps(cfg: TrainConfig, device: torch.device) -> int:
         return 0
     setup_mem = memory_now(device)
     gpt = cfg.gpt_config()
-    dataset = make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
+    dataset, _ = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
+                               held_out=False, **cfg.data_options())
     metrics = MetricsWriter(cfg.metrics_out if rank == 0 else None)
     tokens, last = cfg.global_batch * gpt.seq_len, cfg.exit_after or cfg.steps
     log.info("trainmesh: %s params, %d trainers + %d servers, ps %s, %d steps",

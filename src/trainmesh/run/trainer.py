@@ -148,7 +148,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     init_peak = memory_peak(device)   # process start to model built, sharded, optimizer made
     gpt = cfg.gpt_config()
     dataset, held_out = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
-                                      held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
+                                      held_out=cfg.eval_every is not None, **cfg.data_options())
     evaluator = make_evaluator(engine, held_out, cfg)
     start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)
