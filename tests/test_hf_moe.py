@@ -252,18 +252,35 @@ def test_weights_written_are_what_save_pretrained_writes(dirs, kind):
 
 
 @pytest.mark.timeout(120)
-def test_ep_tp_and_a_missing_expert_exit_2(dirs, tmp_path, capsys):
-    """--ep with --model-dir, --tp for a mixture of experts, and a file lacking one expert
-    exit 2 naming the flag, before any worker starts; the Python API refuses tp by its plan."""
+def test_layouts_a_plan_cannot_honour_and_a_missing_expert_exit_2(dirs, tmp_path, capsys, monkeypatch):
+    """Before any worker starts, exit 2 in one line naming the flag (and the family where its
+    plan is the reason): --ep not dividing the experts; --ep for a dense model; an expert-parallel
+    or an expert tensor-parallel style trainmesh does not map; a file lacking one expert."""
     from helpers import assert_refused
     from safetensors.torch import load_file, save_file
-
-    import trainmesh as tm
-    from trainmesh import ConfigError
     mix = dirs["mixtral"]
-    base = ["train", "--model-dir", mix, "--seq-len", str(SEQ), "--global-batch", "4"]
-    assert "--ep 1" in assert_refused(capsys, [*base, "--dp", "2", "--ep", "2"], "--ep")
-    assert "mixture of 4 experts" in assert_refused(capsys, [*base, "--tp", "2"], "--tp")
+    base = ["train", "--model-dir", mix, "--seq-len", str(SEQ), "--global-batch", "6"]
+    assert "4 experts" in assert_refused(capsys, [*base, "--dp", "3", "--ep", "3"], "--ep")
+    dense = tmp_path / "dense"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=SEQ)).save_pretrained(str(dense))
+    capsys.readouterr()                                     # save_pretrained's progress bar
+    line = assert_refused(capsys, ["train", "--model-dir", str(dense), "--seq-len", str(SEQ),
+                                   "--global-batch", "4", "--dp", "2", "--ep", "2"], "--ep")
+    assert "llama" in line and "none" in line, line
+    ep_plan = dict(transformers.MixtralConfig.base_model_ep_plan)
+    monkeypatch.setattr(transformers.MixtralConfig, "base_model_ep_plan",
+                        {**ep_plan, "layers.*.mlp.experts": "ep_router"})
+    line = assert_refused(capsys, [*base, "--dp", "2", "--ep", "2"], "--ep")
+    assert "mixtral" in line and "ep_router" in line, line
+    monkeypatch.setattr(transformers.MixtralConfig, "base_model_ep_plan", ep_plan)
+    tp_plan = dict(transformers.MixtralConfig.base_model_tp_plan)
+    monkeypatch.setattr(transformers.MixtralConfig, "base_model_tp_plan",
+                        {**tp_plan, "layers.*.mlp.experts.down_proj": "packed_rowwise"})
+    line = assert_refused(capsys, [*base, "--tp", "2"], "--tp")
+    assert "mixtral" in line and "packed_rowwise" in line, line
+    monkeypatch.setattr(transformers.MixtralConfig, "base_model_tp_plan", tp_plan)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((Path(mix) / "config.json").read_text())
@@ -273,6 +290,3 @@ def test_ep_tp_and_a_missing_expert_exit_2(dirs, tmp_path, capsys):
     line = assert_refused(capsys, ["train", "--model-dir", str(broken), "--seq-len", str(SEQ),
                                    "--global-batch", "4"], "--model-dir")
     assert "layers.1.mlp.experts.down_proj" in line, line
-    with pytest.raises(ConfigError) as err:
-        tm.hf_tp_plan(moe_model("mixtral"))
-    assert err.value.field == "tp_plan"

@@ -49,13 +49,19 @@ def pretrained_init(path: str, model: nn.Module, *, field: str = FIELD) -> InitF
 
 
 def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD,
-                    tp: int = 1) -> None:
+                    tp: int = 1, ep: int = 1) -> None:
     """Every parameter of the model (built from ``path`` on meta unless given) is in
-    ``model.safetensors`` with its shape, and with ``tp`` > 1 the model has a plan trainmesh
-    maps (GPT-2's, or the one its config declares): checked before any worker starts."""
+    ``model.safetensors`` with its shape, with ``tp`` > 1 the model has a plan trainmesh
+    maps (GPT-2's, or the one its config declares; its experts' styles included), with ``ep``
+    > 1 an expert-parallel plan trainmesh honours: checked before any worker starts."""
     model = model if model is not None else build_on_meta(path, field=field)
     CheckpointView(weight_files(path, field), model, field=field).check(model)
+    if ep > 1:
+        from trainmesh.expert_parallel.hf import check_hf_ep
+        check_hf_ep(model, ep)
     if tp > 1:
+        from trainmesh.tensor_parallel.hf_experts import check_expert_tp
+        check_expert_tp(model, tp, ep=ep)
         from trainmesh.tensor_parallel.hf import (
             declared_plan,
             hf_model_type,
@@ -64,7 +70,10 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
         if hf_model_type(model) != "gpt2" and declared_plan(model) is None:
             raise ConfigError("--tp", f"{type(model).__name__} declares no tensor-parallel plan "
                               "(config.base_model_tp_plan); valid for it: --tp 1 (dp and ZeRO)")
-        hf_tp_plan(model)                  # a declared style trainmesh cannot map: ConfigError
+        try:
+            hf_tp_plan(model)              # a declared style trainmesh cannot map: ConfigError
+        except ConfigError as exc:
+            raise ConfigError("--tp", f"{hf_model_type(model)}: {exc.message}") from None
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
