@@ -140,10 +140,11 @@ def _fuse(model: nn.Module, plan: dict[str, str | tuple[str, ...]]) -> dict[str,
 
 def _holding(modules: dict[str, nn.Module], parent_pattern: str,
              plan: dict[str, str | tuple[str, ...]]) -> list[str]:
-    """``parent_pattern`` when every module it matches holds a layer the plan splits; else the
-    names of those that do (an MoE block matched with the dense MLPs keeps no parent style)."""
+    """``parent_pattern`` when every module it matches holds a layer the plan splits (a layer
+    style, not another parent's); else the names of those that do (an MoE block matched with
+    the dense MLPs keeps no parent style, even when it holds split shared experts)."""
     from fnmatch import fnmatchcase
-    children = [p for p in plan if _parent(p) == parent_pattern]
+    children = [p for p, style in plan.items() if isinstance(style, str) and _parent(p) == parent_pattern]
     matched = [n for n in modules if n and fnmatchcase(n, parent_pattern)]
     holding = [n for n in matched
                if any(fnmatchcase(c, p) for c in modules if _parent(c) == n for p in children)]
