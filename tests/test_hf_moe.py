@@ -28,9 +28,11 @@ Planted bugs this module catches (each seen failing with an assertion): experts 
 strings (expert 10 read as expert 2: ``test_weights_read_...`` and the Qwen2 run's loss, off by
 4.7e-2 at step 1); the router's routing weights detached (the runs stop: the engine names the
 router weights as receiving no gradient); the export writing the stacked names (key set);
-experts reduced over dp instead of edp; the shared expert marked as an expert (reduced over
-edp); the aux loss formed over each rank's tokens instead of per sequence; the aux loss left out
-of the gradient (the grad norm against plain PyTorch).
+experts reduced over dp instead of edp (the Mixtral ep run: grad norm 1.1e-3 relative at step
+1, loss 1.3e-2 at step 2); the shared expert placed as a routed expert, reduced over edp (the
+Qwen2 run: grad norm 1.9e-3 relative at step 1); the aux loss formed over a rank's batch, not
+per sequence, or left out of the gradient (the single process against plain PyTorch: aux 8.4 vs
+2.2, or the grad norm, at step 1).
 """
 from __future__ import annotations
 
