@@ -89,7 +89,8 @@ def expert_layers(model: nn.Module) -> list[ExpertsLayer]:
     its stacked parameters; ConfigError naming ``--ep`` and the family for a plan that cannot
     be honoured (none declared, another style, an experts module without ``num_experts`` or not
     taking ``(hidden_states, top_k_index, top_k_weights)``, a parameter of it left whole, a
-    stacked parameter whose first dimension is not its expert count)."""
+    stacked parameter whose first dimension is not its expert count, a split parameter outside
+    the experts modules)."""
     plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
     if not plan:
         raise _refuse(model, "its config declares no base_model_ep_plan (the experts to spread)")
@@ -125,6 +126,10 @@ def expert_layers(model: nn.Module) -> list[ExpertsLayer]:
         layers.append(ExpertsLayer(name, module, n, tuple(own)))
     if not layers:
         raise _refuse(model, "its base_model_ep_plan names no module of this model")
+    orphans = sorted(split - {full for layer in layers for full in layer.stacked})
+    if orphans:
+        raise _refuse(model, f"{orphans[0]} is split by its base_model_ep_plan outside an "
+                      "ep_dispatch_experts module, so no rank would get all of its tokens")
     return layers
 
 
