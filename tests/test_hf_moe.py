@@ -385,7 +385,7 @@ def test_sequence_aux_is_transformers_loss_per_sequence_and_splits_over_ranks(di
     slots, probs, per_layer = sequence_routing(logits, BATCH, k)
     rows = torch.full((BATCH,), float(layers * SEQ))
     whole, _ = sequence_aux(slots, probs, rows)
-    want = _sequence_aux(model, logits)
+    want = _sequence_aux(model, logits).detach()
     budget = fp32_atol(float(want), layers * SEQ)          # two summation orders of L s terms
     assert abs(float(whole.detach().mean()) - float(want)) <= budget, (whole, want)
     assert per_layer.sum() == layers * BATCH * SEQ * k
