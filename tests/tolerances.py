@@ -83,9 +83,23 @@ tied alias missing from consolidate           test_hf_families: model_dir_any_fa
 GPT -> GPT-2 export fusing q, k, v misordered  test_export_hf: builtin_gpt_exports_... (0.2)
 HF experts stacked in string order (10 < 2)    test_hf_moe: weights_read_...; qwen2_moe run
                                               (loss off by 4.7e-2 at step 1)
-HF router's routing weights detached           test_hf_moe: trains_like_... (the engine names
-                                              the router as receiving no gradient)
-export-hf writing stacked expert names         test_hf_moe: checkpoint_resumes_... (key set)
+HF router's routing weights detached           test_hf_moe: layouts_train_like_... (the engine
+                                              names the router as receiving no gradient)
+export-hf writing stacked expert names         test_hf_moe: checkpoints_resume_... (key set)
+HF ep: experts reduced over dp, not edp        test_hf_moe: layouts_train_like_one_process
+                                              [mixtral ep] (norm 1.1e-3 rel at step 1, loss
+                                              1.3e-2 at step 2)
+HF ep: shared experts placed as routed         test_hf_moe: layouts_...[qwen2_moe tp ep zero2]
+  experts (reduced over edp)                   (norm 1.9e-3 rel, step 1); test_hf_moe_families
+                                              (deepseek_v3 dp2 ep2: loss 6.4e-3, step 2)
+HF router aux over a rank's batch, not per     test_hf_moe: one_process_trains_like_plain_...
+  sequence                                     (aux 8.4 vs 2.2 at step 1)
+HF router aux left out of the gradient         test_hf_moe: one_process_... (norm, step 1)
+HF tp: an attention projection read as a       test_hf_moe_families: olmoe tp2 (its error
+  fused gate/up pair (OLMoE's q_proj)          reported)
+HF tp: an MoE block holding split shared       test_hf_moe_families: deepseek_v3 tp2 (norm
+  experts given parallel_input (router grad    3.823 vs 3.811 at step 1)
+  summed tp times)
 HSDP: shards not all-reduced across replicas   test_hsdp: zero2 (grad_norm 1.40 vs 0.98, step 1)
 HSDP: shard and replica groups swapped         test_hsdp: zero2 (traffic keyed on the wrong
                                               axis: dp_shard.all_reduce)

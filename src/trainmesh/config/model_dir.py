@@ -7,11 +7,26 @@ from trainmesh.core.errors import ConfigError
 from trainmesh.models.hf import max_positions, n_experts, read_model_config
 
 
+def check_expert_count(config: dict[str, Any], ep: int) -> None:
+    """--ep > 1 spreads a mixture of experts' experts: the model must have some, ``ep`` must
+    divide them (ConfigError naming --ep)."""
+    if ep == 1:
+        return
+    experts = n_experts(config)
+    if not experts:
+        raise ConfigError("--ep", f"spreads the experts of a mixture of experts; the "
+                          f"{config.get('model_type')} model has none; valid: --ep 1")
+    if experts % ep:
+        raise ConfigError("--ep", f"must divide the model's {experts} experts; got {ep}")
+
+
 def check_model_config(cfg: Any) -> int:
     """``trainmesh train --model-dir``'s rules, before any worker starts: the directory and its
     config.json (:func:`read_model_config`), no flag that the config sets or the model cannot
-    run, no --ep, no --tp for a mixture of experts, head counts divisible by --tp, --seq-len within the positions; ``cfg`` is the
-    TrainConfig. Returns the vocabulary of the data: --vocab-size, or the model's."""
+    run, --ep only for a mixture of experts whose experts it divides, head counts divisible by
+    --tp, --seq-len within the positions; ``cfg`` is the TrainConfig. Returns the vocabulary of
+    the data: --vocab-size, or the model's. (The plans a model declares are checked on the
+    model itself, :func:`trainmesh.engine.pretrained.check_model_dir`.)"""
     config = read_model_config(cfg.model_dir)
     p = cfg.parallel
     for flag, given in (("--layers", cfg.layers), ("--d-model", cfg.d_model), ("--heads", cfg.heads),
@@ -23,13 +38,7 @@ def check_model_config(cfg: Any) -> int:
         if unsupported:
             raise ConfigError(flag, "is not supported for --model-dir models; valid: dp, tp and "
                               "ZeRO layouts (--pp 1, no --sequence-parallel, --strategy mesh)")
-    if p.ep > 1:
-        raise ConfigError("--ep", "spreads the built-in GPT's experts (--experts); a --model-dir "
-                          "model's experts stay whole on every rank (sharded by --zero); valid: --ep 1")
-    if n_experts(config) and p.tp > 1:
-        raise ConfigError("--tp", f"{cfg.model_dir} is a mixture of {n_experts(config)} experts, "
-                          "held stacked in 3-D parameters no tensor-parallel plan here splits; "
-                          "valid for it: --tp 1 (dp and ZeRO)")
+    check_expert_count(config, p.ep)
     heads = {"attention heads": config.get("n_head") or config.get("num_attention_heads"),
              "key/value heads": config.get("num_key_value_heads")}
     for what, count in heads.items():

@@ -49,8 +49,8 @@ class ParallelConfig:
                                    "rank, overlapped with attention) or allgather (gathered once "
                                    "per layer)", choices=CP_COMM)
     ep: int = setting(1, "expert-parallel degree: each MoE layer's experts spread over ep ranks of "
-                         "the DP(xCP) group, tokens exchanged by all-to-all; divides --experts and "
-                         "dp*cp", ge=1)
+                         "the DP(xCP) group, tokens exchanged by all-to-all; divides --experts (or a "
+                         "--model-dir model's experts) and dp*cp", ge=1)
     dp_shard: int | None = setting(None, "HSDP: ZeRO shards over groups of this many DP ranks, "
                                          "replicated across dp/dp-shard groups; divides dp "
                                          "(default dp: plain ZeRO)", ge=1)

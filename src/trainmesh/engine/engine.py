@@ -51,7 +51,7 @@ from trainmesh.data_parallel import (
 from trainmesh.data_parallel.base import OptimizerFactory
 from trainmesh.engine.executor import LocalExecutor
 from trainmesh.engine.materialize import InitFn, materialize, materialize_buffers
-from trainmesh.engine.moe_metrics import MoEMetrics
+from trainmesh.engine.moe_metrics import MoEMetrics, model_stats
 from trainmesh.engine.precision import Precision
 from trainmesh.observe.flops import model_flops_per_token
 from trainmesh.observe.metrics import storage_bytes
@@ -110,7 +110,7 @@ class Engine:
                                expect_backwards=self.grad_sync.expect_backwards)
         self.optimizer = self.grad_sync.build_optimizer(optimizer, param_groups)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
-        self.moe = MoEMetrics(getattr(model, "moe_stats", None), self.comm)
+        self.moe = MoEMetrics(model_stats(model), self.comm)
         """The MoE layers' aux loss and routing counts, per step and over the run."""
         self.step_count = 0
         self.last: dict[str, Any] = {}

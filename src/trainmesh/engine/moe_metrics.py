@@ -19,9 +19,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from trainmesh.comm import Comm
+from trainmesh.models.hf_router import attach_router_stats
 from trainmesh.models.moe import MoEStats
+
+
+def model_stats(model: nn.Module) -> MoEStats | None:
+    """The MoE statistics ``model`` reports: the built-in GPT's ``moe_stats``, or those of a
+    Hugging Face mixture of experts whose config asks for its router's aux loss (attached here;
+    :func:`~trainmesh.engine.pretrained.causal_lm_loss` fills them)."""
+    return attach_router_stats(model)
 
 
 class MoEMetrics:

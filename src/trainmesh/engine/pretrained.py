@@ -28,6 +28,12 @@ from torch import nn
 from trainmesh.core.errors import ConfigError
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
+from trainmesh.models.hf_router import (
+    add_router_loss,
+    attach_router_stats,
+    router_loss_enabled,
+    router_modules,
+)
 from trainmesh.models.hf_weights import CheckpointView
 
 
@@ -37,6 +43,7 @@ def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
     weights slice by slice (the engine calls it for what each rank holds)."""
     model = build_on_meta(path, field=field)
     model.init_parameter = pretrained_init(path, model, field=field)
+    attach_router_stats(model)        # a mixture of experts that asks for its router's aux loss
     return model
 
 
@@ -49,13 +56,22 @@ def pretrained_init(path: str, model: nn.Module, *, field: str = FIELD) -> InitF
 
 
 def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD,
-                    tp: int = 1) -> None:
+                    tp: int = 1, ep: int = 1) -> None:
     """Every parameter of the model (built from ``path`` on meta unless given) is in
-    ``model.safetensors`` with its shape, and with ``tp`` > 1 the model has a plan trainmesh
-    maps (GPT-2's, or the one its config declares): checked before any worker starts."""
+    ``model.safetensors`` with its shape, with ``tp`` > 1 the model has a plan trainmesh
+    maps (GPT-2's, or the one its config declares; its experts' styles included), with ``ep``
+    > 1 an expert-parallel plan trainmesh honours, and a router aux loss the config asks for
+    can be formed: checked before any worker starts."""
     model = model if model is not None else build_on_meta(path, field=field)
     CheckpointView(weight_files(path, field), model, field=field).check(model)
+    if router_loss_enabled(model):
+        router_modules(model)
+    if ep > 1:
+        from trainmesh.expert_parallel.hf import check_hf_ep
+        check_hf_ep(model, ep)
     if tp > 1:
+        from trainmesh.tensor_parallel.hf_experts import check_expert_tp
+        check_expert_tp(model, tp, ep=ep)
         from trainmesh.tensor_parallel.hf import (
             declared_plan,
             hf_model_type,
@@ -64,19 +80,28 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
         if hf_model_type(model) != "gpt2" and declared_plan(model) is None:
             raise ConfigError("--tp", f"{type(model).__name__} declares no tensor-parallel plan "
                               "(config.base_model_tp_plan); valid for it: --tp 1 (dp and ZeRO)")
-        hf_tp_plan(model)                  # a declared style trainmesh cannot map: ConfigError
+        try:
+            hf_tp_plan(model)              # a declared style trainmesh cannot map: ConfigError
+        except ConfigError as exc:
+            raise ConfigError("--tp", f"{hf_model_type(model)}: {exc.message}") from None
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """``(loss_sum, tokens)`` of a Hugging Face causal LM on a batch whose ``labels`` are the
     next tokens already (trainmesh's data): cross-entropy over every token, as the built-in GPT.
 
-    A mixture-of-experts model's load-balancing loss (``router_aux_loss_coef``) is not added, and
-    its router logits are not returned (``output_router_logits=False``): that loss is computed
-    over the tokens of one forward, so its value would depend on how the global batch is split
-    over ranks and microbatches, and the loss would no longer be the exact mean over the batch."""
-    extra = {"output_router_logits": False} if _routes(model) else {}
-    logits = model(input_ids=batch["input_ids"], use_cache=False, **extra).logits  # (b, s, vocab)
+    A mixture of experts whose config asks for its router's load-balancing loss
+    (``output_router_logits``, ``router_aux_loss_coef``) gets it in its gradient, per sequence
+    (:mod:`trainmesh.models.hf_router`: transformers' formula over each sequence's tokens, so the
+    same under every split of the batch); the returned loss stays the cross-entropy, the aux is
+    reported in ``model.moe_stats``. Otherwise its router logits are not asked for."""
+    routes = _routes(model)
+    aux = routes and router_loss_enabled(model)
+    extra = {"output_router_logits": aux} if routes else {}
+    out = model(input_ids=batch["input_ids"], use_cache=False, **extra)
+    logits = out.logits                                                  # (b, s, vocab)
+    if aux:
+        logits = add_router_loss(model, out.router_logits, logits)
     labels = batch["labels"]                                             # (b, s)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
     return loss, labels.numel()

@@ -20,6 +20,7 @@ from trainmesh.core.placement import Placements
 
 from ..comm import Comm
 from .hf import check_hf_tp, hf_model_type, localize_config
+from .hf_experts import apply_expert_tp
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -55,6 +56,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
     styles, patterns, module kinds and divisibility (ConfigError naming ``tp``).
     """
     tp = mesh.size(axis)
+    declared = plan is None
     if plan is None:
         plan = default_plan(model)
     check = getattr(model, "check_tp", None)
@@ -71,6 +73,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
             for style in styles:
                 if is_layer_style(style) == layers_first:
                     _apply(model, name, model.get_submodule(name), style, state, records)
+    if declared and hf_model_type(model):     # stacked experts: their declared styles
+        apply_expert_tp(model, state, records, ep=mesh.size("ep"))
     return model
 
 
