@@ -10,19 +10,22 @@ from trainmesh.models.hf import max_positions, n_experts, read_model_config
 def check_model_config(cfg: Any) -> int:
     """``trainmesh train --model-dir``'s rules, before any worker starts: the directory and its
     config.json (:func:`read_model_config`), no flag that the config sets or the model cannot
-    run, no --ep, no --tp for a mixture of experts, head counts divisible by --tp, --seq-len within the positions; ``cfg`` is the
-    TrainConfig. Returns the vocabulary of the data: --vocab-size, or the model's."""
+    run, no --ep, no --tp for a mixture of experts, head counts divisible by --tp, --seq-len
+    within the positions; ``cfg`` is the
+    TrainConfig. What the model's plans allow is checked on the model
+    (:func:`trainmesh.engine.pretrained.check_model_dir`). Returns the vocabulary of the data:
+    --vocab-size, or the model's."""
     config = read_model_config(cfg.model_dir)
     p = cfg.parallel
     for flag, given in (("--layers", cfg.layers), ("--d-model", cfg.d_model), ("--heads", cfg.heads),
                         ("--init-from", cfg.init_from)):
         if given is not None:
             raise ConfigError(flag, f"is set by --model-dir ({cfg.model_dir}); valid: leave it out")
-    for flag, unsupported in (("--pp", p.pp > 1), ("--sequence-parallel", p.sequence_parallel),
+    for flag, unsupported in (("--sequence-parallel", p.sequence_parallel),
                               ("--strategy", p.strategy != "mesh")):
         if unsupported:
-            raise ConfigError(flag, "is not supported for --model-dir models; valid: dp, tp and "
-                              "ZeRO layouts (--pp 1, no --sequence-parallel, --strategy mesh)")
+            raise ConfigError(flag, "is not supported for --model-dir models; valid: dp, tp, pp "
+                              "and ZeRO layouts (no --sequence-parallel, --strategy mesh)")
     if p.ep > 1:
         raise ConfigError("--ep", "spreads the built-in GPT's experts (--experts); a --model-dir "
                           "model's experts stay whole on every rank (sharded by --zero); valid: --ep 1")

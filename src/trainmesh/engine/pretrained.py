@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
+from trainmesh.models.hf_plan import family
 from trainmesh.models.hf_weights import CheckpointView
 
 
@@ -49,12 +51,15 @@ def pretrained_init(path: str, model: nn.Module, *, field: str = FIELD) -> InitF
 
 
 def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD,
-                    tp: int = 1) -> None:
+                    tp: int = 1, layout: ParallelConfig | None = None,
+                    seq_len: int | None = None) -> None:
     """Every parameter of the model (built from ``path`` on meta unless given) is in
-    ``model.safetensors`` with its shape, and with ``tp`` > 1 the model has a plan trainmesh
-    maps (GPT-2's, or the one its config declares): checked before any worker starts."""
+    ``model.safetensors`` with its shape, with ``tp`` > 1 the model has a plan trainmesh
+    maps (GPT-2's, or the one its config declares), and its plans allow the other axes of
+    ``layout`` (:func:`check_hf_layout`): checked before any worker starts."""
     model = model if model is not None else build_on_meta(path, field=field)
     CheckpointView(weight_files(path, field), model, field=field).check(model)
+    tp = layout.tp if layout is not None else tp
     if tp > 1:
         from trainmesh.tensor_parallel.hf import (
             declared_plan,
@@ -65,6 +70,39 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
             raise ConfigError("--tp", f"{type(model).__name__} declares no tensor-parallel plan "
                               "(config.base_model_tp_plan); valid for it: --tp 1 (dp and ZeRO)")
         hf_tp_plan(model)                  # a declared style trainmesh cannot map: ConfigError
+    if layout is not None:
+        check_hf_layout(model, layout, seq_len)
+
+
+def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | None = None) -> None:
+    """A Hugging Face model's plans allow ``layout``'s axes: its pipeline plan ``--pp`` (with
+    enough layers for every stage)
+    (ConfigError naming the flag and the family)."""
+    if layout.pp > 1:
+        from trainmesh.pipeline_parallel.hf import check_hf_pipeline
+        from trainmesh.pipeline_parallel.partition import check_stage_count
+        structure = check_hf_pipeline(model)
+        check_stage_count(len(structure.ordered(model)), layout.pp * layout.virtual_stages)
+        _check_ties_across_stages(model, structure.ordered(model), layout)
+
+
+def _check_ties_across_stages(model: nn.Module, planned: list[str], layout: ParallelConfig) -> None:
+    """A weight two pipeline layers share (tied embeddings: the input module's and the head's)
+    has its gradient summed over their stages, which the pipeline does with --dp 1 and
+    --zero 0/1 (as the engine checks in the workers)."""
+    owners: dict[int, set[str]] = {}
+    for name in planned:
+        for p in model.get_submodule(name).parameters():
+            owners.setdefault(id(p), set()).add(name)
+    if not any(len(names) > 1 for names in owners.values()):
+        return
+    if layout.dp > 1:
+        raise ConfigError("--dp", f"the {family(model)} model ties weights across pipeline "
+                          "stages (tie_word_embeddings), supported with --dp 1 under --pp; valid: "
+                          "--dp 1, or --pp 1")
+    if layout.zero >= 2:
+        raise ConfigError("--zero", f"the {family(model)} model ties weights across pipeline "
+                          "stages (tie_word_embeddings): --zero 0 or 1 under --pp")
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
