@@ -11,8 +11,8 @@ def check_model_config(cfg: Any) -> int:
     """``trainmesh train --model-dir``'s rules, before any worker starts: the directory and its
     config.json (:func:`read_model_config`), no flag that the config sets or the model cannot
     run, no --ep, no --tp for a mixture of experts, head counts divisible by --tp, --seq-len
-    within the positions; ``cfg`` is the
-    TrainConfig. What the model's plans allow is checked on the model
+    within the positions and divisible by what splits it (--cp, --sequence-parallel); ``cfg`` is
+    the TrainConfig. What the model's plans allow is checked on the model
     (:func:`trainmesh.engine.pretrained.check_model_dir`). Returns the vocabulary of the data:
     --vocab-size, or the model's."""
     config = read_model_config(cfg.model_dir)
@@ -41,8 +41,17 @@ def check_model_config(cfg: Any) -> int:
     seq, longest = cfg.gpt_config().seq_len, max_positions(config)
     if isinstance(longest, int) and seq > longest:
         raise ConfigError("--seq-len", f"must be at most the model's {longest} positions; got {seq}")
+    _check_sequence_split(seq, p)
     vocab = config.get("vocab_size")
     if cfg.vocab_size is not None and isinstance(vocab, int) and cfg.vocab_size > vocab:
         raise ConfigError("--vocab-size", f"the data's vocabulary must fit the model's {vocab} "
                           f"tokens; got {cfg.vocab_size}")
     return cfg.vocab_size if cfg.vocab_size is not None else vocab
+
+
+def _check_sequence_split(seq: int, p: Any) -> None:
+    """--cp holds 2 of 2cp equal chunks of every sequence, --sequence-parallel 1/tp of a rank's
+    share between the layers: both must divide it."""
+    if p.cp > 1 and seq % (2 * p.cp):
+        raise ConfigError("--seq-len", f"must be divisible by 2 x --cp = {2 * p.cp} (each rank "
+                          f"holds 2 of 2cp chunks of a sequence); got {seq}")

@@ -76,8 +76,11 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
 
 def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | None = None) -> None:
     """A Hugging Face model's plans allow ``layout``'s axes: its pipeline plan ``--pp`` (with
-    enough layers for every stage)
+    enough layers for every stage), its attention ``--cp`` (at ``seq_len``)
     (ConfigError naming the flag and the family)."""
+    if layout.cp > 1:
+        from trainmesh.context_parallel.hf_attention import check_hf_context_parallel
+        check_hf_context_parallel(model, seq_len)
     if layout.pp > 1:
         from trainmesh.pipeline_parallel.hf import check_hf_pipeline
         from trainmesh.pipeline_parallel.partition import check_stage_count
