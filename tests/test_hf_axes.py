@@ -41,7 +41,8 @@ STEPS, SEQ, BATCH, VOCAB = 4, 16, 4, 64
 SCHEDULE = STEPS + 2          # the runs stop after STEPS of a SCHEDULE-step schedule (resumed later)
 FAMILIES = ("llama", "qwen3")
 LAYOUTS = {"pp2": ["--pp", "2", "--microbatches", "2"],
-           "cp2": ["--cp", "2"]}
+           "cp2": ["--cp", "2"],
+           "tp2-sp": ["--tp", "2", "--sequence-parallel"]}
 BASE = ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--steps", str(SCHEDULE),
         "--warmup-steps", "1", "--lr", "0.01", "--seed", "3"]
 LOGITS_ABS = 1e-4
@@ -276,6 +277,7 @@ def test_plans_that_cannot_be_honoured_exit_2_naming_family_and_axis(refused_dir
     from trainmesh.cli import main
     base = ["train", "--seq-len", str(SEQ), "--global-batch", "4", "--steps", "2"]
     cases = [("gpt2", ["--pp", "2"], "--pp", "gpt2 family declares no pipeline plan"),
+             ("gpt2", ["--tp", "2", "--sequence-parallel"], "--sequence-parallel", "gpt2"),
              ("gemma2", ["--cp", "2"], "--cp", "gemma2 family"),
              ("mistral-window8", ["--cp", "2"], "--cp", "sliding-window attention (window 8)"),
              ("mamba", ["--cp", "2"], "--cp", "mamba family"),
@@ -287,7 +289,8 @@ def test_plans_that_cannot_be_honoured_exit_2_naming_family_and_axis(refused_dir
         assert code == 2 and len(err) == 1, (name, flags, code, err)
         assert f"error: {flag}:" in err[0] and words in err[0] and "Traceback" not in err[0], err
     assert not no_launch
-    for name, flags in (("mistral-window16", ["--cp", "2"]), ("gemma2", ["--pp", "2"])):
+    for name, flags in (("mistral-window16", ["--cp", "2"]), ("gemma2", ["--pp", "2"]),
+                        ("gemma2", ["--tp", "2", "--sequence-parallel"])):
         assert main([*base, "--model-dir", refused_dirs[name], *flags]) == LAUNCHED, \
             (name, flags, capsys.readouterr().err)
 
@@ -297,6 +300,8 @@ def test_model_dir_layout_rules_exit_2(dirs, no_launch, refused):
     needs a layer per stage (embedding, 2 layers, norm, head: 5)."""
     base = ["train", "--model-dir", dirs["llama"], "--global-batch", "4", "--steps", "2"]
     assert "2 x --cp = 4" in refused([*base, "--seq-len", "14", "--cp", "2"], "--seq-len")
+    assert "divisible by --tp 2" in refused(
+        [*base, "--seq-len", "15", "--tp", "2", "--sequence-parallel"], "--seq-len")
     assert "6 stages need at least 6 pipeline layers" in refused(
         [*base, "--seq-len", "16", "--pp", "3", "--virtual-stages", "2", "--microbatches", "3",
          "--global-batch", "6", "--schedule", "interleaved"], "pp")

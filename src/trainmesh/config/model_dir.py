@@ -21,11 +21,9 @@ def check_model_config(cfg: Any) -> int:
                         ("--init-from", cfg.init_from)):
         if given is not None:
             raise ConfigError(flag, f"is set by --model-dir ({cfg.model_dir}); valid: leave it out")
-    for flag, unsupported in (("--sequence-parallel", p.sequence_parallel),
-                              ("--strategy", p.strategy != "mesh")):
-        if unsupported:
-            raise ConfigError(flag, "is not supported for --model-dir models; valid: dp, tp, pp "
-                              "and ZeRO layouts (no --sequence-parallel, --strategy mesh)")
+    if p.strategy != "mesh":
+        raise ConfigError("--strategy", "is not supported for --model-dir models; valid: "
+                          "--strategy mesh (dp, ZeRO, tp, pp, cp)")
     if p.ep > 1:
         raise ConfigError("--ep", "spreads the built-in GPT's experts (--experts); a --model-dir "
                           "model's experts stay whole on every rank (sharded by --zero); valid: --ep 1")
@@ -55,3 +53,7 @@ def _check_sequence_split(seq: int, p: Any) -> None:
     if p.cp > 1 and seq % (2 * p.cp):
         raise ConfigError("--seq-len", f"must be divisible by 2 x --cp = {2 * p.cp} (each rank "
                           f"holds 2 of 2cp chunks of a sequence); got {seq}")
+    if p.sequence_parallel and (seq // p.cp) % p.tp:
+        raise ConfigError("--seq-len", f"seq-len / cp = {seq // p.cp} must be divisible by --tp "
+                          f"{p.tp} with --sequence-parallel (each rank holds 1/tp of it between "
+                          "the layers)")

@@ -76,8 +76,13 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
 
 def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | None = None) -> None:
     """A Hugging Face model's plans allow ``layout``'s axes: its pipeline plan ``--pp`` (with
-    enough layers for every stage), its attention ``--cp`` (at ``seq_len``)
+    enough layers for every stage), its attention ``--cp`` (at ``seq_len``), its plans
+    ``--sequence-parallel``
     (ConfigError naming the flag and the family)."""
+    if layout.sequence_parallel and layout.tp > 1:
+        from trainmesh.tensor_parallel.hf import hf_tp_plan
+        from trainmesh.tensor_parallel.hf_sequence import sequence_parallel_plan
+        sequence_parallel_plan(model, hf_tp_plan(model))
     if layout.cp > 1:
         from trainmesh.context_parallel.hf_attention import check_hf_context_parallel
         check_hf_context_parallel(model, seq_len)
