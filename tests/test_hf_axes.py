@@ -42,7 +42,8 @@ SCHEDULE = STEPS + 2          # the runs stop after STEPS of a SCHEDULE-step sch
 FAMILIES = ("llama", "qwen3")
 LAYOUTS = {"pp2": ["--pp", "2", "--microbatches", "2"],
            "cp2": ["--cp", "2"],
-           "tp2-sp": ["--tp", "2", "--sequence-parallel"]}
+           "tp2-sp": ["--tp", "2", "--sequence-parallel"],
+           "dp2-selective": ["--dp", "2", "--recompute", "selective"]}
 BASE = ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--steps", str(SCHEDULE),
         "--warmup-steps", "1", "--lr", "0.01", "--seed", "3"]
 LOGITS_ABS = 1e-4
@@ -251,6 +252,37 @@ def test_pipeline_stages_compose_to_the_whole_model(kind):
     assert err <= LOGITS_ABS, f"{kind}: the stages' logits differ from the model's by {err}"
 
 
+def test_selective_recompute_checkpoints_the_attention_call():
+    """Under --recompute selective every attention call runs again in the backward (2 per
+    layer and microbatch), the model's own implementation (sdpa) inside; without, once."""
+    from transformers.modeling_utils import AttentionInterface
+
+    import trainmesh as tm
+    from trainmesh.core.mesh import ParallelMesh
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    counts = {}
+    AttentionInterface._global_mapping["sdpa"] = counted
+    try:
+        for mode in ("none", "selective"):
+            model = family_model("llama")
+            assert model.config._attn_implementation == "sdpa"
+            engine = tm.Engine(model, lambda ps: torch.optim.SGD(ps, lr=0.1), tm.causal_lm_loss,
+                               tm.ParallelConfig(recompute=mode), mesh=ParallelMesh(local=True))
+            calls.clear()
+            engine.train_step({"input_ids": ids, "labels": ids})
+            counts[mode] = len(calls)
+    finally:
+        AttentionInterface._global_mapping["sdpa"] = sdpa
+    assert counts == {"none": 2, "selective": 4}, counts
+
+
 @pytest.fixture(scope="module")
 def refused_dirs(tmp_path_factory) -> dict[str, str]:
     """Families whose plans cannot be honoured on some axis, a Mistral whose window covers
@@ -280,6 +312,7 @@ def test_plans_that_cannot_be_honoured_exit_2_naming_family_and_axis(refused_dir
              ("gpt2", ["--tp", "2", "--sequence-parallel"], "--sequence-parallel", "gpt2"),
              ("gemma2", ["--cp", "2"], "--cp", "gemma2 family"),
              ("mistral-window8", ["--cp", "2"], "--cp", "sliding-window attention (window 8)"),
+             ("mamba", ["--recompute", "selective"], "--recompute", "mamba family"),
              ("mamba", ["--cp", "2"], "--cp", "mamba family"),
              ("mamba", ["--pp", "2"], "--pp", "mamba family"),
              ("llama-tied", ["--pp", "2", "--dp", "2"], "--dp", "ties weights across pipeline")]

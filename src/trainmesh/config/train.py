@@ -75,7 +75,7 @@ class TrainConfig:
     model_dir: str | None = setting(None, "train the Hugging Face causal LM (GPT-2, Llama, Mixtral, ...) of "
                                           "this directory instead of the built-in GPT: config.json "
                                           "+ model.safetensors (or its shards), as save_pretrained writes (needs "
-                                          "transformers); dp, tp (with sequence parallelism), pp and cp", path=True, group="model")
+                                          "transformers); every axis its plans allow", path=True, group="model")
     metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True, group="observability")
     save_dir: str | None = setting(None, "checkpoint directory", path=True, group="checkpoints")
     save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0, group="checkpoints")

@@ -29,6 +29,7 @@ from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
+from trainmesh.models.hf_attention import routes_attention
 from trainmesh.models.hf_plan import family
 from trainmesh.models.hf_weights import CheckpointView
 
@@ -77,12 +78,16 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
 def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | None = None) -> None:
     """A Hugging Face model's plans allow ``layout``'s axes: its pipeline plan ``--pp`` (with
     enough layers for every stage), its attention ``--cp`` (at ``seq_len``), its plans
-    ``--sequence-parallel``
+    ``--sequence-parallel``, its attention call ``--recompute selective``
     (ConfigError naming the flag and the family)."""
     if layout.sequence_parallel and layout.tp > 1:
         from trainmesh.tensor_parallel.hf import hf_tp_plan
         from trainmesh.tensor_parallel.hf_sequence import sequence_parallel_plan
         sequence_parallel_plan(model, hf_tp_plan(model))
+    if layout.recompute == "selective" and not routes_attention(model):
+        raise ConfigError("--recompute", f"selective checkpoints the attention call; the "
+                          f"{family(model)} family's attention does not go through transformers' "
+                          "attention interface; valid for it: none, full")
     if layout.cp > 1:
         from trainmesh.context_parallel.hf_attention import check_hf_context_parallel
         check_hf_context_parallel(model, seq_len)
