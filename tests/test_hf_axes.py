@@ -40,8 +40,7 @@ transformers.logging.set_verbosity_error()
 STEPS, SEQ, BATCH, VOCAB = 4, 16, 4, 64
 SCHEDULE = STEPS + 2          # the runs stop after STEPS of a SCHEDULE-step schedule (resumed later)
 FAMILIES = ("llama", "qwen3")
-LAYOUTS = {"pp2": ["--pp", "2", "--microbatches", "2"],
-           "cp2": ["--cp", "2"],
+LAYOUTS = {"pp2": ["--pp", "2", "--microbatches", "2"], "cp2": ["--cp", "2"],
            "tp2-sp": ["--tp", "2", "--sequence-parallel"],
            "dp2-selective": ["--dp", "2", "--recompute", "selective"]}
 BASE = ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--steps", str(SCHEDULE),
