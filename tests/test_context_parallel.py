@@ -116,6 +116,26 @@ def test_ring_equals_causal_attention_float64(cp, mode):
         assert err <= atol, f"cp {cp} {mode}: {name} max error {err:.3e} > {atol:.3e}"
 
 
+@pytest.mark.parametrize("fused", [False, True] if fused_available(torch.device("cpu")) else [False])
+def test_grouped_query_ring_equals_causal_attention(fused):
+    """k/v with fewer heads than q (each serving 2 query heads, as Hugging Face's repeat_kv):
+    the ring passes them at their own head count; dK/dV sum over the heads each serves. Bug:
+    the k/v heads repeated in another order (tiled) than the query heads' groups."""
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.float32 if fused else torch.float64
+    q, dout = (torch.randn(2, 4, 16, 8, generator=g, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=g, dtype=dtype) for _ in range(2))
+    want = [t.clone().double().requires_grad_() for t in (q, k, v)]
+    ref = reference(want[0], *(t.repeat_interleave(2, dim=1) for t in want[1:]))
+    ref.backward(dout.double())
+    got = run_ring(q, k, v, dout, 2, "ring", fused=fused)
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, [ref.detach()] + [t.grad for t in want]):
+        if fused:
+            assert_fp32_close(a, w, scale=scale_of([w]), terms=q.shape[2], what=name)
+        else:
+            assert float((a - w).abs().max()) <= fp64_atol(scale_of([w]), q.shape[2]), name
+
+
 @pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no fused CPU kernel with lse")
 def test_ring_with_fused_blocks_equals_causal_attention():
     q, k, v, dout = _inputs(16)

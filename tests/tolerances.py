@@ -137,6 +137,13 @@ frozen parameters of a meta model never       test_frozen_params (each stage's e
   materialised                                a meta tensor in the forward)
 frozen layer not broadcast from the DP root   test_frozen_params (0.weight differs by rank)
 frozen parameters missing from checkpoints    test_frozen_params (0.weight reloaded)
+HF cp: rotary positions local to the chunk    test_hf_axes: layout_trains_like_one_process
+                                              (cp2, loss at step 1)
+HF pp: a stage dropping the position state    test_hf_axes: pipeline_stages_compose_... (logits)
+HF SP: norm gradients not summed over tp      test_hf_axes: layout_trains_like_one_process
+                                              (tp2-sp, grad_norm)
+HF selective recompute not checkpointing      test_hf_axes: selective_recompute_... (call count)
+GQA ring: k/v heads repeated tiled            test_context_parallel: grouped_query_ring_...
 ============================================  ==================================================
 """
 from __future__ import annotations

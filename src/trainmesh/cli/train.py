@@ -165,7 +165,7 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         check_safetensors(cfg.init_from, GPT(cfg.gpt_config(), device="meta"))
     if cfg.model_dir:   # transformers present, every parameter in model.safetensors
         from trainmesh.engine.pretrained import check_model_dir
-        check_model_dir(cfg.model_dir, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
+        check_model_dir(cfg.model_dir, layout=cfg.parallel, seq_len=cfg.gpt_config().seq_len)
     if cfg.data != "synthetic":
         from trainmesh.data.corpus import make_datasets
         gpt = cfg.gpt_config()

@@ -81,7 +81,7 @@ class TrainConfig:
     model_dir: str | None = setting(None, "train the Hugging Face causal LM (GPT-2, Llama, Mixtral, ...) of "
                                           "this directory instead of the built-in GPT: config.json "
                                           "+ model.safetensors (or its shards), as save_pretrained writes (needs "
-                                          "transformers); dp and tp, not pp", path=True, group="model")
+                                          "transformers); every axis its plans allow", path=True, group="model")
     metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True, group="observability")
     save_dir: str | None = setting(None, "checkpoint directory", path=True, group="checkpoints")
     save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0, group="checkpoints")
@@ -185,9 +185,6 @@ class TrainConfig:
                               f"{p.microbatches} = {per}; got {self.global_batch}")
         gpt = self.gpt_config()  # the shape's own rules (heads divide d-model)
         if self.model_dir is not None:   # its config.json sets the shape: other rules
-            if p.cp > 1:
-                raise ConfigError("--cp", "splits sequences inside the built-in GPT's attention; "
-                                  f"a --model-dir model runs with --cp 1 (got --cp {p.cp})")
             from trainmesh.config.model_dir import check_model_config
             self.vocab_size = check_model_config(self)
             return

@@ -419,7 +419,7 @@ class Engine:
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = {"last_epoch": self.lr_scheduler.last_epoch,
                                      "last_lr": self.lr_scheduler.get_last_lr()}
-        state.update(model_record(self.module))      # tied aliases, a Hugging Face config
+        state.update(model_record(self.model))   # tied aliases, a Hugging Face config (whole model: a pipeline stage too)
         return state
 
     def apply_lr_schedule(self) -> None:

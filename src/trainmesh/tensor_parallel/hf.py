@@ -32,7 +32,8 @@ rank's: Phi-3 reads ``config.num_attention_heads`` in forward); an MLP with seve
 layers gets ``parallel_input``. Embeddings, norms and ``lm_head`` stay replicated (the loss is
 the model's own). GPT-2 declares no plan: its own is kept here (the fused ``Conv1D`` ``c_attn``
 split per q/k/v block, local head counts). Head counts must divide by tp (ConfigError naming
-``tp``); sequence parallelism is refused (ConfigError naming ``sequence-parallel``).
+``tp``). Sequence parallelism adds entries drawn from the model's pipeline plan
+(:mod:`.hf_sequence`).
 """
 from __future__ import annotations
 
@@ -196,13 +197,8 @@ def head_counts(module: nn.Module) -> dict[str, int]:
     return {a: v for a, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
-def check_hf_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> None:
-    """Before any communication: the head counts divide by ``tp`` and no sequence parallelism
-    (ConfigError naming the flag)."""
-    if sequence_parallel:
-        raise ConfigError("sequence-parallel", f"is not supported for Hugging Face "
-                          f"{hf_model_type(model)} models (their plan keeps whole sequences); "
-                          "valid: without --sequence-parallel")
+def check_hf_tp(model: nn.Module, tp: int) -> None:
+    """Before any communication: the head counts divide by ``tp`` (ConfigError naming it)."""
     for attr, count in head_counts(model).items():   # the model's config
         if count % tp:
             raise ConfigError("tp", f"the model's {attr} = {count} is not divisible by --tp {tp} "
