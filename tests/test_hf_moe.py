@@ -340,6 +340,9 @@ def test_layouts_a_plan_cannot_honour_and_a_missing_expert_exit_2(dirs, tmp_path
     mix = dirs["mixtral"]
     base = ["train", "--model-dir", mix, "--seq-len", str(SEQ), "--global-batch", "6"]
     assert "4 experts" in assert_refused(capsys, [*base, "--dp", "3", "--ep", "3"], "--ep")
+    for flag in (["--cp", "2"], ["--pp", "2"]):     # the aux loss needs a sequence's routing
+        line = assert_refused(capsys, [*base, *flag], flag[0])
+        assert "load-balancing" in line, line
     dense = tmp_path / "dense"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
