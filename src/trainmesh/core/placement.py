@@ -13,6 +13,9 @@ rank, how its gradient must be completed, and whether the rank counts it in the 
 * ``expert``: an MoE expert's parameter under expert parallelism: held only by the ranks of one
   ``ep`` index, its gradient reduced over ``edp``, written to checkpoints by one of those ranks.
 
+Which groups each kind of parameter is reduced, sharded and held over is the axis table's
+(:mod:`trainmesh.core.axes`, ``KINDS``; :meth:`Placements.kind` names a parameter's kind).
+
 :class:`Placements`, keyed by the parameter's name in the whole model, is owned by the engine:
 tensor parallelism records shards and partial gradients, the pipeline marks duplicates,
 sharded initialisation and checkpoints read it. Being keyed by name, a record survives the
@@ -120,6 +123,11 @@ class Placements:
         """Whether ``name`` is an expert's parameter under expert parallelism."""
         record = self._records.get(name)
         return record is not None and record.expert
+
+    def kind(self, name: str) -> str:
+        """The axis table's kind of ``name`` (:data:`trainmesh.core.axes.KINDS`): "expert" or
+        "dense"; it says which groups reduce, shard and hold the parameter."""
+        return "expert" if self.expert(name) else "dense"
 
     def partial_grad_names(self) -> list[str]:
         """Names whose gradient is partial over tp, sorted (the same order on every rank)."""
