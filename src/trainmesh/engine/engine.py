@@ -36,7 +36,7 @@ from trainmesh.checkpoint.export_hf import model_record
 from trainmesh.comm import Comm
 from trainmesh.comm.ledger import Span
 from trainmesh.config.parallel import ParallelConfig
-from trainmesh.core.axes import kind_groups, sequence_groups
+from trainmesh.core.axes import LATER, kind_groups, sequence_groups
 from trainmesh.core.compat import set_last_lr
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import ParallelMesh
@@ -215,9 +215,10 @@ class Engine:
             self._broadcast_buffers()
 
     def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
-        """Whether this rank counts ``p`` in the global norm: duplicates only once."""
+        """Whether this rank counts ``p`` in the global norm: duplicates only once (the axis
+        table's ``LATER``), a tp shard on every TP rank, a replicated parameter on the first."""
         placement = self.placements.get(name)
-        if placement is not None and placement.duplicate:
+        if placement is not None and placement.duplicate and not LATER["duplicate"].counted:
             return False
         return (placement is not None and placement.sharded) or self.mesh.index("tp") == 0
 
@@ -230,7 +231,7 @@ class Engine:
         names = self.placements.partial_grad_names()
         if names and self.mesh.size("tp") > 1:
             from trainmesh.tensor_parallel.state import sum_partial_grads
-            sum_partial_grads(self.grad_sync.grads_of(names), self.comm)
+            sum_partial_grads(self.grad_sync.grads_of(names), self.comm, LATER["partial_grad"].then)
 
     # ---------------------------------------------------------------- one step
     def train_step(self, batch: Any = None, *, microbatches: list | None = None) -> float:
