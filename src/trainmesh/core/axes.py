@@ -35,7 +35,8 @@ generated pairwise matrix covers every pair of :data:`FEATURES` no rule refuses.
 
 Public API (for the planner, the config and the tests):
 
-* :data:`DIMS` — ``Dim(name, flag, help, choices)``; :func:`degree` ``(layout, name) -> int``;
+* :data:`DIMS` — ``Dim(name, flag, help, value, choices, divides)``: ``choices(n)`` the degrees
+  to try where ``n`` is the size it divides (``divides``); :func:`degree` ``(layout, name)``;
 * :data:`FEATURES` — the non-default choices of the axes the matrix pairs;
 * :func:`check_degrees` ``(layout)`` — every degree a positive integer, ep | dp·cp, dp_shard | dp;
 * :func:`refusal` ``(cfg, experts=None) -> Refusal | None`` — the first rule ``cfg`` breaks
@@ -88,14 +89,16 @@ class Degrees:
 
 @dataclass(frozen=True)
 class Dim:
-    """One dimension: its flag (None: derived), what it splits, and the degrees a planner may
-    try on ``gpus`` ranks (None: derived from the others)."""
+    """One dimension: its flag (None: derived), what it splits, its degree in a layout, and the
+    degrees a planner may try (``choices(n)``, ``n`` the size it must divide, ``divides``: the
+    world for the four axes, dp·cp for ep, dp for dp_shard; None: derived from the others)."""
 
     name: str
     flag: str | None
     help: str
     value: Callable[[Degrees], int]
     choices: Callable[[int], list[int]] | None = None
+    divides: str | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -103,15 +106,18 @@ def _divisors(n: int) -> list[int]:
 
 
 DIMS: tuple[Dim, ...] = (
-    Dim("tp", "--tp", "each layer's matrices split over tp ranks", lambda d: d.tp, _divisors),
+    Dim("tp", "--tp", "each layer's matrices split over tp ranks", lambda d: d.tp, _divisors,
+        "world"),
     Dim("cp", "--cp", "each sequence split over cp ranks (attention over the ring)",
-        lambda d: d.cp, _divisors),
-    Dim("dp", "--dp", "replicas, each with a slice of the global batch", lambda d: d.dp, _divisors),
-    Dim("pp", "--pp", "pipeline stages the layers are split into", lambda d: d.pp, _divisors),
+        lambda d: d.cp, _divisors, "world"),
+    Dim("dp", "--dp", "replicas, each with a slice of the global batch", lambda d: d.dp,
+        _divisors, "world"),
+    Dim("pp", "--pp", "pipeline stages the layers are split into", lambda d: d.pp, _divisors,
+        "world"),
     Dim("ep", "--ep", "each MoE layer's experts spread over ep ranks of the dp x cp line",
-        lambda d: d.ep, _divisors),
+        lambda d: d.ep, _divisors, "dp*cp"),
     Dim("dp_shard", "--dp-shard", "HSDP: ZeRO shards over runs of dp_shard dp ranks",
-        lambda d: d.shard, _divisors),
+        lambda d: d.shard, _divisors, "dp"),
     Dim("dp_replicate", None, "HSDP: the replicas of a shard, dp / dp_shard",
         lambda d: d.dp // d.shard),
     Dim("edp", None, "the ranks holding the same experts, dp x cp / ep",
@@ -367,8 +373,11 @@ refused pair). docs/LAYOUTS.md lists them with the strategies' own rules."""
 
 def refusal(cfg: Any, experts: int | None = None) -> Refusal | None:
     """The first rule ``cfg`` breaks (``experts``: the model's count; None skips model rules),
-    or None. Degrees are checked first (:func:`check_degrees` raises)."""
-    check_degrees(cfg)
+    or None; the degrees (:func:`check_degrees`) first."""
+    try:
+        check_degrees(cfg)
+    except ConfigError as exc:
+        return Refusal(exc.field, exc.message)
     for rule in RULES:
         if rule.refuses(cfg, experts):
             return Refusal(rule.flag, rule.why.format(c=cfg, experts=experts))
