@@ -157,15 +157,13 @@ class ParallelConfig:
         indices; what its launcher does not build is refused, naming --dp-shard."""
         if self.shard_size == self.dp:
             return
-        for flag, value, why in (
-                ("pp", self.pp, "a fault-tolerant replica of a shard group holds no pipeline"),
-                ("cp", self.cp, "a fault-tolerant replica of a shard group holds no cp ranks"),
-                ("ep", self.ep, "expert gradients are reduced over their own groups"),
-                ("offload", 2 if self.offload != "none" else 1,
-                 "a fault-tolerant replica's shards stay on the device")):
-            if value > 1:
+        for flag, changed in (("pp", self.pp > 1), ("cp", self.cp > 1), ("ep", self.ep > 1),
+                              ("offload", self.offload != "none")):
+            if changed:
                 raise ConfigError("--dp-shard", f"< --dp is not supported with --fault-tolerant "
-                                  f"and --{flag} ({why}); leave --dp-shard unset")
+                                  f"and --{flag} (the fault-tolerant launcher builds a shard "
+                                  "group's replica of its tp ranks alone, its states on the "
+                                  "device); leave --dp-shard unset")
 
     def _check_fault_tolerant(self) -> None:
         """--fault-tolerant protects data-parallel replicas in fp32: the pp x tp ranks of one dp
