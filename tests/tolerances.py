@@ -116,6 +116,11 @@ EP ZeRO-3: experts skipped on a load          test_expert_parallel: dp4-ep2-zero
 EP ZeRO-3: experts missing in full_state_dict test_expert_parallel: python_api_... (weights)
 EP under pp: experts reduced over dp          test_expert_parallel: pp2-dp2-ep2 (norm, step 1)
 MoE activations: k copies not counted         test_planner: moe_activation_count_... (k = 2)
+MoE slot counts not summed over cp            test_layout_matrix: moe-cp2 (grad norm 4% off)
+MoE slot counts not summed over tp under SP   test_layout_matrix: moe-tp2-sp (6% off)
+HSDP x tp: replicas' all-reduce skipped       test_layout_matrix: dp4-shard2-zero3-tp2 (57% off)
+offload x SP: host copies not retaken after   test_layout_matrix: dp2-zero1-offload-tp2-sp
+  the tp sum                                    (grad norm 7% off)
 fault-tolerant: failed step applied anyway     test_fault_tolerance: replica_lost_... (step 5
   (not discarded)                               loss off by 3.5e-2)
 fault-tolerant: batch not re-split among the   test_fault_tolerance: replica_lost_... (step 5

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trainmesh.comm import Comm
+from trainmesh.core.axes import kind_groups
 from trainmesh.core.placement import Placement, Placements
 from trainmesh.data_parallel.base import GradSync
 from trainmesh.expert_parallel.shard import gather_stacked, stacked_slice
@@ -159,8 +160,9 @@ def _tp_slice(comm: Comm, placement: Placement | None, full: torch.Tensor) -> to
 
 
 def _writer(key: str, comm: Comm, axis: str = "dp_cp") -> int:
-    """Which of the ``axis`` x tp ranks sharing this rank's pipeline stage (``dp_cp``: the dp x cp
-    ranks; ``edp``: those holding the same experts) writes ``key``."""
+    """Which of the ``axis`` x tp ranks sharing this rank's pipeline stage (the holders of its
+    kind of parameter, :mod:`trainmesh.core.axes`: dp x cp for a dense one; ``edp``, those
+    holding the same experts, for an expert) writes ``key``."""
     return zlib.crc32(key.encode()) % (comm.mesh.size(axis) * comm.mesh.size("tp"))
 
 
@@ -182,7 +184,8 @@ def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
     for name, t in params.items():
         placement = placements.get(name)
         stacked = placements.ep_split(name)           # whole on every rank once gathered over ep
-        axis = "edp" if placements.expert(name) and not stacked else "dp"   # who holds it
+        kind = "dense" if stacked else placements.kind(name)
+        axis = kind_groups(mesh.degrees, kind).holders   # who holds it
         me = mesh.index(axis) * mesh.size("tp") + mesh.index("tp")
         items = [(f"param/{name}", t), *((f"optim/{name}/{k}", v)
                                          for k, v in sorted(optim.get(name, {}).items()))]

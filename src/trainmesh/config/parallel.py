@@ -2,9 +2,10 @@
 
 Every field is settable from a TOML file and from ``trainmesh train`` flags (the flag is the
 field name with dashes, ``timeout_s`` is ``--timeout``; :mod:`trainmesh.config.validation`). Every
-check of a layout lives here: :func:`~trainmesh.config.validation.check_fields` checks each field's
-type and range, ``__post_init__`` the rules between fields. Checks raise :class:`ConfigError`
-naming the flag and what would be valid.
+check of a layout runs here: :func:`~trainmesh.config.validation.check_fields` checks each field's
+type and range, ``__post_init__`` the rules between fields — the axes' degrees and rules from the
+axis table (:mod:`trainmesh.core.axes`), the strategies' own rules (parameter server, DiLoCo,
+fault tolerance) below. Checks raise :class:`ConfigError` naming the flag and what would be valid.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from trainmesh.config.validation import check_fields, setting
+from trainmesh.core import axes
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import TIMEOUT_S, ParallelMesh
 
@@ -133,68 +135,35 @@ class ParallelConfig:
         if self.reduce_dtype not in (None, "fp32", self.precision):
             raise ConfigError("--reduce-dtype", f"must be fp32 or the compute dtype "
                               f"({self.precision}); got {self.reduce_dtype!r}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("--sequence-parallel", "shards activations inside TP groups; needs --tp > 1")
         if self.min_dp is not None and self.min_dp > self.dp:
             raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
                               f"--min-dp the smallest it may shrink to); got {self.min_dp}")
+        axes.check(self)   # the degrees and the rules between the axes (the model's: TrainConfig)
         self._check_offload()
         if self.zero3_units is not None and self.zero != 3:
             raise ConfigError("zero3_units", f"chooses ZeRO-3's units; needs zero=3 (got zero={self.zero})")
-        if self.zero3_reshard != "step" and (self.zero != 3 or self.pp == 1):
-            raise ConfigError("--zero3-reshard", "chooses when ZeRO-3 re-gathers under a pipeline; "
-                              "needs --zero 3 and --pp > 1 (valid otherwise: step)")
         self._check_ps()
         self._check_diloco()
-        self._check_mesh_axes()
-        self._check_fault_tolerant()
-
-    def _check_mesh_axes(self) -> None:
-        """Context and expert parallelism, HSDP and fault tolerance: their rules between fields."""
-        if self.cp_comm != "ring" and self.cp == 1:
-            raise ConfigError("--cp-comm", f"{self.cp_comm} exchanges K/V inside CP groups; needs "
-                              "--cp > 1 (valid otherwise: ring)")
-        if (self.dp * self.cp) % self.ep:
-            raise ConfigError("--ep", f"must divide dp x cp = {self.dp} x {self.cp} = "
-                              f"{self.dp * self.cp} (experts spread over ranks of the DP x CP "
-                              f"group); got {self.ep}")
-        if self.dp_shard is not None:
-            if self.dp % self.dp_shard:
-                raise ConfigError("--dp-shard", f"must divide --dp {self.dp} (shard groups of "
-                                  f"dp-shard ranks, replicated across dp/dp-shard); got {self.dp_shard}")
-            if self.dp_shard < self.dp and self.zero == 0:
-                raise ConfigError("--dp-shard", "shards ZeRO's states inside groups of DP ranks; "
-                                  "needs --zero 1, 2 or 3 (valid with --zero 0: leave it unset)")
-            self._check_hsdp()
         if self.strategy != "mesh":
             for name, changed in (("cp", self.cp > 1), ("ep", self.ep > 1),
                                   ("dp-shard", self.dp_shard not in (None, self.dp)),
                                   ("fault-tolerant", self.fault_tolerant)):
                 if changed:
                     raise ConfigError(f"--{name}", f"needs --strategy mesh (got {self.strategy})")
+        self._check_fault_tolerant()
 
-    def _check_hsdp(self) -> None:
-        """HSDP (dp-shard < dp) is built for the data-parallel layout alone: what it does not
-        combine with is refused, naming why (--fault-tolerant builds its own replicas: each a
-        shard group of its tp groups)."""
+    def _check_fault_tolerant_hsdp(self) -> None:
+        """--fault-tolerant replicas of HSDP shard groups: each the tp ranks of --dp-shard dp
+        indices; what its launcher does not build is refused, naming --dp-shard."""
         if self.shard_size == self.dp:
             return
-        for flag, value, why in (
-                ("pp", self.pp, "HSDP inside pipeline stages is not verified against one process"),
-                ("tp", 1 if self.fault_tolerant else self.tp,
-                 "HSDP with tensor parallelism is not verified against one process"),
-                ("cp", self.cp, "dense gradients are reduced over dp x cp, not over dp shards"),
-                ("ep", self.ep, "expert gradients are reduced over their own groups")):
-            if value > 1:
-                raise ConfigError("--dp-shard", f"< --dp is not supported with --{flag} > 1 ({why}); "
-                                  f"got --{flag} {value} (valid with it: leave --dp-shard unset)")
-        if self.min_dp is not None and self.min_dp < self.dp:
-            raise ConfigError("--dp-shard", "< --dp is not supported with --min-dp (a changing dp "
-                              "would break the shard groups); leave --dp-shard unset")
-        if self.offload != "none":
-            raise ConfigError("--dp-shard", "< --dp is not supported with --offload (shards streamed "
-                              "to the host across replicas are not verified against one process); "
-                              "use --offload none")
+        for flag, changed in (("pp", self.pp > 1), ("cp", self.cp > 1), ("ep", self.ep > 1),
+                              ("offload", self.offload != "none")):
+            if changed:
+                raise ConfigError("--dp-shard", f"< --dp is not supported with --fault-tolerant "
+                                  f"and --{flag} (the fault-tolerant launcher builds a shard "
+                                  "group's replica of its tp ranks alone, its states on the "
+                                  "device); leave --dp-shard unset")
 
     def _check_fault_tolerant(self) -> None:
         """--fault-tolerant protects data-parallel replicas in fp32: the pp x tp ranks of one dp
@@ -202,6 +171,7 @@ class ParallelConfig:
         2 or 3; tp, not pp: HSDP's rule)."""
         if not self.fault_tolerant:
             return
+        self._check_fault_tolerant_hsdp()
         if self.dp < 2:
             raise ConfigError("--fault-tolerant", f"needs --dp >= 2 (replicas that can stand in for "
                               f"each other); got --dp {self.dp}")
@@ -248,16 +218,9 @@ class ParallelConfig:
         return self.dp if self.dp_shard is None else self.dp_shard
 
     def _check_offload(self) -> None:
-        """Offload moves a ZeRO shard's optimizer: it needs one."""
-        if self.offload != "none" and self.zero == 0:
-            raise ConfigError("--offload", f"{self.offload} moves the optimizer shard of ZeRO off the "
-                              "device; needs --zero 1, 2 or 3 (got --zero 0; valid with it: none)")
+        """Offload's own settings (that it needs ZeRO is the axis table's rule)."""
         if self.offload_params and (self.zero != 3 or self.offload == "none"):
             raise ConfigError("--offload-params", "needs --zero 3 and --offload cpu or nvme")
-        if self.offload != "none" and self.sequence_parallel:
-            raise ConfigError("--offload", f"{self.offload} streams gradients to the host during "
-                              "backward, before sequence parallelism completes them over tp; "
-                              "with --sequence-parallel use --offload none")
         if self.offload_dir is not None and self.offload != "nvme":
             raise ConfigError("--offload-dir", "is where --offload nvme writes; needs --offload nvme")
 

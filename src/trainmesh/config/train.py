@@ -16,6 +16,7 @@ from typing import Any
 
 from trainmesh.config.parallel import GRAD_CLIP, ParallelConfig
 from trainmesh.config.validation import Flag, check_fields, flags_of, setting
+from trainmesh.core import axes
 from trainmesh.core.errors import ConfigError
 from trainmesh.models.gpt import PRESETS, GPTConfig
 
@@ -204,25 +205,10 @@ class TrainConfig:
         if p.cp > 1 and p.sequence_parallel and (gpt.seq_len // p.cp) % p.tp:
             raise ConfigError("--seq-len", f"with --cp {p.cp} and --sequence-parallel, seq-len / cp "
                               f"= {gpt.seq_len // p.cp} must be divisible by --tp {p.tp}")
-        if p.ep > 1 and gpt.n_experts == 0:
-            raise ConfigError("--ep", "spreads the experts of MoE layers; needs --experts > 0")
-        if gpt.n_experts and gpt.n_experts % p.ep:
-            raise ConfigError("--ep", f"must divide --experts {gpt.n_experts}; got {p.ep}")
-        if gpt.n_experts:
-            self._check_moe(gpt)
-
-    def _check_moe(self, gpt: GPTConfig) -> None:
-        """What mixture-of-experts layers do not compose with (yet)."""
-        p = self.parallel
-        if gpt.moe_every > gpt.n_layers:
+        axes.check(p, experts=gpt.n_experts)    # the axis table's rules on the model (ep, experts)
+        if gpt.n_experts and gpt.moe_every > gpt.n_layers:
             raise ConfigError("--moe-every", f"must be at most --layers {gpt.n_layers} (no block "
                               f"would be a mixture of experts); got {gpt.moe_every}")
-        if p.cp > 1:
-            raise ConfigError("--cp", "MoE layers need whole sequences on a rank (their load-"
-                              "balancing loss is per sequence); valid with --experts: 1")
-        if p.sequence_parallel:
-            raise ConfigError("--sequence-parallel", "is not supported with --experts (MoE "
-                              "layers run on whole sequences, replicated over tp)")
 
     def _check_data(self) -> None:
         """--tokenizer (resolved: model with a --model-dir that has a tokenizer and text data,

@@ -16,6 +16,9 @@ rank, how its gradient must be completed, and whether the rank counts it in the 
   ``gate_up_proj``) split over ``ep`` along their expert dimension: this rank holds
   ``[ep_start, ep_start + width)`` of it; a checkpoint gathers the whole tensor over ``ep``.
 
+Which groups each kind of parameter is reduced, sharded and held over is the axis table's
+(:mod:`trainmesh.core.axes`, ``KINDS``; :meth:`Placements.kind` names a parameter's kind).
+
 :class:`Placements`, keyed by the parameter's name in the whole model, is owned by the engine:
 tensor parallelism records shards and partial gradients, the pipeline marks duplicates,
 sharded initialisation and checkpoints read it. Being keyed by name, a record survives the
@@ -137,6 +140,11 @@ class Placements:
         """Whether ``name`` is an expert's parameter under expert parallelism."""
         record = self._records.get(name)
         return record is not None and record.expert
+
+    def kind(self, name: str) -> str:
+        """The axis table's kind of ``name`` (:data:`trainmesh.core.axes.KINDS`): "expert" or
+        "dense"; it says which groups reduce, shard and hold the parameter."""
+        return "expert" if self.expert(name) else "dense"
 
     def partial_grad_names(self) -> list[str]:
         """Names whose gradient is partial over tp, sorted (the same order on every rank)."""

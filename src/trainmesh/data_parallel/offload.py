@@ -15,7 +15,9 @@ is copied into a host fp32 buffer (:meth:`HostMaster.stream`; on a GPU ``non_blo
 pinned memory on a side stream, one event per copy, which the step waits on), overlapping the
 rest of backward. Whatever did not stream (buckets reduced several times a step in a pipeline's
 ZeRO-2) is copied once every reduction is done (:meth:`HostMaster.prefetch_grads`), so
-correctness never depends on a hook. On a CPU the host *is* the device: a master whose values
+correctness never depends on a hook. Under sequence parallelism the partial gradients are
+completed over tp on the device once every reduction is done, and the shards holding them are
+copied again before the step (:meth:`HostMaster.restream`). On a CPU the host *is* the device: a master whose values
 already sit in the parameters (fp32, host-resident shards) is the parameter shard itself (no
 copy), and the offloaded bytes are the optimizer states alone (8Ψ/N with AdamW); in mixed
 precision the masters are separate (12Ψ/N), and the 16-bit gradient slices are converted into
@@ -170,10 +172,17 @@ class HostMaster:
                 self.stream(gi, slice(None))
         self._all_on_host = True
 
+    def restream(self, gi: int) -> None:
+        """``grads[gi]`` changes on the device after it streamed (sequence parallelism sums its
+        partial pieces over tp once every reduction is done): copy it again before the step."""
+        self._stale.add(gi)
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the gradients into the host masters, step them on the CPU, copy them back
         into the device shards (group by group: a file store swaps states around each)."""
         self.prefetch_grads()
+        for gi in sorted(self._stale):
+            self.stream(gi, slice(None))
         for event in self._copied:
             event.synchronize()
         self.store.step(optimizer, self._before_group, self._after_group)
@@ -197,6 +206,7 @@ class HostMaster:
         """After a step, or a skipped one: drop the host copies of its gradients."""
         self._host_grads = [None] * len(self.grads)
         self._copied, self._all_on_host = [], False
+        self._stale: set[int] = set()
         self._streamed = [{} for _ in self.grads]
 
     @torch.no_grad()

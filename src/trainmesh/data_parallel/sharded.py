@@ -132,13 +132,16 @@ class ShardedSync(GradSync):
         return self.shard_grads
 
     def grads_of(self, names: Sequence[str]) -> list[torch.Tensor]:
-        if self.offloaded is not None:   # the host copies are taken during backward
-            raise ConfigError("--offload", "cannot complete sequence-parallel gradients on the "
-                              "host; use --offload none with --sequence-parallel")
         pieces: dict[str, list[torch.Tensor]] = {}
         for name, _, view in self._norm_pieces:
             pieces.setdefault(name, []).append(view)
-        return [v for n in names for v in pieces.get(n, [])]
+        out = [v for n in names for v in pieces.get(n, [])]
+        if self.offloaded is not None:   # the host copies were taken in backward: again at the step
+            held = {v.untyped_storage().data_ptr() for v in out}
+            for gi, g in enumerate(self.grad_shards):
+                if g.untyped_storage().data_ptr() in held:
+                    self.offloaded.restream(gi)
+        return out
 
     def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         # Shards are disjoint over the group: every rank contributes its own elements, each

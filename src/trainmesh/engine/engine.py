@@ -8,7 +8,9 @@ replicated parameters over tp (:meth:`Engine._complete_partial_grads`); measure 
 once) and clip; step the optimizer. Every layer it composes uses only its own mesh axis. Under
 context parallelism each CP rank keeps its two zigzag chunks of every sequence
 (:meth:`Engine._cp_share`), attention runs over the CP group (:mod:`trainmesh.context_parallel`)
-and the replicas of the parameters are the dp x cp ranks (``replica_axis``).
+and the replicas of the parameters are the dp x cp ranks (``replica_axis``). Which group each
+kind of parameter is reduced over, broadcast from and held by is the axis table's
+(:mod:`trainmesh.core.axes`).
 
 The seams: the executor (:mod:`trainmesh.core.step`: local or a pipeline stage) runs the passes and
 reaches the precision policy and the DP strategy only through the :class:`~trainmesh.core.step.
@@ -19,9 +21,7 @@ duplicate) is one :class:`~trainmesh.core.placement.Placement` per name in ``eng
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,7 @@ from trainmesh.checkpoint.export_hf import model_record
 from trainmesh.comm import Comm
 from trainmesh.comm.ledger import Span
 from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.axes import LATER, kind_groups, sequence_groups
 from trainmesh.core.compat import set_last_lr
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import ParallelMesh
@@ -76,8 +77,8 @@ class Engine:
         ``flops_per_token()``, or None (:mod:`trainmesh.observe.flops`)."""
         self.mesh = mesh or cfg.build_mesh()
         self.comm = Comm(self.mesh)
-        self.replica_axis = "dp_cp" if self.mesh.size("cp") > 1 else "dp"
-        """The ranks holding replicas of the parameters, each with other tokens (dp x cp)."""
+        self.replica_axis = kind_groups(self.mesh.degrees, "dense").holders
+        """The ranks holding replicas of the dense parameters, each with other tokens (dp x cp)."""
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if self.device.type == "meta":
             self.device = torch.device("cpu")
@@ -133,6 +134,10 @@ class Engine:
         if cfg.ep > 1:
             from trainmesh.expert_parallel import shard_experts
             shard_experts(model, self.comm, self.placements)
+        split = sequence_groups(self.mesh.degrees, cfg.sequence_parallel)
+        if split:        # MoE layers sum their per-sequence counts over the sequence's parts
+            from trainmesh.expert_parallel.sequence import split_sequences
+            split_sequences(model, self.comm, split)
         if cfg.recompute != "none":
             from trainmesh.engine.recompute import apply_recompute
             apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
@@ -143,21 +148,12 @@ class Engine:
 
     def _make_grad_sync(self, named: list[tuple[str, nn.Parameter]],
                         fill: Callable[[list[tuple[str, nn.Parameter]]], None] | None):
-        """The DP strategy; under expert parallelism one for the dense parameters and one of
-        the same kind for the experts, reduced over ``edp`` (:mod:`trainmesh.expert_parallel.sync`)."""
-        def make(subset: list[tuple[str, nn.Parameter]], cfg: ParallelConfig, axis: str = "dp"):
-            return make_grad_sync(cfg, subset, self.comm, module=self.module,
-                                  precision=self.precision, materialize=fill, device=self.device,
-                                  layers=getattr(self.executor, "layer_names", None), axis=axis)
-        experts = [(n, p) for n, p in named if self.placements.expert(n)]
-        if not experts:   # no ep, or a pipeline stage without MoE layers (so is its edp group)
-            return make(named, self.config)
-        from trainmesh.expert_parallel.sync import ExpertSplitSync
-        dense = make([(n, p) for n, p in named if not self.placements.expert(n)], self.config)
-        cfg = self.config   # nvme offload: the experts' state file apart from the dense one's
-        if cfg.offload_dir is not None:
-            cfg = dataclasses.replace(cfg, offload_dir=os.path.join(cfg.offload_dir, "experts"))
-        return ExpertSplitSync(dense, make(experts, cfg, axis="edp"))
+        """The DP strategy: one per kind of parameter (dense; experts under expert parallelism),
+        each over its kind's groups, composed as one (:func:`make_grad_sync`)."""
+        return make_grad_sync(self.config, named, self.comm, module=self.module,
+                              precision=self.precision, materialize=fill, device=self.device,
+                              layers=getattr(self.executor, "layer_names", None),
+                              kind_of=self.placements.kind)
 
     def _build_executor(self, model: nn.Module, loss_fn: LossFn) -> Executor:
         """This rank's share of the model and how a step runs it: a pipeline stage or all of it."""
@@ -191,11 +187,10 @@ class Engine:
     @torch.no_grad()
     def _broadcast_from_dp_root(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """Identical start on every DP replica, whatever the user's init (set-up traffic)."""
-        axis = self.replica_axis
-        if self.mesh.size(axis) == 1:
+        if self.mesh.size(self.replica_axis) == 1:
             return
-        for name, p in named:     # an expert: from the first of the ranks holding it
-            axis = "edp" if self.placements.expert(name) else self.replica_axis
+        for name, p in named:     # from the first of the ranks holding it (its kind's holders)
+            axis = kind_groups(self.mesh.degrees, self.placements.kind(name)).holders
             self.comm.broadcast(p.data, axis, src=self.mesh.ranks(axis)[0])
 
     def _mark_duplicates(self, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -220,9 +215,10 @@ class Engine:
             self._broadcast_buffers()
 
     def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
-        """Whether this rank counts ``p`` in the global norm: duplicates only once."""
+        """Whether this rank counts ``p`` in the global norm: duplicates only once (the axis
+        table's ``LATER``), a tp shard on every TP rank, a replicated parameter on the first."""
         placement = self.placements.get(name)
-        if placement is not None and placement.duplicate:
+        if placement is not None and placement.duplicate and not LATER["duplicate"].counted:
             return False
         return (placement is not None and placement.sharded) or self.mesh.index("tp") == 0
 
@@ -235,7 +231,7 @@ class Engine:
         names = self.placements.partial_grad_names()
         if names and self.mesh.size("tp") > 1:
             from trainmesh.tensor_parallel.state import sum_partial_grads
-            sum_partial_grads(self.grad_sync.grads_of(names), self.comm)
+            sum_partial_grads(self.grad_sync.grads_of(names), self.comm, LATER["partial_grad"].then)
 
     # ---------------------------------------------------------------- one step
     def train_step(self, batch: Any = None, *, microbatches: list | None = None) -> float:
@@ -275,7 +271,7 @@ class Engine:
         if self.lr_scheduler is not None and not skip:
             self.lr_scheduler.step()
         self.grad_sync.zero_grad()
-        moe = self.moe.end_step(holds=self.mesh.index("tp") == 0)   # MoE: one world all-reduce
+        moe = self.moe.end_step(holds=self.mesh.index("tp") == 0 or self.config.sequence_parallel)
         self.comm.end_step()   # with TRAINMESH_CHECK_COLLECTIVES=1: the ranks compare their collectives
         self.step_count += 1
         self.last = {"loss": global_loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}

@@ -2,7 +2,9 @@
 
 The layers write into their model's :class:`~trainmesh.models.moe.MoEStats` (this rank's
 sequences and routed slots); :meth:`MoEMetrics.end_step` adds them over every rank in one
-all-reduce (TP ranks hold the same tokens: only TP index 0 contributes; a pipeline stage
+all-reduce (TP ranks hold the same tokens: only TP index 0 contributes, unless sequence
+parallelism gives each its own chunk; where a sequence is split over ranks each reports its
+part of the aux loss and its share of the sequences; a pipeline stage
 contributes the layers it holds) and returns the metrics file's ``"moe"`` entry:
 
 * ``aux_loss``: the mean over MoE layers of the mean over the global batch's sequences of the
