@@ -48,14 +48,16 @@ def server_store(host: str = LOOPBACK, port: int = 0, *, world_size: int | None 
                  timeout_s: float = 300.0, multi_tenant: bool = False) -> dist.TCPStore:
     """A TCPStore server listening on ``host`` alone (``port`` 0: a kernel-picked free port).
 
-    The store takes over the socket (its file descriptor is detached from Python)."""
+    The store takes over the socket (its file descriptor is detached from Python). It is
+    torch's classic server (``use_libuv=False``): the libuv one refuses a given socket before
+    torch 2.6, and both serve the same protocol to clients."""
     sock = listening_socket(host, port)
     bound_port = sock.getsockname()[1]
     fd = sock.detach()
     try:
         return dist.TCPStore(host, bound_port, world_size, is_master=True, master_listen_fd=fd,
                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-                             multi_tenant=multi_tenant)
+                             multi_tenant=multi_tenant, use_libuv=False)
     except BaseException:
         os.close(fd)
         raise
