@@ -74,7 +74,8 @@ def test_exchange_through_the_launchers_store(monkeypatch):
     """Ranks publish and collect through a store hosted outside the workers."""
     from datetime import timedelta
 
-    from trainmesh.comm.diagnose import STORE_ENV, exchange
+    from trainmesh.comm.diagnose import exchange
+    from trainmesh.core.stores import STORE_ENV
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=10))
     monkeypatch.setenv(STORE_ENV, f"127.0.0.1:{store.port}")

@@ -24,7 +24,7 @@ from trainmesh.checkpoint.resume import (
 from trainmesh.checkpoint.savedir import SaveDirLock, remove_stale_tmp
 from trainmesh.config.train import TrainConfig
 from trainmesh.core.compat import load_lazy_imports
-from trainmesh.core.distributed import init_distributed, shutdown
+from trainmesh.core.distributed import init_distributed, shutdown, worker_threads
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import LossFn
 from trainmesh.data.corpus import dp_slice, make_datasets
@@ -86,8 +86,7 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
     """One worker: join the job, train, leave. ``lock_save_dir``: rank 0 takes the --save-dir
     lock itself (torchrun/srun; a local launcher already holds it)."""
     _exit_quietly_on_signals()
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(worker_threads())
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     cfg = _elastic_layout(cfg, rank)
     if cfg is None:
