@@ -5,8 +5,8 @@ replicas take part (the quorum) and whether the attempt is applied (the commit).
 Every replica reads the same decision from the store, so membership, the split of the global
 batch and the outcome of a step can never differ between replicas. The coordinator also writes
 the metrics file (the step rows the members report, ``quorum`` events where membership changes,
-``discarded`` events for step attempts not applied)
-and keeps the counts of the summary. docs/FAULT_TOLERANCE.md describes the protocol.
+``discarded`` events for step attempts not applied) and keeps the counts of the summary.
+docs/FAULT_TOLERANCE.md describes the protocol.
 """
 from __future__ import annotations
 
