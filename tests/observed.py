@@ -59,7 +59,7 @@ def run_observed(name: str, out: Path, *, timeout: float = 240) -> Path:
         args += ["--tensorboard", str(out / "tb")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "-m", "trainmesh", "train", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**env, **spec.env})
+                          text=True, timeout=timeout, env={**env, **spec.env}, check=False)
     (out / "stdout.txt").write_text(proc.stdout)
     (out / "stderr.txt").write_text(proc.stderr)
     if proc.returncode != 0:

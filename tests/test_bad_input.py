@@ -299,9 +299,21 @@ def _id(r: Row) -> str:
     return " ".join(r.argv)[:80] or "(nothing)"
 
 
+@pytest.fixture(scope="module")
+def one_parser():
+    """The parsers built once for the module (argparse parsers keep no state between parses):
+    building them is most of the cost of a row."""
+    import functools
+
+    import trainmesh.cli
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainmesh.cli, "build_parser", functools.cache(trainmesh.cli.build_parser))
+        yield
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("r", ROWS + GENERATED, ids=_id)
-def test_bad_input_is_answered_in_one_line(r, files, capsys, no_launch):
+def test_bad_input_is_answered_in_one_line(r, files, capsys, no_launch, one_parser):
     check(r, [a.format(**files) for a in r.argv], capsys)
 
 
