@@ -57,7 +57,8 @@ def run_observed(name: str, out: Path, *, timeout: float = 240) -> Path:
         args += ["--save-dir", str(out / "ckpt"), "--save-every", "2"]
     if spec.tensorboard:
         args += ["--tensorboard", str(out / "tb")]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items()   # COLUMNS unset: the console's tables unfolded
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COLUMNS", "LINES")}
     proc = subprocess.run([sys.executable, "-m", "trainmesh", "train", *args], capture_output=True,
                           text=True, timeout=timeout, env={**env, **spec.env}, check=False)
     (out / "stdout.txt").write_text(proc.stdout)

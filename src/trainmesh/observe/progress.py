@@ -139,11 +139,12 @@ def _state(r: dict[str, Any], key: str) -> str | None:
     return _size(held.get(key)) if isinstance(held, dict) else None
 
 
-def rank_table(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+def rank_table(summary: dict[str, Any], *, joined: bool = False) -> tuple[list[str], list[list[str]]]:
     """(headers, rows) of what every rank of a summary is, held and sent: its coordinate on
     every axis of the layout, role or replica, model state, offloaded bytes, peak memory,
     traffic per step, restarts. A column appears only where some rank has a value, so the
-    ranks of every strategy (mesh, ps, diloco, fault-tolerant replicas) fit one table."""
+    ranks of every strategy (mesh, ps, diloco, fault-tolerant replicas) fit one table.
+    ``joined``: the coordinates in one column (``dp/cp/pp/tp/ep``, a narrow terminal's)."""
     layout = summary.get("layout") if isinstance(summary.get("layout"), dict) else {}
     ranks = summary.get("ranks") if isinstance(summary.get("ranks"), list) else []
     ranks = [r for r in ranks if isinstance(r, dict)]
@@ -162,6 +163,11 @@ def rank_table(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                "optimizer", f"on {offload}" if offload != "none" else "offloaded", "peak memory",
                "comm/step", "restarts", "failed"]
     cells = [row(r) for r in ranks]
+    if joined and coords:
+        at = headers.index(column_title(coords[0]))
+        headers[at:at + len(coords)] = ["/".join(map(column_title, coords))]
+        cells = [c[:at] + [None if c[at] is None else "/".join(map(str, c[at:at + len(coords)]))]
+                 + c[at + len(coords):] for c in cells]
     keep = [i for i in range(len(headers)) if any(c[i] is not None for c in cells)]
     return [headers[i] for i in keep], [["" if c[i] is None else str(c[i]) for i in keep] for c in cells]
 
@@ -175,12 +181,15 @@ def print_summary(summary: dict[str, Any], *, first_loss: float, first_step: int
              f"{first_loss:.4f} -> {summary['final_loss']:.4f} (from step {first_step})")
     if eval_loss is not None:
         title += f", eval loss {eval_loss:.4f}"
-    headers, rows = rank_table(summary)
-    table = wide_table(None, headers, left=("", "role", "failed", "offloaded",
-                                            f"on {summary['layout'].get('offload', 'none')}"))
-    for row in rows:
-        table.add_row(*row)
     out = console()
+    left = ("", "role", "failed", "offloaded", f"on {summary['layout'].get('offload', 'none')}")
+    for compact in (False, True, None):   # narrower: no rules, then the coordinates joined
+        headers, rows = rank_table(summary, joined=compact is None)
+        table = wide_table(None, headers, left=left, compact=compact is not False)
+        for row in rows:
+            table.add_row(*row)
+        if out.measure(table, options=out.options.update_width(10**4)).maximum <= out.width:
+            break
     out.print(title)
     out.print(f"layout: {layout_text(summary['layout'])}")
     out.print(table)
