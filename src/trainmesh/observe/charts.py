@@ -62,6 +62,9 @@ def curves(name: str, title: str, series: list[tuple[str, list[float], list[floa
         data[gid] = {"x": list(xs), "y": list(ys)}
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.xaxis.get_major_locator().set_params(integer=True)
+    steps = {x for _, xs, _, _ in series for x in xs}
+    if len(steps) == 1:   # one step: a whole step either side, not fractions of one
+        ax.set_xlim(min(steps) - 1, min(steps) + 1)
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend()

@@ -34,7 +34,7 @@ from trainmesh.observe import charts
 from trainmesh.observe.charts import Chart
 from trainmesh.observe.layout import layout_text
 
-AXIS_ORDER = ("dp", "dp_shard", "dp_replicate", "cp", "tp", "pp", "ep", "other", "ps")
+AXIS_ORDER = ("dp", "dp_cp", "dp_shard", "dp_replicate", "cp", "tp", "pp", "ep", "edp", "other", "ps")
 """Traffic bars in this order; axes not listed follow, sorted."""
 FAULT_WORDS = {"failed_attempts": "step attempts discarded: {}",
                "degraded_steps": "steps with fewer replicas: {}",
@@ -144,6 +144,10 @@ def read_run(path: str) -> Run:
     if not run.summary:
         run.notes.append("no summary record (the run stopped before its end?): the layout, the "
                          "rank table, memory and traffic are left out")
+    elif not (isinstance(run.summary.get("layout"), dict)
+              and isinstance(run.summary.get("ranks"), list)):
+        run.notes.append("the summary record has no layout or no list of ranks: what it lacks is "
+                         "left out")
     return run
 
 
