@@ -44,7 +44,8 @@ STYLE = ("body{font-family:sans-serif;max-width:60em;margin:auto;padding:0 1em}"
          "svg{max-width:100%;height:auto}figure{margin:0}"
          "table{border-collapse:collapse;margin:1em 0}"
          "th,td{border:1px solid #ccc;padding:.2em .6em;text-align:right}"
-         "th:first-child,td:first-child,table.run td,table.events :is(td,th){text-align:left}.note{color:#7a4b00}")
+         "th:first-child,td:first-child,table.run td,table.events :is(td,th){text-align:left}"
+         ".note{color:#7a4b00}")
 
 
 @dataclass
