@@ -74,7 +74,8 @@ ROWS = [
     row("train --metrics-out {dir}", 2, "--metrics-out"),
     row("train --metrics-out /dev/null/x.jsonl", 2, "--metrics-out"),
     row("train --trace-out {dir}", 2, "--trace-out"), row("train --timeline-out {dir}", 2, "--timeline-out"),
-    row("train --save-dir {notjson}", 2, "--save-dir"), row("train --tensorboard {notjson}", 2, "--tensorboard"),
+    row("train --save-dir {notjson}", 2, "--save-dir"),
+    row("train --tensorboard {notjson}", 2, "--tensorboard"),
     row("train --offload-dir {notjson} --zero 1 --offload nvme", 2, "--offload-dir"),
     row("train --resume --save-dir {ckpt_corrupt}", 2, "--resume"),
     row("train --resume --save-dir {ckpt_dense} " + " ".join(T), LAUNCHED),
@@ -106,9 +107,11 @@ ROWS = [
     row("plan --model tiny --dp 2 --json", 0),
     # ---- schedule
     row("schedule --pp 0", 2, "pp"), row("schedule --pp -2", 2, "pp"),
-    row("schedule --microbatches 0", 2, "microbatches"), row("schedule --microbatches x", 2, "--microbatches"),
+    row("schedule --microbatches 0", 2, "microbatches"),
+    row("schedule --microbatches x", 2, "--microbatches"),
     row("schedule --schedule nonsense", 2, "--schedule"),
-    row("schedule --virtual-stages 2", 2, "virtual"), row("schedule --virtual-stages 0 --schedule interleaved", 2, "virtual"),
+    row("schedule --virtual-stages 2", 2, "virtual"),
+    row("schedule --virtual-stages 0 --schedule interleaved", 2, "virtual"),
     row("schedule --out {dir}/x.gif", 2, "out"), row("schedule --out /dev/null/x.svg", 2, "out"),
     row("schedule --pp 2 --microbatches 2 --json", 0),
     # ---- bench (never valid here: a valid one starts processes)
@@ -155,7 +158,8 @@ ROWS = [
     row("report {metrics_cut} -o {out}/b.html", 0), row("report {metrics_ft} -o {out}/c.html", 0),
     row("report {metrics_nonfinite} -o {out}/d.html", 0), row("report {metrics_types} -o {out}/e.html", 0),
     row("report {metrics_summary_only} -o {out}/f.html", 0),
-    row("report {metrics_ft} -o {dir}", 2, "--out"), row("report {metrics_ft} --out /dev/null/r.html", 2, "--out"),
+    row("report {metrics_ft} -o {dir}", 2, "--out"),
+    row("report {metrics_ft} --out /dev/null/r.html", 2, "--out"),
 ]
 
 
@@ -359,7 +363,8 @@ def test_files_of_every_layout_and_mode(observed_run, tmp_path, capsys, no_launc
     where another is expected is refused in one line."""
     for name, spec in OBSERVED.items():
         run = observed_run(name)
-        check(Row(("report",), 0), ["report", str(run / "run.jsonl"), "-o", str(tmp_path / f"{name}.html")], capsys)
+        check(Row(("report",), 0),
+              ["report", str(run / "run.jsonl"), "-o", str(tmp_path / f"{name}.html")], capsys)
         check(Row(("train",), 2, "--config"), ["train", "--config", str(run / "run.jsonl")], capsys)
         check(Row(("checkpoint",), 2, "DIR"), ["checkpoint", "consolidate", str(run / "run.jsonl"),
                                                str(tmp_path / f"{name}-x.safetensors")], capsys)
