@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -192,6 +193,10 @@ def _shape(args: argparse.Namespace) -> tuple[Any, int | None]:
 
 def _cluster(args: argparse.Namespace, row: Any) -> Any:
     from ..planner.cluster import Cluster
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ConfigError("--gpus-per-node", f"must be a positive integer; got {args.gpus_per_node}")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise ConfigError("--peak-tflops", f"must be a finite number > 0; got {args.peak_tflops}")
     return Cluster(
         gpus=args.gpus, gpus_per_node=args.gpus_per_node or row.gpus_per_node,
         gpu_mem_bytes=parse_size("--gpu-mem", args.gpu_mem) if args.gpu_mem else row.mem_bytes,
