@@ -95,7 +95,9 @@ class ParallelConfig:
     find_unused_parameters: bool = setting(False)
     """Parameters that received no gradient in a step are allowed instead of raising an error:
     one no DP rank used gets no update that step (its gradient is None, as DDP's
-    ``find_unused_parameters``); one used on some ranks is reduced as usual (API only)."""
+    ``find_unused_parameters``; at every ZeRO stage its value, states and own step count stay
+    as they were); one used on some ranks is reduced as usual (API only; the engine sets it for
+    the built-in MoE, whose experts without tokens get no gradient)."""
     broadcast_buffers: bool = setting(True)
     """Buffers (e.g. BatchNorm running statistics) are broadcast from the DP root at start and
     before every forward with gradients, as DDP's ``broadcast_buffers`` (API only)."""

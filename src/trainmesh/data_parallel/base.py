@@ -155,13 +155,31 @@ class GradSync(ABC):
         ``find_unused_parameters``: otherwise :meth:`_check_unused` raises)."""
         return self.readiness.local_unused()
 
-    def agree_unused(self, anywhere: bool) -> None:
-        """The unused check: ``anywhere`` (some rank of the world has an unused parameter, from
-        the engine's one reduction of the step's totals) costs one all-reduce over DP of a flag
-        per parameter; a parameter no DP rank used gets no update this step (:meth:`step`), one
-        used on some ranks keeps its reduced gradient, as DDP's ``find_unused_parameters``."""
-        self.readiness.agree(anywhere, self.comm, self.axis, self.device,
+    def unused_counts(self) -> list[int]:
+        """:meth:`local_unused` per strategy part (one here; a composite: one per part): the
+        engine sums them over the world along with the loss."""
+        return [self.local_unused()]
+
+    def agree_unused(self, anywhere: Sequence[bool]) -> None:
+        """The unused check: ``anywhere`` (per part of :meth:`unused_counts`: some rank of the
+        world has an unused parameter of it, from the engine's one reduction of the step's
+        totals) costs one all-reduce over the group of a flag per parameter; a parameter no rank
+        of the group used gets no update this step (:meth:`step`), one used on some ranks keeps
+        its reduced gradient, as DDP's ``find_unused_parameters``."""
+        self.readiness.agree(any(anywhere), self.comm, self.axis, self.device,
                              replicate=self.reductions.replicate)
+
+    def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
+        """Before a backward pass (unused parameters allowed): the parameters it goes through
+        (``among``: id()s, None: all) that its graph does not reach (``reached``: id()s) pass it
+        at once, without a gradient, so that buckets and units complete as on the ranks where
+        they take part (:mod:`.readiness`)."""
+        for p in self.readiness.unreached(reached, among):
+            self._no_grad(p)
+
+    def _no_grad(self, p: nn.Parameter) -> None:
+        """``p`` sits out this backward pass (strategies that count gradients into buckets)."""
+        self.readiness.passed(p)
 
     @property
     def _unused(self) -> list[nn.Parameter]:

@@ -65,9 +65,19 @@ class CompositeSync(GradSync):
     def local_unused(self) -> int:
         return sum(part.local_unused() for part in self.parts)
 
-    def agree_unused(self, anywhere: bool) -> None:
+    def unused_counts(self) -> list[int]:
+        return [n for part in self.parts for n in part.unused_counts()]
+
+    def agree_unused(self, anywhere: Sequence[bool]) -> None:
+        at = 0
+        for part in self.parts:          # only a part with an unused parameter somewhere talks
+            n = len(part.unused_counts())
+            part.agree_unused(anywhere[at : at + n])
+            at += n
+
+    def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
         for part in self.parts:
-            part.agree_unused(anywhere)
+            part.pass_unreached(reached, among)
 
     def finish(self, scale: float) -> None:
         for part in self.parts:

@@ -110,6 +110,10 @@ class DDP(GradSync):
         if self.readiness.final(p) and self._sync:
             self.bucketer.give(p)
 
+    def _no_grad(self, p: nn.Parameter) -> None:
+        if self.readiness.passed(p) and self._sync:   # its bucket holds zeros for it
+            self.bucketer.give(p)
+
     def _launch(self, b: FlatBucket) -> None:
         """All-reduce bucket ``b`` asynchronously (cast to ``reduce_dtype`` first, if set)."""
         b.launched_at, b.ready_when_launched = time.perf_counter(), len(self.readiness.ready)
