@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,6 +284,34 @@ class GradSync(ABC):
     def offloaded_bytes(self) -> dict[str, int]:
         """Model-state bytes this rank keeps off the compute device: {"cpu", "nvme"}."""
         return {"cpu": 0, "nvme": 0}
+
+    # ---------------------------------------------------------------- the optimizer's tensors
+    # What the optimizer updates (fp32 in every precision: the parameters, their fp32 masters,
+    # or ZeRO's flat shards of them), for a step taken outside it (DiLoCo's outer step).
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates, in its parameter-group order."""
+        assert self.optimizer is not None, "build_optimizer first"
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @abstractmethod
+    def logical_of(self, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors laid out like :meth:`optimizer_params` -> each parameter's whole value by
+        name (ZeRO: a collective over the strategy's group)."""
+
+    @abstractmethod
+    def shards_from(self, whole: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Whole values by parameter name -> tensors laid out like :meth:`optimizer_params`
+        (this rank's shard)."""
+
+    def resident(self) -> Any:
+        """A context in which the optimizer's parameters and states are in memory (offload)."""
+        return nullcontext()
+
+    def params_changed(self) -> None:
+        """The optimizer's parameters were written from outside: make the model's parameters
+        follow (16-bit copies of fp32 masters; ZeRO-1/2: gathered whole again)."""
+        if self.master is not None:
+            self.master.copy_to_params()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The consolidated weights, where the strategy shards the parameters themselves

@@ -195,6 +195,17 @@ class DDP(GradSync):
         if self.master is not None:
             self.master.copy_to_params()
 
+    def _names_of_optimizer_params(self) -> list[str]:
+        name_of = {id(self._opt_param(p)): n for n, p in self.named_params}
+        return [name_of[id(t)] for t in self.optimizer_params()]
+
+    def logical_of(self, tensors):
+        return dict(zip(self._names_of_optimizer_params(), tensors))
+
+    def shards_from(self, whole):
+        return [whole[n].to(t.device, t.dtype) for n, t in
+                zip(self._names_of_optimizer_params(), self.optimizer_params())]
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         opt = self.optimizer.state.values() if self.optimizer else []
         masters = self.master.masters if self.master is not None else []

@@ -103,6 +103,28 @@ class ShardedSync(GradSync):
         self.reductions.on_final = self.offloaded.stream   # stream each final shard slice
         self.reductions.eager = True                       # ... as soon as it has landed
 
+    def resident(self) -> Any:
+        return self._resident()
+
+    def params_changed(self) -> None:
+        super().params_changed()
+        self._after_load()
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return list(self.shard_params)
+
+    def logical_of(self, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {slot.name: value.clone() for gi, t in enumerate(tensors) for slot, value in self._whole(gi, t)}
+
+    @torch.no_grad()
+    def shards_from(self, whole: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for gi, sp in enumerate(self.shard_params):
+            dst = torch.zeros_like(sp.data)
+            self._take_shard(gi, {id(s.param): whole[s.name] for s in self._slots(gi) if s.name in whole}, dst)
+            out.append(dst)
+        return out
+
     def _resident(self) -> Any:
         """Offloaded states in host memory for the duration (checkpoints)."""
         return self.offloaded.resident(self.optimizer) if self.offloaded is not None else nullcontext()

@@ -270,17 +270,22 @@ class Engine:
         # stage without experts holds one strategy where the others hold two)
         width = (2 if self.config.ep > 1 else 1) if unused else 0
         sums += [float(n) for n in unused] + [0.0] * (width - len(unused))
+        diloco = self.config.strategy == "diloco"   # each replica: the mean over its own tokens
+        if diloco:                                  # rides along: each replica's token count
+            sums += self.grad_sync.replica_slots(count if holds_loss else 0.0)
         totals = torch.tensor(sums, dtype=torch.float64)
         self.comm.all_reduce(totals, "world")
-        global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
+        global_loss, tokens = (totals[0] / totals[1]).item(), totals[1].item()
         self.grad_sync.agree_unused([totals[2 + i].item() > 0 for i in range(len(unused))])
-        diloco = self.config.strategy == "diloco"   # each replica: the mean over its own tokens
-        self.grad_sync.finish(1.0 / ((count if diloco else global_count) * self.precision.loss_scale))
+        if diloco:   # the mean over the replica's own tokens
+            tokens = totals[len(sums) - self.grad_sync.n_replicas + self.grad_sync.replica].item()
+        self.grad_sync.finish(1.0 / (tokens * self.precision.loss_scale))
         self._complete_partial_grads()
         self.state_bytes = self.measure_state()
         self.offloaded_bytes = self.grad_sync.offloaded_bytes()
         skip = self.precision.should_skip(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
-        norm = 0.0 if skip else (self.grad_sync.local_norm() if diloco else self.grad_norm())
+        norm = 0.0 if skip else (self.grad_sync.local_norm(self._counted_in_norm) if diloco
+                                 else self.grad_norm())
         nonfinite = self._nonfinite(global_loss, norm)   # never applied; the caller's policy decides
         skip = skip or nonfinite is not None
         if not skip:
