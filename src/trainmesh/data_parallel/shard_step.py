@@ -20,7 +20,7 @@ stepped, whose state is born on its first step, as torch.optim's is) and replace
   so its scalars advance on every rank alike.
 
 The scalars after a step are the same on every rank of the group (the idle parameters are agreed
-on over it), so a checkpoint takes them from any rank, per parameter (:meth:`ShardStepper.scalars_of`).
+on over it), so a checkpoint takes them from any rank, per parameter (:attr:`Member.scalars`).
 """
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ class ShardStepper:
         """What the optimizer updates for each group (the shard, or its fp32 master)."""
         self.idle: set[int] = set()
         """id() of the model parameters that take no step now (no gradient on any rank)."""
+        self._group_of: dict[int, int] = {}
 
     def bind(self, shards: Sequence[nn.Parameter]) -> None:
         """The tensors the optimizer holds, one per group, in group order."""
@@ -185,10 +186,6 @@ class ShardStepper:
             m.scalars = new
 
     # ---------------------------------------------------------------- state by parameter
-    def scalars_of(self, gi: int) -> list[tuple[Member, Scalars | None]]:
-        """Each member of group ``gi`` with its scalar states (None: never stepped)."""
-        return [(m, m.scalars) for m in self.groups[gi]]
-
     def local_state(self, gi: int) -> dict[str, torch.Tensor]:
         """Group ``gi``'s scalars as flat entries (``param{i}.stepped``, ``param{i}.{key}``) for
         :meth:`load_local_state` on the same rank of another replica."""
