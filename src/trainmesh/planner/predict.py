@@ -196,6 +196,10 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
     moe: Traffic = {}
     if gpt.n_experts and layout.world_size > 1:   # the step's MoE figures: one float64 all-reduce
         other["all_reduce"] = other.get("all_reduce", 0.0) + 8 * len(gpt.moe_blocks()) * (gpt.n_experts + 2)
+        # an expert may get no token: each strategy's count of parameters without a gradient
+        # rides along the loss all-reduce (float64); the flags agreed on over dp / edp on steps
+        # where some rank has one depend on the routing and are not predicted
+        other["all_reduce"] += 8 * (2 if layout.ep > 1 else 1)
     if len(parts) > 1:
         psi_e, edp = parts[1]
         psi_e = math.ceil(psi_e / edp) * edp if layout.zero >= 1 else psi_e
