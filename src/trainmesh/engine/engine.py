@@ -21,6 +21,7 @@ duplicate) is one :class:`~trainmesh.core.placement.Placement` per name in ``eng
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
