@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from ..models.gpt import GPTConfig
+from .shapes import ModelShape
 
 
 @dataclass(frozen=True)
@@ -84,3 +85,13 @@ def rank_model(cfg: GPTConfig, *, pp: int, tp: int, rank: int, virtual_stages: i
         params += moe * (cfg.n_experts * d - mlp) + experts
         tensors += moe * (1 + 4 * local - 4)
     return RankModel(blocks, first, last, params, tensors, partial, experts, moe)
+
+
+def gpt_shape(cfg: GPTConfig, *, micro_batch: int = 1) -> ModelShape:
+    """The built-in GPT as the planner's :class:`~.shapes.ModelShape` (LayerNorm, GELU MLP of
+    ``d_ff``, every ``moe_every``-th MLP a mixture of experts of width ``moe_hidden``)."""
+    return ModelShape(params=cfg.num_params(), layers=cfg.n_layers, hidden=cfg.d_model,
+                      heads=cfg.n_heads, seq_len=cfg.seq_len, micro_batch=micro_batch,
+                      vocab=cfg.vocab_size, ffn=cfg.d_ff, experts=cfg.n_experts,
+                      top_k=cfg.top_k if cfg.n_experts else 1,
+                      expert_ffn=cfg.moe_hidden or None, moe_layers=len(cfg.moe_blocks()))
