@@ -10,6 +10,7 @@ measured, ``base_mem_bytes``).
     python benchmarks/plan_vs_measured.py                 # run every layout, print the table
     python benchmarks/plan_vs_measured.py --write         # ... and store the summaries
     python benchmarks/plan_vs_measured.py --stored        # the table from the stored summaries
+    python benchmarks/plan_vs_measured.py --published     # the published runs' table (no run)
 
 The stored summaries (:data:`STORED`, the fields the comparison reads) let the test suite check
 the planner against every measured layout without running them (tests/test_planner.py); adding a
@@ -119,12 +120,46 @@ def table(results: dict[str, dict[str, Any]]) -> tuple[list[str], int]:
     return rows, bad
 
 
+def published_table() -> list[str]:
+    """Markdown rows: each published run's own layout predicted (memory, fit, step time with the
+    efficiency of the table) against what its source gives."""
+    from dataclasses import replace
+
+    from trainmesh.planner.candidate import evaluate
+    from trainmesh.planner.efficiency import assumed_efficiency, reference_setup
+    from trainmesh.planner.references import REFERENCES
+    rows = []
+    for ref in REFERENCES:
+        layout, model, cluster = reference_setup(ref)
+        assumed = assumed_efficiency(ref.accelerator, model.active_params)
+        c = evaluate(layout, model, replace(cluster, efficiency=assumed.efficiency), ref.kernels)
+        mem = c.memory.total / 2**30
+        peak = (f"{mem:.1f} GiB vs {ref.peak_mem_bytes / 2**30:.1f} ({mem * 2**30 / ref.peak_mem_bytes - 1:+.0%})"
+                if ref.peak_mem_bytes else f"{mem:.1f} GiB")
+        ratio = c.time.total / ref.step_time_s
+        timing = f"{c.time.total:.3g} s vs {ref.step_time_s:.3g} s ({ratio:.2f}x)" + \
+            (", FP8: not checked" if ref.fp8 else "")
+        others = assumed_efficiency(ref.accelerator, model.active_params, exclude=ref.name)
+        loo = evaluate(layout, model, replace(cluster, efficiency=others.efficiency), ref.kernels)
+        rows.append(f"| {ref.name} | {ref.figure} | {assumed.efficiency:.0%} | {peak}, "
+                    f"{'fits' if c.fits else 'DOES NOT FIT'} | {timing} | "
+                    f"{others.efficiency:.0%}: {loo.time.total / ref.step_time_s:.2f}x |")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help=f"store the summaries in {STORED.name}")
     ap.add_argument("--stored", action="store_true", help="compare the stored summaries, run nothing")
     ap.add_argument("--only", type=int, nargs="*", help="run only these rows of MATRIX")
+    ap.add_argument("--published", action="store_true", help="the published runs' table only")
     args = ap.parse_args()
+    if args.published:
+        print("| run | published | efficiency (table) | predicted peak | predicted step time | "
+              "without the run itself |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(published_table()))
+        return 0
     results: dict[str, dict[str, Any]] = json.loads(STORED.read_text()) if STORED.exists() else {}
     if not args.stored:
         with tempfile.TemporaryDirectory() as tmp:

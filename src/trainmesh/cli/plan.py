@@ -86,12 +86,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ..planner.published import MODELS
     parser = subparsers.add_parser(
         "plan", help="which parallel layout to use: memory, traffic and time per layout",
-        usage="trainmesh plan (--model NAME | --params N --layers L --hidden H --heads A) "
-              "--gpus N [--gpu NAME] ... | trainmesh plan --model tiny [train layout flags]",
-        description="Advisor: with --model NAME (a published shape) or --params and the shape, "
-                    "rank every dp x pp x tp x ZeRO layout on a cluster and recommend one. "
-                    "Prediction: with --model tiny|small, predict what `trainmesh train` measures "
-                    "for one layout of the built-in GPT.")
+        usage="trainmesh plan (--model NAME | --model-dir DIR | --params N --layers L --hidden H "
+              "--heads A) --gpus N [--gpu NAME] ... | trainmesh plan --model tiny [train layout flags]",
+        description="Advisor: with --model NAME (a published shape), --model-dir DIR or --params "
+                    "and the shape, rank every layout (dp, pp, tp, cp, ep, ZeRO, HSDP, schedule, "
+                    "recompute, offload) on a cluster and recommend one. Prediction: with --model "
+                    "tiny|small, predict what `trainmesh train` measures for one layout of the "
+                    "built-in GPT.")
     groups = add_train_flags(parser, keep=_plan_flags(), titles={
         "layout": "layout (prediction: --model tiny|small)",
         "precision & memory": "precision & memory (--precision: both modes; the rest prediction)"})
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--params", "give --model NAME (a published shape, or tiny|small to "
                                       "predict one layout of the built-in GPT), --model-dir DIR, "
                                       "or --params N with --layers, --hidden and --heads")
-    wrong = [f for f in _given(args, FLAGS) if f not in SHARED and f != "--model"]
+    wrong = [f for f in _given(args, FLAGS) if f not in SHARED and f not in ("--model", "--model-dir")]
     if wrong:
         raise ConfigError(wrong[0], "is a prediction flag (with --model tiny|small); the advisor "
                                     "tries every layout itself")

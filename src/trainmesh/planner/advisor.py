@@ -33,7 +33,7 @@ from .candidate import Candidate, evaluate, nominal_shape
 from .cluster import Cluster
 from .rules import Facts, explain
 from .shapes import ModelShape
-from .space import Problem, layouts
+from .space import Problem, groups
 
 TOLERANCE = 0.05
 """A simpler layout within this fraction of the fastest one's step time is preferred."""
@@ -130,13 +130,25 @@ def _first(ranked: list[Candidate], keep: Callable[[ParallelConfig], bool]) -> C
                  and c.layout.strategy == "mesh" and keep(c.layout)), None)
 
 
+def _score(problem: Problem, kernels: Kernels) -> list[Candidate]:
+    """Every group's layouts scored up to the first that fits (:func:`.space.groups`)."""
+    scored = []
+    for group in groups(problem):
+        for cfg in group:
+            c = evaluate(cfg, problem.model, problem.cluster, kernels)
+            scored.append(c)
+            if c.fits:
+                break
+    return scored
+
+
 def resolve_efficiency(cluster: Cluster, model: ModelShape) -> tuple[Cluster, str]:
     """``cluster`` with its efficiency set (from the published runs when unset) and the sentence
     saying where it came from."""
     if cluster.efficiency is not None:
         return cluster, f"efficiency {cluster.efficiency:.0%} of peak (given)"
     from .efficiency import assumed_efficiency
-    assumed = assumed_efficiency(cluster.gpu, model.params)
+    assumed = assumed_efficiency(cluster.gpu, model.active_params)
     return replace(cluster, efficiency=assumed.efficiency), assumed.source
 
 
@@ -150,13 +162,12 @@ def plan(model: ModelShape, cluster: Cluster, *, precision: str = "bf16",
     cluster, efficiency = resolve_efficiency(cluster, model)
     problem = Problem(model, cluster, precision, batch, axes_allowed,
                       model.layers or nominal_shape(model.params)[0])
-    configs = layouts(problem)
-    if not configs:
+    scored = _score(problem, kernels)
+    if not scored:
         raise ConfigError("--global-batch", f"{batch} sequences split evenly over no layout of "
                                             f"{cluster.gpus} GPUs with --micro-batch "
                                             f"{model.micro_batch}; give a multiple of "
                                             f"{cluster.gpus * model.micro_batch}")
-    scored = [evaluate(cfg, model, cluster, kernels) for cfg in configs]
     ranked = (sorted((c for c in scored if c.fits), key=lambda c: c.time.total)
               + sorted((c for c in scored if not c.fits), key=lambda c: c.memory.total))
     rec = _recommend(ranked, cluster)

@@ -139,6 +139,7 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
     e = element_bytes(cfg.precision)
     tokens = model.tokens_per_microbatch // cfg.cp
     m = cfg.microbatches
+    forwards = 2 if cfg.recompute == "full" else 1   # full recompute runs each forward again
     traffic = empty()
     regather = zero3_regathers(cfg)
     if cfg.strategy == "diloco":   # the parameters all-reduced every inner_steps steps, fp32
@@ -150,7 +151,7 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
     traffic["tp"] = tp_ops(tp=cfg.tp, layers=layers, tokens=tokens, hidden=hidden, value_bytes=e,
                            microbatches=m, first=rank == 0, last=rank == cfg.pp - 1,
                            sequence_parallel=cfg.sequence_parallel,
-                           partial_grad_bytes=e * 6 * hidden * layers)
+                           partial_grad_bytes=e * 6 * hidden * layers, forwards=forwards)
     traffic["pp"] = pp_ops(pp=cfg.pp, rank=rank, virtual_stages=cfg.virtual_stages,
                            microbatches=m, tokens=tokens, hidden=hidden,
                            value_bytes=e, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
@@ -165,7 +166,8 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
         moe = _moe_layers_on(model, layers, _shape(model)[0])
         routed = tokens // (cfg.tp if cfg.sequence_parallel else 1)
         traffic["ep"] = ep_ops(ep=cfg.ep, moe_layers=moe, tokens=routed, top_k=model.top_k,
-                               hidden=hidden, value_bytes=e, microbatches=m, experts=model.experts)
+                               hidden=hidden, value_bytes=e, microbatches=m, experts=model.experts,
+                               forwards=forwards)
         traffic["edp"] = dp_ops(split.experts, dp=split.expert_group, zero=cfg.zero,
                                 microbatches=m, grad_bytes=e, param_bytes=e, regather=regather)
     return traffic

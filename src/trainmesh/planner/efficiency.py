@@ -7,10 +7,11 @@ that makes the planner's step time for the run's own layout equal the measured o
 (:func:`implied_efficiency`, bisection: the step time falls as efficiency rises).
 
 * Without calibration (:func:`assumed_efficiency`): the median implied efficiency of the published
-  bf16/fp16 runs (:data:`~.references.REFERENCES`) on the same accelerator family (A100s;
-  Hopper: H100, H200, H800), those within 10x of the model's size when there are any, else all of
-  the family; an accelerator with no published run takes the median of every run. The plan
-  states the value and the runs it came from.
+  bf16/fp16 runs (:data:`~.references.REFERENCES`) on the same accelerator, or its family (A100s;
+  Hopper: H100, H200), preferring those within 10x of the model's active parameters (what sets
+  the matmuls' sizes; :func:`assumed_efficiency` gives the order); an accelerator with no
+  published run takes the median of every run. The plan states the value and the runs it came
+  from.
 * ``trainmesh plan --calibrate RUN.jsonl`` (:func:`calibrate`): the efficiency implied by a run
   ``trainmesh train`` measured (its layout, tokens per step and mean step time after the first
   step), and its peak memory: the ratio of the measured to the predicted dynamic memory (peak
@@ -125,7 +126,7 @@ def assumed_efficiency(gpu: str, params: float, *, exclude: str | None = None) -
 
 def _size(ref: Reference) -> float:
     from .published import published
-    return published(ref.model).shape.params
+    return published(ref.model).shape.active_params
 
 
 # ---------------------------------------------------------------- calibration from a run

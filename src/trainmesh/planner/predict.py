@@ -67,9 +67,10 @@ RUNTIME_BYTES = 25 * 2**20
 imports, :func:`~trainmesh.core.compat.load_lazy_imports`) and its model: the kernel code that
 building the model and the first step page in, 5-30 MiB measured (spawned and forked workers)."""
 
-TOLERANCE = {"model_state_bytes": 0.01, "comm_bytes_per_step": 0.01, "peak_mem_bytes": 0.2,
-             "init_peak_mem_bytes": 0.2}
-"""Relative tolerance of each predicted field."""
+TOLERANCE = {"model_state_bytes": 0.01, "comm_bytes_per_step": 0.01, "peak_mem_bytes": 0.1,
+             "init_peak_mem_bytes": 0.2, "ep.all_to_all": 0.05}
+"""Relative tolerance of each predicted field (the all-to-all is predicted for balanced routing;
+a real run's imbalance moves it by a few percent)."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
     replicas = layout.dp * layout.cp       # the gradient group: dp x cp (``dp_cp``)
     tokens = micro_batch * gpt.seq_len // layout.cp
     m = layout.microbatches
+    forwards = 2 if layout.recompute == "full" else 1   # full recompute runs each block's forward again
     cp: Traffic = {}
     if layout.cp > 1:   # docs/CONTEXT_PARALLEL.md; the gradient reduction keyed by its group
         per_layer = cp_bytes_per_layer(
@@ -193,7 +195,8 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
         psi_e = math.ceil(psi_e / edp) * edp if layout.zero >= 1 else psi_e
         routed = tokens // (layout.tp if layout.sequence_parallel else 1)   # SP: its own T/t tokens
         moe = {"ep": ep_ops(ep=layout.ep, moe_layers=held.moe_blocks, tokens=routed, top_k=gpt.top_k,
-                            hidden=gpt.d_model, value_bytes=e, microbatches=m, experts=gpt.n_experts),
+                            hidden=gpt.d_model, value_bytes=e, microbatches=m, experts=gpt.n_experts,
+                            forwards=forwards),
                "edp": dp_ops(psi_e, dp=edp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
                              param_bytes=e, regather=zero3_regathers(layout))}
     return {
@@ -201,7 +204,7 @@ def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batc
         "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
                      value_bytes=e, microbatches=m, first=held.first, last=held.last,
                      sequence_parallel=layout.sequence_parallel,
-                     partial_grad_bytes=grad_bytes * held.partial_grad_params),
+                     partial_grad_bytes=grad_bytes * held.partial_grad_params, forwards=forwards),
         "pp": pp_ops(pp=layout.pp, rank=pp_rank, virtual_stages=layout.virtual_stages,
                      microbatches=m, tokens=tokens, hidden=gpt.d_model, value_bytes=e,
                      tp=layout.tp, sequence_parallel=layout.sequence_parallel),
@@ -345,7 +348,7 @@ def compare(prediction: RunPrediction, summary: dict[str, Any]) -> list[str]:
             for op in sorted(ops):
                 want = pred.comm_bytes_per_step.get(axis, {}).get(op, 0)
                 have = got["comm_bytes_per_step"].get(axis, {}).get(op, 0)
-                if not _close(want, have, TOLERANCE["comm_bytes_per_step"]):
+                if not _close(want, have, TOLERANCE.get(f"{axis}.{op}", TOLERANCE["comm_bytes_per_step"])):
                     problems.append(f"rank {pred.rank} comm_bytes_per_step.{axis}.{op}: "
                                     f"predicted {want}, measured {have}")
         shift = got.get("base_mem_bytes", pred.base_mem_bytes) - pred.base_mem_bytes

@@ -100,14 +100,8 @@ def _schedule(c: Choice, p: Problem) -> list[tuple[str, int]]:
     return out
 
 
-def _zero_offload(c: Choice, p: Problem) -> list[tuple[int, str]]:
-    out = []
-    for zero in range(4):
-        if c["dp"] * c["cp"] > 1 or zero == 0:
-            out.append((zero, "none"))
-        if zero >= 1:
-            out.append((zero, "cpu"))
-    return out
+def _zero(c: Choice, p: Problem) -> list[int]:
+    return [0, 1, 2, 3]
 
 
 def _dp_shard(c: Choice, p: Problem) -> list[int | None]:
@@ -117,8 +111,13 @@ def _dp_shard(c: Choice, p: Problem) -> list[int | None]:
     return [None, shard] if hsdp else [None]
 
 
-def _recompute(c: Choice, p: Problem) -> list[str]:
-    return list(RECOMPUTE) if p.model.has_shape else ["none"]
+def _memory(c: Choice, p: Problem) -> list[tuple[str, str]]:
+    """(recompute, offload) from the cheapest in time to the most saving in memory: recompute
+    none, selective, full (a shape is needed to count what they save), then CPU offload (ZeRO >= 1)
+    with each."""
+    recomputes = list(RECOMPUTE) if p.model.has_shape else ["none"]
+    offloads = ["none", "cpu"] if c["zero"] >= 1 else ["none"]
+    return [(r, o) for o in offloads for r in recomputes]
 
 
 def _cp_comm(c: Choice, p: Problem) -> list[str]:
@@ -132,16 +131,20 @@ def _strategy(c: Choice, p: Problem) -> list[str]:
 
 AXES: tuple[tuple[str | tuple[str, ...], Callable[[Choice, Problem], list[Any]]], ...] = (
     ("tp", _tp), ("cp", _cp), ("pp", _pp), ("dp", _dp), ("microbatches", _microbatches),
-    ("ep", _ep), (("schedule", "virtual_stages"), _schedule), (("zero", "offload"), _zero_offload),
-    ("dp_shard", _dp_shard), ("recompute", _recompute), ("cp_comm", _cp_comm), ("strategy", _strategy),
+    ("ep", _ep), (("schedule", "virtual_stages"), _schedule), ("zero", _zero),
+    ("dp_shard", _dp_shard), ("cp_comm", _cp_comm), ("strategy", _strategy),
+    (("recompute", "offload"), _memory),
 )
-"""The axes in the order they are chosen, and each one's choices given those made before."""
+"""The axes in the order they are chosen, and each one's choices given those made before. The
+last, the memory savers (recompute and offload), is ordered from the cheapest in time: the
+advisor stops at the first that fits (:func:`groups`), as anything after it is slower."""
 
 PRUNE: tuple[tuple[str, Callable[[Choice], bool]], ...] = (
     ("ZeRO-2/3 inside a pipeline reduce or gather again for every microbatch (Megatron and "
-     "DeepSpeed pair pipelines with ZeRO-1)", lambda c: c["pp"] > 1 and c["zero"] >= 2),
+     "DeepSpeed pair pipelines with ZeRO-1)", lambda c: c.get("pp", 1) > 1 and c.get("zero", 0) >= 2),
     ("a ZeRO stage over one replica shards nothing; only worth it to offload",
-     lambda c: c["dp"] * c["cp"] == 1 and c["zero"] >= 1 and c["offload"] == "none"),
+     lambda c: c.get("dp", 1) * c.get("cp", 1) == 1 and c.get("zero", 0) >= 1
+     and c.get("offload", "none") == "none"),
 )
 """Valid layouts the advisor does not score, and why."""
 
@@ -168,25 +171,38 @@ def _build(fields: Choice) -> ParallelConfig | str:
         return str(exc)
 
 
-def _walk(index: int, choice: Choice, problem: Problem) -> Iterator[Choice]:
-    if index == len(AXES):
+def _walk(index: int, choice: Choice, problem: Problem, stop: int) -> Iterator[Choice]:
+    if index == stop:
         yield dict(choice)
         return
     axis, _ = AXES[index]
     for value in choices(axis, choice, problem):
         names = axis if isinstance(axis, tuple) else (axis,)
         values = value if isinstance(axis, tuple) else (value,)
-        yield from _walk(index + 1, {**choice, **dict(zip(names, values))}, problem)
+        yield from _walk(index + 1, {**choice, **dict(zip(names, values))}, problem, stop)
+
+
+def _complete(fields: Choice, problem: Problem) -> Choice:
+    return {**fields, "precision": problem.precision,
+            "sequence_parallel": fields["tp"] > 1 and fields["offload"] == "none",
+            "offload_params": fields["offload"] != "none" and fields["zero"] == 3}
+
+
+def groups(problem: Problem) -> Iterator[Iterator[ParallelConfig]]:
+    """For each choice of every axis but the memory savers, its layouts from the cheapest memory
+    saver on (refused ones left out), built as they are asked for."""
+    last = len(AXES) - 1
+    for fields in _walk(0, {}, problem, last):
+        yield _variants(fields, problem, last)
+
+
+def _variants(fields: Choice, problem: Problem, last: int) -> Iterator[ParallelConfig]:
+    for full in _walk(last, fields, problem, len(AXES)):
+        built = _build(_complete(full, problem))
+        if not isinstance(built, str):
+            yield built
 
 
 def layouts(problem: Problem) -> list[ParallelConfig]:
     """Every layout of ``problem`` that no refusal leaves out."""
-    out = []
-    for fields in _walk(0, {}, problem):
-        fields.update(precision=problem.precision,
-                      sequence_parallel=fields["tp"] > 1 and fields["offload"] == "none",
-                      offload_params=fields["offload"] != "none" and fields["zero"] == 3)
-        built = _build(fields)
-        if not isinstance(built, str):
-            out.append(built)
-    return out
+    return [cfg for group in groups(problem) for cfg in group]
