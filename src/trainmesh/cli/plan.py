@@ -165,15 +165,16 @@ def _advise(args: argparse.Namespace) -> int:
     cluster = _cluster(args, row)
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError("--global-batch", f"must be a positive integer; got {args.global_batch}")
-    notes_before: list[str] = []
+    kernels = _kernels(args.kernels)
+    source = None
     if args.calibrate is not None:
         from ..planner.efficiency import calibrate
-        cal = calibrate(args.calibrate, model, cluster)
+        cal = calibrate(args.calibrate, model, cluster, kernels)
         cluster = replace(cluster, efficiency=cal.efficiency, memory_scale=cal.memory_scale)
-        notes_before.append(cal.source)
+        source = cal.source
     result = plan(model, cluster, precision=precision, global_batch=batch, axes_allowed=axes,
-                  kernels=_kernels(args.kernels))
-    notes = notes_before + list(result.notes)
+                  kernels=kernels, efficiency_source=source)
+    notes = list(result.notes)
     if args.gpu is None:
         notes.insert(0, f"no --gpu: assuming {row.name} ({fmt_bytes(cluster.gpu_mem_bytes)}, "
                         f"{cluster.peak_flops / 1e12:g} TFLOP/s 16-bit peak); --list-gpus shows others")

@@ -142,11 +142,12 @@ def _score(problem: Problem, kernels: Kernels) -> list[Candidate]:
     return scored
 
 
-def resolve_efficiency(cluster: Cluster, model: ModelShape) -> tuple[Cluster, str]:
+def resolve_efficiency(cluster: Cluster, model: ModelShape, source: str | None = None
+                       ) -> tuple[Cluster, str]:
     """``cluster`` with its efficiency set (from the published runs when unset) and the sentence
-    saying where it came from."""
+    saying where it came from (``source`` when the caller set it)."""
     if cluster.efficiency is not None:
-        return cluster, f"efficiency {cluster.efficiency:.0%} of peak (given)"
+        return cluster, source or f"efficiency {cluster.efficiency:.0%} of peak (Cluster.efficiency)"
     from .efficiency import assumed_efficiency
     assumed = assumed_efficiency(cluster.gpu, model.active_params)
     return replace(cluster, efficiency=assumed.efficiency), assumed.source
@@ -154,12 +155,14 @@ def resolve_efficiency(cluster: Cluster, model: ModelShape) -> tuple[Cluster, st
 
 def plan(model: ModelShape, cluster: Cluster, *, precision: str = "bf16",
          global_batch: int | None = None, kernels: Kernels = TRAINMESH,
-         axes_allowed: frozenset[str] = frozenset({"tp", "pp", "cp", "ep"})) -> Plan:
+         axes_allowed: frozenset[str] = frozenset({"tp", "pp", "cp", "ep"}),
+         efficiency_source: str | None = None) -> Plan:
     """Enumerate, score and rank layouts of ``model`` on ``cluster``; recommend one. Without an
-    efficiency on ``cluster`` the published runs' (:mod:`.efficiency`) is assumed and said."""
+    efficiency on ``cluster`` the published runs' (:mod:`.efficiency`) is assumed and said;
+    ``efficiency_source`` says where a given one comes from (a calibration run)."""
     defaulted = global_batch is None
     batch = global_batch or GLOBAL_BATCH_PER_GPU * cluster.gpus * model.micro_batch
-    cluster, efficiency = resolve_efficiency(cluster, model)
+    cluster, efficiency = resolve_efficiency(cluster, model, efficiency_source)
     problem = Problem(model, cluster, precision, batch, axes_allowed,
                       model.layers or nominal_shape(model.params)[0])
     scored = _score(problem, kernels)

@@ -21,7 +21,7 @@ FLOPs and the ``pp <= layers`` limit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
@@ -235,7 +235,11 @@ def _buffers(cfg: ParallelConfig, split: _Split, layers_total: int, model: Model
 def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster,
              kernels: Kernels = TRAINMESH) -> Candidate:
     """Score ``cfg`` for ``model`` on ``cluster`` (mixed-precision or fp32 Adam), its
-    activations counted as ``kernels`` keep them."""
+    activations counted as ``kernels`` keep them; without an efficiency on ``cluster``, the
+    published runs' (:func:`~.efficiency.assumed_efficiency`)."""
+    if cluster.efficiency is None:
+        from .efficiency import assumed_efficiency
+        cluster = replace(cluster, efficiency=assumed_efficiency(cluster.gpu, model.active_params).efficiency)
     layers_total, hidden = _shape(model)
     split = _split(model, cfg)
     states, expert_bytes = _states(split, cfg)

@@ -3,9 +3,11 @@
 For every rank: ``model_state_bytes`` (the ZeRO accounting of :mod:`.memory` on the rank's own
 parameters, :mod:`.builtin`), ``comm_bytes_per_step`` (:mod:`.traffic`, docs/METRICS.md's keys and
 payload convention) and ``peak_mem_bytes``. The first two are exact up to ZeRO shard padding and
-a few bytes of scalars; compare them within 1%. The peak is a model of process RSS on CPU::
+a few bytes of scalars; compare them within 1% (the expert all-to-all within 5%: routing is
+taken as balanced). The peak is :mod:`.peak`'s on the rank's own states, activations in flight
+and buffers; on CPU (process RSS)::
 
-    peak = base + runtime + model states + 1.3 x activations in flight + logits gradient (last stage)
+    peak = base + runtime + model states + glibc's resident share of the dynamic memory
 
 ``base`` is measured, never assumed: a process's footprint after importing torch depends on the
 wheel (~220 MiB for torch 2.13 CPU, ~650 MiB for a CUDA build with no GPU in use). A worker
@@ -17,11 +19,10 @@ and the planning process adds what those imports take (:data:`~trainmesh.core.co
 where it has not done them; a worker forked by the launcher's fork server measures less than the planning
 process (about 64 MiB of torch's code pages are shared with the server and not yet touched), so a
 plan made ahead of a local run errs on the safe side. ``runtime`` (:data:`RUNTIME_BYTES`) is what
-the first set-up and step add whatever the model: the kernel code they page in. The 0.3 x activations on top is the backward's working set (activation gradients) plus
-allocator slack (glibc keeps freed blocks resident). Both constants were fitted on CPU runs of the tiny
-and small presets (DDP, TP, TP+SP, SGD, accumulation).
-On CUDA the summary reports ``max_memory_allocated``, so base and runtime are 0 there (not yet
-calibrated on a GPU). Compare the peak within 20%.
+the first set-up and step add whatever the model: the kernel code they page in. On CUDA the
+summary reports ``max_memory_allocated``, so base, runtime and the allocator's reserve are left
+out there (not yet calibrated on a GPU); ``reserved=True`` predicts what the GPU must hold.
+Compare the peak within 10% (benchmarks/plan_vs_measured.py, docs/PLANNER.md).
 Activations follow :mod:`.activations` (the built-in GPT's own count, MoE blocks by what the
 layer saves with balanced routing; pipeline microbatches in flight per schedule). Mixed
 precision is predicted ZeRO-paper style (16-bit parameters and gradients, fp32 master in the
@@ -46,7 +47,16 @@ from ..models.gpt import GPTConfig
 from .activations import TRAINMESH, inflight_stages
 from .builtin import RankModel, block_params, gpt_shape, rank_model
 from .memory import element_bytes, model_states
-from .peak import CPU, CUDA_ALLOCATED, Allocator, StageMemory, comm_buffers, stage_memory
+from .peak import (
+    CPU,
+    CUDA,
+    CUDA_ALLOCATED,
+    CUDA_FIXED,
+    Allocator,
+    StageMemory,
+    comm_buffers,
+    stage_memory,
+)
 from .traffic import (
     AXES,
     Traffic,
@@ -301,10 +311,12 @@ def measured_base_bytes(device: str = "cpu") -> int:
     return base if lazy_imports_loaded() else base + DEFERRED_IMPORT_BYTES
 
 
-def predict_run(cfg: Any, *, base_bytes: int | None = None) -> RunPrediction:
+def predict_run(cfg: Any, *, base_bytes: int | None = None, reserved: bool = False) -> RunPrediction:
     """Predictions for a :class:`~trainmesh.config.train.TrainConfig` (what a run will measure).
 
     ``base_bytes`` defaults to :func:`measured_base_bytes` (this process, this machine).
+    ``reserved``: on CUDA, what the GPU must hold (the caching allocator's reserve and the CUDA
+    context) rather than what ``max_memory_allocated`` will measure.
     """
     device = getattr(cfg, "device", "cpu")
     if device == "auto":
@@ -313,10 +325,11 @@ def predict_run(cfg: Any, *, base_bytes: int | None = None) -> RunPrediction:
     if base_bytes is None:
         base_bytes = measured_base_bytes(device)
     cuda = device == "cuda"   # CUDA: max_memory_allocated, the allocator's reserve left out
+    runtime = (CUDA_FIXED if reserved else 0) if cuda else RUNTIME_BYTES
+    allocator = (CUDA if reserved else CUDA_ALLOCATED) if cuda else CPU
     return predict_layout(cfg.gpt_config(), cfg.parallel, global_batch=cfg.global_batch,
-                          optimizer=cfg.optimizer, base_bytes=base_bytes,
-                          runtime_bytes=0 if cuda else RUNTIME_BYTES,
-                          allocator=CUDA_ALLOCATED if cuda else CPU)
+                          optimizer=cfg.optimizer, base_bytes=base_bytes, runtime_bytes=runtime,
+                          allocator=allocator)
 
 
 def _close(predicted: float, measured: float, rel: float) -> bool:
