@@ -53,8 +53,8 @@ ADVISOR_MODEL: dict[str, tuple[Any, str]] = {
                        "selective recompute of the attention core; the default), torchtitan "
                        "(op-level selective recompute) or megatron-2021 (unfused attention with "
                        "dropout) (advisor)"),
-    "--calibrate": (str, "a metrics file of trainmesh train (--metrics-out) of this model: its "
-                         "measured step time and peak memory set the efficiency and memory model "
+    "--calibrate": (str, "a metrics file trainmesh train wrote for this model: its measured "
+                         "step time and peak memory set the efficiency and memory model "
                          "(advisor; default: the table of published runs)"),
 }
 CLUSTER: dict[str, tuple[Any, str]] = {
