@@ -191,6 +191,27 @@ def test_model_dir_mixtral_on_64_h100_recommends_expert_parallelism(tmp_path, ca
     assert "Experts:" in out and "expert states" in out and "all-to-all" in out
 
 
+@pytest.mark.parametrize("config,total,active", [
+    ({"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+      "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4,
+      "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1,
+      "mlp_only_layers": [], "vocab_size": 151936, "hidden_act": "silu"}, 14.3e9, 2.7e9),
+    ({"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+      "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+      "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+      "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+      "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "hidden_act": "silu"},
+     671e9, 37e9),
+], ids=["qwen1.5-moe-a2.7b", "deepseek-v3"])
+def test_model_dir_counts_published_moe_models(config, total, active):
+    """config.json's fields give the published totals and active parameters (Qwen1.5-MoE-A2.7B:
+    14.3B, 2.7B active; DeepSeek-V3: 671B, 37B active, its README)."""
+    from trainmesh.planner.model_dir import shape_from_config
+    shape = shape_from_config(config)
+    assert shape.params == pytest.approx(total, rel=0.01)
+    assert shape.active_params == pytest.approx(active, rel=0.02)
+
+
 def test_moe_candidates_carry_expert_states_and_all_to_all():
     moe = published("mixtral-8x7b").shape
     cluster = replace(reference_setup(REFERENCES[1])[2], gpus=16, gpu_mem_bytes=80 * 10**9, efficiency=0.4)

@@ -4,7 +4,8 @@ Reads ``config.json`` (nothing is built, no weights are read) into a :class:`~.s
 
 * layers ``num_hidden_layers`` (``n_layer``), hidden ``hidden_size`` (``n_embd``), heads
   ``num_attention_heads`` (``n_head``), key/value heads ``num_key_value_heads``, head width
-  ``head_dim`` (DeepSeek: ``qk_nope_head_dim + qk_rope_head_dim``), MLP width
+  ``head_dim`` (DeepSeek: ``qk_nope_head_dim + qk_rope_head_dim``, its latent attention's
+  low-rank projections ``q_lora_rank``/``kv_lora_rank`` counted as such), MLP width
   ``intermediate_size`` (``n_inner``), vocabulary, tied embeddings; Llama-style families
   (a ``hidden_act`` of silu and an ``intermediate_size``) have a gated MLP and RMSNorm.
 * experts: ``num_local_experts`` (Mixtral), ``num_experts`` (Qwen-MoE), ``n_routed_experts``
@@ -77,6 +78,13 @@ def shape_from_config(config: dict[str, Any], *, path: str = "") -> ModelShape:
     tied = bool(config.get("tie_word_embeddings", False))
     q, kvw = heads * head_dim, kv * head_dim
     attention = hidden * q + 2 * hidden * kvw + q * hidden
+    kv_rank = _int(config, "kv_lora_rank")
+    if kv_rank:   # latent attention: low-rank queries and keys/values (DeepSeek)
+        q_rank, v_dim = _int(config, "q_lora_rank"), _int(config, "v_head_dim") or head_dim
+        nope = head_dim - rope
+        queries = hidden * q_rank + q_rank * q if q_rank else hidden * q
+        attention = (queries + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim)
+                     + heads * v_dim * hidden + (q_rank or 0) + kv_rank)
 
     def mlp(width: int) -> int:
         return 3 * hidden * width if gated else 2 * hidden * width + width + hidden
