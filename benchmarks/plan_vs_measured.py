@@ -126,7 +126,8 @@ def published_table() -> list[str]:
     from dataclasses import replace
 
     from trainmesh.planner.candidate import evaluate
-    from trainmesh.planner.efficiency import assumed_efficiency, reference_setup
+    from trainmesh.planner.calibrate import reference_setup
+    from trainmesh.planner.efficiency import assumed_efficiency
     from trainmesh.planner.references import REFERENCES
     rows = []
     for ref in REFERENCES:

@@ -18,7 +18,8 @@ from test_planner import plan_json, run_cli
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.planner.activations import TRAINMESH, Kernels, layer_parts
 from trainmesh.planner.candidate import evaluate
-from trainmesh.planner.efficiency import assumed_efficiency, calibrate, reference_setup
+from trainmesh.planner.calibrate import calibrate, reference_efficiency, reference_setup
+from trainmesh.planner.efficiency import assumed_efficiency
 from trainmesh.planner.predict import TOLERANCE, compare, predict_layout, predict_run
 from trainmesh.planner.published import published
 from trainmesh.planner.references import REFERENCES, TORCHTITAN
@@ -101,6 +102,13 @@ def test_published_runs_fit_and_take_their_time(ref):
     assert c.fits, (c.memory.total, ref.gpu_mem_bytes)
     if not ref.fp8:
         assert 1 / 1.25 < c.time.total / ref.step_time_s < 1.25, (c.time.total, ref.step_time_s)
+
+
+@pytest.mark.parametrize("ref", [r for r in REFERENCES if not r.fp8], ids=lambda r: r.name)
+def test_stored_efficiencies_are_what_the_runs_imply(ref):
+    """The table stores each run's implied efficiency; the time model recomputes it (a change to
+    the time model that moves one fails here until the table is updated)."""
+    assert ref.efficiency == pytest.approx(reference_efficiency(ref), abs=1e-3)
 
 
 def test_a100_runs_set_a100_efficiency():

@@ -168,7 +168,7 @@ def _advise(args: argparse.Namespace) -> int:
     kernels = _kernels(args.kernels)
     source = None
     if args.calibrate is not None:
-        from ..planner.efficiency import calibrate
+        from ..planner.calibrate import calibrate
         cal = calibrate(args.calibrate, model, cluster, kernels)
         cluster = replace(cluster, efficiency=cal.efficiency, memory_scale=cal.memory_scale)
         source = cal.source

@@ -7,7 +7,8 @@
 * :mod:`.peak`        the peak of a rank: moments, buffers, the allocators' measured factors
 * :mod:`.traffic`     bytes per step per mesh axis and op (payload and ring wire bytes)
 * :mod:`.steptime`    FLOPs over throughput, exposed communication, pipeline bubble
-* :mod:`.efficiency`  the efficiency assumed: published runs (:mod:`.references`) or a measured one
+* :mod:`.efficiency`  the efficiency assumed from published runs (:mod:`.references`);
+  :mod:`.calibrate` implied efficiencies and a measured run's (``--calibrate``)
 * :mod:`.space`       the layouts searched: axes, choices, refusals
 * :mod:`.candidate`   one layout scored; :mod:`.advisor` enumerates, ranks, recommends;
   :mod:`.rules` says why

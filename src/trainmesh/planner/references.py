@@ -6,8 +6,8 @@ recompute keeps), the throughput figure quoted as the source words it, the step 
 implies, and the peak memory where the source reports one. They serve three purposes:
 
 * the efficiency the time model assumes without ``--calibrate`` (:mod:`.efficiency`): each
-  bf16 run's compute efficiency is what makes the planner's step time equal the published one;
-  a plan takes the median over the runs on its accelerator family;
+  bf16 run's compute efficiency (stored, ``efficiency``) is what makes the planner's step time
+  equal the published one; a plan takes the median over the runs on its accelerator;
 * the memory model's check against published peaks (the CUDA allocator's reserve is fitted to
   torchtitan's context-parallel runs, :data:`~.peak.CUDA_FRAGMENTATION`);
 * the test that every run's own layout is predicted to fit and its step time comes out within
@@ -70,6 +70,9 @@ class Reference:
     """Other :class:`~.cluster.Cluster` fields where the machines differ from the row."""
     fp8: bool = False
     note: str = ""
+    efficiency: float | None = None
+    """The compute efficiency the run implies (:func:`~.calibrate.implied_efficiency`; a test
+    recomputes it); None for FP8 runs, which stay out of the table."""
     card: str = ""
     """The accelerator as run, the efficiency table's key (empty: the ``gpu`` row itself)."""
 
@@ -83,12 +86,12 @@ def _tps(tokens_per_gpu_step: float, tps: float) -> float:
     return tokens_per_gpu_step / tps
 
 
-def _titan_h100(name: str, gpus: int, tps: float, gib: float, table: str) -> Reference:
+def _titan_h100(name: str, gpus: int, tps: float, gib: float, table: str, efficiency: float) -> Reference:
     return Reference(name, f"{TORCHTITAN_H100}, table {table}", "llama3-8b", "h100", gpus,
                      dict(dp=gpus, zero=3, recompute="selective"), 2, 2 * gpus, 8192,
                      f"{tps:,.0f} tokens/s per GPU, {gib} GiB", _tps(2 * 8192, tps),
                      kernels=TORCHTITAN, peak_mem_bytes=gib * GIB, gpu_mem_bytes=96e9,
-                     card=H100_500W)
+                     card=H100_500W, efficiency=efficiency)
 
 
 def _titan_cp(cp: int, tps: float, gib: float) -> Reference:
@@ -109,33 +112,32 @@ REFERENCES: list[Reference] = [
               1, 1536, 2048, "140 teraFLOP/s per GPU (45% of peak), FLOPs counted with recomputation",
               # their FLOPs per step: 96 B s l h^2 (1 + s/6h + V/16lh)
               96 * 1536 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288))
-              / (1024 * 140e12), kernels=MEGATRON_2021,
+              / (1024 * 140e12), kernels=MEGATRON_2021, efficiency=0.5242,
               note="1F1B without interleaving assumed; activation recomputation as the paper runs it"),
-    _titan_h100("torchtitan Llama 3.1 8B, FSDP, 8 H100", 8, 5762, 82.4, "1"),
-    _titan_h100("torchtitan Llama 3.1 8B, FSDP, 128 H100", 128, 5605, 67.0, "3"),
+    _titan_h100("torchtitan Llama 3.1 8B, FSDP, 8 H100", 8, 5762, 82.4, "1", 0.3855),
+    _titan_h100("torchtitan Llama 3.1 8B, FSDP, 128 H100", 128, 5605, 67.0, "3", 0.375),
     _titan_cp(1, 3890, 83.9), _titan_cp(2, 2540, 84.2), _titan_cp(4, 1071, 84.0), _titan_cp(8, 548, 84.5),
     Reference("torchtitan Llama 3 8B, FSDP, 64 A100", TORCHTITAN_A100, "llama3-8b", "a100-80gb", 64,
               dict(dp=64, zero=3, recompute="selective"), 1, 64, 8192,
-              "2973 WPS, 58.2% MFU (selective op)", _tps(8192, 2973), kernels=TORCHTITAN),
+              "2973 WPS, 58.2% MFU (selective op)", _tps(8192, 2973), kernels=TORCHTITAN,
+              efficiency=0.6305),
     Reference("torchtitan Llama 3 70B, FSDP, 64 A100", TORCHTITAN_A100, "llama3-70b", "a100-80gb", 64,
               dict(dp=64, zero=3, recompute="full"), 1, 64, 8192,
-              "331 WPS, 51.7% MFU (full AC)", _tps(8192, 331), kernels=TORCHTITAN),
+              "331 WPS, 51.7% MFU (full AC)", _tps(8192, 331), kernels=TORCHTITAN, efficiency=0.6899),
     Reference("Llama 3 405B, 16384 H100", "Llama Team 2024, \"The Llama 3 Herd of Models\", table 4",
               "llama3-405b", "h100", 16384,
               dict(dp=128, tp=8, pp=16, zero=1, microbatches=16, recompute="full",
                    sequence_parallel=True, schedule="interleaved", virtual_stages=2),
               1, 2048, 8192, "400 TFLOPs/GPU, BF16 MFU 41%",
               2048 * 8192 * (6 * 405.853e9 + 12 * 126 * 16384 * 8192) / (16384 * 400e12),
-              kernels=Kernels(attention="flash"),
-              note=LLAMA_ASSUMED),
+              kernels=Kernels(attention="flash"), efficiency=0.9533, note=LLAMA_ASSUMED),
     Reference("Llama 3 405B, 8192 H100", "Llama Team 2024, \"The Llama 3 Herd of Models\", table 4",
               "llama3-405b", "h100", 8192,
               dict(dp=64, tp=8, pp=16, zero=1, microbatches=32, recompute="full",
                    sequence_parallel=True, schedule="interleaved", virtual_stages=2),
               1, 2048, 8192, "430 TFLOPs/GPU, BF16 MFU 43%",
               2048 * 8192 * (6 * 405.853e9 + 12 * 126 * 16384 * 8192) / (8192 * 430e12),
-              kernels=Kernels(attention="flash"),
-              note=LLAMA_ASSUMED),
+              kernels=Kernels(attention="flash"), efficiency=0.8378, note=LLAMA_ASSUMED),
     Reference("DeepSeek-V3, 2048 H800", "DeepSeek-AI 2024, DeepSeek-V3 README (2.664M H800 GPU hours "
               "of pre-training on 14.8T tokens); layout from the technical report, section 3.2 "
               "(not checked here)", "deepseek-v3", "h100", 2048,
