@@ -105,6 +105,12 @@ ROWS = [
     row("plan --model llama3-8b --gpus 8 --peak-tflops nan", 2, "--peak-tflops"),
     row("plan --model llama3-8b --gpus 8 --gpu nonsense", 2, "--gpu"),
     row("plan --model llama3-8b --gpus 8 --json", 0),
+    row("plan --model-dir {missing} --gpus 8", 2, "--model-dir"),
+    row("plan --model-dir {dir} --gpus 8", 2, "--model-dir"),
+    row("plan --model llama3-8b --gpus 8 --kernels nonsense", 2, "--kernels"),
+    row("plan --model llama3-8b --gpus 8 --calibrate {missing}", 2, "--calibrate"),
+    row("plan --model llama3-8b --gpus 8 --calibrate {notjson}", 2, "--calibrate"),
+    row("plan --model llama3-8b --gpus 8 --calibrate {empty}", 2, "--calibrate"),
     row("plan --model tiny --dp 2 --json", 0),
     # ---- schedule
     row("schedule --pp 0", 2, "pp"), row("schedule --pp -2", 2, "pp"),

@@ -261,7 +261,7 @@ def test_the_space_enumerates_every_axis_and_only_what_trainmesh_accepts():
     assert seen["virtual_stages"] == {1, 2} and seen["strategy"] == {"mesh", "diloco"}
     assert any(c.shard_size < c.dp for c in found)                 # HSDP
     assert {name for name, _ in AXES} >= {"tp", "cp", "pp", "dp", "ep", "dp_shard", "cp_comm", "strategy"}
-    hsdp_pp = dict(dp=4, pp=2, dp_shard=2, zero=1, microbatches=2)
-    assert "--dp-shard" in refusal(hsdp_pp)                        # trainmesh's own rule, its words
+    assert refusal(dict(dp=4, pp=2, dp_shard=2, zero=1, microbatches=2)) is None   # HSDP x pp composes
+    assert "--dp-shard" in refusal(dict(dp=4, dp_shard=2, zero=0))  # trainmesh's own rule, its words
     assert not any(c.shard_size < c.dp and c.pp > 1 for c in found)
     assert "pipeline" in refusal(dict(dp=2, pp=2, zero=2, microbatches=2))   # the planner's pruning
