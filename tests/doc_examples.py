@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "doc-test"
+PYTHON = "#python\n"                                  # marks a python block's text
 FENCE = re.compile(r"^```(.*)$")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")        # [text](target)
 DOC_PATH = re.compile(r"(?<![\w/.])((?:docs/)?[A-Z][A-Z_]*\.md)\b")   # docs/ZERO.md, CLI.md, ...
@@ -58,7 +59,10 @@ def blocks(path: Path) -> list[Block]:
 
 
 def commands(block: Block) -> list[str]:
-    """The block's commands: continuation lines joined, comments and blank lines dropped."""
+    """The block's commands: continuation lines joined, comments and blank lines dropped; a
+    ``python`` block is one command, its whole text."""
+    if block.info.split()[:1] == ["python"]:
+        return [PYTHON + "\n".join(block.lines)]
     out: list[str] = []
     pending = ""
     for line in block.lines:
@@ -99,6 +103,18 @@ def broken_links(path: Path) -> list[str]:
 
 
 def _run(command: str) -> int:
+    if command.startswith(PYTHON):                         # in this process, torch imported once
+        import torch.distributed as dist
+        try:
+            exec(compile(command, "<doc example>", "exec"), {"__name__": "__main__"})
+        except Exception:
+            import traceback
+            traceback.print_exc()
+            return 1
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return 0
     argv = shlex.split(command, comments=True)
     if argv[0] != "trainmesh" or any(c in command for c in "|><;&"):
         return subprocess.run(["bash", "-c", command]).returncode

@@ -58,7 +58,7 @@ def test_tagged_examples_stay_cheap():
     assert {"train", "plan", "report", "--help"} <= {w for _, c in tagged for w in c.split()}, tagged
     for where, command in tagged:
         argv = shlex.split(command, comments=True)
-        if argv[:2] != ["trainmesh", "train"]:
+        if argv[:2] != ["trainmesh", "train"] or "--help" in argv:
             continue
         values = dict(zip(argv, argv[1:]))
         assert all(values.get(f, "1") == "1" for f in LAYOUT_FLAGS), f"{where}: {command}: one process"
@@ -66,18 +66,23 @@ def test_tagged_examples_stay_cheap():
 
 
 @pytest.mark.timeout(120)
-def test_readme_layouts_pass_validation(no_launch, monkeypatch, capsys):
-    """Every ``trainmesh train`` line of the README's blocks is a valid layout (validated in
-    process; no worker starts)."""
+def test_example_layouts_pass_validation(no_launch, monkeypatch, capsys):
+    """Every ``trainmesh train`` line of the README's untagged blocks and of each docs page's
+    leading block is a valid local run (checked in process; no worker starts). Lines naming a file the
+    example does not create (``--config``, ``--resume``, ``--model-dir``, ``--data``) are left out."""
+    import trainmesh.run.ft_launch
     from trainmesh.cli import main
+    monkeypatch.setattr(trainmesh.run.ft_launch, "launch_fault_tolerant", lambda *a, **k: LAUNCHED)
     monkeypatch.chdir(ROOT)
-    lines = [c for b in blocks(README) if b.info == "bash" for c in commands(b)
-             if c.startswith("trainmesh train") and not re.search(r"--config|--resume", c)]
-    assert len(lines) >= 5, lines
-    for command in lines:
-        argv = shlex.split(command, comments=True)[1:]
-        rc = main(argv)
-        assert rc == LAUNCHED, f"README.md: `{command}` exits {rc}: {capsys.readouterr().err[-500:]}"
+    chosen = [b for b in blocks(README) + [leading_block(p) for p in DOCS] if b and not b.tagged]
+    lines = [(b, c) for b in chosen for c in commands(b) if b.info.split()[:1] == ["bash"]
+             and c.startswith("trainmesh train")
+             and not re.search(r"--config|--resume|--model-dir|--data|--init-from", c)]
+    assert len(lines) >= 15, lines
+    for block, command in lines:
+        rc = main(shlex.split(command, comments=True)[1:])
+        where = f"{block.path.relative_to(ROOT)}:{block.line}"
+        assert rc == LAUNCHED, f"{where}: `{command}` exits {rc}: {capsys.readouterr().err[-500:]}"
 
 
 @pytest.mark.slow
