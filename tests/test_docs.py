@@ -104,7 +104,9 @@ def test_tagged_examples_run(tmp_path):
     print(f"{len(tagged)} doc-test commands: {cpu:.1f} CPU-seconds")
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()] \
         if (tmp_path / "results.jsonl").exists() else []
-    failed = [f"{where}: `{c}` exited {r['rc']}" for (where, c), r in zip(tagged, results) if r["rc"] != 0]
-    assert not failed and len(results) == len(tagged), (
-        "\n".join(failed) or f"the runner stopped after {len(results)} of {len(tagged)} commands",
-        proc.stderr[-3000:])
+    said = {part.split("\n", 1)[0]: part for part in proc.stderr.split("$ ")}   # command -> its stderr
+    failed = [f"{where}: `{c}` exited {r['rc']}:\n{said.get(c, '')[-1500:]}"
+              for (where, c), r in zip(tagged, results) if r["rc"] != 0]
+    assert not failed, "\n".join(failed)
+    assert len(results) == len(tagged), (
+        f"the runner stopped after {len(results)} of {len(tagged)} commands", proc.stderr[-3000:])
