@@ -21,6 +21,7 @@ TAG = "doc-test"
 PYTHON = "#python\n"                                  # marks a python block's text
 FENCE = re.compile(r"^```(.*)$")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")        # [text](target)
+SCRIPT = re.compile(r"(?<![\w/.])((?:benchmarks|examples|tests)/[\w/.-]+\.(?:py|sh))\b")
 DOC_PATH = re.compile(r"(?<![\w/.])((?:docs/)?[A-Z][A-Z_]*\.md)\b")   # docs/ZERO.md, CLI.md, ...
 
 
@@ -87,7 +88,8 @@ def leading_block(path: Path) -> Block | None:
 
 
 def broken_links(path: Path) -> list[str]:
-    """Relative links and page mentions of ``path`` that name no file of the project."""
+    """Relative links, page mentions and scripts run by the examples of ``path`` that name no
+    file of the project."""
     text = path.read_text()
     bad = []
     for target in LINK.findall(text):
@@ -95,6 +97,10 @@ def broken_links(path: Path) -> list[str]:
             continue                                       # http(s), mailto, an anchor here
         if not (path.parent / target.split("#")[0]).exists():
             bad.append(f"{path.relative_to(ROOT)}: link {target}")
+    for block in blocks(path):                            # scripts the examples run
+        for script in SCRIPT.findall("\n".join(block.lines)):
+            if not (ROOT / script).exists():
+                bad.append(f"{path.relative_to(ROOT)}:{block.line}: runs {script}")
     for name in DOC_PATH.findall(text):
         here = path.parent / name
         if not (here.exists() or (ROOT / name).exists() or (ROOT / "docs" / name).exists()):

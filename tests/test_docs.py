@@ -31,9 +31,9 @@ def test_readme_is_short():
     assert size <= 10 * 1024, f"README.md is {size} bytes; the front door stays within 10 KiB"
 
 
-def test_every_link_and_page_mention_resolves():
+def test_every_link_and_named_file_exists():
     bad = [line for path in pages() for line in broken_links(path)]
-    assert not bad, "links to files that do not exist:\n" + "\n".join(bad)
+    assert not bad, "links, page names or scripts naming no file:\n" + "\n".join(bad)
 
 
 def test_every_docs_page_opens_with_an_example():
