@@ -230,9 +230,11 @@ def test_planner_divides_activations_by_cp_and_adds_the_ring():
 
 
 def test_planner_recommends_cp_when_activations_fit_no_other_way():
-    """`trainmesh plan --model llama3-8b --seq-len 131072 --gpus 8 --gpu h100`."""
+    """A 524,288-token sequence on 32 GPUs of 80 GB (at 131,072 tokens tp 8 with full recompute
+    already holds it: full recompute keeps only the layer inputs)."""
     from trainmesh.planner import Cluster, ModelShape, plan
-    result = plan(ModelShape(**LLAMA3_8B, seq_len=131072), Cluster(gpus=8, gpu_mem_bytes=80 * 10**9))
+    result = plan(ModelShape(**LLAMA3_8B, seq_len=524288), Cluster(gpus=32, gpu_mem_bytes=80 * 10**9),
+                  global_batch=4)
     assert result.recommended.layout.cp > 1 and result.recommended.fits
     assert not any(c.fits for c in result.candidates if c.layout.cp == 1)
     assert "context parallelism" in result.why

@@ -72,7 +72,15 @@ sequence_parallel style recording no partial  test_tensor_parallel: parity_tp2 (
 ZeRO-3 units from a ModuleDict's children     test_any_model: nanogpt_in_a_module_dict_...
   (transformer.h whole: its hooks never fire)  (the step's error reported)
 unused parameter handed a zero gradient        test_any_model: unused_parameters_get_no_update
-  (DDP, or no restore of flat-shard elements)  (the unused branch moved by ~2e-3)
+  (DDP, or idle flat-shard elements stepped)   (the unused branch moved by ~2e-3)
+an idle parameter's step count advanced with   test_idle_params: zero_steps_each_parameter_...
+  the flat shard's (ZeRO 1-3, offload)         (step 4.0 vs 3.0); moe_idle_expert_untouched_...
+                                              (the idle expert changed); test_any_model:
+                                              unused_parameters_... (state keys differ)
+MoE expert run on zero rows (gradient zeros,   test_idle_params: moe_does_not_run_an_expert_...;
+  not None)                                    moe_idle_expert_untouched_... (expert changed)
+ZeRO-3: a unit holding a parameter idle on one test_idle_params: moe_idle_expert_untouched_...
+  rank reduced after the others (order differs) (a collective's 30 s timeout, reported)
 buffers never broadcast                        test_any_model: buffers_follow_ddp_... (~0.9)
 no agreement on the unit before a gather       test_any_model: module_on_some_ranks_is_named
 Phi-3 fused qkv split as one slice             test_hf_families: phi3 (loss off by 1.6e-2)

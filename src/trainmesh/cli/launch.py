@@ -11,6 +11,7 @@ before anything is printed.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 
@@ -63,9 +64,26 @@ def sbatch_script(*, nodes: int, tasks_per_node: int, gpus_per_node: int | None,
     return "\n".join(lines) + "\n"
 
 
+SLURM_TIME = re.compile(r"(\d+(-\d+)?(:\d\d){0,2}|\d+-\d+|UNLIMITED|unlimited|infinite)")
+"""Slurm's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, unlimited."""
+SLURM_NAME = re.compile(r"[\w.+-]+")
+"""A job name or partition that stays one word of its ``#SBATCH`` line."""
+
+
+def _check_script_flags(args: argparse.Namespace) -> None:
+    """The values that go into ``#SBATCH`` lines, each one word of Slurm's forms."""
+    for flag, value in (("--job-name", args.job_name), ("--partition", args.partition)):
+        if value is not None and not SLURM_NAME.fullmatch(value):
+            raise ConfigError(flag, f"must be one word of letters, digits and ._+-; got {value!r}")
+    if not SLURM_TIME.fullmatch(args.time):
+        raise ConfigError("--time", f"must be a Slurm time limit (MM, HH:MM:SS, D-HH:MM:SS or "
+                          f"unlimited); got {args.time!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "what", None) != "slurm":
         raise ConfigError("launch", "name the scheduler: trainmesh launch slurm ...")
+    _check_script_flags(args)
     for field in ("nodes", "gpus_per_node", "ntasks_per_node", "cpus_per_task"):
         value = getattr(args, field)
         if value is not None and value < 1:

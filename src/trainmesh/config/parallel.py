@@ -97,7 +97,9 @@ class ParallelConfig:
     find_unused_parameters: bool = setting(False)
     """Parameters that received no gradient in a step are allowed instead of raising an error:
     one no DP rank used gets no update that step (its gradient is None, as DDP's
-    ``find_unused_parameters``); one used on some ranks is reduced as usual (API only)."""
+    ``find_unused_parameters``; at every ZeRO stage its value, states and own step count stay
+    as they were); one used on some ranks is reduced as usual (API only; the engine sets it for
+    the built-in MoE, whose experts without tokens get no gradient)."""
     broadcast_buffers: bool = setting(True)
     """Buffers (e.g. BatchNorm running statistics) are broadcast from the DP root at start and
     before every forward with gradients, as DDP's ``broadcast_buffers`` (API only)."""
@@ -107,8 +109,9 @@ class ParallelConfig:
     the other modules that run once; API only)."""
     # -- parameter server and all-reduce algorithms
     strategy: str = setting("mesh", "mesh (dp x cp x pp x tp), ps (RPC parameter server: --dp trainers, "
-                                    "--ps-servers servers) or diloco (--dp replicas taking "
-                                    "--inner-steps local steps between synchronisations)",
+                                    "--ps-servers servers) or diloco (replicas - each dp index, or each "
+                                    "--dp-shard group under ZeRO - taking --inner-steps local "
+                                    "steps between synchronisations)",
                             choices=STRATEGIES)
     ps_servers: int = setting(1, "parameter-server processes (strategy ps); parameters are sharded "
                                  "across them by bytes", ge=1)
@@ -144,7 +147,7 @@ class ParallelConfig:
             raise ConfigError("zero3_units", f"chooses ZeRO-3's units; needs zero=3 (got zero={self.zero})")
         self._check_ps()
         self._check_diloco()
-        if self.strategy != "mesh":
+        if self.strategy == "ps":       # (DiLoCo's own rules: _check_diloco)
             for name, changed in (("cp", self.cp > 1), ("ep", self.ep > 1),
                                   ("dp-shard", self.dp_shard not in (None, self.dp)),
                                   ("fault-tolerant", self.fault_tolerant)):
@@ -244,7 +247,9 @@ class ParallelConfig:
                                       "(fp32 replicas of whole parameters; --dp sets the trainers)")
 
     def _check_diloco(self) -> None:
-        """DiLoCo's flags need it; it runs whole fp32 replicas over the DP axis only."""
+        """DiLoCo's flags need it. Its replica is the tp x pp x cp ranks of one dp index, or with
+        ZeRO inside it one shard group of --dp-shard dp indices (docs/DILOCO.md); what it does
+        not combine with is refused, naming why."""
         if self.strategy != "diloco":
             for name, changed in (("inner-steps", self.inner_steps != 500),
                                   ("outer-lr", self.outer_lr != 0.7),
@@ -254,14 +259,16 @@ class ParallelConfig:
             return
         if self.outer_momentum >= 1:
             raise ConfigError("--outer-momentum", f"must be in [0, 1); got {self.outer_momentum}")
-        why = {"tp": "a replica is one process holding the whole model (--tp 1)",
-               "pp": "a replica is one process holding the whole model (--pp 1)",
-               "zero": "each replica keeps its own inner optimizer; sharding it over the replicas "
-                       "would mix them (--zero 0)",
-               "precision": "the outer step and the replicas are fp32 (--precision fp32)",
+        if self.zero > 0 and self.shard_size == self.dp:
+            raise ConfigError("--zero", f"{self.zero} with --strategy diloco shards inside each replica: "
+                              "needs --dp-shard S < --dp (replicas of S dp ranks, synchronised every "
+                              "--inner-steps); valid without it: 0 (a replica per dp index)")
+        why = {"ep": "an ep group spans several replicas, whose all-to-all would couple them every step",
+               "cp": "a replica's ZeRO group would span its dp-shard x cp ranks (use --zero 0 with --cp)",
+               "fault-tolerant": "fault-tolerant replicas synchronise every step",
                "min-dp": "the replicas' inner states do not survive a resize (leave --min-dp unset)"}
-        for name, changed in (("tp", self.tp > 1), ("pp", self.pp > 1), ("zero", self.zero > 0),
-                              ("precision", self.precision != "fp32"),
+        for name, changed in (("ep", self.ep > 1), ("cp", self.cp > 1 and self.zero > 0),
+                              ("fault-tolerant", self.fault_tolerant),
                               ("min-dp", self.min_dp is not None)):
             if changed:
                 raise ConfigError(f"--{name}", f"is not supported with --strategy diloco: {why[name]}")

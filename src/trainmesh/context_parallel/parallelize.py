@@ -23,6 +23,10 @@ from .ring import MODES, Ring, ring_attention
 class ContextParallelAttention(nn.Module):
     """Causal attention of this rank's zigzag share over the CP group's whole sequence."""
 
+    runs_collectives = True
+    """Its forward exchanges K/V with the other CP ranks: ``--compile`` runs it eagerly between
+    the block's graphs (:func:`trainmesh.engine.compile.compile_layers`)."""
+
     def __init__(self, ring: Ring, *, mode: str, fused: bool) -> None:
         super().__init__()
         self.ring, self.mode, self.fused = ring, mode, fused

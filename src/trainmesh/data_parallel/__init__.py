@@ -34,7 +34,7 @@ from .base import (
 )
 from .composite import CombinedOptimizer, CompositeSync
 from .ddp import DDP
-from .diloco import DiLoCo
+from .diloco import DiLoCo, replica_axes
 from .sharded import ELEMENTWISE_OPTIMIZERS
 from .units import find_units
 from .zero import FlatZero, Zero1, Zero2
@@ -101,9 +101,21 @@ def _strategy(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
                           device=device, offload=cfg.offload, offload_dir=cfg.offload_dir,
                           offload_params=cfg.offload_params, axis=axis,
                           replicate_axis=replicate)
-    if cfg.strategy == "diloco":   # validated: zero 0, fp32, no tp or pp
-        return DiLoCo(named_params, comm, options, inner_steps=cfg.inner_steps,
-                      outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
+    if cfg.strategy == "diloco":   # each replica's own strategy inside it, the outer step across
+        inner, outer = replica_axes(cfg.zero, cfg.cp)
+        options = dataclasses.replace(options, axis=inner, replicate_axis=None)
+        return DiLoCo(_by_stage(cfg, named_params, comm, options, module, precision, materialize, layers),
+                      comm, outer_axis=outer, inner_steps=cfg.inner_steps, outer_lr=cfg.outer_lr,
+                      outer_momentum=cfg.outer_momentum)
+    return _by_stage(cfg, named_params, comm, options, module, precision, materialize, layers)
+
+
+def _by_stage(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
+              options: SyncOptions, module: nn.Module | None, precision: Any,
+              materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None,
+              layers: list[str] | None) -> GradSync:
+    """The strategy of ``cfg.zero`` with ``options`` (:func:`make_grad_sync`)."""
+    mixed = precision is not None and getattr(precision, "mixed", False)
     if cfg.zero == 0:
         return DDP(named_params, comm, options, allreduce=cfg.allreduce)
     if cfg.zero in (1, 2):

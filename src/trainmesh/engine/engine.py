@@ -21,6 +21,7 @@ duplicate) is one :class:`~trainmesh.core.placement.Placement` per name in ``eng
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
@@ -50,6 +51,7 @@ from trainmesh.data_parallel import (
     untrained_state,
 )
 from trainmesh.data_parallel.base import OptimizerFactory
+from trainmesh.data_parallel.readiness import reached
 from trainmesh.engine.executor import LocalExecutor
 from trainmesh.engine.materialize import InitFn, materialize, materialize_buffers
 from trainmesh.engine.moe_metrics import MoEMetrics, model_stats
@@ -71,7 +73,11 @@ class Engine:
                  mesh: ParallelMesh | None = None, tp_plan: dict[str, str] | None = None,
                  broadcast_init: bool = True, flops_per_token: float | None = None,
                  init_fn: InitFn | None = None, device: torch.device | str | None = None) -> None:
-        self.config = cfg = config or ParallelConfig()
+        cfg = config or ParallelConfig()
+        if getattr(model, "moe_stats", None) is not None and not cfg.find_unused_parameters:
+            # an expert no token reached has no gradient that step (models/moe.py)
+            cfg = dataclasses.replace(cfg, find_unused_parameters=True)
+        self.config = cfg
         self.flops_per_token = model_flops_per_token(model, flops_per_token)
         """Training FLOPs per token of the whole model (MFU): given, the model's own
         ``flops_per_token()``, or None (:mod:`trainmesh.observe.flops`)."""
@@ -108,7 +114,9 @@ class Engine:
         self.grad_sync = self._make_grad_sync(named, fill)
         self.hooks = StepHooks(autocast=self.precision.autocast, scale_loss=self.precision.scale_loss,
                                before_backward=self.grad_sync.before_backward,
-                               expect_backwards=self.grad_sync.expect_backwards)
+                               expect_backwards=self.grad_sync.expect_backwards,
+                               **({"backward_from": self._pass_unreached}
+                                  if cfg.find_unused_parameters else {}))
         self.optimizer = self.grad_sync.build_optimizer(optimizer, param_groups)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
         self.moe = MoEMetrics(model_stats(model), self.comm)
@@ -214,6 +222,12 @@ class Engine:
         if torch.is_grad_enabled():       # a training forward (evaluation keeps its own)
             self._broadcast_buffers()
 
+    def _pass_unreached(self, root: torch.Tensor, params: list[nn.Parameter] | None) -> None:
+        """Before a backward pass (unused parameters allowed): the parameters its graph leaves
+        without a gradient pass it at once (:mod:`trainmesh.data_parallel.readiness`)."""
+        self.grad_sync.pass_unreached(reached([root]),
+                                      None if params is None else {id(p) for p in params})
+
     def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p`` in the global norm: duplicates only once (the axis
         table's ``LATER``), a tp shard on every TP rank, a replicated parameter on the first."""
@@ -248,19 +262,27 @@ class Engine:
         loss_sum, count = self.executor.run(microbatches, self.hooks)
         holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
         sums = [loss_sum, count] if holds_loss else [0.0, 0.0]
-        if self.config.find_unused_parameters:          # rides along: the unused check's "any?"
-            sums.append(float(self.grad_sync.local_unused()))
+        unused = self.grad_sync.unused_counts() if self.config.find_unused_parameters else []
+        # rides along: each strategy part's "any unused?", as many on every rank (a pipeline
+        # stage without experts holds one strategy where the others hold two)
+        width = (2 if self.config.ep > 1 else 1) if unused else 0
+        sums += [float(n) for n in unused] + [0.0] * (width - len(unused))
+        diloco = self.config.strategy == "diloco"   # each replica: the mean over its own tokens
+        if diloco:                                  # rides along: each replica's token count
+            sums += self.grad_sync.replica_slots(count if holds_loss else 0.0)
         totals = torch.tensor(sums, dtype=torch.float64)
         self.comm.all_reduce(totals, "world")
-        global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
-        self.grad_sync.agree_unused(len(sums) > 2 and totals[2].item() > 0)
-        diloco = self.config.strategy == "diloco"   # each replica: the mean over its own tokens
-        self.grad_sync.finish(1.0 / ((count if diloco else global_count) * self.precision.loss_scale))
+        global_loss, tokens = (totals[0] / totals[1]).item(), totals[1].item()
+        self.grad_sync.agree_unused([totals[2 + i].item() > 0 for i in range(len(unused))])
+        if diloco:   # the mean over the replica's own tokens
+            tokens = totals[len(sums) - self.grad_sync.n_replicas + self.grad_sync.replica].item()
+        self.grad_sync.finish(1.0 / (tokens * self.precision.loss_scale))
         self._complete_partial_grads()
         self.state_bytes = self.measure_state()
         self.offloaded_bytes = self.grad_sync.offloaded_bytes()
         skip = self.precision.should_skip(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
-        norm = 0.0 if skip else (self.grad_sync.local_norm() if diloco else self.grad_norm())
+        norm = 0.0 if skip else (self.grad_sync.local_norm(self._counted_in_norm) if diloco
+                                 else self.grad_norm())
         nonfinite = self._nonfinite(global_loss, norm)   # never applied; the caller's policy decides
         skip = skip or nonfinite is not None
         if not skip:

@@ -4,8 +4,9 @@ replicas take part (the quorum) and whether the attempt is applied (the commit).
 
 Every replica reads the same decision from the store, so membership, the split of the global
 batch and the outcome of a step can never differ between replicas. The coordinator also writes
-the metrics file (the step rows the members report, ``quorum`` events where membership changes)
-and keeps the counts of the summary. docs/FAULT_TOLERANCE.md describes the protocol.
+the metrics file (the step rows the members report, ``quorum`` events where membership changes,
+``discarded`` events for step attempts not applied) and keeps the counts of the summary.
+docs/FAULT_TOLERANCE.md describes the protocol.
 """
 from __future__ import annotations
 
@@ -167,6 +168,9 @@ class Coordinator:
                 errors = [f"replica {o.replica}: {o.error}" for o in outcomes if not o.ok]
                 missing = sorted(set(decision.replicas) - {o.replica for o in outcomes})
                 why = "; ".join(errors + [f"replica {r} lost" for r in missing])[:300]
+                self.metrics.write({"event": "discarded", "step": decision.step,
+                                    "replicas": len(decision.members),
+                                    "attempt_s": round(time.monotonic() - attempt, 3), "why": why})
                 self.notify(f"trainmesh: step {decision.step} discarded ({why}); redone by the "
                             "replicas present")
             q += 1

@@ -14,7 +14,9 @@ Forward, for the ``T = b * s`` tokens of a microbatch:
    expert); every pair is computed, none dropped (no capacity factor);
 3. each expert runs its rows in one matmul per layer (a loop over experts: CPU torch has no
    grouped GEMM); under expert parallelism the rows travel to the expert's rank and back
-   (:class:`Exchange`, injected by :mod:`trainmesh.expert_parallel`);
+   (:class:`Exchange`, injected by :mod:`trainmesh.expert_parallel`). An expert no row reached
+   is not run, so its parameters get no gradient that step (None: the optimizer leaves them, their
+   moments and their step count alone, in one process and under every layout);
 4. combine: each token's output is the gate-weighted sum of its k experts' outputs.
 
 Load balancing (Switch/GShard): per *sequence*, ``aux = E * sum_e f_e * P_e`` with ``f_e`` the
@@ -144,9 +146,12 @@ class MoE(nn.Module):
         return sorted(int(e) for e in self.experts)
 
     def compute(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        """This rank's experts on ``rows`` grouped by local expert (``per_expert`` rows each)."""
+        """This rank's experts on ``rows`` grouped by local expert (``per_expert`` rows each).
+        An expert with no row is not run: it takes no part in the step and gets no gradient
+        (None), so the optimizer leaves it alone, as for any unused parameter."""
         chunks = rows.split(per_expert)
-        outs = [self.experts[str(e)](chunk) for e, chunk in zip(self.local_experts(), chunks)]
+        outs = [self.experts[str(e)](chunk) for e, chunk in zip(self.local_experts(), chunks)
+                if chunk.shape[0]]
         return torch.cat(outs) if outs else rows
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

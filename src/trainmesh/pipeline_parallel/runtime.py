@@ -263,6 +263,7 @@ class PipelineExecutor:
     def _backward(self, a: Action, hooks: StepHooks) -> TimedAction:
         s, i = a.stage, a.microbatch
         x, out = self._kept.pop((s, i))
+        hooks.backward_from(out, self._chunk_params[s])
         if self.schedule.is_last_stage(s):
             start = time.perf_counter()
             torch.autograd.backward(hooks.scale_loss(out))
@@ -281,6 +282,7 @@ class PipelineExecutor:
         """``I``: the input gradient only, sent on; the weight gradients wait for ``W``."""
         s, i = a.stage, a.microbatch
         x, out = self._kept.pop((s, i))
+        hooks.backward_from(out, self._chunk_params[s])
         if self.schedule.is_last_stage(s):
             start = time.perf_counter()
             out, grad = hooks.scale_loss(out), None

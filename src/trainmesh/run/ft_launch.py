@@ -79,6 +79,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
                               notify=lambda line: print(line, file=sys.stderr, flush=True))
     failures: dict[int, str] = {}
     run_id = f"trainmesh-ft-{uuid.uuid4().hex[:8]}"
+    _print_header(cfg)
     began = time.perf_counter()
     _signals_raise()
     try:
@@ -134,10 +135,22 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     return 0
 
 
+def _print_header(cfg: TrainConfig) -> None:
+    """The run's first line, as every ``trainmesh train`` prints it (the layout in full)."""
+    from trainmesh.core.distributed import choose_device, visible_gpus
+    from trainmesh.observe.layout import layout_record
+    from trainmesh.observe.progress import run_header
+    device, _ = choose_device(cfg.device, local_ranks=cfg.parallel.world_size, gpus=visible_gpus())
+    print(run_header(params=cfg.num_params(), world=cfg.parallel.world_size,
+                     layout=layout_record(cfg), steps=cfg.exit_after or cfg.steps, start=1,
+                     device=device), flush=True)
+
+
 def _summary(cfg: TrainConfig, coordinator: Any, failures: dict[int, str]) -> dict[str, Any]:
+    from trainmesh.observe.layout import layout_record
     t, ranks = coordinator.tally, cfg.parallel.replica_ranks
     return {"event": "summary", "world_size": cfg.parallel.world_size,
-            "layout": {**cfg.parallel.layout(), "experts": cfg.gpt_config().n_experts},
+            "layout": layout_record(cfg),
             "params": cfg.num_params(), "final_loss": coordinator.final_loss,
             "steps": coordinator.committed,
             "ranks": [{"rank": r * ranks, "replica": r, "pids": t.pids.get(r, []),

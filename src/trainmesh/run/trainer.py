@@ -32,6 +32,7 @@ from trainmesh.engine.engine import Engine
 from trainmesh.engine.materialize import InitFn, returning_freed_memory
 from trainmesh.models.gpt import GPT
 from trainmesh.observe.flops import device_peak_tflops, mfu
+from trainmesh.observe.layout import layout_record
 from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
 from trainmesh.observe.progress import (
     outputs_of,
@@ -151,13 +152,13 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     evaluator = make_evaluator(engine, held_out, cfg)
     start = _resume(cfg, engine) + 1
     setup_mem = memory_now(device)
-    metrics = _open_metrics(cfg, start, mesh.world_size, rank0)
+    board = TensorBoardLog(cfg.tensorboard if rank0 else None, layout_record(cfg))
+    metrics = _open_metrics(cfg, start, mesh.world_size, rank0, board)
     elastic_run = p.min_dp is not None   # the world size can change: recorded per step
-    board = TensorBoardLog(cfg.tensorboard if rank0 else None)
     tokens = cfg.global_batch * gpt.seq_len
     last = cfg.exit_after or cfg.steps
     tracer = make_tracer(engine, cfg, start, last)
-    log.info(run_header(params=cfg.num_params(), world=mesh.world_size, layout=p.layout(),
+    log.info(run_header(params=cfg.num_params(), world=mesh.world_size, layout=layout_record(cfg),
                         steps=last, start=start, device=device.type))
     peak = device_peak_tflops(device, p.precision, cfg.peak_tflops, cfg.gpu)
     first_loss = loss = eval_loss = float("nan")
@@ -205,9 +206,11 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     return 0
 
 
-def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> MetricsWriter:
+def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool,
+                  board: TensorBoardLog) -> MetricsWriter:
     """The metrics file of a run starting at ``start`` (appended to by an elastic job's every
-    attempt), with the ``resize`` record when the layout changed since the checkpoint."""
+    attempt), with the ``resize`` record when the layout changed since the checkpoint; every
+    record also goes to ``board``."""
     p = cfg.parallel
     if rank0 and start > 1 and cfg.metrics_out:
         from trainmesh.checkpoint.resume import drop_partial_line
@@ -215,7 +218,7 @@ def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> Metr
         if notice:
             log.info(notice)
     metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start,
-                            append=p.min_dp is not None and start > 1)
+                            append=p.min_dp is not None and start > 1, also=board.record)
     resized = elastic.resize_record(cfg, step=start, world=world) if rank0 else None
     if resized is not None:
         metrics.write(resized)
@@ -230,11 +233,10 @@ def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics:
     """A step's record to the metrics file and TensorBoard; the held-out loss when it is due
     (collective), returned."""
     metrics.write(row)
-    board.step(row, engine.last_step_traffic(), memory_now(device))
+    board.traffic(row["step"], engine.last_step_traffic(), memory_now(device))
     if evaluator is not None and evaluator.due(row["step"]):
         scored = evaluator.run(row["step"])
         metrics.write(scored)
-        board.eval(scored)
         log.info("step %d  eval loss %.4f", row["step"], scored["loss"])
         return float(scored["loss"])
     return None
@@ -338,7 +340,7 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
                             "received": engine.moe.received.round().long().tolist()}
     ranks = engine.gather_object(mine)
     return {"event": "summary", "world_size": mesh.world_size,
-            "layout": {**cfg.parallel.layout(), "experts": cfg.gpt_config().n_experts},
+            "layout": layout_record(cfg),
             "params": cfg.num_params(), "final_loss": final_loss,
             "steps": engine.step_count, "ranks": ranks,
             **({"moe": engine.moe.summary()} if engine.moe.stats is not None else {})}
