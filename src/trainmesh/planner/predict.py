@@ -37,7 +37,7 @@ The lead's measured-vs-predicted check calls :func:`predict_run` with the run's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
@@ -98,12 +98,15 @@ class RankPrediction:
     """The base footprint ``peak_mem_bytes`` assumes (before runtime and model)."""
     init_peak_mem_bytes: int = 0
     """The set-up peak (sharded initialisation): see :func:`_init_peak`."""
+    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
+    """Model-state bytes kept off the compute device (``--offload``): in host memory or files."""
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "coords": self.coords, "model_state_bytes": self.model_state_bytes,
                 "comm_bytes_per_step": self.comm_bytes_per_step,
                 "activation_bytes": self.activation_bytes, "peak_mem_bytes": self.peak_mem_bytes,
-                "base_mem_bytes": self.base_mem_bytes, "init_peak_mem_bytes": self.init_peak_mem_bytes}
+                "base_mem_bytes": self.base_mem_bytes, "init_peak_mem_bytes": self.init_peak_mem_bytes,
+                "offloaded_bytes": self.offloaded_bytes}
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,18 @@ def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str
         out["optimizer"] += int(st.optimizer)
     if optimizer == "adamw" and layout.offload == "none":  # AdamW's step counters
         out["optimizer"] += 4 * (held.tensors if layout.zero == 0 else len(parts))
+    return out
+
+
+def _offloaded(held: RankModel, layout: ParallelConfig, optimizer: str,
+               states: dict[str, int]) -> dict[str, int]:
+    """What ``--offload`` keeps off the device: the states it moves (optimizer states, the
+    masters of mixed precision, AdamW's step counters; ZeRO-3's parameter shards with
+    ``offload_params``), in host memory (``cpu``) or files (``nvme``)."""
+    out = {"cpu": 0, "nvme": 0}
+    if layout.offload != "none":
+        kept = _states(held, replace(layout, offload="none", offload_params=False), optimizer)
+        out[layout.offload] = sum(kept.values()) - sum(states.values())
     return out
 
 
@@ -316,9 +331,10 @@ def _ints(traffic: Traffic) -> dict[str, dict[str, int]]:
 def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
                    optimizer: str = "adamw", base_bytes: int,
                    runtime_bytes: int = RUNTIME_BYTES,
-                   allocator: Allocator = CPU) -> RunPrediction:
+                   allocator: Allocator = CPU, host_resident: bool = True) -> RunPrediction:
     """Per-rank predictions for ``layout`` of ``gpt`` at ``global_batch`` sequences per step, on
-    workers whose footprint before the model is ``base_bytes``."""
+    workers whose footprint before the model is ``base_bytes``. ``host_resident``: the device
+    is the host (CPU), so states offloaded to host memory count in its peak."""
     micro_batch = global_batch // (layout.dp * layout.microbatches)
     ranks = []
     for pp_rank in range(layout.pp):
@@ -328,14 +344,17 @@ def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
         stage = _stage(held, layout, gpt, micro_batch, pp_rank, allocator.threshold)
         acts = stage.kept
         comm = _ints(_traffic(held, layout, gpt, micro_batch, pp_rank))
-        peak = int(base_bytes + runtime_bytes + sum(states.values())
+        offloaded = _offloaded(held, layout, optimizer, states)
+        host = offloaded["cpu"] if host_resident else 0
+        peak = int(base_bytes + runtime_bytes + sum(states.values()) + host
                    + allocator.resident(stage, _buffers(held, layout, gpt, states)))
         for within in range(layout.dp * layout.cp * layout.tp):
             rank = pp_rank * layout.dp * layout.cp * layout.tp + within
             ranks.append(RankPrediction(rank, _coords(rank, layout), dict(states),
                                         {k: dict(v) for k, v in comm.items()}, int(acts), peak,
                                         int(base_bytes),
-                                        _init_peak(held, layout, gpt, states, base_bytes + runtime_bytes)))
+                                        _init_peak(held, layout, gpt, states, base_bytes + runtime_bytes),
+                                        dict(offloaded)))
     passes = 1 + (2 if layout.recompute == "full" else 1)   # each row received goes back
     return RunPrediction(layout.layout(), gpt.num_params(), ranks,
                          row_bytes=passes * gpt.d_model * element_bytes(layout.precision))
@@ -373,7 +392,7 @@ def predict_run(cfg: Any, *, base_bytes: int | None = None, reserved: bool = Fal
     allocator = (CUDA if reserved else CUDA_ALLOCATED) if cuda else CPU
     return predict_layout(cfg.gpt_config(), cfg.parallel, global_batch=cfg.global_batch,
                           optimizer=cfg.optimizer, base_bytes=base_bytes, runtime_bytes=runtime,
-                          allocator=allocator)
+                          allocator=allocator, host_resident=not cuda)
 
 
 def _close(predicted: float, measured: float, rel: float) -> bool:
@@ -434,6 +453,13 @@ def compare(prediction: RunPrediction, summary: dict[str, Any]) -> list[str]:
             have = got["model_state_bytes"].get(kind, 0)
             if not _close(want, have, TOLERANCE["model_state_bytes"]):
                 problems.append(f"rank {pred.rank} model_state_bytes.{kind}: "
+                                f"predicted {want}, measured {have}")
+        for where, have in got.get("offloaded_bytes", {}).items():
+            if where != "cpu":   # the store's files: written as it goes, not predicted here
+                continue
+            want = pred.offloaded_bytes.get(where, 0)
+            if not _close(want, have, TOLERANCE["model_state_bytes"]):
+                problems.append(f"rank {pred.rank} offloaded_bytes.{where}: "
                                 f"predicted {want}, measured {have}")
         axes = sorted(set(AXES) | set(pred.comm_bytes_per_step) | set(got["comm_bytes_per_step"]))
         for axis in axes:
