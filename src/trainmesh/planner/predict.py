@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
-from trainmesh.core.axes import Degrees, kind_groups, members, sequence_groups
 from trainmesh.context_parallel.traffic import cp_bytes_per_layer
+from trainmesh.core.axes import Degrees, kind_groups, members, sequence_groups
 
 from ..models.gpt import GPTConfig
 from .activations import TRAINMESH, inflight_stages
