@@ -37,7 +37,7 @@ The lead's measured-vs-predicted check calls :func:`predict_run` with the run's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
@@ -146,20 +146,23 @@ def _split(held: RankModel, layout: ParallelConfig) -> list[tuple[int, int]]:
             (held.expert_params, layout.dp * layout.cp // layout.ep)]
 
 
-def _states(held: RankModel, layout: ParallelConfig, optimizer: str) -> dict[str, int]:
+def _states(held: RankModel, layout: ParallelConfig, optimizer: str,
+            offload: str | None = None) -> dict[str, int]:
+    """Model-state bytes on the device (``offload``: in place of the layout's)."""
     # ZeRO 0-2 hold the paper's mixed-precision bytes; trainmesh's ZeRO-3 keeps fp32 shards as
     # the parameters (FSDP2 style): fp32's 4 + 4 + 8 over N, the paper's 16Psi/N in total.
     precision = "fp32" if layout.zero >= 3 else layout.precision
+    offload = layout.offload if offload is None else offload
     out = {"params": 0, "grads": 0, "optimizer": 0}
     parts = _split(held, layout)
     for psi, dp in parts:
         st = model_states(psi, dp=dp, zero=layout.zero, precision=precision,
-                          optimizer=optimizer, offload=layout.offload,
+                          optimizer=optimizer, offload=offload,
                           offload_params=layout.offload_params)
         out["params"] += int(st.params)
         out["grads"] += int(st.grads)
         out["optimizer"] += int(st.optimizer)
-    if optimizer == "adamw" and layout.offload == "none":  # AdamW's step counters
+    if optimizer == "adamw" and offload == "none":  # AdamW's step counters
         out["optimizer"] += 4 * (held.tensors if layout.zero == 0 else len(parts))
     return out
 
@@ -171,7 +174,7 @@ def _offloaded(held: RankModel, layout: ParallelConfig, optimizer: str,
     ``offload_params``), in host memory (``cpu``) or files (``nvme``)."""
     out = {"cpu": 0, "nvme": 0}
     if layout.offload != "none":
-        kept = _states(held, replace(layout, offload="none", offload_params=False), optimizer)
+        kept = _states(held, layout, optimizer, offload="none")
         out[layout.offload] = sum(kept.values()) - sum(states.values())
     return out
 
