@@ -63,6 +63,7 @@ MATRIX: list[list[str]] = [
     ["--dp", "4", "--dp-shard", "2", "--zero", "1", "--pp", "2", "--microbatches", "2"],
     ["--dp", "4", "--dp-shard", "2", "--zero", "2", "--cp", "2"],     # HSDP x cp: dp_shard_cp
     [*MOE, "--cp", "2", "--ep", "2"],                                 # experts under cp
+    [*MOE, "--tp", "2"],                                              # experts under tp
     [*MOE, "--dp", "2", "--ep", "2", "--tp", "2", "--sequence-parallel"],
     ["--tp", "2", "--sequence-parallel", "--zero", "1", "--offload", "cpu"],
     LAYOUT_16,
