@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launcher_zygote import zygote
 from tolerances import LOSS_ABS, NORM_REL
 
 LAUNCHED = 99
@@ -29,10 +30,24 @@ def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "
     """`python -m trainmesh train ARGS --metrics-out ...` -> (process, metrics records)."""
     out = tmp / f"{name}.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "trainmesh", "train", *args, "--metrics-out", str(out)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = trainmesh_process(["train", *args, "--metrics-out", str(out)], tmp, env=env,
+                             timeout=timeout, name=name)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return proc, records
+
+
+def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeout: float,
+                      name: str = "m") -> subprocess.CompletedProcess:
+    """``trainmesh ARGV`` run to its end as a launcher process of its own, forked from this
+    test process's zygote (tests/launcher_zygote.py: the interpreter's start-up shared), or
+    started afresh where the zygote is busy; its output captured."""
+    stdout, stderr = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
+    code = zygote().run(argv, env, Path.cwd(), stdout, stderr, timeout)
+    if code is None:
+        return subprocess.run([sys.executable, "-m", "trainmesh", *argv], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    return subprocess.CompletedProcess(["trainmesh", *argv], code, stdout.read_text(),
+                                       stderr.read_text())
 
 
 def assert_refused(capsys, argv: list[str], flag: str) -> str:

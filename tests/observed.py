@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from helpers import trainmesh_process
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size",
         "64", "--global-batch", "8", "--steps", "4", "--warmup-steps", "1"]
@@ -59,8 +59,8 @@ def run_observed(name: str, out: Path, *, timeout: float = 240) -> Path:
         args += ["--tensorboard", str(out / "tb")]
     env = {k: v for k, v in os.environ.items()   # COLUMNS unset: the console's tables unfolded
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COLUMNS", "LINES")}
-    proc = subprocess.run([sys.executable, "-m", "trainmesh", "train", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**env, **spec.env}, check=False)
+    proc = trainmesh_process(["train", *args], out, env={**env, **spec.env}, timeout=timeout,
+                             name="console")
     (out / "stdout.txt").write_text(proc.stdout)
     (out / "stderr.txt").write_text(proc.stderr)
     if proc.returncode != 0:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -31,6 +32,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from trainmesh.core.stores import LOOPBACK, STORE_ENV, server_store
@@ -122,7 +124,7 @@ def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int,
                 **rendezvous, **grace)
             env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // nproc))
             try:
-                elastic_launch(config, worker_entry)(cfg, os.getpid(), worker_setup, env)
+                elastic_launch(config, worker_entry)(cfg, os.getpid(), worker_setup, env, Stdio())
             except ChildFailedError as exc:
                 sys.stderr.write(f"trainmesh train: {_headline(exc)}\n")
                 return 1
@@ -156,26 +158,57 @@ def local_rendezvous(timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
 
 
 def worker_env(rendezvous: dict[str, Any], *, threads: int) -> dict[str, str]:
-    """What the launcher's workers add to the environment they inherit (:func:`apply_env`):
-    the launcher's store (``TRAINMESH_LAUNCHER_STORE``), and unless already set, ``threads``
-    OpenMP threads and unbuffered output. Passed as an argument of the workers' entry point:
-    the launcher's own environment is left as it was."""
-    env = {STORE_ENV: rendezvous["rdzv_endpoint"]}
-    for name, value in (("OMP_NUM_THREADS", str(threads)), ("PYTHONUNBUFFERED", "1")):
-        if name not in os.environ:
-            env[name] = value
+    """The environment the launcher's workers run with (:func:`apply_env`): the launcher's own
+    as it is now, with the launcher's store (``TRAINMESH_LAUNCHER_STORE``) and, unless already
+    set, ``threads`` OpenMP threads and unbuffered output. Passed as an argument of the workers'
+    entry point: a fork server holds the environment of its own start, which an earlier launch
+    from the same process may have left behind; the launcher's own environment is left as it was."""
+    env = {**os.environ, STORE_ENV: rendezvous["rdzv_endpoint"]}
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
 def apply_env(env: dict[str, str]) -> None:
-    """A worker: take ``env`` (:func:`worker_env`) into its environment, first thing. Output
+    """A worker, first thing: run with ``env`` (:func:`worker_env`) and what the elastic agent set
+    for this worker (its rank, world size, ...: the variables that differ from the environment
+    this process started with, the fork server's or for a spawned worker ``env`` itself). Output
     becomes unbuffered as ``PYTHONUNBUFFERED`` would have made it at start-up."""
+    started = getattr(sys.modules.get(WORKER_IMAGE), "STARTED_WITH", env)
+    agent = {name: value for name, value in os.environ.items() if started.get(name) != value}
+    os.environ.clear()
     os.environ.update(env)
+    os.environ.update(agent)
     if env.get("PYTHONUNBUFFERED"):
         for stream in (sys.stdout, sys.stderr):
             reconfigure = getattr(stream, "reconfigure", None)
             if reconfigure is not None:
                 reconfigure(write_through=True)
+
+
+@dataclasses.dataclass
+class Stdio:
+    """The launcher's standard output and error, handed to its workers (:func:`worker_entry`):
+    a fork server started earlier holds the ones of its own start. Pickled for the worker as
+    duplicates of the descriptors (``multiprocessing.reduction.DupFd``)."""
+
+    out: int = 1
+    err: int = 2
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+        return _stdio_in_worker, (DupFd(self.out), DupFd(self.err))
+
+    def apply(self) -> None:
+        """A worker: write where the launcher writes."""
+        for fd, target in ((self.out, 1), (self.err, 2)):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _stdio_in_worker(out, err) -> Stdio:
+    return Stdio(out.detach(), err.detach())
 
 
 def _loopback_rendezvous(params):
@@ -222,12 +255,16 @@ def _signal_exit_code(exc: BaseException) -> int | None:
 
 # ---------------------------------------------------------------- worker side
 def worker_entry(cfg: TrainConfig, launcher_pid: int,
-                 setup: Callable[[], None] | None = None, env: dict[str, str] | None = None) -> int:
+                 setup: Callable[[], None] | None = None, env: dict[str, str] | None = None,
+                 stdio: Stdio | None = None) -> int:
     """What each local worker runs: die with the launcher, take the launcher's ``env``
-    (:func:`worker_env`), ``setup()`` (the caller's logging configuration: the library
-    configures none), then train under ``cfg``."""
+    (:func:`worker_env`) and ``stdio``, ``setup()`` (the caller's logging configuration: the
+    library configures none), then train under ``cfg``."""
     die_with_parent(launcher_pid)
-    apply_env(env or {})
+    if stdio is not None:
+        stdio.apply()
+    if env is not None:
+        apply_env(env)
     if setup is not None:
         setup()
     from trainmesh.comm.check import CollectiveOrderError
@@ -308,12 +345,13 @@ def die_with_parent(launcher_pid: int) -> None:
     SIGKILL because a worker blocked inside a collective runs no Python signal handler. The
     parent is the launcher, or its fork server, which the same signal ends with the launcher
     (:mod:`trainmesh.run.worker_image`). Elsewhere, and where the parent is some other
-    process, a daemon thread polls the launcher."""
+    process (a fork server that outlives this launcher), a daemon thread polls the launcher."""
     if kill_with_parent():
         if not _alive(launcher_pid):   # it died before prctl took effect
             os._exit(1)
-        if os.getppid() == launcher_pid or WORKER_IMAGE in sys.modules:   # its fork server
-            return
+        parent = os.getppid()
+        if parent == launcher_pid or (WORKER_IMAGE in sys.modules and _parent_of(parent) == launcher_pid):
+            return                                                        # or its fork server
     threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True,
                      name="trainmesh-launcher-watch").start()
 
@@ -338,6 +376,15 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` (Linux /proc), None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def _watch_launcher(launcher_pid: int) -> None:
