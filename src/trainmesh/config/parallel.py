@@ -176,13 +176,12 @@ class ParallelConfig:
     def _check_hsdp(self) -> None:
         """HSDP (dp-shard < dp) is built for the data-parallel layout alone: what it does not
         combine with is refused, naming why (--fault-tolerant builds its own replicas: each a
-        shard group of its tp groups)."""
-        if self.shard_size == self.dp:
+        shard group with its cp, pp and tp ranks, a plain layout)."""
+        if self.shard_size == self.dp or self.fault_tolerant:   # replicas: a plain layout inside
             return
         for flag, value, why in (
                 ("pp", self.pp, "HSDP inside pipeline stages is not verified against one process"),
-                ("tp", 1 if self.fault_tolerant else self.tp,
-                 "HSDP with tensor parallelism is not verified against one process"),
+                ("tp", self.tp, "HSDP with tensor parallelism is not verified against one process"),
                 ("cp", self.cp, "dense gradients are reduced over dp x cp, not over dp shards"),
                 ("ep", self.ep, "expert gradients are reduced over their own groups")):
             if value > 1:
@@ -197,9 +196,10 @@ class ParallelConfig:
                               "use --offload none")
 
     def _check_fault_tolerant(self) -> None:
-        """--fault-tolerant protects data-parallel replicas in fp32: the pp x tp ranks of one dp
-        index each (--zero 0), or one HSDP shard group of --dp-shard dp indices each (--zero 1,
-        2 or 3; tp, not pp: HSDP's rule)."""
+        """--fault-tolerant protects data-parallel replicas: each the cp x pp x tp ranks of one
+        dp index (--zero 0), or of one shard group of --dp-shard dp indices (--zero 1, 2 or 3),
+        with whatever runs inside it (ep, sequence parallelism, any precision); what stays
+        refused cannot mean anything for replicas that come and go."""
         if not self.fault_tolerant:
             return
         if self.dp < 2:
@@ -208,24 +208,23 @@ class ParallelConfig:
         if self.zero > 0 and self.shard_size == self.dp:
             raise ConfigError("--zero", f"{self.zero} with --fault-tolerant shards inside each replica: "
                               "needs --dp-shard S < --dp (replicas of S ranks); valid without it: 0")
-        if self.sequence_parallel:
-            raise ConfigError("--sequence-parallel", "is not supported with --fault-tolerant (its "
-                              "partial gradients inside a replica are not verified); leave it unset")
+        if (self.replica_dp * self.cp) % self.ep:
+            raise ConfigError("--ep", f"{self.ep} with --fault-tolerant spreads experts inside one "
+                              f"replica (a replica lost must not take experts with it): must divide "
+                              f"its dp x cp = {self.replica_dp} x {self.cp} (raise --dp-shard)")
         for flag, changed, valid in (
-                ("--cp", self.cp > 1, "1"), ("--ep", self.ep > 1, "1"),
                 ("--min-dp", self.min_dp is not None, "unset: replicas come and go per step"),
-                ("--precision", self.precision != "fp32", "fp32"),
+                ("--offload", self.offload != "none", "none: the live state is copied from memory"),
                 ("--allreduce", self.allreduce != "native", "native")):
             if changed:
-                raise ConfigError(flag, "is not supported with --fault-tolerant, whose replica is the "
-                                  "pp x tp ranks of one dp index, or the tp ranks of one shard "
-                                  f"group of --dp-shard dp indices (valid: {valid})")
+                raise ConfigError(flag, "is not supported with --fault-tolerant, whose replicas "
+                                  f"reduce across each other themselves (valid: {valid})")
 
     @property
     def replica_ranks(self) -> int:
-        """--fault-tolerant: the ranks of one replica (its unit of failure): pp x tp ranks for
-        each of its dp indices (the shard group of --dp-shard under ZeRO, else one)."""
-        return self.replica_dp * self.pp * self.tp
+        """--fault-tolerant: the ranks of one replica (its unit of failure): cp x pp x tp ranks
+        for each of its dp indices (the shard group of --dp-shard under ZeRO, else one)."""
+        return self.replica_dp * self.cp * self.pp * self.tp
 
     @property
     def replica_dp(self) -> int:
