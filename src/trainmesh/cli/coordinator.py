@@ -22,7 +22,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from . import add_version
     parser = subparsers.add_parser(
         "coordinator", help="the quorum service of a fault-tolerant run across hosts",
-        description=__doc__.split("\n\n")[1].replace("\n", " "))
+        description="The quorum service of a --fault-tolerant run across hosts. It listens on "
+                    "the --bind address only, decides every step's quorum and commit for the "
+                    "replicas that `trainmesh train --fault-tolerant --coordinator HOST:PORT "
+                    "--replica-id I --replicas R` starts on each host, and ends (exit 0) once the "
+                    "last step is committed and the replicas have left. It keeps nothing on disk: "
+                    "started again after a crash (on the same address, or another one the "
+                    "replicas list), it rebuilds its state from the replicas and the run goes on.")
     parser.add_argument("--bind", required=True, metavar="HOST:PORT",
                         help="the address to listen on (this host's address the replicas reach; "
                              "port 0: one the kernel picks, printed)")

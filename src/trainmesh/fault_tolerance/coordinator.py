@@ -178,6 +178,12 @@ class Coordinator:
             attempt = time.monotonic()
             outcomes = self._outcomes(store, q, decision)
             ok = len(outcomes) == len(decision.members) and all(o.ok for o in outcomes)
+            if ok and not _same_step(outcomes):   # a bug, not a fault: never applied
+                store.set(key("commit", q), "0")
+                self.error = (f"internal: the members of step {decision.step} computed different "
+                              "steps: " + "; ".join(f"replica {o.replica}: loss {o.row.get('loss')}"
+                                                    f" overflow {o.row.get('overflow')}" for o in outcomes))
+                break
             nonfinite = outcomes[0].row.get("nonfinite") if ok else None
             store.set(key("commit", q), "1" if ok and not nonfinite else "0")
             if ok and self._inject.maybe_wait_until(decision.step, "commit", lambda: any(
@@ -253,6 +259,11 @@ class Coordinator:
 
     def _decide(self, q: int, requests: dict[int, Request], previous: list[list[Any]]) -> Decision:
         members = [[r, requests[r].incarnation] for r in sorted(requests)]
+        now = time.monotonic()
+        for r, inc in members:   # its request is a sign of life: its beats may not be here yet
+            seen = self._beats.get(r)
+            if seen is None or seen[0].rsplit(":", 1)[0] != inc:
+                self._beats[r] = (f"{inc}:asked", now)
         lost = [r for r, inc in previous if [r, inc] not in members]
         joined = [r for r, inc in members if [r, inc] not in previous] if previous else []
         lasts = {req.last for req in requests.values()}
@@ -347,6 +358,16 @@ class Coordinator:
         store = getattr(self, "_store", None)
         if store is not None:
             self._drain(store)
+
+
+def _same_step(outcomes: list[Outcome]) -> bool:
+    """Whether every member reports the step alike: the loss (summed across them) and fp16's
+    overflow, on which each member decides alone whether it steps."""
+    def same(a: float, b: float) -> bool:
+        return a == b or (a != a and b != b) or abs(a - b) <= 1e-9 * max(1.0, abs(b))
+    first = outcomes[0].row
+    return all(o.row.get("overflow") == first.get("overflow")
+               and same(o.row.get("loss", 0.0), first.get("loss", 0.0)) for o in outcomes)
 
 
 class _Stopped(Exception):

@@ -68,6 +68,8 @@ def find_coordinator(spec: str, deadline: float, *, timeout_s: float, what: str
     set), trying each address in turn until ``deadline``."""
     while True:
         for address in addresses_of(spec):
+            if not _listening(address):   # probed first: a failed store connect logs pages
+                continue
             try:
                 store = client_store(address, timeout_s=CONNECT_TRY_S)
                 if store.check(["epoch"]):
@@ -78,6 +80,16 @@ def find_coordinator(spec: str, deadline: float, *, timeout_s: float, what: str
         if time.monotonic() > deadline:
             raise CommTimeout(f"{what}: no fault-tolerance coordinator answered at {spec}")
         time.sleep(POLL_S * 5)
+
+
+def _listening(address: str) -> bool:
+    """Whether something accepts connections at ``host:port``."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TRY_S).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 class QuorumClient:
@@ -114,6 +126,8 @@ class QuorumClient:
         with self._lock:
             before = self.epoch
             self.store = self._find(time.monotonic() + self.startup_timeout_s)
+            if self.rank == 0 and self.epoch != before:   # alive, before the beats find it
+                self.store.set(key("hb", self.replica), f"{self.incarnation}:found")
             return self.epoch != before
 
     def store_like(self) -> Any:
@@ -205,11 +219,7 @@ class QuorumClient:
 
     def gone(self) -> bool:
         """Whether the coordinator this client reached no longer answers (a fresh connection)."""
-        try:
-            client_store(self.address, timeout_s=CONNECT_TRY_S).check(["epoch"])
-            return False
-        except (RuntimeError, OSError):
-            return True
+        return not _listening(self.address)
 
     def post(self, n: int, record: dict[str, Any]) -> None:
         """The n-th metrics record of this incarnation, for the coordinator to write."""

@@ -102,7 +102,9 @@ class QuorumSteps:
         if self.ranks > 1:
             self.pids = [0] * self.ranks
             dist.all_gather_object(self.pids, os.getpid(), group=control)
-        self.needs_state = restart > 0   # a restarted replica copies the live state
+        self.needs_state = restart > 0
+        """Restarted by its agent: its fresh weights are no committed state even at step 0 (any
+        replica behind the committed step copies the live state: the coordinator compares)."""
         self.pg: Any = None
         self.pg_members: list[list[Any]] | None = None
         self.pg_quorum = -1
@@ -111,6 +113,7 @@ class QuorumSteps:
         self._out: Records | None = None
         self._across_error = ""
         self.failed = self.degraded = self.reconnected = 0   # what this replica saw
+        self.restarted = False   # the coordinator was found restarted during the last attempt
 
     # ---------------------------------------------------------------- the policy
     def resumes(self) -> bool:
@@ -149,14 +152,13 @@ class QuorumSteps:
                     break
                 member = d.has(self.replica, self.client.incarnation)
                 self._note(d, member)
-                if not member:             # left out: the others may commit steps without it
-                    self.needs_state = True
-                    q = None               # asks into the quorum being collected now
+                if not member:   # left out (the others may commit steps without it): asks into
+                    q = None     # the quorum being collected now, with the step it holds
                     continue
                 if before_step is not None:
                     before_step(d.step)
                 done = self._member(d)
-                q += 1
+                q = None if self.restarted else q + 1
                 if done is not None:
                     self.led_last = done.lead
                     yield done
@@ -216,11 +218,12 @@ class QuorumSteps:
         # the same choice on every member: all were in quorum q-1 and saw it committed, or not
         fresh = (self.pg is None or self.pg_members != d.members or self.pg_quorum != d.quorum - 1)
         self.pg_members, self.pg_quorum = d.members, d.quorum
+        epoch = self.client.epoch   # the coordinator that decided
         t0 = time.perf_counter()
         result, row, error = self._attempt(d, fresh)
         outcome = Outcome(self.replica, self.client.incarnation, not error, error,
                           row=row if not error else {})
-        committed = self._commit(d.quorum, d.step, outcome)
+        committed = self._commit(d.quorum, d.step, outcome, epoch)
         if not committed:
             self.failed += 1
             if result is not None:
@@ -237,19 +240,24 @@ class QuorumSteps:
         return StepDone(d.step, loss, t0, time.perf_counter() - t0, extra,
                         lead=d.replicas[0] == self.replica)
 
-    def _commit(self, q: int, step: int, outcome: Outcome) -> bool:
+    def _commit(self, q: int, step: int, outcome: Outcome, epoch: str) -> bool:
         """Report the replica's outcome (its first rank) and learn the commit, the same on all
-        its ranks; a coordinator lost meanwhile: not committed here (if it was, a peer applied
-        it, and this replica copies the live state)."""
-        msg: list[Any] = [False]
+        its ranks; the coordinator of the decision (``epoch``) lost meanwhile: not committed
+        here (if it was, a peer applied it, and this replica copies the live state)."""
+        msg: list[Any] = [False, False]
         if self.rank == 0:
             try:
+                if self.client.epoch != epoch:   # found restarted during the attempt
+                    raise CoordinatorRestarted("during the attempt")
                 msg = [self.client.report(q, outcome, lambda: self.inject.maybe_wait_until(
-                    step, "late", self.client.gone))]
+                    step, "late", self.client.gone)), False]
             except CoordinatorRestarted:
-                msg = [False]
+                msg = [False, True]
         if self.ranks > 1:
             dist.broadcast_object_list(msg, src=0, group=self.control)
+            if msg[1] and self.rank != 0:
+                self.client.reconnect()
+        self.restarted = bool(msg[1])   # its quorums start afresh: asks into the one it collects
         return bool(msg[0])
 
     def _attempt(self, d: Decision, fresh: bool) -> tuple[StepResult | None, dict[str, Any], str]:
