@@ -123,8 +123,9 @@ class QuorumSteps:
     def records(self, start: int) -> Records:
         if self.rank != 0:
             self._out = MetricsWriter(None)
-        elif self.own:
-            self._out = MetricsWriter(self.cfg.metrics_out, keep_steps_before=start)
+        elif self.own:   # a restart by its agent adds to the file of its first start
+            self._out = MetricsWriter(self.cfg.metrics_out, keep_steps_before=start,
+                                      append=self.restart > 0)
         else:
             self._out = _Posted(self.client)
         return self._out

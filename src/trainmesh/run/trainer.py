@@ -162,7 +162,7 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
                           LocalSteps(engine, dataset, seed=cfg.seed, global_batch=cfg.global_batch,
                                      device=device, tokens=tokens, records=lambda start: _open_metrics(
                                          cfg, start, mesh.world_size, rank0)))
-    start = (_resume(cfg, engine) if policy.resumes() else 0) + 1
+    start = (_resume(cfg, engine, clean=policy_of is None) if policy.resumes() else 0) + 1
     setup_mem = memory_now(device)
     metrics = policy.records(start)
     elastic_run = p.min_dp is not None   # the world size can change: recorded per step
@@ -315,13 +315,14 @@ def _prune(cfg: TrainConfig, engine: Engine, written: Path) -> None:
         prune(cfg.save_dir, cfg.keep_last, protect=written)
 
 
-def _resume(cfg: TrainConfig, engine: Engine) -> int:
+def _resume(cfg: TrainConfig, engine: Engine, *, clean: bool = True) -> int:
     """The last step already done: from the newest checkpoint when resuming (asked for with
     --resume, or implied by an elastic restart: a failed worker, or a node lost or joining,
-    restarts every worker of the job), else 0."""
+    restarts every worker of the job), else 0. ``clean``: remove what interrupted saves left
+    (not a fault-tolerant replica: a peer may be writing; its launcher cleans on one host)."""
     restarted = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
                  or bool(cfg.save_dir and same_job(cfg.save_dir)))   # a node lost or joined
-    if cfg.save_dir and engine.mesh.rank == 0:   # this run holds the --save-dir lock
+    if cfg.save_dir and engine.mesh.rank == 0 and clean:   # this run holds the --save-dir lock
         for path in remove_stale_tmp(Path(cfg.save_dir)):
             log.info("trainmesh: removed %s, left by an interrupted save", path)
     if not cfg.save_dir or not (cfg.resume or restarted):
