@@ -1,6 +1,6 @@
 """--fault-tolerant with everything on, on one host: checkpoints (async), evaluation, TensorBoard
-and a trace on a mixture-of-experts model; context parallelism and tensor parallelism with
-sequence parallelism inside each replica; fp16, its loss scaler agreed across replicas. A
+and a trace on a mixture-of-experts model; context parallelism in fp16 (its loss scaler agreed
+across replicas) and tensor parallelism with sequence parallelism inside each replica. A
 replica is SIGKILLed mid-run in each; the others are never restarted and every step equals
 the single process with the same flags. The checkpoints written through the fault resume at
 plain --dp 1 and continue the same curve."""
@@ -61,39 +61,28 @@ def test_checkpoints_eval_board_trace_moe_through_a_fault(reference_run, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("layout", [["--cp", "2"], ["--tp", "2", "--sequence-parallel"]],
-                         ids=["cp2", "tp2-sp"])
-def test_parallelism_inside_each_replica(layout, reference_run, tmp_path, monkeypatch):
-    """Replicas of 2 ranks (a CP group; a TP group with sequence parallelism): rank 1 of
-    replica 1 is SIGKILLed at step 4 just before the all-reduce across replicas; replicas 0 and
-    2 redo it (4 + 4 rows), replica 1's agent restarts both its ranks, which copy their live
-    state at step 7."""
-    ref = reference_run(one_process())
+@pytest.mark.parametrize("layout, precision", [(["--cp", "2"], "fp16"),
+                                               (["--tp", "2", "--sequence-parallel"], "fp32")],
+                         ids=["cp2-fp16", "tp2-sp"])
+def test_parallelism_inside_each_replica(layout, precision, reference_run, tmp_path, monkeypatch):
+    """Replicas of 2 ranks (a CP group in fp16; a TP group with sequence parallelism): rank 1 of
+    replica 1 is SIGKILLed at step 4 just before the sums across replicas; replicas 0 and 2 redo
+    it (4 + 4 rows), replica 1's agent restarts both its ranks, which copy their live state at
+    step 7. fp16 starts at the default scale 2^16, so the first steps overflow and back off,
+    across the fault: every step's skip and scale are the single process's (the replicas decide
+    on the gradient summed across them; one deciding on its own gradient disagrees with its
+    peers, which the coordinator refuses), and the rejoining replica takes its source's scaler."""
+    base = [*SMALL, "--optimizer", "adamw"]
+    ref = reference_run(one_process() if precision == "fp32" else [*base, "--precision", precision])
     monkeypatch.setenv("TRAINMESH_FT_INJECT", "1/1@4,1.1@7:join,0@7:hold")
-    proc, records = run_train([*SMALL, "--optimizer", "adamw", *FT, *layout, "--exit-after", "9"],
+    proc, records = run_train([*base, *FT, *layout, "--precision", precision, "--exit-after", "9"],
                               tmp_path, timeout=420)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _same_curve(ref, records, 9)
     assert [r["replicas"] for r in steps(records)] == [3] * 3 + [2] * 3 + [3] * 3
     _survivors_kept(records, ranks=2)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(480)
-def test_fp16_loss_scale_agreed_through_a_fault(reference_run, tmp_path, monkeypatch):
-    """fp16 from the default scale 2^16: the first steps overflow and back off. Replica 2 is
-    SIGKILLed at step 4 (inside the scale search) and rejoins at step 8 with the scaler of its
-    source. Every step's skip and loss scale are the single process's (the replicas decide on
-    the gradient summed across them: a replica deciding on its own gradient disagrees with its
-    peers, which the coordinator refuses), and so is the curve."""
-    ref = reference_run([*SMALL, "--optimizer", "adamw", "--precision", "fp16", "--steps", "12"])
-    monkeypatch.setenv("TRAINMESH_FT_INJECT", "2@4,2.1@8:join,0@8:hold")
-    proc, records = run_train([*SMALL, "--optimizer", "adamw", "--precision", "fp16", "--steps",
-                               "12", *FT], tmp_path, timeout=420)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got, want = steps(records), steps(ref)
-    assert [(r["skipped"], r["loss_scale"]) for r in got] == \
-        [(r["skipped"], r["loss_scale"]) for r in want]
-    assert any(r["skipped"] for r in got[:4]) and not got[-1]["skipped"]
-    _same_curve(ref, records, 12)
-    assert [r["replicas"] for r in got] == [3] * 3 + [2] * 4 + [3] * 5
+    if precision == "fp16":
+        got, want = steps(records), steps(ref)[:9]
+        assert [(r["skipped"], r["loss_scale"]) for r in got] == \
+            [(r["skipped"], r["loss_scale"]) for r in want]
+        assert any(r["skipped"] for r in got[:4]), got

@@ -215,10 +215,12 @@ def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], Non
     apply_env(env)
     if setup is not None:
         setup()
-    from trainmesh.run.ft_steps import ReplicaRankLost, ft_worker_main
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from trainmesh.run.ft_steps import ReplicaRankLost
     try:
-        code = ft_worker_main(cfg, replica, address, launcher_id,
-                              own_records=cfg.coordinator is not None)
+        code = record(ft_worker_main)(cfg, replica, address, launcher_id,
+                                      own_records=cfg.coordinator is not None)
         run_exit_handlers()   # a forked worker ends with os._exit
         return code
     except ReplicaRankLost as exc:
@@ -227,3 +229,48 @@ def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], Non
     except Exception:
         traceback.print_exc()
         end_process(1)
+
+
+def ft_worker_main(cfg: TrainConfig, replica: int, coordinator: str, launcher_id: str, *,
+                   own_records: bool) -> int:
+    """Rank ``LOCAL_RANK`` of replica ``replica`` of the run whose coordinator serves one of
+    ``coordinator``'s addresses. ``own_records``: the replica writes its own metrics file (a
+    run across hosts), else it posts its records to the coordinator (a run on one host)."""
+    import dataclasses
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from trainmesh.core.distributed import pick_device
+    from trainmesh.core.stores import STORE_ENV, client_store
+    from trainmesh.fault_tolerance.replica import QuorumClient
+    from trainmesh.run.ft_steps import QuorumSteps
+    from trainmesh.run.trainer import _train
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: os._exit(128 + signum))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device = pick_device(cfg.device)
+    ranks, rank = cfg.parallel.replica_ranks, int(os.environ.get("LOCAL_RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    incarnation = f"{launcher_id}.{restart}"
+    client = QuorumClient(coordinator, replica, incarnation, timeout_s=cfg.parallel.timeout_s, rank=rank)
+    # the replica's own group, in this incarnation, over its launcher's store (one rank: alone)
+    store = (dist.HashStore() if ranks == 1 else
+             dist.PrefixStore(f"ft/{replica}/{incarnation}",
+                              client_store(os.environ[STORE_ENV], timeout_s=client.startup_timeout_s)))
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=timeout)
+    try:   # the control group: decisions and commits wait as long as the first quorum may
+        control = (dist.new_group(backend="gloo", timeout=timedelta(seconds=client.startup_timeout_s))
+                   if ranks > 1 else None)
+        local = dataclasses.replace(cfg.parallel, dp=cfg.parallel.replica_dp, dp_shard=None,
+                                    fault_tolerant=False)
+        one = dataclasses.replace(cfg, parallel=local, coordinator=None, replica_id=None,
+                                  replicas=None)
+        return _train(one, device, lambda engine, dataset: QuorumSteps(
+            cfg, engine, dataset, client, replica=replica, restart=restart, control=control,
+            own_records=own_records))
+    finally:
+        client.close()
+        dist.destroy_process_group()

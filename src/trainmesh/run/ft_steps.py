@@ -1,5 +1,5 @@
-"""One replica of a ``--fault-tolerant`` run: its worker's entry point and its step policy
-(docs/FAULT_TOLERANCE.md).
+"""The step policy of one replica of a ``--fault-tolerant`` run (docs/FAULT_TOLERANCE.md; its
+workers start in :func:`trainmesh.run.ft_launch.ft_worker_main`).
 
 A replica is the ranks of one dp index (its cp x pp x tp ranks), or, with ``--dp-shard S`` and
 ZeRO, of the S dp indices of one shard group, under its own elastic agent, in a world of its
@@ -21,22 +21,16 @@ weights.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainmesh.config.train import TrainConfig
-from trainmesh.core.distributed import pick_device
 from trainmesh.core.errors import CommTimeout
-from trainmesh.core.stores import STORE_ENV, client_store
 from trainmesh.core.step import StepResult
 from trainmesh.engine.engine import Engine
 from trainmesh.fault_tolerance.inject import Injector
@@ -45,42 +39,6 @@ from trainmesh.fault_tolerance.replica import CoordinatorRestarted, QuorumClient
 from trainmesh.observe.metrics import MetricsWriter
 from trainmesh.observe.progress import Progress
 from trainmesh.run.steps import Records, StepDone
-
-
-@record
-def ft_worker_main(cfg: TrainConfig, replica: int, coordinator: str, launcher_id: str, *,
-                   own_records: bool) -> int:
-    """Rank ``LOCAL_RANK`` of replica ``replica`` of the run whose coordinator serves one of
-    ``coordinator``'s addresses. ``own_records``: the replica writes its own metrics file (a
-    run across hosts), else it posts its records to the coordinator (a run on one host)."""
-    from trainmesh.run.trainer import _train
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: os._exit(128 + signum))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    device = pick_device(cfg.device)
-    ranks, rank = cfg.parallel.replica_ranks, int(os.environ.get("LOCAL_RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    incarnation = f"{launcher_id}.{restart}"
-    client = QuorumClient(coordinator, replica, incarnation, timeout_s=cfg.parallel.timeout_s, rank=rank)
-    # the replica's own group, in this incarnation, over its launcher's store (one rank: alone)
-    store = (dist.HashStore() if ranks == 1 else
-             dist.PrefixStore(f"ft/{replica}/{incarnation}",
-                              client_store(os.environ[STORE_ENV], timeout_s=client.startup_timeout_s)))
-    timeout = timedelta(seconds=cfg.parallel.timeout_s)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=timeout)
-    try:   # the control group: decisions and commits wait as long as the first quorum may
-        control = (dist.new_group(backend="gloo", timeout=timedelta(seconds=client.startup_timeout_s))
-                   if ranks > 1 else None)
-        local = dataclasses.replace(cfg.parallel, dp=cfg.parallel.replica_dp, dp_shard=None,
-                                    fault_tolerant=False)
-        one = dataclasses.replace(cfg, parallel=local, coordinator=None, replica_id=None,
-                                  replicas=None)
-        return _train(one, device, lambda engine, dataset: QuorumSteps(
-            cfg, engine, dataset, client, replica=replica, restart=restart, control=control,
-            own_records=own_records))
-    finally:
-        client.close()
-        dist.destroy_process_group()
 
 
 class ReplicaRankLost(RuntimeError):
@@ -114,6 +72,7 @@ class QuorumSteps:
         self._across_error = ""
         self.failed = self.degraded = self.reconnected = 0   # what this replica saw
         self.restarted = False   # the coordinator was found restarted during the last attempt
+        self._floor = 0          # the lowest quorum not yet decided without this replica
 
     # ---------------------------------------------------------------- the policy
     def resumes(self) -> bool:
@@ -154,7 +113,7 @@ class QuorumSteps:
                 member = d.has(self.replica, self.client.incarnation)
                 self._note(d, member)
                 if not member:   # left out (the others may commit steps without it): asks into
-                    q = None     # the quorum being collected now, with the step it holds
+                    q, self._floor = None, d.quorum + 1   # the next one, with the step it holds
                     continue
                 if before_step is not None:
                     before_step(d.step)
@@ -200,7 +159,7 @@ class QuorumSteps:
                 if q is None:
                     if self.restart > 0 and first:
                         self.inject.maybe_wait_to_join(self.client.next_step)
-                    q = self.client.next_quorum()
+                    q = max(self.client.next_quorum(), self._floor)
                 asked = q
                 self.inject.maybe_hold(self.engine.step_count + 1,
                                        lambda: self.client.everyone_asked(asked, self.cfg.parallel.replicas))
@@ -211,7 +170,7 @@ class QuorumSteps:
                 return (decision.encode() if decision is not None else None), q, restarted
             except CoordinatorRestarted:   # its quorums start afresh; it may wait for everyone
                 self._drop_group()
-                q, restarted, first = None, True, True
+                q, restarted, first, self._floor = None, True, True, 0
 
     # ---------------------------------------------------------------- one attempt
     def _member(self, d: Decision) -> StepDone | None:
@@ -259,6 +218,8 @@ class QuorumSteps:
             if msg[1] and self.rank != 0:
                 self.client.reconnect()
         self.restarted = bool(msg[1])   # its quorums start afresh: asks into the one it collects
+        if self.restarted:
+            self._floor = 0
         return bool(msg[0])
 
     def _attempt(self, d: Decision, fresh: bool) -> tuple[StepResult | None, dict[str, Any], str]:
