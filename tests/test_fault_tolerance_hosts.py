@@ -73,11 +73,15 @@ def check_replica_file(ref: list[dict], records: list[dict]) -> list[int]:
 def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tmp_path):
     """Three replicas (global batch 8: 3 + 3 + 2 rows). Replica 2's process tree is SIGKILLed
     once it took step 3 and started again (a fresh process: it rejoins by copying the live
-    state). The coordinator dies once it committed step 12 and replica 0 asked into the next
-    quorum (replica 0 applied step 12); replica 1 reads that commit only once the coordinator is
-    gone (it did not apply step 12). The coordinator is started again on the same address: it
-    rebuilds the committed step (12) from the replicas, replica 1 copies the live state, nothing
-    is applied twice, and the run ends with the three replicas."""
+    state). Replica 1 falls silent for twice the heartbeat timeout inside step 5's sums, its
+    connections open (a partition as its peers see it): it is dropped, step 5 redone without
+    it; back, it finds its step abandoned and rejoins by step 9 (replica 0 holds that quorum
+    until everyone asked in) by copying the live state. The coordinator dies once it committed
+    step 12 and replica 0 asked into the next quorum (replica 0 applied step 12); replica 1
+    reads that commit only once the coordinator is gone (it did not apply step 12). The
+    coordinator is started again on the same address: it rebuilds the committed step (12) from
+    the replicas, replica 1 copies the live state again, nothing is applied twice, and the run
+    ends with the three replicas."""
     ref = reference_run(one_process())
     log = open(tmp_path / "stderr.log", "w")   # noqa: SIM115 - a pipe nobody reads fills up
     coordinator = subprocess.Popen(coordinator_argv("127.0.0.1:0", 3), stdout=subprocess.PIPE,
@@ -90,7 +94,7 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
             return subprocess.Popen(replica_argv(TRAIN, address, i, 3, out[i]),
                                     stdout=subprocess.DEVNULL, stderr=log, text=True,
                                     env=_env(inject), start_new_session=True)
-        procs = {0: start(0), 1: start(1, "1@12:late"), 2: start(2)}
+        procs = {0: start(0, "0@9:hold"), 1: start(1, "1@5:pause,1@12:late"), 2: start(2)}
         first = procs[2]
         _wait("replica 2 at step 3", lambda: _step_of(out[2]) >= 3)
         os.killpg(first.pid, signal.SIGKILL)
@@ -116,11 +120,13 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
         taken = check_replica_file(ref, files[i])
         if i == 0:
             assert taken == list(range(1, 21)), taken           # never restarted, never left out
-        if i == 1:
-            assert 12 not in taken and taken[-1] == 20, taken   # it copied step 12's state
+        if i == 1:   # left out from step 5 (back by step 9); it copied step 12's state
+            assert taken[:4] == [1, 2, 3, 4] and 5 not in taken and 9 in taken, taken
+            assert 12 not in taken and taken[-1] == 20, taken
     restarted = [[r["step"] for r in f if r.get("event") == "coordinator"] for f in files]
     assert restarted == [[13], [13], [13]], restarted
     assert steps(files[0])[-1]["replicas"] == 3
+    assert any(q["event"] == "quorum" and q["lost"] == [1] and q["step"] == 5 for q in files[0])
     s0 = next(r for r in files[0] if r["event"] == "summary")
     assert s0["replica"] == 0 and s0["restarts"] == 0 and s0["fault_tolerance"]["coordinator_restarts"] == 1
 

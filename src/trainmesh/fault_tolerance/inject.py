@@ -20,7 +20,9 @@ several ranks, 0 by default): at step K, replica R (its rank J)
 - ``report``: SIGKILLs itself after its all-reduce across replicas went through, before
   reporting its outcome (the others' attempts succeeded, the step is discarded);
 - ``late``: after reporting its outcome of step K, waits until the coordinator is gone (at most
-  :data:`HOLD_S`) before reading the commit (the others may have read and applied it).
+  :data:`HOLD_S`) before reading the commit (the others may have read and applied it);
+- ``pause``: just before its sums across replicas, stops beating and sleeps :data:`PAUSE_S`,
+  its connections open (a partition, as the others see it: silent, not gone).
 
 ``coordinator@K`` makes the coordinator SIGKILL itself once it committed step K and a replica
 asked into the next quorum (that replica applied step K).
@@ -36,7 +38,9 @@ from collections.abc import Callable
 
 from .protocol import INJECT_ENV, POLL_S
 
-POINTS = ("reduce", "fail", "send", "recv", "hold", "join", "report", "late", "commit")
+POINTS = ("reduce", "fail", "send", "recv", "hold", "join", "report", "late", "commit", "pause")
+PAUSE_S = 4.0
+"""Twice the heartbeat timeout: the others drop the replica and go on before it returns."""
 COORDINATOR = -1
 """The replica field of ``coordinator@K`` entries."""
 HOLD_S = 120.0
@@ -83,6 +87,13 @@ class Injector:
             deadline = time.monotonic() + HOLD_S
             while not everyone_asked() and time.monotonic() < deadline:
                 time.sleep(POLL_S)
+
+    def maybe_pause(self, step: int, silence: Callable[[float], None]) -> None:
+        """``pause``: ``silence(seconds)`` stops the heartbeat; then sleep as long."""
+        if (step, "pause") in self.at:
+            self.at.discard((step, "pause"))
+            silence(PAUSE_S)
+            time.sleep(PAUSE_S)
 
     def maybe_wait_until(self, step: int, point: str, condition: Callable[[], bool]) -> bool:
         """``late`` (and the coordinator's ``commit``): wait until ``condition()`` (bounded);

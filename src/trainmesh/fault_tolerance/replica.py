@@ -107,6 +107,7 @@ class QuorumClient:
         self._lock = threading.Lock()
         self.store = self._find(time.monotonic() + startup_timeout_s)
         self._stop = threading.Event()
+        self._silent_until = 0.0
         if rank == 0:
             self._beat_store = self.store_like()
             self._beat_store.set(key("hb", replica), f"{incarnation}:0")
@@ -160,6 +161,8 @@ class QuorumClient:
         n, store = 0, self._beat_store
         while not self._stop.wait(HEARTBEAT_S):
             n += 1
+            if time.monotonic() < self._silent_until:
+                continue
             try:
                 store.set(key("hb", self.replica), f"{self.incarnation}:{n}")
             except (RuntimeError, OSError):
@@ -171,6 +174,10 @@ class QuorumClient:
 
     def close(self) -> None:
         self._stop.set()
+
+    def silence(self, seconds: float) -> None:
+        """Tests: stop beating for ``seconds`` (the coordinator loses sight of this replica)."""
+        self._silent_until = time.monotonic() + seconds
 
     def local_address(self) -> str:
         """This host's address on the route to the coordinator (where group j listens)."""
@@ -260,15 +267,17 @@ class QuorumClient:
         self.wait_work(work, q)   # a member lost while connecting: abandoned, not --timeout
         return made[0]
 
-    def wait_work(self, work: Any, q: int) -> None:
+    def wait_work(self, work: Any, q: int, group: Any = None) -> None:
         """Until the cross-replica op ``work`` of quorum ``q`` completes (waited for on a
         helper thread: gloo's point-to-point ops say they are complete only once waited for);
         raises (leaving it behind: it writes into a buffer nobody reads again, and ends at the
         group's timeout) once the coordinator abandons the quorum, so a member cut off the
-        network stalls the others no longer than its heartbeat timeout, not ``--timeout``."""
+        network stalls the others no longer than its heartbeat timeout, not ``--timeout``.
+        The helper holds ``group`` until the op ends: a gloo group destroyed with an op in
+        flight waits for it, and whoever drops the group must not."""
         done, failed = threading.Event(), []
 
-        def waiter() -> None:
+        def waiter(held: Any = group) -> None:   # noqa: ARG001 - held until the op ends
             try:
                 work.wait()
             except BaseException as exc:   # noqa: BLE001 - raised on the caller's thread
@@ -296,7 +305,7 @@ class QuorumClient:
         for r in decision.receivers:
             dst = decision.replicas.index(r)
             for i, buf in enumerate(flat):
-                self.wait_work(pg.send([buf], dst, i), decision.quorum)
+                self.wait_work(pg.send([buf], dst, i), decision.quorum, pg)
 
     def recv_state(self, pg: Any, decision: Decision, params: list[tuple[str, torch.Tensor]]
                    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
@@ -308,7 +317,7 @@ class QuorumClient:
                   + [(torch.Size(shape), getattr(torch, dtype)) for _, _, shape, dtype in header["optim"]])
         src = decision.replicas.index(decision.source)
         tensors = _unflatten(shapes, lambda i, buf: self.wait_work(pg.recv([buf], src, i),
-                                                                   decision.quorum))
+                                                                   decision.quorum, pg))
         got_params = {name: t for (name, _), t in zip(params, tensors)}
         optim: dict[str, dict[str, torch.Tensor]] = {}
         for (name, k, _, _), t in zip(header["optim"], tensors[len(params):]):

@@ -277,8 +277,9 @@ class QuorumSteps:
                     first[0] = False
                     self.inject.maybe_die(d.step, "reduce")
                     self.inject.maybe_fail(d.step)
+                    self.inject.maybe_pause(d.step, self.client.silence)
                 buf = t.detach().to("cpu", copy=True)
-                self.client.wait_work(self.pg.allreduce([buf]), d.quorum)
+                self.client.wait_work(self.pg.allreduce([buf]), d.quorum, self.pg)
                 t.copy_(buf)
             except Exception as exc:   # noqa: BLE001 - as above
                 self._across_error = self._failed(exc)
@@ -298,7 +299,8 @@ class QuorumSteps:
 
     # ---------------------------------------------------------------- failures
     def _drop_group(self) -> None:
-        self.pg = None   # its pending ops time out on their own; nothing waits for them
+        """Its ops left behind time out on their own, holding it until then (nothing waits)."""
+        self.pg = None
 
     def _failed(self, exc: Exception) -> str:
         """A part involving other replicas failed on this rank: drop the group."""
