@@ -7,6 +7,8 @@
   test session and shared by every module that compares a layout with them (keyed by their
   arguments).
 * :func:`metrics_path` — a fresh metrics file path under the test's tmp dir.
+* :func:`observed_run` — runs of every layout and mode with every observation on (tests/observed.py),
+  once per session.
 
 Tests that start processes or take more than a few seconds carry ``@pytest.mark.slow``; the
 fast tier is ``pytest -m "not slow"``.
@@ -93,4 +95,29 @@ def reference_run(tmp_path_factory) -> Callable[..., list[dict]]:
                         path.write_text(json.dumps(run(key, timeout)))
                 cache[key] = json.loads(path.read_text())
         return copy.deepcopy(cache[key])   # a test may edit its records
+    return get
+
+
+@pytest.fixture(scope="session")
+def observed_run(tmp_path_factory) -> Callable[[str], Path]:
+    """``observed_run(name)``: the directory of the run ``name`` of tests/observed.py (its
+    metrics, console, checkpoints, TensorBoard), run at most once per session; with
+    pytest-xdist, once for all its workers (under a lock, as :func:`reference_run`)."""
+    from observed import run_observed
+    root = (tmp_path_factory.getbasetemp().parent / "observed"
+            if os.environ.get("PYTEST_XDIST_WORKER") else tmp_path_factory.mktemp("observed"))
+    root.mkdir(exist_ok=True)
+
+    def get(name: str) -> Path:
+        out, failed = root / name, root / f"{name}.failed"
+        with open(root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # the other workers wait for this one
+            if not (out / "run.jsonl").exists() and not failed.exists():
+                try:
+                    run_observed(name, out)
+                except Exception as exc:   # noqa: BLE001 - recorded for every worker
+                    failed.write_text(str(exc))
+        if failed.exists():
+            raise AssertionError(failed.read_text())
+        return out
     return get

@@ -6,13 +6,15 @@ address and hostname.
         p = h0.popen([sys.executable, "-m", "trainmesh", ...], env=...)
         hosts[2].link_down(); hosts[2].link_up()     # a partition of one host, then its return
         h0.listening()                      # (address, port) of this host's listening TCP sockets
+        h0.pids(); h0.kill_all()            # every process inside the host's namespace
 
 Each host is a namespace with loopback and one veth whose peer sits on a bridge inside a
 private switch namespace; ``/etc/netns/<ns>/hosts`` names every host (and the host's own name
 resolves to its LAN address, as on a real cluster). Commands run under ``unshare --uts`` with the
 host's hostname. Names and the subnet are unique per SimHosts, so concurrent tests never collide;
 everything made is removed on exit (the namespaces, their veths, the hosts files) and every
-process started through :meth:`SimHost.popen` still alive is killed first. Only the namespaces'
+process started through :meth:`SimHost.popen` still alive is killed first, then whatever else
+still runs inside the hosts' namespaces. Only the namespaces'
 own addresses and loopback are used.
 """
 from __future__ import annotations
@@ -102,6 +104,21 @@ class SimHost:
                     pass
 
 
+    def pids(self) -> list[int]:
+        """Every process inside this host's namespace (whoever started it: also the processes
+        daemons such as slurmd fork)."""
+        out = _ip("netns", "pids", self.ns, check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def kill_all(self, sig: int = signal.SIGKILL) -> None:
+        """Every process inside this host's namespace (:meth:`pids`)."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 class SimHosts:
     """``n`` simulated hosts on one switch (module docstring)."""
 
@@ -158,6 +175,7 @@ class SimHosts:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
+            host.kill_all()   # what escaped the process groups (daemons' children), in its namespace
         for ns in reversed(self._made):     # deleting a namespace deletes its veth ends
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)

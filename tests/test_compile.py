@@ -93,3 +93,61 @@ def test_a_model_without_layers_is_refused():
     from trainmesh.engine.compile import compile_layers
     with pytest.raises(ConfigError, match="--compile"):
         compile_layers(torch.nn.Linear(4, 4), "cpu")
+
+
+CP_STEPS = 4
+CP_FIRST_STEP_FRAMES = 10
+"""Frames dynamo may compile in the first step of the cp2 GPT: one per distinct layer (the
+blocks share theirs) and one per resumption after a graph break (the attention core, run
+eagerly); observed 7. Traced into the ring, dynamo compiled 29 in the first step and more in
+every step after it (recompiled at the recompile limit)."""
+
+
+def _cp_compiled() -> dict:
+    """cp 2 with --compile through the Python API, CP_STEPS AdamW steps; dynamo's counters of
+    compiled frames after each step; rank 0 also runs the same steps eagerly in one process.
+    The layers compile with the aot_eager backend: dynamo's capture (what recompiles) is the
+    same as inductor's, without inductor's C++ build (minutes on a loaded CPU)."""
+    import functools
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from trainmesh import Engine, ParallelConfig, ParallelMesh
+    from trainmesh.data.corpus import SyntheticCorpus
+    from trainmesh.models.gpt import GPT, GPTConfig
+    torch.compile = functools.partial(torch.compile, backend="aot_eager")
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+    corpus = SyntheticCorpus(64, 16)
+
+    def engine(config, mesh=None):
+        return Engine(GPT(cfg, seed=3), lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda m, b: m(**b),
+                      config, mesh=mesh)
+    cp = engine(ParallelConfig(cp=2, compile=True))
+    out = {"losses": [], "frames": []}
+    for k in range(CP_STEPS):
+        out["losses"].append(cp.train_step(corpus.batch(5, k, 4)))
+        out["frames"].append(counters["frames"]["total"])
+    if cp.mesh.rank == 0:
+        one = engine(ParallelConfig(), ParallelMesh(local=True))
+        out["eager"] = [one.train_step(corpus.batch(5, k, 4)) for k in range(CP_STEPS)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp_compiles_once_and_matches_one_process():
+    """Bug: dynamo traces into the ring exchange (its hops and collectives): a recompilation
+    storm on every rank, new frames compiled at every step (planted: 29 frames in the first
+    step, one more every step)."""
+    from tolerances import LOSS_ABS
+
+    from trainmesh.testing import run_distributed
+    res = run_distributed(_cp_compiled, 2, timeout_s=560)
+    for rank, r in res.items():
+        frames = r["frames"]
+        assert frames[0] <= CP_FIRST_STEP_FRAMES, f"rank {rank}: {frames[0]} frames compiled in step 1"
+        assert frames[-1] == frames[0], f"rank {rank}: recompiled after the first step: {frames}"
+        assert r["losses"] == res[0]["losses"], (rank, r["losses"], res[0]["losses"])
+    for got, want in zip(res[0]["losses"], res[0]["eager"]):
+        assert abs(got - want) <= LOSS_ABS, (res[0]["losses"], res[0]["eager"])

@@ -116,6 +116,26 @@ def test_ring_equals_causal_attention_float64(cp, mode):
         assert err <= atol, f"cp {cp} {mode}: {name} max error {err:.3e} > {atol:.3e}"
 
 
+@pytest.mark.parametrize("fused", [False, True] if fused_available(torch.device("cpu")) else [False])
+def test_grouped_query_ring_equals_causal_attention(fused):
+    """k/v with fewer heads than q (each serving 2 query heads, as Hugging Face's repeat_kv):
+    the ring passes them at their own head count; dK/dV sum over the heads each serves. Bug:
+    the k/v heads repeated in another order (tiled) than the query heads' groups."""
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.float32 if fused else torch.float64
+    q, dout = (torch.randn(2, 4, 16, 8, generator=g, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=g, dtype=dtype) for _ in range(2))
+    want = [t.clone().double().requires_grad_() for t in (q, k, v)]
+    ref = reference(want[0], *(t.repeat_interleave(2, dim=1) for t in want[1:]))
+    ref.backward(dout.double())
+    got = run_ring(q, k, v, dout, 2, "ring", fused=fused)
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, [ref.detach()] + [t.grad for t in want]):
+        if fused:
+            assert_fp32_close(a, w, scale=scale_of([w]), terms=q.shape[2], what=name)
+        else:
+            assert float((a - w).abs().max()) <= fp64_atol(scale_of([w]), q.shape[2]), name
+
+
 @pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no fused CPU kernel with lse")
 def test_ring_with_fused_blocks_equals_causal_attention():
     q, k, v, dout = _inputs(16)
@@ -210,9 +230,11 @@ def test_planner_divides_activations_by_cp_and_adds_the_ring():
 
 
 def test_planner_recommends_cp_when_activations_fit_no_other_way():
-    """`trainmesh plan --model llama3-8b --seq-len 131072 --gpus 8 --gpu h100`."""
+    """A 524,288-token sequence on 32 GPUs of 80 GB (at 131,072 tokens tp 8 with full recompute
+    already holds it: full recompute keeps only the layer inputs)."""
     from trainmesh.planner import Cluster, ModelShape, plan
-    result = plan(ModelShape(**LLAMA3_8B, seq_len=131072), Cluster(gpus=8, gpu_mem_bytes=80 * 10**9))
+    result = plan(ModelShape(**LLAMA3_8B, seq_len=524288), Cluster(gpus=32, gpu_mem_bytes=80 * 10**9),
+                  global_batch=4)
     assert result.recommended.layout.cp > 1 and result.recommended.fits
     assert not any(c.fits for c in result.candidates if c.layout.cp == 1)
     assert "context parallelism" in result.why

@@ -198,12 +198,6 @@ def test_cli_cp2_matches_one_process_and_its_traffic_formula(reference, tmp_path
     check_prediction(args, done)
 
 
-def test_cp_with_a_model_dir_exits_2(capsys, tmp_path):
-    from helpers import assert_refused
-    (tmp_path / "config.json").write_text("{}")
-    assert_refused(capsys, ["train", "--model-dir", str(tmp_path), "--cp", "2"], "--cp")
-
-
 def test_seq_len_not_divisible_by_2cp_exits_2(capsys):
     from helpers import assert_refused
     assert_refused(capsys, ["train", *BASE[:6], "--seq-len", "12", "--cp", "4"], "--seq-len")

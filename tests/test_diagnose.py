@@ -48,12 +48,8 @@ def test_exchange_is_bounded_when_the_store_stops_answering(monkeypatch):
     import threading
     import time
 
-    from trainmesh.comm.diagnose import (
-        CALL_TIMEOUT_S,
-        STORE_ENV,
-        exchange,
-        silent_ranks,
-    )
+    from trainmesh.comm.diagnose import CALL_TIMEOUT_S, exchange, silent_ranks
+    from trainmesh.core.stores import STORE_ENV
     mine = [(1, "all_reduce", "dp", (6,))]
     with socket.socket() as stalled:
         stalled.bind(("127.0.0.1", 0))
@@ -74,7 +70,8 @@ def test_exchange_through_the_launchers_store(monkeypatch):
     """Ranks publish and collect through a store hosted outside the workers."""
     from datetime import timedelta
 
-    from trainmesh.comm.diagnose import STORE_ENV, exchange
+    from trainmesh.comm.diagnose import exchange
+    from trainmesh.core.stores import STORE_ENV
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=10))
     monkeypatch.setenv(STORE_ENV, f"127.0.0.1:{store.port}")

@@ -79,7 +79,7 @@ def test_resumed_run_continues_and_its_summary_has_no_nan(runs):
 def test_console_says_what_ran_and_what_was_written(runs):
     proc, _ = runs["first"]
     out, err = proc.stdout, proc.stderr
-    assert "{'dp'" not in out and "on 2 processes (cpu): dp 2 x pp 1 x tp 1" in out
+    assert "{'dp'" not in out and "on 2 processes (cpu): dp 2 x cp 1 x pp 1 x tp 1" in out
     assert "eval loss" in out and "done in" in out and " MiB" in out
     assert err.count("warning: --warmup-steps 20 >= --steps 4") == 1   # one line, rank 0 only
     wrote = err[err.index("trainmesh: wrote"):]

@@ -185,8 +185,9 @@ def test_family_under_tp2_with_its_declared_plan(world2, kind):
 
 
 def test_declared_styles_map_or_are_refused():
-    """A declared style trainmesh cannot map (Mixtral's experts) is a ConfigError naming
-    tp_plan=; Phi-3's fused projections get their parts, grouped-query sizes included."""
+    """A declared style trainmesh cannot map is a ConfigError naming tp_plan=; Phi-3's fused
+    projections get their parts, grouped-query sizes included; Mixtral's stacked experts are
+    left to tensor_parallel/hf_experts.py (not in the module plan)."""
     from trainmesh import ConfigError
     from trainmesh.tensor_parallel import hf_tp_plan
     plan = hf_tp_plan(family_model("phi3"))
@@ -197,8 +198,13 @@ def test_declared_styles_map_or_are_refused():
     cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                      num_hidden_layers=1, num_attention_heads=4,
                                      num_key_value_heads=2, num_local_experts=2)
-    with pytest.raises(ConfigError, match="moe_tp_experts|packed_colwise") as err:
-        hf_tp_plan(transformers.MixtralForCausalLM(cfg))
+    mixtral = transformers.MixtralForCausalLM(cfg)
+    plan = hf_tp_plan(mixtral)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and not any("experts" in p for p in plan), plan
+    mixtral.config.base_model_tp_plan = {**mixtral.config.base_model_tp_plan,
+                                         "layers.*.self_attn.q_proj": "colwise_rep"}
+    with pytest.raises(ConfigError, match="colwise_rep") as err:
+        hf_tp_plan(mixtral)
     assert err.value.field == "tp_plan"
 
 

@@ -1,31 +1,48 @@
-"""Hugging Face mixture-of-experts directories (Mixtral, Qwen2-MoE) under `trainmesh train`.
+"""Hugging Face mixture-of-experts directories (Mixtral, Qwen2-MoE, Qwen3-MoE) under `trainmesh train`.
 
 transformers holds their experts stacked (``mlp.experts.gate_up_proj``, ``(E, 2h, d)``) and
 ``save_pretrained`` writes them one expert at a time (Mixtral ``block_sparse_moe.experts.{e}.w1``,
 Qwen2-MoE ``mlp.experts.{e}.gate_proj``); trainmesh reads and exports them through transformers'
-own conversion mapping. Tiny random models saved with ``save_pretrained`` (the Qwen one with 12
-experts, so a file order that sorts expert 10 before expert 2 shows) are trained by one real
-`python -m trainmesh train` launch each — Mixtral at dp 2 ZeRO-3, Qwen2-MoE at dp 2 ZeRO-2 with
-2 microbatches — and compared with plain PyTorch training of the model ``from_pretrained`` loads:
-the same batches, AdamW, warm-up and clipping, loss within LOSS_ABS and grad norm within
-NORM_REL every step. The HF load-balancing loss is left out on both sides (trainmesh's loss is
-the exact mean cross-entropy over the global batch). The Mixtral checkpoint resumes at dp 1 on
-the reference's curve; both checkpoints export to directories ``from_pretrained`` loads with
-exactly the checkpoint's tensors, written under the names ``save_pretrained`` writes.
+own conversion mapping. Tiny random models saved with ``save_pretrained`` (the Qwen2 one with 12
+experts, so a file order that sorts expert 10 before expert 2 shows), asking for their router's
+aux loss (``output_router_logits``, ``router_aux_loss_coef``), are trained by real
+`python -m trainmesh train` launches, one per layout:
+
+- Mixtral and Qwen3-MoE at ``--dp 2 --ep 2``, ``--dp 2 --zero 3 --ep 2`` (experts spread over ep
+  from ``base_model_ep_plan``, tokens dispatched by all-to-all) and ``--tp 2`` (the stacked
+  experts split by ``base_model_tp_plan``'s ``packed_colwise``/``rowwise``/``moe_tp_experts``);
+- Qwen2-MoE (a gated shared expert, dense) at ``--dp 2 --tp 2 --ep 2 --zero 2 --microbatches 2``
+  (the experts spread over ep and whole on every TP rank, the attention split over tp).
+
+Each is compared, every step, with the single process (the engine `trainmesh train` builds at
+one process, run here): loss within LOSS_ABS, grad norm within NORM_REL, and the router aux loss
+(``moe.aux_loss``) within LOSS_ABS — the same number under every layout. The single process is
+compared the same way with plain PyTorch on the model ``from_pretrained`` loads: the same
+batches, AdamW, warm-up and clipping, the objective cross-entropy + ``router_aux_loss_coef`` x the
+mean over sequences of transformers' own ``load_balancing_loss_func`` on each sequence. The
+ZeRO-3 ep checkpoints resume at dp 1 on the single process's curve; the checkpoints export to
+directories ``from_pretrained`` loads with exactly the checkpoint's tensors, under the names
+``save_pretrained`` writes.
 
 Planted bugs this module catches (each seen failing with an assertion): experts ordered as
-strings (expert 10 read as expert 2: ``test_weights_read_...`` and the Qwen run's loss, off by
+strings (expert 10 read as expert 2: ``test_weights_read_...`` and the Qwen2 run's loss, off by
 4.7e-2 at step 1); the router's routing weights detached (the runs stop: the engine names the
-router weights as receiving no gradient); the export writing the stacked names (key set).
+router weights as receiving no gradient); the export writing the stacked names (key set);
+experts reduced over dp instead of edp (the Mixtral ep run: grad norm 1.1e-3 relative at step
+1, loss 1.3e-2 at step 2); the shared expert placed as a routed expert, reduced over edp (the
+Qwen2 run: grad norm 1.9e-3 relative at step 1); the aux loss formed over a rank's batch, not
+per sequence, or left out of the gradient (the single process against plain PyTorch: aux 8.4 vs
+2.2, or the grad norm, at step 1).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import run_train, steps, summary
-from tolerances import LOSS_ABS, NORM_REL
+from tolerances import LOSS_ABS, NORM_REL, fp32_atol, scale_of
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -34,12 +51,25 @@ STEPS, SEQ, BATCH = 4, 16, 4
 SCHEDULE = STEPS + 2          # the runs stop after STEPS of a SCHEDULE-step schedule (resumed later)
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
-              pad_token_id=0, tie_word_embeddings=False, num_experts_per_tok=2)
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")    # read and written; the first two trained
-LAYOUTS = {"mixtral": ["--dp", "2", "--zero", "3"],
-           "qwen2_moe": ["--dp", "2", "--zero", "2", "--microbatches", "2"]}
+              pad_token_id=0, tie_word_embeddings=False, num_experts_per_tok=2,
+              output_router_logits=True, router_aux_loss_coef=0.05)
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+LAYOUTS = {"mixtral ep": ["--dp", "2", "--ep", "2"],
+           "mixtral zero3 ep": ["--dp", "2", "--zero", "3", "--ep", "2"],
+           "mixtral tp": ["--tp", "2"],
+           "qwen3_moe ep": ["--dp", "2", "--ep", "2"],
+           "qwen3_moe zero3 ep": ["--dp", "2", "--zero", "3", "--ep", "2"],
+           "qwen3_moe tp": ["--tp", "2"],
+           "qwen2_moe tp ep zero2": ["--dp", "2", "--tp", "2", "--ep", "2", "--zero", "2",
+                                     "--microbatches", "2"]}
+SAVED = ("mixtral zero3 ep", "qwen3_moe zero3 ep", "mixtral tp", "qwen2_moe tp ep zero2")
+"""The runs that save a checkpoint (resumed, exported)."""
 BASE = ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--steps", str(SCHEDULE),
         "--warmup-steps", "1", "--lr", "0.01", "--seed", "3"]
+
+
+def _kind(run: str) -> str:
+    return run.split()[0]
 
 
 def moe_model(kind: str) -> torch.nn.Module:
@@ -82,10 +112,23 @@ def _config(directory: str, flags: list[str]):
         ["train", "--model-dir", directory, *BASE, *flags]), True))
 
 
-def _reference(directory: str) -> list[tuple[float, float]]:
-    """Plain PyTorch on the model ``from_pretrained`` loads: [(loss, grad norm)] per step."""
-    from trainmesh import causal_lm_loss
+def _data(cfg):
     from trainmesh.data.corpus import make_datasets
+    return make_datasets(cfg.data, vocab_size=cfg.vocab_size, seq_len=SEQ, held_out=False)[0]
+
+
+def _sequence_aux(model, router_logits) -> torch.Tensor:
+    """transformers' own load-balancing loss of the model's family, on each sequence alone
+    (the MoE layers' logits of its tokens), averaged over the batch."""
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    per_sequence = [balance(tuple(layer.view(BATCH, SEQ, -1)[b] for layer in router_logits),
+                            model.num_experts, model.num_experts_per_tok) for b in range(BATCH)]
+    return torch.stack(per_sequence).mean()
+
+
+def _reference(directory: str) -> list[tuple[float, float, float]]:
+    """Plain PyTorch on the model ``from_pretrained`` loads: [(cross-entropy, grad norm, aux)]
+    per step, the objective cross-entropy + router_aux_loss_coef x aux."""
     from trainmesh.run.optimizers import no_decay
     from trainmesh.run.schedule_lr import warmup_cosine
     cfg = _config(directory, [])
@@ -96,94 +139,130 @@ def _reference(directory: str) -> list[tuple[float, float]]:
     opt = torch.optim.AdamW([{"params": ps, "weight_decay": wd} for wd, ps in groups.items()],
                             lr=cfg.peak_lr, betas=(0.9, 0.95))
     sched = warmup_cosine(opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-    data, _ = make_datasets(cfg.data, vocab_size=cfg.vocab_size, seq_len=SEQ, held_out=False)
+    data = _data(cfg)
     curve = []
     for step in range(1, SCHEDULE + 1):
-        loss_sum, count = causal_lm_loss(model, data.batch(cfg.seed, step, BATCH))
-        (loss_sum / count).backward()
+        batch = data.batch(cfg.seed, step, BATCH)
+        out = model(input_ids=batch["input_ids"], output_router_logits=True)
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch["labels"].flatten())
+        aux = _sequence_aux(model, out.router_logits)
+        (loss + model.config.router_aux_loss_coef * aux).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.parallel.grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad()
-        curve.append(((loss_sum / count).item(), float(norm)))
+        curve.append((loss.item(), float(norm), aux.item()))
+    return curve
+
+
+def _one_process(directory: str, first: int = 1, checkpoint: str | None = None
+                 ) -> list[tuple[float, float, float]]:
+    """The engine `trainmesh train` builds at one process (here, in this process), from step
+    ``first`` (after loading ``checkpoint``) to the end of the schedule."""
+    from trainmesh.core.mesh import ParallelMesh
+    from trainmesh.run.trainer import build_engine
+    cfg = _config(directory, [])
+    engine = build_engine(cfg, torch.device("cpu"), ParallelMesh(local=True))
+    if checkpoint is not None:
+        engine.load(checkpoint)
+    data = _data(cfg)
+    curve = []
+    for step in range(first, SCHEDULE + 1):
+        loss = engine.train_step(data.batch(cfg.seed, step, BATCH))
+        curve.append((loss, engine.last["grad_norm"], engine.last["moe"]["aux_loss"]))
     return curve
 
 
 @pytest.fixture(scope="module")
+def references(dirs) -> dict[str, dict]:
+    """Per family: plain PyTorch and the single process."""
+    return {kind: {"plain": _reference(dirs[kind]), "one": _one_process(dirs[kind])} for kind in FAMILIES}
+
+
+@pytest.fixture(scope="module")
 def runs(dirs, tmp_path_factory) -> dict[str, dict]:
-    """One `trainmesh train` launch per family, and its reference."""
+    """One `trainmesh train` launch per layout (the SAVED ones with a checkpoint)."""
     out = {}
-    for kind, layout in LAYOUTS.items():
-        tmp = tmp_path_factory.mktemp(kind)
-        save = str(tmp / "ckpt")
-        proc, records = run_train(["--model-dir", dirs[kind], *BASE, *layout, "--save-dir", save,
+    for run, layout in LAYOUTS.items():
+        tmp = tmp_path_factory.mktemp(run.replace(" ", "-"))
+        save = ["--save-dir", str(tmp / "ckpt")] if run in SAVED else []
+        proc, records = run_train(["--model-dir", dirs[_kind(run)], *BASE, *layout, *save,
                                    "--exit-after", str(STEPS)], tmp, timeout=240)
-        out[kind] = {"proc": proc, "records": records, "save": save, "ref": _reference(dirs[kind])}
+        out[run] = {"proc": proc, "records": records, "save": str(tmp / "ckpt")}
     return out
 
 
 def _differences(ref, run, what: str, first: int = 1) -> list[str]:
     out = [] if run else [f"{what}: no steps"]
-    for step, ((a, na), (b, nb)) in enumerate(zip(ref[first - 1:], run), first):
+    for step, ((a, na, xa), (b, nb, xb)) in enumerate(zip(ref[first - 1:], run), first):
         if abs(a - b) > LOSS_ABS:
-            out.append(f"{what} step {step}: loss {b} vs plain PyTorch {a}")
+            out.append(f"{what} step {step}: loss {b} vs {a}")
         if abs(na - nb) > NORM_REL * na:
-            out.append(f"{what} step {step}: grad_norm {nb} vs plain PyTorch {na}")
+            out.append(f"{what} step {step}: grad_norm {nb} vs {na}")
+        if abs(xa - xb) > LOSS_ABS:
+            out.append(f"{what} step {step}: router aux loss {xb} vs {xa}")
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_moe_model_dir_trains_like_plain_pytorch(runs, kind):
-    """Bugs: experts read in another order; the router's gradient dropped."""
-    run = runs[kind]
-    assert run["proc"].returncode == 0, run["proc"].stderr[-3000:]
-    curve = [(r["loss"], r["grad_norm"]) for r in steps(run["records"])]
-    assert len(curve) == STEPS, curve
-    failures = _differences(run["ref"], curve, f"trainmesh train {' '.join(LAYOUTS[kind])}")
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_one_process_trains_like_plain_pytorch(references, kind):
+    """Bugs: the aux loss left out of the gradient, or formed over the batch, not per sequence."""
+    ref = references[kind]
+    failures = _differences(ref["plain"], ref["one"], f"{kind} one process vs plain PyTorch")
     assert not failures, "\n".join(failures)
-    layout = summary(run["records"])["layout"]
-    assert layout["dp"] == 2 and layout["zero"] == int(LAYOUTS[kind][3]), layout
+    assert ref["plain"][0][2] > 1.0, "the aux loss is E * sum f P >= 1: not computed"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_checkpoint_resumes_at_dp1_and_exports_what_from_pretrained_loads(runs, dirs, tmp_path):
+@pytest.mark.parametrize("run", list(LAYOUTS))
+def test_layouts_train_like_one_process(runs, references, run):
+    """Bugs: experts read in another order; the router's gradient dropped; experts reduced over
+    dp, not edp; the shared expert marked as an expert; the aux loss per rank, not per sequence."""
+    result = runs[run]
+    assert result["proc"].returncode == 0, result["proc"].stderr[-3000:]
+    curve = [(r["loss"], r["grad_norm"], r["moe"]["aux_loss"]) for r in steps(result["records"])]
+    assert len(curve) == STEPS, curve
+    failures = _differences(references[_kind(run)]["one"], curve,
+                            f"trainmesh train {' '.join(LAYOUTS[run])} vs one process")
+    assert not failures, "\n".join(failures)
+    layout = summary(result["records"])["layout"]
+    flags = dict(zip(LAYOUTS[run][::2], LAYOUTS[run][1::2]))
+    assert all(layout[f[2:]] == int(v) for f, v in flags.items()), layout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoints_resume_at_dp1_and_export_what_from_pretrained_loads(runs, references, dirs, tmp_path):
     """Bugs: the export writing stacked names (not what save_pretrained writes) or experts in
-    another order; a ZeRO-3 checkpoint of 3-D experts not resuming at dp 1."""
+    another order; a checkpoint of experts split over ep (ZeRO-3) not resuming at dp 1."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from trainmesh.checkpoint.export_hf import export_hf
     from trainmesh.checkpoint.sharded import consolidate
-    from trainmesh.core.mesh import ParallelMesh
-    from trainmesh.data.corpus import make_datasets
-    from trainmesh.run.trainer import build_engine
-    for kind in LAYOUTS:
-        assert runs[kind]["proc"].returncode == 0, runs[kind]["proc"].stderr[-3000:]
-        whole = load_file(str(consolidate(runs[kind]["save"], tmp_path / f"{kind}.safetensors")))
-        exported = export_hf(runs[kind]["save"], tmp_path / f"{kind}-hf")
+    for run in SAVED:
+        assert runs[run]["proc"].returncode == 0, runs[run]["proc"].stderr[-3000:]
+        name = run.replace(" ", "-")
+        whole = load_file(str(consolidate(runs[run]["save"], tmp_path / f"{name}.safetensors")))
+        exported = export_hf(runs[run]["save"], tmp_path / f"{name}-hf")
         with safe_open(str(exported / "model.safetensors"), "pt") as f, \
-                safe_open(str(Path(dirs[kind]) / "model.safetensors"), "pt") as g:
-            assert sorted(f.keys()) == sorted(g.keys()), "export-hf wrote other names than save_pretrained"
+                safe_open(str(Path(dirs[_kind(run)]) / "model.safetensors"), "pt") as g:
+            assert sorted(f.keys()) == sorted(g.keys()), f"{run}: export-hf wrote other names than save_pretrained"
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             str(exported), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         loaded = dict(model.named_parameters())
         assert sorted(loaded) == sorted(whole), (sorted(loaded), sorted(whole))
-        for name, tensor in whole.items():
-            assert torch.equal(loaded[name], tensor), f"{kind}: {name} differs after export-hf"
-    # the Mixtral dp-2 ZeRO-3 checkpoint resumed by one process: the reference's next steps
-    cfg = _config(dirs["mixtral"], [])
-    engine = build_engine(cfg, torch.device("cpu"), ParallelMesh(local=True))
-    engine.load(runs["mixtral"]["save"])
-    data, _ = make_datasets(cfg.data, vocab_size=cfg.vocab_size, seq_len=SEQ, held_out=False)
-    curve = []
-    for step in range(STEPS + 1, SCHEDULE + 1):
-        curve.append((engine.train_step(data.batch(cfg.seed, step, BATCH)), engine.last["grad_norm"]))
-    failures = _differences(runs["mixtral"]["ref"], curve, "dp2 zero3 resumed at dp1", STEPS + 1)
-    assert not failures, "\n".join(failures)
+        for key, tensor in whole.items():
+            assert torch.equal(loaded[key], tensor), f"{run}: {key} differs after export-hf"
+    for run in [r for r in SAVED if r.endswith("zero3 ep")]:   # ep 2 ZeRO-3 -> one process
+        kind = _kind(run)
+        curve = _one_process(dirs[kind], STEPS + 1, runs[run]["save"])
+        failures = _differences(references[kind]["one"], curve, f"{run} resumed at dp1", STEPS + 1)
+        assert not failures, "\n".join(failures)
 
 
 @pytest.mark.timeout(120)
@@ -252,18 +331,38 @@ def test_weights_written_are_what_save_pretrained_writes(dirs, kind):
 
 
 @pytest.mark.timeout(120)
-def test_ep_tp_and_a_missing_expert_exit_2(dirs, tmp_path, capsys):
-    """--ep with --model-dir, --tp for a mixture of experts, and a file lacking one expert
-    exit 2 naming the flag, before any worker starts; the Python API refuses tp by its plan."""
+def test_layouts_a_plan_cannot_honour_and_a_missing_expert_exit_2(dirs, tmp_path, capsys, monkeypatch):
+    """Before any worker starts, exit 2 in one line naming the flag (and the family where its
+    plan is the reason): --ep not dividing the experts; --ep for a dense model; an expert-parallel
+    or an expert tensor-parallel style trainmesh does not map; a file lacking one expert."""
     from helpers import assert_refused
     from safetensors.torch import load_file, save_file
-
-    import trainmesh as tm
-    from trainmesh import ConfigError
     mix = dirs["mixtral"]
-    base = ["train", "--model-dir", mix, "--seq-len", str(SEQ), "--global-batch", "4"]
-    assert "--ep 1" in assert_refused(capsys, [*base, "--dp", "2", "--ep", "2"], "--ep")
-    assert "mixture of 4 experts" in assert_refused(capsys, [*base, "--tp", "2"], "--tp")
+    base = ["train", "--model-dir", mix, "--seq-len", str(SEQ), "--global-batch", "6"]
+    assert "4 experts" in assert_refused(capsys, [*base, "--dp", "3", "--ep", "3"], "--ep")
+    for flag in (["--cp", "2"], ["--pp", "2"]):     # the aux loss needs a sequence's routing
+        line = assert_refused(capsys, [*base, *flag], flag[0])
+        assert "load-balancing" in line, line
+    dense = tmp_path / "dense"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=SEQ)).save_pretrained(str(dense))
+    capsys.readouterr()                                     # save_pretrained's progress bar
+    line = assert_refused(capsys, ["train", "--model-dir", str(dense), "--seq-len", str(SEQ),
+                                   "--global-batch", "4", "--dp", "2", "--ep", "2"], "--ep")
+    assert "llama" in line and "none" in line, line
+    ep_plan = dict(transformers.MixtralConfig.base_model_ep_plan)
+    monkeypatch.setattr(transformers.MixtralConfig, "base_model_ep_plan",
+                        {**ep_plan, "layers.*.mlp.experts": "ep_router"})
+    line = assert_refused(capsys, [*base, "--dp", "2", "--ep", "2"], "--ep")
+    assert "mixtral" in line and "ep_router" in line, line
+    monkeypatch.setattr(transformers.MixtralConfig, "base_model_ep_plan", ep_plan)
+    tp_plan = dict(transformers.MixtralConfig.base_model_tp_plan)
+    monkeypatch.setattr(transformers.MixtralConfig, "base_model_tp_plan",
+                        {**tp_plan, "layers.*.mlp.experts.down_proj": "packed_rowwise"})
+    line = assert_refused(capsys, [*base, "--tp", "2"], "--tp")
+    assert "mixtral" in line and "packed_rowwise" in line, line
+    monkeypatch.setattr(transformers.MixtralConfig, "base_model_tp_plan", tp_plan)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((Path(mix) / "config.json").read_text())
@@ -273,6 +372,35 @@ def test_ep_tp_and_a_missing_expert_exit_2(dirs, tmp_path, capsys):
     line = assert_refused(capsys, ["train", "--model-dir", str(broken), "--seq-len", str(SEQ),
                                    "--global-batch", "4"], "--model-dir")
     assert "layers.1.mlp.experts.down_proj" in line, line
-    with pytest.raises(ConfigError) as err:
-        tm.hf_tp_plan(moe_model("mixtral"))
-    assert err.value.field == "tp_plan"
+
+
+@pytest.mark.timeout(120)
+def test_sequence_aux_is_transformers_loss_per_sequence_and_splits_over_ranks(dirs):
+    """The per-sequence aux (models/hf_router.py) is transformers' own load_balancing_loss_func
+    on each sequence alone; the same sequences cut in two halves (as two ranks of context
+    parallelism hold them), their counts summed over the halves, give shares that add up to it,
+    with the same gradient. Bug: the rows or counts of one half only."""
+    from trainmesh.models.hf_router import sequence_aux, sequence_routing
+    model = transformers.AutoModelForCausalLM.from_pretrained(dirs["mixtral"])
+    ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=ids, output_router_logits=True).router_logits     # L x (b s, E)
+    layers, k = len(logits), model.config.num_experts_per_tok
+    slots, probs, per_layer = sequence_routing(logits, BATCH, k)
+    rows = torch.full((BATCH,), float(layers * SEQ))
+    whole, _ = sequence_aux(slots, probs, rows)
+    want = _sequence_aux(model, logits).detach()
+    budget = fp32_atol(float(want), layers * SEQ)          # two summation orders of L s terms
+    assert abs(float(whole.detach().mean()) - float(want)) <= budget, (whole, want)
+    assert per_layer.sum() == layers * BATCH * SEQ * k
+    (grad_whole,) = torch.autograd.grad(whole.sum(), logits[0], retain_graph=True)
+    halves = [tuple(layer.view(BATCH, SEQ, -1)[:, h * SEQ // 2:(h + 1) * SEQ // 2].reshape(-1, layer.shape[-1])
+                    for layer in logits) for h in (0, 1)]
+    stats = [sequence_routing(half, BATCH, k) for half in halves]
+
+    def over_halves(t: torch.Tensor) -> torch.Tensor:   # what an all-reduce over the two gives
+        return stats[0][0] + stats[1][0] if t.dim() == 2 else rows
+
+    shares = [sequence_aux(sl, pr, rows / 2, over_halves)[0] for sl, pr, _ in stats]
+    assert torch.allclose(shares[0] + shares[1], whole, rtol=0, atol=budget), (shares, whole)
+    (grad_split,) = torch.autograd.grad((shares[0] + shares[1]).sum(), logits[0])
+    assert torch.allclose(grad_split, grad_whole, rtol=0, atol=fp32_atol(scale_of([grad_whole]), 2))

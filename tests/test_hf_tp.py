@@ -14,8 +14,8 @@ one-process losses within 1e-3 and gradient norms within 1e-3 relative. A model 
 ``trainmesh train --model-dir`` builds it), each rank reading only its slices, and gives the
 unsharded model's first loss; at tp 2 its consolidated weights, and a checkpoint of them
 (consolidated, or reloaded after a step), are the saved ones exactly. Plans refuse indivisible
-head counts and sequence parallelism; ``--model-dir`` refuses a missing directory or
-config.json before any worker starts.
+head counts, and sequence parallelism for GPT-2 (no pipeline plan to place the sequence split);
+``--model-dir`` refuses a missing directory or config.json before any worker starts.
 """
 from __future__ import annotations
 
@@ -203,9 +203,9 @@ def test_plans_refuse_indivisible_heads_and_sequence_parallel():
     with pytest.raises(ConfigError, match="num_key_value_heads = 2 is not divisible by --tp 4") as err:
         parallelize(llama, _FakeMesh(4), None)  # type: ignore[arg-type]
     assert err.value.field == "tp"
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ConfigError, match="gpt2 family declares no pipeline plan") as err:
         parallelize(hf_model("gpt2"), _FakeMesh(2), None, sequence_parallel=True)  # type: ignore[arg-type]
-    assert err.value.field == "sequence-parallel"
+    assert err.value.field == "--sequence-parallel"
     assert hf_tp_plan(llama)["model.layers.*.self_attn"] == ("parallel_input", "local_heads")
     assert hf_tp_plan(llama)["model.layers.*.self_attn.q_proj"] == "colwise"   # as Llama declares
     with pytest.raises(ValueError, match="no Hugging Face tensor-parallel plan"):
@@ -237,7 +237,7 @@ def test_model_dir_bad_input_exits_2_naming_the_flag(references, no_launch, tmp_
     cases = [(["--model-dir", str(tmp_path / "absent")], "--model-dir", "no such directory"),
              (["--model-dir", str(tmp_path / "empty")], "--model-dir", "no config.json"),
              (["--model-dir", str(no_weights)], "--model-dir", "model.safetensors"),
-             (["--model-dir", llama, "--pp", "2"], "--pp", "not supported"),
+             (["--model-dir", llama, "--strategy", "ps"], "--strategy", "not supported"),
              (["--model-dir", llama, "--tp", "4"], "--tp", "2 key/value heads"),
              (["--model-dir", llama, "--seq-len", "32"], "--seq-len", "16 positions"),
              (["--model-dir", llama, "--layers", "2"], "--layers", "set by --model-dir")]

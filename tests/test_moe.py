@@ -5,7 +5,7 @@ included) equal a token-by-token loop that applies the definition (softmax route
 gates renormalised over the k, gate-weighted sum of the k experts' GELU MLPs, per-sequence
 ``E * sum_e f_e P_e``); dropless routing (every token's rows reach exactly its k experts); the
 aux loss summed per sequence does not depend on how the batch is split; the parameter counts
-(total and active) count the experts; the layouts MoE does not support exit 2 naming the flag.
+(total and active) count the experts; invalid MoE flags exit 2 naming the flag.
 
 Planted bugs this module catches (each seen failing with an assertion): one routed slot dropped
 from the combine (output, 0.24 off); gates not renormalised over the k (output, 0.29 off); the
@@ -121,7 +121,6 @@ def test_parameter_counts_include_the_experts():
 
 
 @pytest.mark.parametrize("flags, flag", [
-    (["--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
     (["--ep", "2"], "--ep"),                      # ep must divide dp x cp = 1
     (["--dp", "2", "--ep", "2", "--experts", "3", "--top-k", "1"], "--ep"),
     (["--top-k", "5"], "--top-k"),

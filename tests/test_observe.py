@@ -194,3 +194,34 @@ def test_tensorboard_missing_exits_2_naming_the_flag(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tensorboard" in lines[0] and "tensorboard" in lines[0][14:], lines
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="the tensorboard package (extra [tensorboard])")
+def test_tensorboard_gets_every_number_of_every_record(tmp_path):
+    """What a fault-tolerant MoE run writes to its metrics file reaches TensorBoard: replicas,
+    moe/*, save times, quorum changes (lists as counts); flags, nulls and paths do not."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainmesh.observe.metrics import MetricsWriter
+    from trainmesh.observe.tensorboard import TensorBoardLog
+    board = TensorBoardLog(str(tmp_path / "tb"), {"dp": 2, "pp": 1, "tp": 1, "experts": 4})
+    metrics = MetricsWriter(str(tmp_path / "m.jsonl"), also=board.record)
+    records = [{"event": "step", "step": 1, "loss": 4.0, "mfu": None, "replicas": 2, "outer": True,
+                "moe": {"aux_loss": 1.01, "max_over_mean_load": 1.5}},
+               {"event": "save", "step": 1, "blocking_s": 0.25, "total_s": 0.5, "path": "ck/step-1"},
+               {"event": "quorum", "step": 2, "replicas": 1, "lost": [1], "joined": [],
+                "recovering_s": 0.75}]
+    for r in records:
+        metrics.write(r)
+    board.close({"ranks": [], "steps": 2})
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert got == {"loss": [(1, 4.0)], "replicas": [(1, 2.0)],
+                   "moe/aux_loss": [(1, pytest.approx(1.01))],
+                   "moe/max_over_mean_load": [(1, 1.5)], "save/blocking_s": [(1, 0.25)],
+                   "save/total_s": [(1, 0.5)], "quorum/replicas": [(2, 1.0)],
+                   "quorum/lost": [(2, 1.0)], "quorum/joined": [(2, 0.0)],
+                   "quorum/recovering_s": [(2, 0.75)]}, got
+    assert [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()] == records

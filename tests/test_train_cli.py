@@ -88,7 +88,7 @@ def test_bare_demo_learns(tmp_path):
                           capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr
     assert "world 2" in proc.stdout
-    assert "on 2 processes (cpu): dp 2 x pp 1 x tp 1" in proc.stdout   # rank 0's log line: the
+    assert "on 2 processes (cpu): dp 2 x cp 1 x pp 1 x tp 1" in proc.stdout   # rank 0's log line: the
                                                                         # CLI set up its logging
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
     assert last < 0.6 * first, (first, last)

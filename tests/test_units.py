@@ -82,7 +82,7 @@ def test_p2p_plan_pairs_every_send_with_the_next_or_previous_stage():
 
 
 @pytest.mark.timeout(60)
-def test_init_distributed_reads_the_environment_and_never_writes_it(monkeypatch):
+def test_init_distributed_reads_the_environment_and_writes_only_the_interfaces(monkeypatch):
     import os
 
     import torch.distributed as dist
@@ -93,20 +93,30 @@ def test_init_distributed_reads_the_environment_and_never_writes_it(monkeypatch)
         local_world_size,
         shutdown,
     )
+    from trainmesh.core.interfaces import IFNAME_VARS, loopback_interface
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
-                "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT"):
+                "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT",
+                "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", *IFNAME_VARS):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "mine")          # the user's own: kept
     assert env_job() is None and local_world_size(3) == 3
     before = dict(os.environ)
     init_distributed(device="cpu", timeout_s=30)   # a world of one, no launcher
     try:
-        assert dist.get_world_size() == 1 and dict(os.environ) == before
+        assert dist.get_world_size() == 1
+        added = {k: v for k, v in os.environ.items() if k not in before}
+        assert added == {v: loopback_interface() for v in IFNAME_VARS if v != "NCCL_SOCKET_IFNAME"}
+        assert os.environ["NCCL_SOCKET_IFNAME"] == "mine"
     finally:
         shutdown()
-    monkeypatch.setenv("SLURM_PROCID", "3")
-    monkeypatch.setenv("SLURM_NTASKS", "8")
-    monkeypatch.setenv("SLURM_LOCALID", "1")
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+        for var in IFNAME_VARS:
+            if var not in before:
+                os.environ.pop(var, None)
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+             "SLURM_NTASKS_PER_NODE": "4", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8",
+             "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7"}
+    for var, value in slurm.items():
+        monkeypatch.setenv(var, value)
     assert env_job() == (3, 8, 1, 4) and local_world_size() == 4

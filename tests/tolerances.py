@@ -72,7 +72,15 @@ sequence_parallel style recording no partial  test_tensor_parallel: parity_tp2 (
 ZeRO-3 units from a ModuleDict's children     test_any_model: nanogpt_in_a_module_dict_...
   (transformer.h whole: its hooks never fire)  (the step's error reported)
 unused parameter handed a zero gradient        test_any_model: unused_parameters_get_no_update
-  (DDP, or no restore of flat-shard elements)  (the unused branch moved by ~2e-3)
+  (DDP, or idle flat-shard elements stepped)   (the unused branch moved by ~2e-3)
+an idle parameter's step count advanced with   test_idle_params: zero_steps_each_parameter_...
+  the flat shard's (ZeRO 1-3, offload)         (step 4.0 vs 3.0); moe_idle_expert_untouched_...
+                                              (the idle expert changed); test_any_model:
+                                              unused_parameters_... (state keys differ)
+MoE expert run on zero rows (gradient zeros,   test_idle_params: moe_does_not_run_an_expert_...;
+  not None)                                    moe_idle_expert_untouched_... (expert changed)
+ZeRO-3: a unit holding a parameter idle on one test_idle_params: moe_idle_expert_untouched_...
+  rank reduced after the others (order differs) (a collective's 30 s timeout, reported)
 buffers never broadcast                        test_any_model: buffers_follow_ddp_... (~0.9)
 no agreement on the unit before a gather       test_any_model: module_on_some_ranks_is_named
 Phi-3 fused qkv split as one slice             test_hf_families: phi3 (loss off by 1.6e-2)
@@ -83,9 +91,23 @@ tied alias missing from consolidate           test_hf_families: model_dir_any_fa
 GPT -> GPT-2 export fusing q, k, v misordered  test_export_hf: builtin_gpt_exports_... (0.2)
 HF experts stacked in string order (10 < 2)    test_hf_moe: weights_read_...; qwen2_moe run
                                               (loss off by 4.7e-2 at step 1)
-HF router's routing weights detached           test_hf_moe: trains_like_... (the engine names
-                                              the router as receiving no gradient)
-export-hf writing stacked expert names         test_hf_moe: checkpoint_resumes_... (key set)
+HF router's routing weights detached           test_hf_moe: layouts_train_like_... (the engine
+                                              names the router as receiving no gradient)
+export-hf writing stacked expert names         test_hf_moe: checkpoints_resume_... (key set)
+HF ep: experts reduced over dp, not edp        test_hf_moe: layouts_train_like_one_process
+                                              [mixtral ep] (norm 1.1e-3 rel at step 1, loss
+                                              1.3e-2 at step 2)
+HF ep: shared experts placed as routed         test_hf_moe: layouts_...[qwen2_moe tp ep zero2]
+  experts (reduced over edp)                   (norm 1.9e-3 rel, step 1); test_hf_moe_families
+                                              (deepseek_v3 dp2 ep2: loss 6.4e-3, step 2)
+HF router aux over a rank's batch, not per     test_hf_moe: one_process_trains_like_plain_...
+  sequence                                     (aux 8.4 vs 2.2 at step 1)
+HF router aux left out of the gradient         test_hf_moe: one_process_... (norm, step 1)
+HF tp: an attention projection read as a       test_hf_moe_families: olmoe tp2 (its error
+  fused gate/up pair (OLMoE's q_proj)          reported)
+HF tp: an MoE block holding split shared       test_hf_moe_families: deepseek_v3 tp2 (norm
+  experts given parallel_input (router grad    3.823 vs 3.811 at step 1)
+  summed tp times)
 HSDP: shards not all-reduced across replicas   test_hsdp: zero2 (grad_norm 1.40 vs 0.98, step 1)
 HSDP: shard and replica groups swapped         test_hsdp: zero2 (traffic keyed on the wrong
                                               axis: dp_shard.all_reduce)
@@ -102,6 +124,11 @@ EP ZeRO-3: experts skipped on a load          test_expert_parallel: dp4-ep2-zero
 EP ZeRO-3: experts missing in full_state_dict test_expert_parallel: python_api_... (weights)
 EP under pp: experts reduced over dp          test_expert_parallel: pp2-dp2-ep2 (norm, step 1)
 MoE activations: k copies not counted         test_planner: moe_activation_count_... (k = 2)
+MoE slot counts not summed over cp            test_layout_matrix: moe-cp2 (grad norm 4% off)
+MoE slot counts not summed over tp under SP   test_layout_matrix: moe-tp2-sp (6% off)
+HSDP x tp: replicas' all-reduce skipped       test_layout_matrix: dp4-shard2-zero3-tp2 (57% off)
+offload x SP: host copies not retaken after   test_layout_matrix: dp2-zero1-offload-tp2-sp
+  the tp sum                                    (grad norm 7% off)
 fault-tolerant: failed step applied anyway     test_fault_tolerance: replica_lost_... (step 5
   (not discarded)                               loss off by 3.5e-2)
 fault-tolerant: batch not re-split among the   test_fault_tolerance: replica_lost_... (step 5
@@ -123,6 +150,13 @@ frozen parameters of a meta model never       test_frozen_params (each stage's e
   materialised                                a meta tensor in the forward)
 frozen layer not broadcast from the DP root   test_frozen_params (0.weight differs by rank)
 frozen parameters missing from checkpoints    test_frozen_params (0.weight reloaded)
+HF cp: rotary positions local to the chunk    test_hf_axes: layout_trains_like_one_process
+                                              (cp2, loss at step 1)
+HF pp: a stage dropping the position state    test_hf_axes: pipeline_stages_compose_... (logits)
+HF SP: norm gradients not summed over tp      test_hf_axes: layout_trains_like_one_process
+                                              (tp2-sp, grad_norm)
+HF selective recompute not checkpointing      test_hf_axes: selective_recompute_... (call count)
+GQA ring: k/v heads repeated tiled            test_context_parallel: grouped_query_ring_...
 ============================================  ==================================================
 """
 from __future__ import annotations

@@ -16,8 +16,11 @@
   ``head.out`` -> ``lm_head`` (untied: ``tie_word_embeddings=False``), exact GELU
   (``activation_function="gelu"``), no dropout, LayerNorm eps 1e-5.
 
-Anything else (a model of one's own without a Hugging Face config) is refused with a
-ConfigError naming ``DIR``. Only safetensors and JSON are read and written.
+The built-in GPT with experts (``--experts``) is refused with a ConfigError naming ``DIR``: no
+Hugging Face architecture reproduces it (its experts are GELU MLPs with biases in a GPT-2 body
+with learned positions; the MoE families transformers has use RMSNorm, rotary positions and
+gated SiLU experts); ``consolidate`` writes its weights. Anything else (a model of one's own
+without a Hugging Face config) is refused likewise. Only safetensors and JSON are read and written.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ from torch import nn
 from trainmesh.core.errors import ConfigError
 
 GPT_BLOCK = re.compile(r"blocks\.(\d+)\.")
+GPT_MOE = re.compile(r"blocks\.\d+\.mlp\.(router|experts)\.")
+"""A mixture-of-experts block of the built-in GPT (no Hugging Face architecture matches it)."""
 
 
 def model_record(module: nn.Module) -> dict[str, Any]:
@@ -108,6 +113,12 @@ def export_hf(root: str | Path, outdir: str | Path) -> Path:
         config = dict(trainer["hf_config"])
         weights = file_state(config, weights, field="DIR")   # e.g. stacked experts one by one
     elif "embed.wte.weight" in weights and "head.out.weight" in weights:
+        if any(GPT_MOE.match(k) for k in weights):
+            raise ConfigError("DIR", f"{directory}: the built-in GPT with experts (--experts) maps "
+                              "onto no Hugging Face architecture exactly (GPT-2 has no mixture of "
+                              "experts; Mixtral, Qwen-MoE and OLMoE use RMSNorm, rotary positions "
+                              "and gated SiLU experts); `trainmesh checkpoint consolidate` writes "
+                              "its full weights")
         heads = trainer.get("run", {}).get("heads")
         if not isinstance(heads, int):
             raise ConfigError("DIR", f"{directory}: the built-in GPT's head count is not recorded "

@@ -44,10 +44,14 @@ def run_record(cfg: TrainConfig) -> dict[str, Any]:
 
 def data_fingerprint(data: str) -> str | dict[str, Any]:
     """What identifies ``--data``: ``synthetic`` itself; a file's size, mtime and the sha256 of
-    its first MiB (cheap, and a changed or different file shows)."""
+    its first MiB (cheap, and a changed or different file shows); a saved ``datasets``
+    directory's fingerprint of its Arrow files."""
     if data == "synthetic":
         return data
     path = Path(data)
+    if path.is_dir():
+        from trainmesh.data.documents import source_fingerprint
+        return {"dataset": source_fingerprint(data, "dataset")}
     st = path.stat()
     with path.open("rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()

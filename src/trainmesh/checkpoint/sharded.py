@@ -37,8 +37,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trainmesh.comm import Comm
+from trainmesh.core.axes import kind_groups
 from trainmesh.core.placement import Placement, Placements
 from trainmesh.data_parallel.base import GradSync
+from trainmesh.expert_parallel.shard import gather_stacked, stacked_slice
 from trainmesh.tensor_parallel.state import (
     full_tensor,
     shard_dim,
@@ -150,15 +152,17 @@ def _sha256(path: Path) -> str:
 
 # ---------------------------------------------------------------- TP: whole <-> shard
 def _tp_slice(comm: Comm, placement: Placement | None, full: torch.Tensor) -> torch.Tensor:
-    """This rank's tp slice of ``full``, sharded as ``placement`` says (None: whole)."""
+    """This rank's tp slice of ``full``, sharded as ``placement`` says (None: whole), and its
+    run of stacked experts where they are split over ep."""
     dim = shard_dim(placement) if full.dim() else None
-    return shard_of(full, dim, comm.mesh.index("tp"), comm.mesh.size("tp"),
-                    shard_parts(placement)).contiguous()
+    return stacked_slice(shard_of(full, dim, comm.mesh.index("tp"), comm.mesh.size("tp"),
+                                  shard_parts(placement)), comm, placement).contiguous()
 
 
 def _writer(key: str, comm: Comm, axis: str = "dp_cp") -> int:
-    """Which of the ``axis`` x tp ranks sharing this rank's pipeline stage (``dp_cp``: the dp x cp
-    ranks; ``edp``: those holding the same experts) writes ``key``."""
+    """Which of the ``axis`` x tp ranks sharing this rank's pipeline stage (the holders of its
+    kind of parameter, :mod:`trainmesh.core.axes`: dp x cp for a dense one; ``edp``, those
+    holding the same experts, for an expert) writes ``key``."""
     return zlib.crc32(key.encode()) % (comm.mesh.size(axis) * comm.mesh.size("tp"))
 
 
@@ -170,7 +174,8 @@ def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
     are gathered on every rank of the group, in the strategy's parameter order and sorted state
     keys, the same on every rank; replicated ones are touched only by their writer. An expert's
     parameters (expert parallelism) are written by one of the ranks holding them, by their
-    global name. The ``untrained`` tensors (frozen parameters, persistent buffers: no optimizer
+    global name; stacked experts split over ep are gathered over ep (every rank of the group,
+    in the same order) and written by one of the dp ranks. The ``untrained`` tensors (frozen parameters, persistent buffers: no optimizer
     state) follow, as ``param/<name>``."""
     mesh = comm.mesh
     params, optim = grad_sync.logical_state()
@@ -178,7 +183,9 @@ def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
     mine: dict[str, torch.Tensor] = {}
     for name, t in params.items():
         placement = placements.get(name)
-        axis = "edp" if placement is not None and placement.expert else "dp"   # who holds it
+        stacked = placements.ep_split(name)           # whole on every rank once gathered over ep
+        kind = "dense" if stacked else placements.kind(name)
+        axis = kind_groups(mesh.degrees, kind).holders   # who holds it
         me = mesh.index(axis) * mesh.size("tp") + mesh.index("tp")
         items = [(f"param/{name}", t), *((f"optim/{name}/{k}", v)
                                          for k, v in sorted(optim.get(name, {}).items()))]
@@ -186,6 +193,8 @@ def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
             writes = _writer(key, comm, axis) == me
             if shard_dim(placement) is not None and value.dim() > 0:
                 value = full_tensor(value, comm, placement=placement)   # collective over tp
+            if stacked and value.dim() > 0:
+                value = gather_stacked(value, comm, placement)          # collective over ep
             if writes:
                 mine[key] = stage(key, value.detach())
     return mine

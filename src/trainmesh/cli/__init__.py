@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        from trainmesh.core.versions import check_torch
+        check_torch()
         return int(args.run(args) or 0)
     except ConfigError as exc:
         sys.stderr.write(f"trainmesh {args.command}: error: {exc}\n")

@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "what", None) != "comm":
         raise ConfigError("bench", "name what to measure: trainmesh bench comm")
     sizes = [parse_size("sizes", s) for s in args.sizes.split(",") if s]
+    if not sizes:
+        raise ConfigError("sizes", f"give at least one size, e.g. {DEFAULT_SIZES}; got {args.sizes!r}")
     ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in ops if o not in _ops()]
     if bad:

@@ -5,6 +5,7 @@ Advisor (any model, any cluster)::
     trainmesh plan --params 7.5e9 --gpus 64 [--gpus-per-node 8] [--gpu-mem 80GB]
                    [--precision bf16] [--layers L --hidden H --heads A --seq-len S --micro-batch B]
                    [--intra-node-bw 300GB/s --inter-node-bw 25GB/s] [--json]
+    trainmesh plan --model NAME | --model-dir DIR --gpus N [--calibrate RUN.jsonl] ...
 
 Prediction (the built-in GPT, every flag of ``trainmesh train``: the same table)::
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
@@ -38,13 +41,22 @@ from .train import add_train_flags, given_flags
 # The prediction mode takes the `trainmesh train` flags the model of a run uses (one table:
 # train_config.FLAGS); the advisor shares the shape ones and adds its own.
 SHARED = ("--layers", "--heads", "--seq-len", "--vocab-size", "--global-batch", "--precision",
-          "--peak-tflops", "--gpu")
+          "--peak-tflops", "--gpu", "--experts", "--top-k")
 PLAN_GROUPS = ("layout", "model", "precision & memory")
 OWN = ("--model", "--model-dir", "--peak-tflops", "--gpu")   # declared here, for both modes
 ADVISOR_MODEL: dict[str, tuple[Any, str]] = {
     "--params": (str, "parameter count, e.g. 7.5e9 or 7.5B (advisor; give the shape too)"),
     "--hidden": (int, "hidden size (advisor)"),
     "--micro-batch": (int, "sequences per microbatch per DP rank (advisor; default 1)"),
+    "--model-dir": (str, "a Hugging Face model directory: shape, experts and the axes it has plans "
+                         "for, from its config.json (advisor)"),
+    "--kernels": (str, "whose kernels the activations are counted for: trainmesh (fused attention, "
+                       "selective recompute of the attention core; the default), torchtitan "
+                       "(op-level selective recompute) or megatron-2021 (unfused attention with "
+                       "dropout) (advisor)"),
+    "--calibrate": (str, "a metrics file trainmesh train wrote for this model: its measured "
+                         "step time and peak memory set the efficiency and memory model "
+                         "(advisor; default: the table of published runs)"),
 }
 CLUSTER: dict[str, tuple[Any, str]] = {
     "--gpus": (int, "total GPUs (advisor)"),
@@ -75,12 +87,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ..planner.published import MODELS
     parser = subparsers.add_parser(
         "plan", help="which parallel layout to use: memory, traffic and time per layout",
-        usage="trainmesh plan (--model NAME | --params N --layers L --hidden H --heads A) "
-              "--gpus N [--gpu NAME] ... | trainmesh plan --model tiny [train layout flags]",
-        description="Advisor: with --model NAME (a published shape) or --params and the shape, "
-                    "rank every dp x pp x tp x ZeRO layout on a cluster and recommend one. "
-                    "Prediction: with --model tiny|small, predict what `trainmesh train` measures "
-                    "for one layout of the built-in GPT.")
+        usage="trainmesh plan (--model NAME | --model-dir DIR | --params N --layers L --hidden H "
+              "--heads A) --gpus N [--gpu NAME] ... | trainmesh plan --model tiny [train layout flags]",
+        description="Advisor: with --model NAME (a published shape), --model-dir DIR or --params "
+                    "and the shape, rank every layout (dp, pp, tp, cp, ep, ZeRO, HSDP, schedule, "
+                    "recompute, offload) on a cluster and recommend one. Prediction: with --model "
+                    "tiny|small, predict what `trainmesh train` measures for one layout of the "
+                    "built-in GPT.")
     groups = add_train_flags(parser, keep=_plan_flags(), titles={
         "layout": "layout (prediction: --model tiny|small)",
         "precision & memory": "precision & memory (--precision: both modes; the rest prediction)"})
@@ -115,19 +128,22 @@ def run(args: argparse.Namespace) -> int:
     if args.list_gpus:
         _print_gpus()
         return 0
-    if args.params is not None and args.model is not None:
-        raise ConfigError("--model", "give --params (and the shape) or --model NAME, not both")
+    given_models = [f for f, v in (("--model", args.model), ("--params", args.params),
+                                   ("--model-dir", args.model_dir)) if v is not None]
+    if len(given_models) > 1:
+        raise ConfigError(given_models[1], f"give one of --model NAME, --params N (with the shape) "
+                                           f"or --model-dir DIR; got {' and '.join(given_models)}")
     if args.model is not None and args.model in PRESETS:
         wrong = _given(args, ADVISOR)   # --gpu and --peak-tflops: accepted (no time predicted)
         if wrong:
             raise ConfigError(wrong[0], "is an advisor flag; with --model tiny|small use "
                                         "the train flags (--dp, --d-model, ...)")
         return _predict(args)
-    if args.params is None and args.model is None:
+    if not given_models:
         raise ConfigError("--params", "give --model NAME (a published shape, or tiny|small to "
-                                      "predict one layout of the built-in GPT), or --params N "
-                                      "with --layers, --hidden and --heads")
-    wrong = [f for f in _given(args, FLAGS) if f not in SHARED and f != "--model"]
+                                      "predict one layout of the built-in GPT), --model-dir DIR, "
+                                      "or --params N with --layers, --hidden and --heads")
+    wrong = [f for f in _given(args, FLAGS) if f not in SHARED and f not in ("--model", "--model-dir")]
     if wrong:
         raise ConfigError(wrong[0], "is a prediction flag (with --model tiny|small); the advisor "
                                     "tries every layout itself")
@@ -146,11 +162,19 @@ def _advise(args: argparse.Namespace) -> int:
     if precision not in PRECISIONS:
         raise ConfigError("--precision", f"must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     row = gpu(args.gpu or DEFAULT_GPU)
-    model, batch = _shape(args)
+    model, batch, axes = _shape(args)
     cluster = _cluster(args, row)
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError("--global-batch", f"must be a positive integer; got {args.global_batch}")
-    result = plan(model, cluster, precision=precision, global_batch=batch)
+    kernels = _kernels(args.kernels)
+    source = None
+    if args.calibrate is not None:
+        from ..planner.calibrate import calibrate
+        cal = calibrate(args.calibrate, model, cluster, kernels)
+        cluster = replace(cluster, efficiency=cal.efficiency, memory_scale=cal.memory_scale)
+        source = cal.source
+    result = plan(model, cluster, precision=precision, global_batch=batch, axes_allowed=axes,
+                  kernels=kernels, efficiency_source=source)
     notes = list(result.notes)
     if args.gpu is None:
         notes.insert(0, f"no --gpu: assuming {row.name} ({fmt_bytes(cluster.gpu_mem_bytes)}, "
@@ -160,40 +184,62 @@ def _advise(args: argparse.Namespace) -> int:
             sys.stderr.write(f"trainmesh plan: note: {note}\n")
         print(json.dumps(result.to_json()))
         return 0
-    _print_plan(result, model, cluster, precision, gpu_name=row.name, notes=notes)
+    _print_plan(result, model, result.cluster, precision, gpu_name=row.name, notes=notes)
     return 0
 
 
-def _shape(args: argparse.Namespace) -> tuple[Any, int | None]:
-    """(the model's shape, the global batch: --global-batch, the published run's, or None).
-    Without layers, hidden and heads activations cannot be estimated: exit 2 naming them."""
+def _shape(args: argparse.Namespace) -> tuple[Any, int | None, frozenset[str]]:
+    """(the model's shape, the global batch: --global-batch, the published run's, or None, the
+    model-parallel axes it has plans for). Without layers, hidden and heads activations cannot
+    be estimated: exit 2 naming them."""
+    from dataclasses import asdict
+
+    from ..planner import model_dir
     from ..planner.published import published
     from ..planner.shapes import ModelShape
     base: dict[str, Any] = {}
     batch = args.global_batch
+    axes = frozenset({"tp", "pp", "cp", "ep"})
     if args.model is not None:
         pub = published(args.model)
-        base = dict(params=pub.params, layers=pub.layers, hidden=pub.hidden, heads=pub.heads,
-                    vocab=pub.vocab, seq_len=pub.seq_len)
+        base = asdict(pub.shape)
         batch = batch if batch is not None else pub.global_batch
+    if args.model_dir is not None:
+        shape, axes, _ = model_dir.read(args.model_dir)
+        base = asdict(shape)
     given = dict(params=parse_count("--params", args.params) if args.params is not None else None,
                  layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab_size,
-                 seq_len=args.seq_len)
+                 seq_len=args.seq_len, experts=args.experts, top_k=args.top_k)
     base.update({k: v for k, v in given.items() if v is not None})
-    model = ModelShape(**{"seq_len": 2048, **base},
-                       micro_batch=1 if args.micro_batch is None else args.micro_batch)
+    if base.get("experts") and not base.get("top_k"):
+        base["top_k"] = 2
+    base["micro_batch"] = 1 if args.micro_batch is None else args.micro_batch
+    model = ModelShape(**{"seq_len": 2048, **base})
     missing = model.missing_shape_flags()
     if missing:
         raise ConfigError(missing[0], f"the advisor needs the model's shape to count activations: "
                                       f"give {', '.join(missing)} (or --model NAME for a published "
                                       "shape, `trainmesh plan --help` lists them)")
-    return model, batch
+    return model, batch, axes
+
+
+def _kernels(name: str | None) -> Any:
+    from ..planner.references import KERNELS
+    if name is None:
+        return KERNELS["trainmesh"]
+    if name not in KERNELS:
+        raise ConfigError("--kernels", f"must be one of {', '.join(KERNELS)}; got {name!r}")
+    return KERNELS[name]
 
 
 def _cluster(args: argparse.Namespace, row: Any) -> Any:
     from ..planner.cluster import Cluster
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ConfigError("--gpus-per-node", f"must be a positive integer; got {args.gpus_per_node}")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise ConfigError("--peak-tflops", f"must be a finite number > 0; got {args.peak_tflops}")
     return Cluster(
-        gpus=args.gpus, gpus_per_node=args.gpus_per_node or row.gpus_per_node,
+        gpus=args.gpus, gpus_per_node=args.gpus_per_node or row.gpus_per_node, gpu=row.name,
         gpu_mem_bytes=parse_size("--gpu-mem", args.gpu_mem) if args.gpu_mem else row.mem_bytes,
         intra_node_bw=(parse_bandwidth("--intra-node-bw", args.intra_node_bw)
                        if args.intra_node_bw else row.intra_node_bw),
@@ -212,25 +258,50 @@ def _print_gpus() -> None:
     console().print(table)
 
 
+def _layout_text(cfg: Any) -> str:
+    """The recommended layout as flags would say it."""
+    parts = [f"dp={cfg.dp}"]
+    if cfg.shard_size < cfg.dp:
+        parts.append(f"dp-shard={cfg.shard_size}")
+    parts += [f"pp={cfg.pp}", f"tp={cfg.tp}", f"cp={cfg.cp}"]
+    if cfg.ep > 1:
+        parts.append(f"ep={cfg.ep}")
+    if cfg.pp > 1:
+        parts.append(f"schedule={cfg.schedule}" + (f"x{cfg.virtual_stages}" if cfg.virtual_stages > 1 else ""))
+    if cfg.cp > 1:
+        parts.append(f"cp-comm={cfg.cp_comm}")
+    parts += [f"zero={cfg.zero}", f"offload={cfg.offload}", f"recompute={cfg.recompute}",
+              f"sequence-parallel={'on' if cfg.sequence_parallel else 'off'}",
+              f"microbatches={cfg.microbatches}"]
+    return " ".join(parts)
+
+
 def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_name: str,
                 notes: list[str]) -> None:
     out = console()
     rec = result.recommended
     cfg = rec.layout
     nodes = f"{cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x {cluster.node_size}"
+    experts = (f", {model.experts} experts of {model.expert_width} in {model.moe_layer_count} layers, "
+               f"top {model.top_k}, {model.active_params / 1e9:.3g}B active") if model.is_moe else ""
     out.print(f"[bold]trainmesh plan:[/bold] {model.params / 1e9:.4g}B params ({model.layers} "
-              f"layers, hidden {model.hidden}, {model.heads} heads, seq {model.seq_len}), "
+              f"layers, hidden {model.hidden}, {model.heads} heads, seq {model.seq_len}{experts}), "
               f"{cluster.gpus} x {gpu_name} ({nodes}, {fmt_bytes(cluster.gpu_mem_bytes)} each), "
               f"{precision}, global batch {result.global_batch}", highlight=False)
-    out.print(f"[bold]Recommended:[/bold] dp={cfg.dp} pp={cfg.pp} tp={cfg.tp} cp={cfg.cp} zero={cfg.zero} "
-              f"offload={cfg.offload} recompute={cfg.recompute} "
-              f"sequence-parallel={'on' if cfg.sequence_parallel else 'off'} "
-              f"microbatches={cfg.microbatches}: {fmt_bytes(rec.memory.total)} per GPU, "
+    out.print(f"[bold]Recommended:[/bold] {_layout_text(cfg)}: {fmt_bytes(rec.memory.total)} per GPU, "
               f"est. {fmt_seconds(rec.time.total)} per step, {_mfu(rec, model, cluster, result)}",
               highlight=False)
     out.print(f"[bold]Why:[/bold] {result.why}", highlight=False)
-    columns = ["", "dp", "pp", "tp", "cp", "zero", "offload", "recompute", "mb", "params", "grads",
-               "optim", "activ", "total", "fits", "comm/step", "step time"]
+    if model.is_moe:
+        edp = max(1, cfg.dp * cfg.cp // cfg.ep)
+        a2a = rec.traffic.get("ep", {}).get("all_to_all", 0.0)
+        out.print(f"[bold]Experts:[/bold] {model.experts // cfg.ep} of {model.experts} per MoE layer on "
+                  f"each GPU (ep={cfg.ep}): {fmt_bytes(rec.expert_state_bytes)} of expert states "
+                  f"(ZeRO-{cfg.zero} over edp={edp}); all-to-all {fmt_bytes(a2a)} per step per GPU "
+                  "(routing taken as balanced)", highlight=False)
+    columns = ["", "dp", "pp", "tp", "cp", *(["ep"] if model.is_moe else []), "zero", "offload",
+               "recompute", "mb", "params", "grads", "optim", "activ", "total", "fits", "comm/step",
+               "step time"]
     narrow = out.width < NARROW   # an 80-column terminal: the columns that decide
     keep = [c for c in columns if not narrow or c not in DETAIL]
     table = wide_table(None, keep, compact=narrow)
@@ -238,11 +309,17 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_na
     for c in shown:
         lay, mem = c.layout, c.memory
         mark = "->" if c is rec else ""
-        cells = dict(zip(columns, (
-            mark, str(lay.dp), str(lay.pp), str(lay.tp), str(lay.cp), str(lay.zero), lay.offload, lay.recompute,
-            str(lay.microbatches), fmt_bytes(mem.params), fmt_bytes(mem.grads),
-            fmt_bytes(mem.optimizer), fmt_bytes(mem.activations), fmt_bytes(mem.total),
-            "yes" if c.fits else "no", fmt_bytes(c.comm_bytes_per_step), fmt_seconds(c.time.total))))
+        dp = f"{lay.dp}/{lay.shard_size}" if lay.shard_size < lay.dp else str(lay.dp)
+        dp += " DiLoCo" if lay.strategy == "diloco" else ""
+        pp = f"{lay.pp}x{lay.virtual_stages}" if lay.virtual_stages > 1 else str(lay.pp)
+        cp = f"{lay.cp} ag" if lay.cp_comm == "allgather" else str(lay.cp)
+        cells = {"": mark, "dp": dp, "pp": pp, "tp": str(lay.tp), "cp": cp, "ep": str(lay.ep),
+                 "zero": str(lay.zero), "offload": lay.offload, "recompute": lay.recompute,
+                 "mb": str(lay.microbatches), "params": fmt_bytes(mem.params),
+                 "grads": fmt_bytes(mem.grads), "optim": fmt_bytes(mem.optimizer),
+                 "activ": fmt_bytes(mem.activations), "total": fmt_bytes(mem.total),
+                 "fits": "yes" if c.fits else "no", "comm/step": fmt_bytes(c.comm_bytes_per_step),
+                 "step time": fmt_seconds(c.time.total)}
         table.add_row(*(cells[k] for k in keep), style="bold" if mark else None)
     out.print(table)
     if narrow:
@@ -252,16 +329,16 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_na
     for note in notes:
         out.print(f"[dim]note: {note}[/dim]", highlight=False)
     out.print(f"[dim]{len(result.candidates)} layouts considered: the recommended first, then the "
-              f"fastest {len(shown) - 1}; memory per GPU includes framework overhead; --json lists "
-              "all[/dim]", highlight=False)
+              f"fastest {len(shown) - 1}; memory per GPU includes framework overhead and the "
+              "allocator's reserve; --json lists all[/dim]", highlight=False)
 
 
 def _mfu(c: Any, model: Any, cluster: Any, result: Any) -> str:
     """Model FLOP/s per GPU and MFU the estimate implies (6N + attention, no recompute)."""
     from ..planner.steptime import flops_per_token
     tokens = result.global_batch * model.seq_len
-    flops = tokens * flops_per_token(model.params, layers=model.layers, hidden=model.hidden,
-                                     seq_len=model.seq_len)
+    flops = tokens * flops_per_token(model.active_params, layers=model.layers, hidden=model.hidden,
+                                     seq_len=model.seq_len, model=model if model.has_shape else None)
     per_gpu = flops / c.time.total / cluster.gpus
     return f"{per_gpu / 1e12:.0f} TFLOP/s per GPU ({per_gpu / cluster.peak_flops:.0%} MFU)"
 
@@ -269,8 +346,6 @@ def _mfu(c: Any, model: Any, cluster: Any, result: Any) -> str:
 def _print_offload(result: Any, model: Any, cluster: Any, out: Console) -> None:
     """What offloading the recommended layout's optimizer (ZeRO >= 1) to host memory or NVMe
     would free per GPU and cost per step."""
-    from dataclasses import replace
-
     from ..planner.candidate import evaluate
     rec = result.recommended
     if rec.layout.offload != "none":

@@ -22,6 +22,7 @@ from ..pipeline_parallel.analysis import (
 )
 from ..pipeline_parallel.render import IMAGE_SUFFIXES, draw_timeline, rich_grid
 from ..pipeline_parallel.schedules import SCHEDULES, build_schedule
+from .paths import check_output_file
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None and out.suffix.lower() not in IMAGE_SUFFIXES:
         raise ConfigError("out", f"--out must end in {' or '.join(IMAGE_SUFFIXES)}; got {args.out!r}")
+    if out is not None:
+        check_output_file("--out", args.out)
     schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
     summary = summarize(schedule)
     if out is not None:

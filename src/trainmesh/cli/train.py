@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar="FILE.toml", help="TOML file setting any of these flags "
                    "(keys: the flag names without '--'); flags win")
     add_version(p)
+    p.add_argument("--verbose", action="store_true", help="under torchrun or srun: a failing rank "
+                   "prints its traceback too, not only its one line (also TRAINMESH_DEBUG=1)")
     add_train_flags(p)
     p.set_defaults(run=run)
 
@@ -67,11 +69,9 @@ def collect(args: argparse.Namespace, argv_given: bool, *, world: int | None = N
 
 def launcher_world() -> int | None:
     """The world size when this process is a worker of torchrun or srun, else None."""
-    if "RANK" in os.environ:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    if "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ:
-        return int(os.environ.get("SLURM_NTASKS", "1"))
-    return None
+    from trainmesh.core.distributed import launcher_job
+    job = launcher_job()
+    return None if job is None else job.world
 
 
 def derive_layout(values: dict[str, Any], world: int) -> dict[str, Any]:
@@ -165,12 +165,12 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         check_safetensors(cfg.init_from, GPT(cfg.gpt_config(), device="meta"))
     if cfg.model_dir:   # transformers present, every parameter in model.safetensors
         from trainmesh.engine.pretrained import check_model_dir
-        check_model_dir(cfg.model_dir, tp=cfg.parallel.tp)
+        check_model_dir(cfg.model_dir, layout=cfg.parallel, seq_len=cfg.gpt_config().seq_len)
     if cfg.data != "synthetic":
         from trainmesh.data.corpus import make_datasets
         gpt = cfg.gpt_config()
         make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
-                      held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
+                      held_out=cfg.eval_every is not None, **cfg.data_options())
 
 
 def _check_nvme_space(cfg, local_ranks: int) -> None:
@@ -194,18 +194,18 @@ def run(args: argparse.Namespace) -> int:
                           "(one elastic agent per replica); start it with `trainmesh train`, "
                           "not under torchrun or srun")
     if world is not None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")))
-        preflight(cfg, local_ranks=local, launching=False)
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        from trainmesh.core.distributed import launcher_job, local_world_size
+        preflight(cfg, local_ranks=local_world_size(), launching=False)
+        if launcher_job().rank == 0:
             warn_warmup(cfg)
         if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun: die with its agent
             from trainmesh.run.launch import die_with_parent
             die_with_parent(os.getppid())
-        from trainmesh.run.trainer import worker_main
+        from trainmesh.run.launch import run_as_worker
 
         from .logs import configure_worker_logging
         configure_worker_logging()
-        return worker_main(cfg)
+        return run_as_worker(cfg, verbose=args.verbose)
     here = cfg.parallel.replica_ranks if cfg.coordinator is not None else cfg.parallel.world_size
     preflight(cfg, local_ranks=here, launching=True)   # across hosts: one replica's ranks here
     warn_warmup(cfg)

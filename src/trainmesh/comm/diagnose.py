@@ -18,11 +18,9 @@ import os
 import threading
 import time
 from collections import Counter
-from datetime import timedelta
 from typing import Any
 
-from trainmesh.core.compat import default_store
-from trainmesh.core.stores import STORE_ENV, client_store
+from trainmesh.core.stores import failure_store, host_of
 
 History = list[tuple[int, str, str, tuple[int, ...]]]
 EXCHANGE_WAIT_S = 1.0
@@ -38,17 +36,7 @@ def _key(rank: int) -> str:
 
 def _store() -> Any | None:
     """A store every rank reaches, with short call timeouts; None without one."""
-    timeout = timedelta(seconds=CALL_TIMEOUT_S)
-    address = os.environ.get(STORE_ENV)
-    try:
-        if address:
-            return client_store(address, timeout_s=CALL_TIMEOUT_S)
-        store = default_store()
-        if store is not None:
-            store.set_timeout(timeout)
-        return store
-    except Exception:  # noqa: BLE001 - an unreachable store: no exchange, the verdict says so
-        return None
+    return failure_store(CALL_TIMEOUT_S)
 
 
 def _fmt(entry) -> str:
@@ -87,6 +75,23 @@ def _collect(found: dict[int, History], rank: int, world: int, history: History,
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store timed out or went away: report what we have
         pass
+
+
+def hosts_of(ranks: list[int], wait_s: float = CALL_TIMEOUT_S) -> dict[int, str]:
+    """The host names ``ranks`` published when they joined the job, as far as the store still
+    answers within ``wait_s`` (read on a thread abandoned after that)."""
+    found: dict[int, str] = {}
+
+    def read() -> None:
+        store = _store()
+        for r in ranks:
+            host = host_of(r, store)
+            if host is not None:
+                found[r] = host
+    worker = threading.Thread(target=read, daemon=True, name="trainmesh-hosts")
+    worker.start()
+    worker.join(wait_s)
+    return dict(found)
 
 
 def silent_ranks(histories: dict[int, History], world: int) -> list[int]:

@@ -9,6 +9,7 @@ Every op carries the mesh's timeout (set on the process groups and on every ``wa
 """
 from __future__ import annotations
 
+import socket
 import time
 from collections import deque
 from datetime import timedelta
@@ -22,7 +23,7 @@ from trainmesh.core.mesh import ParallelMesh
 
 from .check import OrderCheck
 from .check import enabled as order_check_enabled
-from .diagnose import EXCHANGE_WAIT_S, exchange, silent_ranks, verdict
+from .diagnose import EXCHANGE_WAIT_S, exchange, hosts_of, silent_ranks, verdict
 from .ledger import Ledger, Span, canonical_axis
 
 ReduceOp = dist.ReduceOp
@@ -110,9 +111,11 @@ class Comm:
         seen = exchange(self.mesh.rank, world, history, wait_s=min(EXCHANGE_WAIT_S, self.timeout_s / 2))
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         silent = silent_ranks(seen, world)
-        who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
-        head = f"{who} stopped answering: " if silent else ""
-        return CommTimeout(f"{head}rank {self.mesh.rank}: {op} on {axis} failed (op #{self.seq}): "
+        hosts = hosts_of(silent) if silent else {}
+        who = ", ".join(f"{r} on {hosts[r]}" if r in hosts else str(r) for r in silent)
+        head = f"rank{'s' if len(silent) > 1 else ''} {who} stopped answering: " if silent else ""
+        return CommTimeout(f"{head}rank {self.mesh.rank} on {socket.gethostname()}: {op} on {axis} "
+                           f"failed (op #{self.seq}): "
                            f"{first_line[:300]}; diagnosis: {verdict(seen, world)}")
 
     def _run(self, op: str, axis: str, payload: int, fn, shape: tuple[int, ...],

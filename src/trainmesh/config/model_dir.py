@@ -7,29 +7,37 @@ from trainmesh.core.errors import ConfigError
 from trainmesh.models.hf import max_positions, n_experts, read_model_config
 
 
+def check_expert_count(config: dict[str, Any], ep: int) -> None:
+    """--ep > 1 spreads a mixture of experts' experts: the model must have some, ``ep`` must
+    divide them (ConfigError naming --ep)."""
+    if ep == 1:
+        return
+    experts = n_experts(config)
+    if not experts:
+        raise ConfigError("--ep", f"spreads the experts of a mixture of experts; the "
+                          f"{config.get('model_type')} model has none; valid: --ep 1")
+    if experts % ep:
+        raise ConfigError("--ep", f"must divide the model's {experts} experts; got {ep}")
+
+
 def check_model_config(cfg: Any) -> int:
     """``trainmesh train --model-dir``'s rules, before any worker starts: the directory and its
     config.json (:func:`read_model_config`), no flag that the config sets or the model cannot
-    run, no --ep, no --tp for a mixture of experts, head counts divisible by --tp, --seq-len within the positions; ``cfg`` is the
-    TrainConfig. Returns the vocabulary of the data: --vocab-size, or the model's."""
+    run, --ep only for a mixture of experts whose experts it divides, head counts divisible by
+    --tp, --seq-len within the positions and divisible by what splits it (--cp,
+    --sequence-parallel); ``cfg`` is the TrainConfig. What the model's plans allow is checked on
+    the model (:func:`trainmesh.engine.pretrained.check_model_dir`). Returns the vocabulary of
+    the data: --vocab-size, or the model's."""
     config = read_model_config(cfg.model_dir)
     p = cfg.parallel
     for flag, given in (("--layers", cfg.layers), ("--d-model", cfg.d_model), ("--heads", cfg.heads),
                         ("--init-from", cfg.init_from)):
         if given is not None:
             raise ConfigError(flag, f"is set by --model-dir ({cfg.model_dir}); valid: leave it out")
-    for flag, unsupported in (("--pp", p.pp > 1), ("--sequence-parallel", p.sequence_parallel),
-                              ("--strategy", p.strategy != "mesh")):
-        if unsupported:
-            raise ConfigError(flag, "is not supported for --model-dir models; valid: dp, tp and "
-                              "ZeRO layouts (--pp 1, no --sequence-parallel, --strategy mesh)")
-    if p.ep > 1:
-        raise ConfigError("--ep", "spreads the built-in GPT's experts (--experts); a --model-dir "
-                          "model's experts stay whole on every rank (sharded by --zero); valid: --ep 1")
-    if n_experts(config) and p.tp > 1:
-        raise ConfigError("--tp", f"{cfg.model_dir} is a mixture of {n_experts(config)} experts, "
-                          "held stacked in 3-D parameters no tensor-parallel plan here splits; "
-                          "valid for it: --tp 1 (dp and ZeRO)")
+    if p.strategy != "mesh":
+        raise ConfigError("--strategy", "is not supported for --model-dir models; valid: "
+                          "--strategy mesh (dp, ZeRO, tp, pp, cp, ep)")
+    check_expert_count(config, p.ep)
     heads = {"attention heads": config.get("n_head") or config.get("num_attention_heads"),
              "key/value heads": config.get("num_key_value_heads")}
     for what, count in heads.items():
@@ -38,8 +46,21 @@ def check_model_config(cfg: Any) -> int:
     seq, longest = cfg.gpt_config().seq_len, max_positions(config)
     if isinstance(longest, int) and seq > longest:
         raise ConfigError("--seq-len", f"must be at most the model's {longest} positions; got {seq}")
+    _check_sequence_split(seq, p)
     vocab = config.get("vocab_size")
     if cfg.vocab_size is not None and isinstance(vocab, int) and cfg.vocab_size > vocab:
         raise ConfigError("--vocab-size", f"the data's vocabulary must fit the model's {vocab} "
                           f"tokens; got {cfg.vocab_size}")
     return cfg.vocab_size if cfg.vocab_size is not None else vocab
+
+
+def _check_sequence_split(seq: int, p: Any) -> None:
+    """--cp holds 2 of 2cp equal chunks of every sequence, --sequence-parallel 1/tp of a rank's
+    share between the layers: both must divide it."""
+    if p.cp > 1 and seq % (2 * p.cp):
+        raise ConfigError("--seq-len", f"must be divisible by 2 x --cp = {2 * p.cp} (each rank "
+                          f"holds 2 of 2cp chunks of a sequence); got {seq}")
+    if p.sequence_parallel and (seq // p.cp) % p.tp:
+        raise ConfigError("--seq-len", f"seq-len / cp = {seq // p.cp} must be divisible by --tp "
+                          f"{p.tp} with --sequence-parallel (each rank holds 1/tp of it between "
+                          "the layers)")

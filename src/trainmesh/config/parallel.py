@@ -2,9 +2,10 @@
 
 Every field is settable from a TOML file and from ``trainmesh train`` flags (the flag is the
 field name with dashes, ``timeout_s`` is ``--timeout``; :mod:`trainmesh.config.validation`). Every
-check of a layout lives here: :func:`~trainmesh.config.validation.check_fields` checks each field's
-type and range, ``__post_init__`` the rules between fields. Checks raise :class:`ConfigError`
-naming the flag and what would be valid.
+check of a layout runs here: :func:`~trainmesh.config.validation.check_fields` checks each field's
+type and range, ``__post_init__`` the rules between fields — the axes' degrees and rules from the
+axis table (:mod:`trainmesh.core.axes`), the strategies' own rules (parameter server, DiLoCo,
+fault tolerance) below. Checks raise :class:`ConfigError` naming the flag and what would be valid.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from trainmesh.config.validation import check_fields, setting
+from trainmesh.core import axes
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import TIMEOUT_S, ParallelMesh
 
@@ -49,8 +51,8 @@ class ParallelConfig:
                                    "rank, overlapped with attention) or allgather (gathered once "
                                    "per layer)", choices=CP_COMM)
     ep: int = setting(1, "expert-parallel degree: each MoE layer's experts spread over ep ranks of "
-                         "the DP(xCP) group, tokens exchanged by all-to-all; divides --experts and "
-                         "dp*cp", ge=1)
+                         "the DP(xCP) group, tokens exchanged by all-to-all; divides --experts (or a "
+                         "--model-dir model's experts) and dp*cp", ge=1)
     dp_shard: int | None = setting(None, "HSDP: ZeRO shards over groups of this many DP ranks, "
                                          "replicated across dp/dp-shard groups; divides dp "
                                          "(default dp: plain ZeRO)", ge=1)
@@ -95,7 +97,9 @@ class ParallelConfig:
     find_unused_parameters: bool = setting(False)
     """Parameters that received no gradient in a step are allowed instead of raising an error:
     one no DP rank used gets no update that step (its gradient is None, as DDP's
-    ``find_unused_parameters``); one used on some ranks is reduced as usual (API only)."""
+    ``find_unused_parameters``; at every ZeRO stage its value, states and own step count stay
+    as they were); one used on some ranks is reduced as usual (API only; the engine sets it for
+    the built-in MoE, whose experts without tokens get no gradient)."""
     broadcast_buffers: bool = setting(True)
     """Buffers (e.g. BatchNorm running statistics) are broadcast from the DP root at start and
     before every forward with gradients, as DDP's ``broadcast_buffers`` (API only)."""
@@ -105,8 +109,9 @@ class ParallelConfig:
     the other modules that run once; API only)."""
     # -- parameter server and all-reduce algorithms
     strategy: str = setting("mesh", "mesh (dp x cp x pp x tp), ps (RPC parameter server: --dp trainers, "
-                                    "--ps-servers servers) or diloco (--dp replicas taking "
-                                    "--inner-steps local steps between synchronisations)",
+                                    "--ps-servers servers) or diloco (replicas - each dp index, or each "
+                                    "--dp-shard group under ZeRO - taking --inner-steps local "
+                                    "steps between synchronisations)",
                             choices=STRATEGIES)
     ps_servers: int = setting(1, "parameter-server processes (strategy ps); parameters are sharded "
                                  "across them by bytes", ge=1)
@@ -133,67 +138,22 @@ class ParallelConfig:
         if self.reduce_dtype not in (None, "fp32", self.precision):
             raise ConfigError("--reduce-dtype", f"must be fp32 or the compute dtype "
                               f"({self.precision}); got {self.reduce_dtype!r}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("--sequence-parallel", "shards activations inside TP groups; needs --tp > 1")
         if self.min_dp is not None and self.min_dp > self.dp:
             raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
                               f"--min-dp the smallest it may shrink to); got {self.min_dp}")
+        axes.check(self)   # the degrees and the rules between the axes (the model's: TrainConfig)
         self._check_offload()
         if self.zero3_units is not None and self.zero != 3:
             raise ConfigError("zero3_units", f"chooses ZeRO-3's units; needs zero=3 (got zero={self.zero})")
-        if self.zero3_reshard != "step" and (self.zero != 3 or self.pp == 1):
-            raise ConfigError("--zero3-reshard", "chooses when ZeRO-3 re-gathers under a pipeline; "
-                              "needs --zero 3 and --pp > 1 (valid otherwise: step)")
         self._check_ps()
         self._check_diloco()
-        self._check_mesh_axes()
-        self._check_fault_tolerant()
-
-    def _check_mesh_axes(self) -> None:
-        """Context and expert parallelism, HSDP and fault tolerance: their rules between fields."""
-        if self.cp_comm != "ring" and self.cp == 1:
-            raise ConfigError("--cp-comm", f"{self.cp_comm} exchanges K/V inside CP groups; needs "
-                              "--cp > 1 (valid otherwise: ring)")
-        if (self.dp * self.cp) % self.ep:
-            raise ConfigError("--ep", f"must divide dp x cp = {self.dp} x {self.cp} = "
-                              f"{self.dp * self.cp} (experts spread over ranks of the DP x CP "
-                              f"group); got {self.ep}")
-        if self.dp_shard is not None:
-            if self.dp % self.dp_shard:
-                raise ConfigError("--dp-shard", f"must divide --dp {self.dp} (shard groups of "
-                                  f"dp-shard ranks, replicated across dp/dp-shard); got {self.dp_shard}")
-            if self.dp_shard < self.dp and self.zero == 0:
-                raise ConfigError("--dp-shard", "shards ZeRO's states inside groups of DP ranks; "
-                                  "needs --zero 1, 2 or 3 (valid with --zero 0: leave it unset)")
-            self._check_hsdp()
-        if self.strategy != "mesh":
+        if self.strategy == "ps":       # (DiLoCo's own rules: _check_diloco)
             for name, changed in (("cp", self.cp > 1), ("ep", self.ep > 1),
                                   ("dp-shard", self.dp_shard not in (None, self.dp)),
                                   ("fault-tolerant", self.fault_tolerant)):
                 if changed:
                     raise ConfigError(f"--{name}", f"needs --strategy mesh (got {self.strategy})")
-
-    def _check_hsdp(self) -> None:
-        """HSDP (dp-shard < dp) is built for the data-parallel layout alone: what it does not
-        combine with is refused, naming why (--fault-tolerant builds its own replicas: each a
-        shard group with its cp, pp and tp ranks, a plain layout)."""
-        if self.shard_size == self.dp or self.fault_tolerant:   # replicas: a plain layout inside
-            return
-        for flag, value, why in (
-                ("pp", self.pp, "HSDP inside pipeline stages is not verified against one process"),
-                ("tp", self.tp, "HSDP with tensor parallelism is not verified against one process"),
-                ("cp", self.cp, "dense gradients are reduced over dp x cp, not over dp shards"),
-                ("ep", self.ep, "expert gradients are reduced over their own groups")):
-            if value > 1:
-                raise ConfigError("--dp-shard", f"< --dp is not supported with --{flag} > 1 ({why}); "
-                                  f"got --{flag} {value} (valid with it: leave --dp-shard unset)")
-        if self.min_dp is not None and self.min_dp < self.dp:
-            raise ConfigError("--dp-shard", "< --dp is not supported with --min-dp (a changing dp "
-                              "would break the shard groups); leave --dp-shard unset")
-        if self.offload != "none":
-            raise ConfigError("--dp-shard", "< --dp is not supported with --offload (shards streamed "
-                              "to the host across replicas are not verified against one process); "
-                              "use --offload none")
+        self._check_fault_tolerant()
 
     def _check_fault_tolerant(self) -> None:
         """--fault-tolerant protects data-parallel replicas: each the cp x pp x tp ranks of one
@@ -247,16 +207,9 @@ class ParallelConfig:
         return self.dp if self.dp_shard is None else self.dp_shard
 
     def _check_offload(self) -> None:
-        """Offload moves a ZeRO shard's optimizer: it needs one."""
-        if self.offload != "none" and self.zero == 0:
-            raise ConfigError("--offload", f"{self.offload} moves the optimizer shard of ZeRO off the "
-                              "device; needs --zero 1, 2 or 3 (got --zero 0; valid with it: none)")
+        """Offload's own settings (that it needs ZeRO is the axis table's rule)."""
         if self.offload_params and (self.zero != 3 or self.offload == "none"):
             raise ConfigError("--offload-params", "needs --zero 3 and --offload cpu or nvme")
-        if self.offload != "none" and self.sequence_parallel:
-            raise ConfigError("--offload", f"{self.offload} streams gradients to the host during "
-                              "backward, before sequence parallelism completes them over tp; "
-                              "with --sequence-parallel use --offload none")
         if self.offload_dir is not None and self.offload != "nvme":
             raise ConfigError("--offload-dir", "is where --offload nvme writes; needs --offload nvme")
 
@@ -280,7 +233,9 @@ class ParallelConfig:
                                       "(fp32 replicas of whole parameters; --dp sets the trainers)")
 
     def _check_diloco(self) -> None:
-        """DiLoCo's flags need it; it runs whole fp32 replicas over the DP axis only."""
+        """DiLoCo's flags need it. Its replica is the tp x pp x cp ranks of one dp index, or with
+        ZeRO inside it one shard group of --dp-shard dp indices (docs/DILOCO.md); what it does
+        not combine with is refused, naming why."""
         if self.strategy != "diloco":
             for name, changed in (("inner-steps", self.inner_steps != 500),
                                   ("outer-lr", self.outer_lr != 0.7),
@@ -290,14 +245,16 @@ class ParallelConfig:
             return
         if self.outer_momentum >= 1:
             raise ConfigError("--outer-momentum", f"must be in [0, 1); got {self.outer_momentum}")
-        why = {"tp": "a replica is one process holding the whole model (--tp 1)",
-               "pp": "a replica is one process holding the whole model (--pp 1)",
-               "zero": "each replica keeps its own inner optimizer; sharding it over the replicas "
-                       "would mix them (--zero 0)",
-               "precision": "the outer step and the replicas are fp32 (--precision fp32)",
+        if self.zero > 0 and self.shard_size == self.dp:
+            raise ConfigError("--zero", f"{self.zero} with --strategy diloco shards inside each replica: "
+                              "needs --dp-shard S < --dp (replicas of S dp ranks, synchronised every "
+                              "--inner-steps); valid without it: 0 (a replica per dp index)")
+        why = {"ep": "an ep group spans several replicas, whose all-to-all would couple them every step",
+               "cp": "a replica's ZeRO group would span its dp-shard x cp ranks (use --zero 0 with --cp)",
+               "fault-tolerant": "fault-tolerant replicas synchronise every step",
                "min-dp": "the replicas' inner states do not survive a resize (leave --min-dp unset)"}
-        for name, changed in (("tp", self.tp > 1), ("pp", self.pp > 1), ("zero", self.zero > 0),
-                              ("precision", self.precision != "fp32"),
+        for name, changed in (("ep", self.ep > 1), ("cp", self.cp > 1 and self.zero > 0),
+                              ("fault-tolerant", self.fault_tolerant),
                               ("min-dp", self.min_dp is not None)):
             if changed:
                 raise ConfigError(f"--{name}", f"is not supported with --strategy diloco: {why[name]}")

@@ -16,6 +16,7 @@ from typing import Any
 
 from trainmesh.config.parallel import GRAD_CLIP, ParallelConfig
 from trainmesh.config.validation import Flag, check_fields, flags_of, setting
+from trainmesh.core import axes
 from trainmesh.core.errors import ConfigError
 from trainmesh.models.gpt import PRESETS, GPTConfig
 
@@ -56,11 +57,17 @@ class TrainConfig:
     moe_aux_loss: float | None = setting(None, "MoE: coefficient of the load-balancing loss, "
                                                "computed per sequence (default 0.01)", ge=0,
                                          group="model")
-    data: str = setting("synthetic", "'synthetic', or a text file (bytes) / token file (.npy, "
-                                     ".bin uint16)", path=True, group="data")
-    tokenizer: str = setting("bytes", "text --data as 'bytes' (vocab 256) or 'bpe:VOCAB' (a "
-                                      "byte-level BPE trained on the file, cached beside it; "
-                                      "sets --vocab-size)", group="data")
+    data: str = setting("synthetic", "'synthetic', a text file, a JSON-lines (.jsonl) or Parquet "
+                                     "file of documents, a directory saved by the datasets "
+                                     "library, or a token file (.npy, .bin uint16)", path=True,
+                        group="data")
+    tokenizer: str | None = setting(None, "text --data as 'bytes' (vocab 256), 'bpe:VOCAB' (a "
+                                          "byte-level BPE trained on it, cached beside it; sets "
+                                          "--vocab-size) or 'model' (the --model-dir's own "
+                                          "tokenizer; the default with --model-dir when it has "
+                                          "one, else bytes)", group="data")
+    text_field: str = setting("text", "the field holding each document's text in JSON-lines, "
+                                      "Parquet or saved-datasets --data", group="data")
     global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
                                     "microbatches", ge=1, group="optimisation")
     optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS, group="optimisation")
@@ -75,7 +82,7 @@ class TrainConfig:
     model_dir: str | None = setting(None, "train the Hugging Face causal LM (GPT-2, Llama, Mixtral, ...) of "
                                           "this directory instead of the built-in GPT: config.json "
                                           "+ model.safetensors (or its shards), as save_pretrained writes (needs "
-                                          "transformers); dp and tp, not pp", path=True, group="model")
+                                          "transformers); every axis its plans allow", path=True, group="model")
     metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True, group="observability")
     save_dir: str | None = setting(None, "checkpoint directory", path=True, group="checkpoints")
     save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0, group="checkpoints")
@@ -179,14 +186,7 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelConfig):
             raise TypeError("TrainConfig.parallel must be a ParallelConfig")
         check_fields(self)
-        from trainmesh.data.tokenizer import bpe_vocab
-        bpe = bpe_vocab(self.tokenizer)
-        if bpe is not None:
-            if self.data == "synthetic":
-                raise ConfigError("--tokenizer", "bpe tokenises a text --data file; the synthetic "
-                                  "corpus has its own vocabulary")
-            if self.vocab_size is None:
-                self.vocab_size = bpe
+        self._check_data()
         if self.exit_after is not None and self.exit_after > self.steps:
             raise ConfigError("--exit-after", f"must be a step in 1..--steps ({self.steps}); "
                               f"got {self.exit_after}")
@@ -210,9 +210,6 @@ class TrainConfig:
                               f"{p.microbatches} = {per}; got {self.global_batch}")
         gpt = self.gpt_config()  # the shape's own rules (heads divide d-model)
         if self.model_dir is not None:   # its config.json sets the shape: other rules
-            if p.cp > 1:
-                raise ConfigError("--cp", "splits sequences inside the built-in GPT's attention; "
-                                  f"a --model-dir model runs with --cp 1 (got --cp {p.cp})")
             from trainmesh.config.model_dir import check_model_config
             self.vocab_size = check_model_config(self)
             return
@@ -232,25 +229,43 @@ class TrainConfig:
         if p.cp > 1 and p.sequence_parallel and (gpt.seq_len // p.cp) % p.tp:
             raise ConfigError("--seq-len", f"with --cp {p.cp} and --sequence-parallel, seq-len / cp "
                               f"= {gpt.seq_len // p.cp} must be divisible by --tp {p.tp}")
-        if p.ep > 1 and gpt.n_experts == 0:
-            raise ConfigError("--ep", "spreads the experts of MoE layers; needs --experts > 0")
-        if gpt.n_experts and gpt.n_experts % p.ep:
-            raise ConfigError("--ep", f"must divide --experts {gpt.n_experts}; got {p.ep}")
-        if gpt.n_experts:
-            self._check_moe(gpt)
-
-    def _check_moe(self, gpt: GPTConfig) -> None:
-        """What mixture-of-experts layers do not compose with (yet)."""
-        p = self.parallel
-        if gpt.moe_every > gpt.n_layers:
+        axes.check(p, experts=gpt.n_experts)    # the axis table's rules on the model (ep, experts)
+        if gpt.n_experts and gpt.moe_every > gpt.n_layers:
             raise ConfigError("--moe-every", f"must be at most --layers {gpt.n_layers} (no block "
                               f"would be a mixture of experts); got {gpt.moe_every}")
-        if p.cp > 1:
-            raise ConfigError("--cp", "MoE layers need whole sequences on a rank (their load-"
-                              "balancing loss is per sequence); valid with --experts: 1")
-        if p.sequence_parallel:
-            raise ConfigError("--sequence-parallel", "is not supported with --experts (MoE "
-                              "layers run on whole sequences, replicated over tp)")
+
+    def _check_data(self) -> None:
+        """--tokenizer (resolved: model with a --model-dir that has a tokenizer and text data,
+        else bytes) and --text-field against the kind of --data."""
+        from trainmesh.data.documents import JSONL_SUFFIXES
+        from trainmesh.data.tokenizer import bpe_vocab
+        suffix = Path(self.data).suffix.lower()
+        text = self.data != "synthetic" and suffix not in (".npy", ".bin")
+        if self.tokenizer is None:
+            from trainmesh.data.model_tokenizer import has_tokenizer
+            model = text and self.model_dir is not None and has_tokenizer(self.model_dir)
+            self.tokenizer = "model" if model else "bytes"
+        bpe = bpe_vocab(self.tokenizer)
+        if self.tokenizer != "bytes" and self.data == "synthetic":
+            raise ConfigError("--tokenizer", f"{self.tokenizer} tokenises text --data; the "
+                              "synthetic corpus has its own vocabulary (valid with it: bytes)")
+        if self.tokenizer == "model" and self.model_dir is None:
+            raise ConfigError("--tokenizer", "model tokenises with the --model-dir's tokenizer; "
+                              "needs --model-dir (valid without it: bytes or bpe:VOCAB)")
+        if bpe is not None and self.vocab_size is None:
+            self.vocab_size = bpe
+        if not self.text_field:
+            raise ConfigError("--text-field", "must name a field; got an empty string")
+        records = suffix in (*JSONL_SUFFIXES, ".parquet") or Path(self.data).is_dir()
+        if self.text_field != "text" and not records:
+            raise ConfigError("--text-field", "selects the text of JSON-lines, Parquet or saved-"
+                              f"datasets --data; {self.data!r} has no fields (leave it out)")
+
+    def data_options(self) -> dict[str, Any]:
+        """How text --data becomes tokens: the keywords of
+        :func:`~trainmesh.data.corpus.make_datasets` beside the data and its shape."""
+        return {"tokenizer": self.tokenizer, "text_field": self.text_field,
+                "model_dir": self.model_dir}
 
     @property
     def peak_lr(self) -> float:

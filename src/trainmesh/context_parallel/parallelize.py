@@ -23,6 +23,10 @@ from .ring import MODES, Ring, ring_attention
 class ContextParallelAttention(nn.Module):
     """Causal attention of this rank's zigzag share over the CP group's whole sequence."""
 
+    runs_collectives = True
+    """Its forward exchanges K/V with the other CP ranks: ``--compile`` runs it eagerly between
+    the block's graphs (:func:`trainmesh.engine.compile.compile_layers`)."""
+
     def __init__(self, ring: Ring, *, mode: str, fused: bool) -> None:
         super().__init__()
         self.ring, self.mode, self.fused = ring, mode, fused
@@ -49,14 +53,19 @@ def apply_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, 
                            device: torch.device | None = None, fused: bool | None = None) -> int:
     """Swap every attention core and positions module of ``model`` for its context-parallel
     form over ``mesh``'s cp group, in place; returns the number of attention cores swapped.
-    ``fused``: per-block fused kernels (None: where ``device`` has them). ConfigError naming
-    ``--cp`` when the model has no attention core to swap."""
+    A Hugging Face model gets ring attention through its attention interface instead
+    (:mod:`.hf_attention`: its implementation is chosen by name, no module is swapped; 0). ``fused``: per-block fused kernels (None: where ``device`` has
+    them). ConfigError naming ``--cp`` when the model has no attention core to swap."""
     if mode not in MODES:
         raise ConfigError("--cp-comm", f"must be one of {', '.join(MODES)}; got {mode!r}")
     from .ring import CommRing
-    ring = CommRing(comm, mesh)
     if fused is None:
         fused = fused_available(device or torch.device("cpu"))
+    if hasattr(getattr(model, "config", None), "_attn_implementation"):   # a Hugging Face model
+        from .hf_attention import apply_hf_context_parallel
+        apply_hf_context_parallel(model, mesh, comm, mode=mode, fused=fused)
+        return 0
+    ring = CommRing(comm, mesh)
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -102,8 +102,10 @@ class _Attention(torch.autograd.Function):
         qs = q.chunk(2, dim=2)
         acc: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None), (None, None)]
 
+        groups = q.shape[1] // k.shape[1]                   # grouped-query: q heads per k/v head
+
         def attend(kv: torch.Tensor, src: int) -> None:
-            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            ks, vs = (_repeat(t, groups).chunk(2, dim=2) for t in kv)
             for a, b, diag in _pairs(qids, chunk_ids(src, n)):
                 acc[a] = merge(*acc[a], *attend_block(qs[a], ks[b], vs[b], causal=diag, fused=fused))
 
@@ -140,17 +142,18 @@ class _Attention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dqs = dq.chunk(2, dim=2)
         c = q.shape[2] // 2
+        groups = q.shape[1] // k.shape[1]
 
         def contributions(kv: torch.Tensor, src: int) -> torch.Tensor:
-            """dK/dV (2, b, h, 2c, hd) of source ``src``'s block from this rank's queries."""
-            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            """dK/dV (2, b, h_kv, 2c, hd) of source ``src``'s block from this rank's queries."""
+            ks, vs = (_repeat(t, groups).chunk(2, dim=2) for t in kv)
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
             for a, b, diag in _pairs(qids, chunk_ids(src, n)):
                 gq, gk, gv = attend_block_backward(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a],
                                                    causal=diag, fused=fused)
                 dqs[a].add_(gq)
-                dkv[0, :, :, b * c:(b + 1) * c].add_(gk)
-                dkv[1, :, :, b * c:(b + 1) * c].add_(gv)
+                dkv[0, :, :, b * c:(b + 1) * c].add_(_sum_groups(gk, groups))
+                dkv[1, :, :, b * c:(b + 1) * c].add_(_sum_groups(gv, groups))
             return dkv
 
         if ctx.mode == "ring":
@@ -171,13 +174,32 @@ class _Attention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
+def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: each k/v head serves ``groups`` query heads in a row,
+    (b, h_kv, c, hd) -> (b, h_kv·groups, c, hd)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _sum_groups(g: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`_repeat`: (b, h_kv·groups, c, hd) -> (b, h_kv, c, hd)."""
+    if groups == 1:
+        return g
+    b, h, c, hd = g.shape
+    return g.view(b, h // groups, groups, c, hd).sum(2)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
                    mode: str = "ring", fused: bool = False) -> torch.Tensor:
-    """Causal attention of this rank's zigzag chunks of q, k, v (b, h, 2c, hd) over the whole
-    sequence held by the ``ring``'s ranks; -> (b, h, 2c, hd). ``mode``: ``ring`` or
-    ``allgather``; ``fused``: per-block fused kernels (:func:`~.blocks.fused_available`)."""
+    """Causal attention of this rank's zigzag chunks of q (b, h, 2c, hd) and k, v (b, h_kv, 2c,
+    hd; grouped-query attention when h_kv < h: each k/v head serves h / h_kv query heads in a
+    row, and travels the ring once) over the whole sequence held by the ``ring``'s ranks;
+    -> (b, h, 2c, hd). ``mode``: ``ring`` or ``allgather``; ``fused``: per-block fused kernels
+    (:func:`~.blocks.fused_available`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if q.shape[1] % k.shape[1] or k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape and a head count dividing q's; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[2] % 2:
         raise ValueError(f"a CP rank holds two equal chunks of the sequence; got length {q.shape[2]}")
     return _Attention.apply(q, k, v, ring, mode, fused)

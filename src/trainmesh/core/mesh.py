@@ -1,4 +1,4 @@
-"""ParallelMesh: the (pp, dp, cp, tp) grid of ranks and one process group per axis.
+"""ParallelMesh: the (pp, dp, cp, tp) grid of ranks and one process group per named group.
 
 World ranks are laid out with tp varying fastest, then cp, then dp, pp outermost::
 
@@ -7,17 +7,13 @@ World ranks are laid out with tp varying fastest, then cp, then dp, pp outermost
 so a TP group is a run of consecutive ranks (inside one node), CP next (its ring passes K/V
 blocks every layer), DP after, PP outermost. With cp = 1 this is the (pp, dp, tp) layout.
 
-Besides the four axes the mesh hands out groups derived from them (created only where they
-differ from an axis, so a plain layout builds no extra group):
-
-- ``dp_cp``: the DP and CP ranks together (same pp and tp), in (dp, cp) order. Replicated
-  parameters' gradients are reduced over it: every rank of it holds different tokens.
-- ``ep`` / ``edp``: expert parallelism splits ``dp_cp`` into runs of ``ep`` consecutive ranks.
-  ``ep`` is this rank's run (the ranks a layer's experts are spread over, tokens exchanged by
-  all-to-all); ``edp`` the ranks holding the same experts (one per run), over which expert
-  gradients are reduced.
-- ``dp_shard`` / ``dp_replicate``: HSDP splits ``dp`` into runs of ``dp_shard`` consecutive
-  ranks; ZeRO shards over ``dp_shard`` and the shards are all-reduced over ``dp_replicate``.
+Which groups exist and which ranks each holds is the axis table's
+(:mod:`trainmesh.core.axes`): besides the four axes, ``dp_cp`` (the ranks holding replicas of
+the dense parameters, each with other tokens), ``ep`` / ``edp`` (expert parallelism: runs of
+``ep`` ranks of the dp x cp line, and the ranks holding the same experts), ``dp_shard`` /
+``dp_replicate`` / ``dp_shard_cp`` (HSDP: ZeRO's shard group, without and with cp, and the
+replicas across). A group whose member lists equal an earlier one's is that group (``dp_cp``
+is ``dp`` when cp = 1), one of single ranks is none (its collectives are no-ops).
 
 The mesh is an explicit object — no module-level group state — so two meshes can live in one
 process. Every rank of the world must build the same meshes in the same order (``new_group`` is
@@ -25,18 +21,19 @@ a collective call).
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainmesh.core.axes import GROUPS, Degrees, check_degrees
+from trainmesh.core.axes import members as group_members
 from trainmesh.core.errors import ConfigError
 
 AXES = ("pp", "dp", "cp", "tp")
 """The mesh's axes, outermost first."""
-DERIVED = ("dp_cp", "ep", "edp", "dp_shard", "dp_replicate")
-"""Groups derived from the axes (see the module docstring)."""
+DERIVED = tuple(g for g in GROUPS if g not in AXES)
+"""Groups derived from the axes (:data:`trainmesh.core.axes.GROUPS`)."""
 
 
 TIMEOUT_S = 300.0
@@ -71,9 +68,7 @@ class ParallelMesh:
                 raise ConfigError(axis, f"must be a positive integer; got {value!r}")
         if self.dp_shard is None:
             self.dp_shard = self.dp
-        for name, value, whole in (("ep", self.ep, self.dp * self.cp), ("dp_shard", self.dp_shard, self.dp)):
-            if not isinstance(value, int) or value < 1 or whole % value:
-                raise ConfigError(name, f"must be a positive integer dividing {whole}; got {value!r}")
+        self.degrees: Degrees = check_degrees(self)
         initialized = dist.is_available() and dist.is_initialized() and not self.local
         self._distributed = initialized
         self.world_size = dist.get_world_size() if initialized else 1
@@ -87,26 +82,24 @@ class ParallelMesh:
         self.coords = self.coords_of(self.rank)
         self._groups, self._ranks = {}, {}
         timeout = timedelta(seconds=self.timeout_s)
-        # Every rank creates every group of every axis, in the same order (a collective call).
-        for axis in AXES:
-            if axis == "cp" and self.cp == 1:   # no group of one rank per rank for an unused axis
-                self._groups[axis], self._ranks[axis] = None, [self.rank]
+        built: dict[tuple[tuple[int, ...], ...], str] = {}
+        # Every rank creates every group, in the table's order (new_group is a collective call).
+        for name in (*AXES, *DERIVED):
+            lists = group_members(self.degrees, name)
+            key = tuple(map(tuple, lists))
+            mine = next(m for m in lists if self.rank in m)
+            self._ranks[name] = mine
+            if key in built:                      # the same ranks as an earlier group: that one
+                self._groups[name] = self._groups[built[key]]
                 continue
-            for members in self._all_groups(axis):
-                group = dist.new_group(members, timeout=timeout) if initialized else None
-                if self.rank in members:
-                    self._groups[axis], self._ranks[axis] = group, members
-        for name in DERIVED:
-            lists = self._derived_groups(name)
-            if lists is None:          # the same ranks as an axis: that axis's group
-                alias = {"dp_cp": "dp", "edp": "dp_cp", "dp_shard": "dp"}.get(name)
-                self._groups[name] = self._groups.get(alias)
-                self._ranks[name] = self._ranks[alias] if alias else [self.rank]
+            built[key] = name
+            self._groups[name] = None
+            if len(mine) == 1:                    # groups of one rank: no-op collectives
                 continue
-            for members in lists:
-                group = dist.new_group(members, timeout=timeout) if initialized else None
-                if self.rank in members:
-                    self._groups[name], self._ranks[name] = group, members
+            for m in lists:
+                group = dist.new_group(m, timeout=timeout) if initialized else None
+                if self.rank in m:
+                    self._groups[name] = group
         everyone = list(range(self.world_size))
         self._groups["world"] = (dist.new_group(everyone, timeout=timeout)
                                  if initialized else None)
@@ -132,33 +125,6 @@ class ParallelMesh:
     def rank_of(self, *, dp: int = 0, pp: int = 0, tp: int = 0, cp: int = 0) -> int:
         """World rank at the given coordinates."""
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
-
-    def _derived_groups(self, name: str) -> list[list[int]] | None:
-        """Every group of a derived kind (module docstring), or None where it is an axis's."""
-        if (name == "dp_cp" and self.cp == 1) or (name in ("ep", "edp") and self.ep == 1) \
-                or (name in ("dp_shard", "dp_replicate") and self.dp_shard == self.dp):
-            return None
-        groups = []
-        for pp_i in range(self.pp):
-            for tp_i in range(self.tp):
-                if name in ("dp_shard", "dp_replicate"):
-                    for cp_i in range(self.cp):
-                        line = [self.rank_of(pp=pp_i, tp=tp_i, cp=cp_i, dp=d) for d in range(self.dp)]
-                        groups += _split(line, self.dp_shard, across=name == "dp_replicate")
-                    continue
-                line = [self.rank_of(pp=pp_i, tp=tp_i, dp=d, cp=c)
-                        for d in range(self.dp) for c in range(self.cp)]
-                groups += ([line] if name == "dp_cp" else _split(line, self.ep, across=name == "edp"))
-        return groups
-
-    def _all_groups(self, axis: str) -> list[list[int]]:
-        """Every group of one axis: the ranks that differ only in that coordinate."""
-        others = [a for a in AXES if a != axis]
-        groups = []
-        for fixed in itertools.product(*(range(getattr(self, a)) for a in others)):
-            at = dict(zip(others, fixed))
-            groups.append([self.rank_of(**{**at, axis: k}) for k in range(getattr(self, axis))])
-        return groups
 
     # ---------------------------------------------------------------- groups
     def group(self, axis: str):
@@ -192,9 +158,3 @@ class ParallelMesh:
         """This rank's position along ``axis`` (an axis or a derived group; "world": the rank)."""
         return self._ranks[axis].index(self.rank)
 
-
-def _split(line: list[int], size: int, *, across: bool) -> list[list[int]]:
-    """``line`` cut into runs of ``size`` consecutive ranks, or (``across``) the groups of ranks
-    at the same place in every run."""
-    runs = [line[i:i + size] for i in range(0, len(line), size)]
-    return [list(col) for col in zip(*runs)] if across else runs

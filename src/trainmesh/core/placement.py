@@ -12,6 +12,12 @@ rank, how its gradient must be completed, and whether the rank counts it in the 
 * ``duplicate``: a pipeline tie's copy on a rank other than the lowest one (counted once).
 * ``expert``: an MoE expert's parameter under expert parallelism: held only by the ranks of one
   ``ep`` index, its gradient reduced over ``edp``, written to checkpoints by one of those ranks.
+* ``ep_dim`` / ``ep_start``: experts stacked in one tensor (a Hugging Face ``(E, ...)``
+  ``gate_up_proj``) split over ``ep`` along their expert dimension: this rank holds
+  ``[ep_start, ep_start + width)`` of it; a checkpoint gathers the whole tensor over ``ep``.
+
+Which groups each kind of parameter is reduced, sharded and held over is the axis table's
+(:mod:`trainmesh.core.axes`, ``KINDS``; :meth:`Placements.kind` names a parameter's kind).
 
 :class:`Placements`, keyed by the parameter's name in the whole model, is owned by the engine:
 tensor parallelism records shards and partial gradients, the pipeline marks duplicates,
@@ -45,13 +51,20 @@ class Placement:
     """A pipeline tie's copy whose gradient another rank already counts in the norm."""
     expert: bool = False
     """An expert's parameter spread by expert parallelism (held by one ``ep`` index's ranks)."""
+    ep_dim: int | None = None
+    """Dimension of stacked experts split over ep (their expert dimension); None: not split."""
+    ep_start: int = 0
+    """First index this rank holds along ``ep_dim``."""
 
     def __post_init__(self) -> None:
         parts = self.tp_parts
         if (parts < 1) if isinstance(parts, int) else (not parts or min(parts) < 1):
             raise ValueError(f"tp_parts must be >= 1 or positive block sizes, got {parts}")
-        if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.full_shape):
-            raise ValueError(f"tp_dim {self.tp_dim} outside full shape {self.full_shape}")
+        for name, dim in (("tp_dim", self.tp_dim), ("ep_dim", self.ep_dim)):
+            if dim is not None and not 0 <= dim < len(self.full_shape):
+                raise ValueError(f"{name} {dim} outside full shape {self.full_shape}")
+        if self.ep_dim is not None and self.ep_dim == self.tp_dim:
+            raise ValueError(f"ep_dim and tp_dim are both {self.ep_dim}: split different dimensions")
 
     @property
     def sharded(self) -> bool:
@@ -62,6 +75,8 @@ class Placement:
         """Indices into the full tensor whose concatenation along ``tp_dim`` is this rank's
         ``local_shape`` tensor: one index, or one per block of a fused projection."""
         whole = [slice(0, n) for n in self.full_shape]
+        if self.ep_dim is not None:                     # this rank's run of stacked experts
+            whole[self.ep_dim] = slice(self.ep_start, self.ep_start + local_shape[self.ep_dim])
         if self.tp_dim is None:
             return [tuple(whole)]
         dim, parts, total = self.tp_dim, self.tp_parts, self.full_shape[self.tp_dim]
@@ -116,10 +131,20 @@ class Placements:
         record = self._records.get(name)
         return record is not None and record.sharded
 
+    def ep_split(self, name: str) -> bool:
+        """Whether ``name`` is a tensor of stacked experts split over ep along ``ep_dim``."""
+        record = self._records.get(name)
+        return record is not None and record.ep_dim is not None
+
     def expert(self, name: str) -> bool:
         """Whether ``name`` is an expert's parameter under expert parallelism."""
         record = self._records.get(name)
         return record is not None and record.expert
+
+    def kind(self, name: str) -> str:
+        """The axis table's kind of ``name`` (:data:`trainmesh.core.axes.KINDS`): "expert" or
+        "dense"; it says which groups reduce, shard and hold the parameter."""
+        return "expert" if self.expert(name) else "dense"
 
     def partial_grad_names(self) -> list[str]:
         """Names whose gradient is partial over tp, sorted (the same order on every rank)."""

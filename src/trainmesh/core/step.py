@@ -63,6 +63,10 @@ class StepHooks:
     expect_backwards: Callable[[int], None]
     """Pipelines: called once at the start of a step with the number of backward passes that
     run through every parameter (in any interleaving); each gradient is reduced after its last."""
+    backward_from: Callable[[torch.Tensor, "list[nn.Parameter] | None"], None] = lambda root, params: None
+    """Called with the tensor each backward pass starts from and the parameters the pass goes
+    through (None: all of this rank's; a pipeline pass: its chunk's), just before it: the
+    strategy learns which of them that pass leaves without a gradient."""
 
 
 class Executor(Protocol):

@@ -25,6 +25,8 @@ STORE_ENV = "TRAINMESH_LAUNCHER_STORE"
 """``host:port`` of the store a local launcher hosts: the workers' rendezvous, their hang
 diagnosis, and where rank 0 hands its process-group store's port to the others."""
 PG_PORT_KEY = "trainmesh/pg_port"
+HOST_KEY = "trainmesh/host"
+"""Where each rank leaves its host name (``HOST_KEY/<attempt>/<rank>``), for failure reports."""
 
 
 def listening_socket(host: str = LOOPBACK, port: int = 0) -> socket.socket:
@@ -46,14 +48,16 @@ def server_store(host: str = LOOPBACK, port: int = 0, *, world_size: int | None 
                  timeout_s: float = 300.0, multi_tenant: bool = False) -> dist.TCPStore:
     """A TCPStore server listening on ``host`` alone (``port`` 0: a kernel-picked free port).
 
-    The store takes over the socket (its file descriptor is detached from Python)."""
+    The store takes over the socket (its file descriptor is detached from Python). It is
+    torch's classic server (``use_libuv=False``): the libuv one refuses a given socket before
+    torch 2.6, and both serve the same protocol to clients."""
     sock = listening_socket(host, port)
     bound_port = sock.getsockname()[1]
     fd = sock.detach()
     try:
         return dist.TCPStore(host, bound_port, world_size, is_master=True, master_listen_fd=fd,
                              wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-                             multi_tenant=multi_tenant)
+                             multi_tenant=multi_tenant, use_libuv=False)
     except BaseException:
         os.close(fd)
         raise
@@ -73,7 +77,8 @@ def attempt_key(key: str) -> str:
     return f"{key}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def process_group_store(rank: int, world_size: int, *, timeout_s: float) -> Any:
+def process_group_store(rank: int, world_size: int, *, master: tuple[str, int] | None,
+                        timeout_s: float) -> Any:
     """The store the default process group is built on, or None to let torch build it (env://).
 
     - Under a local launcher (``TRAINMESH_LAUNCHER_STORE`` set): rank 0 serves a store on the
@@ -81,8 +86,9 @@ def process_group_store(rank: int, world_size: int, *, timeout_s: float) -> Any:
       launcher's store.
     - Under torchrun sharing its agent's store (``TORCHELASTIC_USE_AGENT_STORE``): None; the
       workers are clients of the agent's store and listen on nothing.
-    - Otherwise (torchrun with sharing disabled, srun): rank 0 serves ``MASTER_PORT`` on the
-      interface of ``MASTER_ADDR`` only; the others connect to it.
+    - Otherwise (torchrun with sharing disabled, srun): rank 0 serves ``master``'s port
+      (``MASTER_ADDR``/``MASTER_PORT``, or the address srun's environment implies) on the
+      interface of its address only; the others connect to it.
     """
     launcher = os.environ.get(STORE_ENV)
     if launcher:
@@ -95,7 +101,46 @@ def process_group_store(rank: int, world_size: int, *, timeout_s: float) -> Any:
         return client_store(f"{LOOPBACK}:{port}", world_size=world_size, timeout_s=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         return None
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if master is None:
+        raise ValueError("MASTER_ADDR: not set, and no srun step to derive it from")
+    addr, port = master
     if rank == 0:
         return server_store(addr, port, world_size=world_size, timeout_s=timeout_s)
     return client_store(f"{addr}:{port}", world_size=world_size, timeout_s=timeout_s)
+
+
+def failure_store(timeout_s: float) -> Any | None:
+    """A store every rank of the job reaches, for failure reports (short ``timeout_s`` per
+    call): the local launcher's, else the default group's; None without one."""
+    from trainmesh.core.compat import default_store
+    try:
+        address = os.environ.get(STORE_ENV)
+        if address:
+            return client_store(address, timeout_s=timeout_s)
+        store = default_store()
+        if store is not None:
+            store.set_timeout(timedelta(seconds=timeout_s))
+        return store
+    except Exception:  # noqa: BLE001 - an unreachable store: reports do without it
+        return None
+
+
+def publish_host(rank: int) -> None:
+    """Leave this rank's host name where a failing peer's report can read it."""
+    import socket
+
+    from trainmesh.core.compat import default_store
+    address = os.environ.get(STORE_ENV)
+    store = client_store(address) if address else default_store()   # its own timeouts untouched
+    if store is not None:
+        store.set(attempt_key(f"{HOST_KEY}/{rank}"), socket.gethostname())
+
+
+def host_of(rank: int, store: Any | None) -> str | None:
+    """The host ``rank`` said it runs on (:func:`publish_host`), or None."""
+    if store is None:
+        return None
+    try:
+        return store.get(attempt_key(f"{HOST_KEY}/{rank}")).decode()
+    except Exception:  # noqa: BLE001 - not published, or the store is gone
+        return None

@@ -1,4 +1,4 @@
-"""Training data: a learnable synthetic language, text files and token files.
+"""Training data: a learnable synthetic language, text, documents and token files.
 
 The global batch of step k is a function of (seed, k) only, whatever the layout; each DP rank
 takes its contiguous slice of rows (:func:`dp_slice`). Evaluation reads a held-out split
@@ -10,14 +10,13 @@ loaded whole. A batch is a dict with ``input_ids`` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from trainmesh.core.errors import ConfigError
-from trainmesh.data.token_cache import SCAN_TOKENS, TokenView, id_range, open_tokens
+from trainmesh.data.token_cache import SCAN_TOKENS, TokenView, id_range
 
 Batch = dict[str, torch.Tensor]
 
@@ -83,18 +82,14 @@ class TokenStream:
         return {"input_ids": rows_t[:, :-1].contiguous(), "labels": rows_t[:, 1:].contiguous()}
 
 
-def load_tokens(path: str, tokenizer: str = "bytes") -> TokenView:
-    """Token file (.npy, or .bin as uint16 like nanoGPT) or a text file read as bytes (vocab 256)
-    or tokenised by ``tokenizer`` (:mod:`trainmesh.data.tokenizer`, cached): opened, never loaded."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("--data", f"no such file {path!r}; use 'synthetic' or a text/token file")
-    if tokenizer != "bytes":
-        if p.suffix in (".npy", ".bin"):
-            raise ConfigError("--tokenizer", f"tokenises text files; {path!r} holds token ids already")
-        from trainmesh.data.tokenizer import bpe_tokens, bpe_vocab
-        return bpe_tokens(path, bpe_vocab(tokenizer))  # type: ignore[arg-type]
-    return open_tokens(path)
+def load_tokens(path: str, tokenizer: str = "bytes", *, text_field: str = "text",
+                model_dir: str | None = None) -> TokenView:
+    """A token file (.npy, or .bin as uint16 like nanoGPT), or text — a text file read as bytes
+    (vocab 256), or text and documents (JSON-lines, Parquet, a saved ``datasets`` directory)
+    tokenised by ``tokenizer`` (:func:`trainmesh.data.tokenizer.tokens_of`, cached): opened,
+    never loaded."""
+    from trainmesh.data.tokenizer import tokens_of
+    return tokens_of(path, tokenizer, text_field=text_field, model_dir=model_dir)
 
 
 def check_tokens(tokens: TokenView, path: str, *, vocab_size: int, seq_len: int) -> None:
@@ -119,15 +114,6 @@ def check_tokens(tokens: TokenView, path: str, *, vocab_size: int, seq_len: int)
                           f"{path!r}; got {vocab_size}")
 
 
-def make_dataset(data: str, *, vocab_size: int, seq_len: int):
-    """'synthetic' or a file path -> a dataset with ``batch(seed, step, batch_size)``."""
-    if data == "synthetic":
-        return SyntheticCorpus(vocab_size, seq_len)
-    tokens = load_tokens(data)
-    check_tokens(tokens, data, vocab_size=vocab_size, seq_len=seq_len)
-    return TokenStream(tokens, seq_len)
-
-
 def split_tokens(tokens: TokenView, path: str, seq_len: int) -> tuple[TokenView, TokenView]:
     """(training tokens, held-out tokens): the held-out split is the stream's last 5%, at least
     one window of ``seq_len + 2`` tokens."""
@@ -139,13 +125,14 @@ def split_tokens(tokens: TokenView, path: str, seq_len: int) -> tuple[TokenView,
 
 
 def make_datasets(data: str, *, vocab_size: int, seq_len: int, held_out: bool,
-                  tokenizer: str = "bytes"):
+                  tokenizer: str = "bytes", text_field: str = "text", model_dir: str | None = None):
     """(training set, evaluation set or None): with ``held_out``, a deterministic split that
-    every rank and layout computes alike (see :func:`split_tokens`)."""
+    every rank and layout computes alike (see :func:`split_tokens`). ``tokenizer``,
+    ``text_field`` and ``model_dir``: how text data becomes tokens (:func:`load_tokens`)."""
     if data == "synthetic":
         train = SyntheticCorpus(vocab_size, seq_len)
         return train, (SyntheticCorpus(vocab_size, seq_len, stream=_EVAL_STREAM) if held_out else None)
-    tokens = load_tokens(data, tokenizer)
+    tokens = load_tokens(data, tokenizer, text_field=text_field, model_dir=model_dir)
     check_tokens(tokens, data, vocab_size=vocab_size, seq_len=seq_len)
     if not held_out:
         return TokenStream(tokens, seq_len), None

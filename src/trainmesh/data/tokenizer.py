@@ -1,4 +1,4 @@
-"""Tokenisation of a text file (``--tokenizer bytes|bpe:VOCAB``).
+"""Tokenisation of text data (``--tokenizer bytes|bpe:VOCAB|model``).
 
 ``bytes`` reads the file as bytes (vocabulary 256): the text is its own token file, read
 window by window. ``bpe:VOCAB`` trains a byte-level BPE of at most VOCAB tokens on the file with
@@ -10,16 +10,22 @@ its first MiB (``FILE.bpe512-<hash>.json`` / ``.npy``), and written atomically (
 file, then a rename): the launcher's preflight tokenises before any worker starts, and ranks
 that start at once (torchrun) compute the same bytes, so whichever rename lands last wins with
 identical content. Workers read the ids through :class:`~trainmesh.data.token_cache.TokenView`.
+
+Sources of documents (JSON-lines, Parquet, a saved ``datasets`` directory;
+:mod:`trainmesh.data.documents`) are read as the text of their documents, each followed by a
+blank line, under ``bytes`` and ``bpe``; ``model`` (:mod:`trainmesh.data.model_tokenizer`)
+encodes every source document by document. :func:`tokens_of` picks the path.
 """
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from trainmesh.core.errors import ConfigError
+from trainmesh.data.documents import data_format, documents, source_fingerprint
 from trainmesh.data.token_cache import (
     TokenView,
     cache_dir,
@@ -40,34 +46,80 @@ encoding costs ~50 bytes per token until it is freed."""
 
 
 def bpe_vocab(spec: str) -> int | None:
-    """``"bytes"`` -> None; ``"bpe:N"`` -> N; anything else: ConfigError naming --tokenizer."""
-    if spec == "bytes":
+    """``"bytes"`` or ``"model"`` -> None; ``"bpe:N"`` -> N; anything else: ConfigError naming
+    --tokenizer."""
+    if spec in ("bytes", "model"):
         return None
     kind, _, n = spec.partition(":")
     if kind == "bpe" and n.isdigit() and MIN_BPE_VOCAB <= int(n) <= MAX_BPE_VOCAB:
         return int(n)
-    raise ConfigError("--tokenizer", f"must be 'bytes' or 'bpe:VOCAB' with VOCAB an integer >= "
-                      f"{MIN_BPE_VOCAB} (256 bytes plus merges); got {spec!r}")
+    raise ConfigError("--tokenizer", f"must be 'bytes', 'model' or 'bpe:VOCAB' with VOCAB an "
+                      f"integer >= {MIN_BPE_VOCAB} (256 bytes plus merges); got {spec!r}")
 
 
-def cache_paths(data: str, vocab: int) -> tuple[Path, Path]:
+def tokens_of(data: str, tokenizer: str = "bytes", *, text_field: str = "text",
+              model_dir: str | None = None) -> TokenView:
+    """The token ids of ``--data`` under ``--tokenizer``: a token file as it is, text and
+    documents tokenised (cached). ConfigError naming the flag for what cannot be."""
+    fmt = data_format(data)
+    if fmt == "tokens":
+        if tokenizer != "bytes":
+            raise ConfigError("--tokenizer", f"tokenises text; {data!r} holds token ids already")
+        return open_tokens(data)
+    if tokenizer == "model":
+        if model_dir is None:
+            raise ConfigError("--tokenizer", "model tokenises with the --model-dir's tokenizer; "
+                              "needs --model-dir (valid without it: bytes or bpe:VOCAB)")
+        from trainmesh.data.model_tokenizer import model_tokens
+        return model_tokens(data, fmt, model_dir=model_dir, text_field=text_field)
+    vocab = bpe_vocab(tokenizer)
+    if vocab is not None:
+        return bpe_tokens(data, vocab, fmt=fmt, text_field=text_field)
+    return open_tokens(data) if fmt == "text" else _bytes_tokens(data, fmt, text_field)
+
+
+def _pieces(data: str, fmt: str, text_field: str) -> Callable[[], Iterator[str]]:
+    """The text of a source in pieces: a text file's, or each document and a blank line."""
+    if fmt == "text":
+        return lambda: text_pieces(data)
+    return lambda: (doc + "\n\n" for doc in documents(data, fmt, text_field))
+
+
+def _stem(data: str, fmt: str, text_field: str, kind: str) -> str:
+    """The cache's file name (without suffix): the source's name, ``kind`` and fingerprint."""
+    fp = fingerprint(data) if fmt == "text" else source_fingerprint(data, fmt, text_field)
+    return f"{Path(data).name}.{kind}-{fp}"
+
+
+def cache_paths(data: str, vocab: int, *, fmt: str = "text", text_field: str = "text"
+                ) -> tuple[Path, Path]:
     """(tokenizer JSON, token ids .npy) of ``data`` under a ``vocab``-token BPE: beside the
-    text (else the user cache directory), named by the text's fingerprint."""
-    stem = f"{Path(data).name}.bpe{vocab}-{fingerprint(data)}"
+    data (else the user cache directory), named by its fingerprint."""
+    stem = _stem(data, fmt, text_field, f"bpe{vocab}")
     where = cache_dir(data)
     return where / (stem + ".json"), where / (stem + ".npy")
 
 
-def bpe_tokens(data: str, vocab: int) -> TokenView:
-    """The token ids of text file ``data`` under its ``vocab``-token BPE (trained and encoded
-    once into the cache, then opened, never loaded)."""
+def bpe_tokens(data: str, vocab: int, *, fmt: str = "text", text_field: str = "text") -> TokenView:
+    """The token ids of ``data`` under its ``vocab``-token BPE (trained and encoded once into
+    the cache, then opened, never loaded)."""
     try:
-        tok_path, ids_path = cache_paths(data, vocab)
+        tok_path, ids_path = cache_paths(data, vocab, fmt=fmt, text_field=text_field)
         if not ids_path.exists():
-            _train(data, vocab, tok_path, ids_path)
+            _train(_pieces(data, fmt, text_field), vocab, tok_path, ids_path)
     except (OSError, ValueError) as exc:
         raise ConfigError("--tokenizer", f"cannot tokenise {data!r}: {exc}") from None
     return open_tokens(str(ids_path))
+
+
+def _bytes_tokens(data: str, fmt: str, text_field: str) -> TokenView:
+    """The UTF-8 bytes of a source's documents, each followed by a blank line (cached)."""
+    path = cache_dir(data) / (_stem(data, fmt, text_field, "bytes") + ".npy")
+    if not path.exists():
+        pieces = _pieces(data, fmt, text_field)()
+        write_token_cache(path, np.dtype(np.uint8),
+                          (np.frombuffer(p.encode(), dtype=np.uint8) for p in pieces))
+    return open_tokens(str(path))
 
 
 def text_pieces(path: str, piece_bytes: int | None = None) -> Iterator[str]:
@@ -103,16 +155,16 @@ def _cut(text: str) -> int:
     return at
 
 
-def _train(data: str, vocab: int, tok_path: Path, ids_path: Path) -> None:
+def _train(pieces: Callable[[], Iterator[str]], vocab: int, tok_path: Path, ids_path: Path) -> None:
     try:
         from tokenizers import ByteLevelBPETokenizer
     except ImportError:
         raise ConfigError("--tokenizer", "bpe needs the tokenizers package "
                           "(pip install tokenizers)") from None
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(text_pieces(data), vocab_size=vocab, min_frequency=2,
+    tok.train_from_iterator(pieces(), vocab_size=vocab, min_frequency=2,
                             show_progress=False)
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.int32)
     write_token_cache(ids_path, dtype, (np.asarray(tok.encode(piece).ids, dtype=dtype)
-                                        for piece in text_pieces(data)))
+                                        for piece in pieces()))
     write_atomic(tok_path, lambda f: f.write(tok._tokenizer.to_str().encode()))

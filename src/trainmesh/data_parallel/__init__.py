@@ -8,16 +8,20 @@ One concern per file: the seam and its options (``base``), which gradients are f
 ``zero3`` with ``units``, ``zero_pipeline``, ``diloco``), what they share when sharded
 (``sharded``), fp32 masters (``master``) and offload (``offload``, ``nvme``); strategies over
 disjoint parameter subsets shown as one (``composite``).
-:func:`make_grad_sync` composes a strategy from the configuration.
+:func:`make_grad_sync` composes a strategy from the configuration and the axis table
+(:mod:`trainmesh.core.axes`): one per kind of parameter, over that kind's groups.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.axes import KINDS, kind_groups
 
 from ..comm import Comm
 from .base import (
@@ -30,7 +34,7 @@ from .base import (
 )
 from .composite import CombinedOptimizer, CompositeSync
 from .ddp import DDP
-from .diloco import DiLoCo
+from .diloco import DiLoCo, replica_axes
 from .sharded import ELEMENTWISE_OPTIMIZERS
 from .units import find_units
 from .zero import FlatZero, Zero1, Zero2
@@ -42,14 +46,19 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
                    comm: Comm, *, module: nn.Module | None = None, precision: Any = None,
                    materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None = None,
                    device: Any = None, layers: list[str] | None = None,
-                   axis: str = "dp") -> GradSync:
+                   kind_of: Callable[[str], str] | None = None,
+                   axis: str | None = None) -> GradSync:
     """The strategy for ``cfg.zero`` over ``named_params`` (any subset of the model's
-    parameters) and the mesh group ``axis``: 0 -> DDP, 1 and 2 -> :class:`FlatZero` with its
-    stage's gradient storage, 3 -> :class:`Zero3` (:class:`PipelineZero3` under a pipeline).
-    Each is built from the shared components (readiness, bucketer, reductions, offload).
-    Several strategies may live side by side over disjoint parameter subsets and groups.
-    HSDP (``cfg.dp_shard`` < ``cfg.dp``, ZeRO >= 1): a ``dp`` strategy shards over
-    ``dp_shard`` and all-reduces each reduced shard over ``dp_replicate``.
+    parameters): 0 -> DDP, 1 and 2 -> :class:`FlatZero` with its stage's gradient storage, 3 ->
+    :class:`Zero3` (:class:`PipelineZero3` under a pipeline). Each is built from the shared
+    components (readiness, bucketer, reductions, offload).
+
+    Its groups are the axis table's (:func:`trainmesh.core.axes.kind_groups`): parameters of each
+    kind (``kind_of(name)``, "dense" for every one without it) get one strategy over their kind's
+    reduce group — dense: dp x cp, or under HSDP the shard group, each reduced shard then
+    all-reduced across ``dp_replicate``; experts: ``edp`` — and several kinds are composed as one
+    :class:`CompositeSync`, in the table's kind order (the same on every rank). ``axis`` names
+    one group for all of them instead (no replicas).
 
     ``precision`` (a :class:`~trainmesh.engine.precision.Precision`) gives the dtype gradients are
     reduced in and the dtype parameters are held in (ZeRO 0-2, fp32 masters with the
@@ -60,21 +69,53 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     (:mod:`.zero_pipeline`); ``layers`` are then the pipeline layers this rank holds (ZeRO-3's
     units).
     """
+    build = {"module": module, "precision": precision, "materialize": materialize,
+             "device": device, "layers": layers}
+    if axis is not None:
+        return _strategy(cfg, named_params, comm, axis, None, **build)
+    parts = []
+    for kind in KINDS:      # the table's order: the same on every rank
+        subset = [(n, p) for n, p in named_params if (kind_of(n) if kind_of else "dense") == kind]
+        if not subset:      # no expert here (no ep, or a pipeline stage without MoE layers)
+            continue
+        own = cfg           # nvme offload: each kind's state file in its own directory
+        if parts and cfg.offload_dir is not None:
+            own = dataclasses.replace(cfg, offload_dir=os.path.join(cfg.offload_dir, kind))
+        groups = kind_groups(comm.mesh.degrees, kind)
+        parts.append(_strategy(own, subset, comm, groups.reduce, groups.replicate, **build))
+    if not parts:
+        parts.append(_strategy(cfg, [], comm, kind_groups(comm.mesh.degrees, "dense").reduce,
+                               None, **build))
+    return parts[0] if len(parts) == 1 else CompositeSync(parts)
+
+
+def _strategy(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
+              axis: str, replicate: str | None, *, module: nn.Module | None, precision: Any,
+              materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None,
+              device: Any, layers: list[str] | None) -> GradSync:
+    """One strategy over ``named_params``, reduced over ``axis`` (and ``replicate``)."""
     mixed = precision is not None and getattr(precision, "mixed", False)
-    replicate = None
-    if axis == "dp" and cfg.cp > 1:     # context parallel: every dp x cp rank holds other tokens
-        axis = "dp_cp"
-    elif axis == "dp" and cfg.zero > 0 and cfg.shard_size < cfg.dp:   # HSDP: shard inside, replicate across
-        axis, replicate = "dp_shard", "dp_replicate"
     options = SyncOptions(bucket_mb=cfg.bucket_mb, find_unused_parameters=cfg.find_unused_parameters,
                           reduce_dtype=getattr(precision, "reduce_dtype", None),
                           param_dtype=precision.compute_dtype if mixed and cfg.zero < 3 else None,
                           device=device, offload=cfg.offload, offload_dir=cfg.offload_dir,
                           offload_params=cfg.offload_params, axis=axis,
                           replicate_axis=replicate)
-    if cfg.strategy == "diloco":   # validated: zero 0, fp32, no tp or pp
-        return DiLoCo(named_params, comm, options, inner_steps=cfg.inner_steps,
-                      outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
+    if cfg.strategy == "diloco":   # each replica's own strategy inside it, the outer step across
+        inner, outer = replica_axes(cfg.zero, cfg.cp)
+        options = dataclasses.replace(options, axis=inner, replicate_axis=None)
+        return DiLoCo(_by_stage(cfg, named_params, comm, options, module, precision, materialize, layers),
+                      comm, outer_axis=outer, inner_steps=cfg.inner_steps, outer_lr=cfg.outer_lr,
+                      outer_momentum=cfg.outer_momentum)
+    return _by_stage(cfg, named_params, comm, options, module, precision, materialize, layers)
+
+
+def _by_stage(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
+              options: SyncOptions, module: nn.Module | None, precision: Any,
+              materialize: Callable[[list[tuple[str, nn.Parameter]]], None] | None,
+              layers: list[str] | None) -> GradSync:
+    """The strategy of ``cfg.zero`` with ``options`` (:func:`make_grad_sync`)."""
+    mixed = precision is not None and getattr(precision, "mixed", False)
     if cfg.zero == 0:
         return DDP(named_params, comm, options, allreduce=cfg.allreduce)
     if cfg.zero in (1, 2):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,13 +156,33 @@ class GradSync(ABC):
         ``find_unused_parameters``: otherwise :meth:`_check_unused` raises)."""
         return self.readiness.local_unused()
 
-    def agree_unused(self, anywhere: bool) -> None:
-        """The unused check: ``anywhere`` (some rank of the world has an unused parameter, from
-        the engine's one reduction of the step's totals) costs one all-reduce over DP of a flag
-        per parameter; a parameter no DP rank used gets no update this step (:meth:`step`), one
-        used on some ranks keeps its reduced gradient, as DDP's ``find_unused_parameters``."""
-        self.readiness.agree(anywhere, self.comm, self.axis, self.device,
-                             replicate=self.reductions.replicate)
+    def unused_counts(self) -> list[int]:
+        """:meth:`local_unused` per strategy part (one here; a composite: one per part): the
+        engine sums them over the world along with the loss."""
+        return [self.local_unused()]
+
+    def agree_unused(self, anywhere: Sequence[bool], across: Callable[[torch.Tensor], None] | None = None
+                     ) -> None:
+        """The unused check: ``anywhere`` (per part of :meth:`unused_counts`: some rank of the
+        world has an unused parameter of it, from the engine's one reduction of the step's
+        totals) costs one all-reduce over the group of a flag per parameter (and ``across``
+        the fault-tolerant replicas present); a parameter no rank of the group used gets no
+        update this step (:meth:`step`), one used on some ranks keeps its reduced gradient, as
+        DDP's ``find_unused_parameters``."""
+        self.readiness.agree(any(anywhere), self.comm, self.axis, self.device,
+                             replicate=self.reductions.replicate, across=across)
+
+    def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
+        """Before a backward pass (unused parameters allowed): the parameters it goes through
+        (``among``: id()s, None: all) that its graph does not reach (``reached``: id()s) pass it
+        at once, without a gradient, so that buckets and units complete as on the ranks where
+        they take part (:mod:`.readiness`)."""
+        for p in self.readiness.unreached(reached, among):
+            self._no_grad(p)
+
+    def _no_grad(self, p: nn.Parameter) -> None:
+        """``p`` sits out this backward pass (strategies that count gradients into buckets)."""
+        self.readiness.passed(p)
 
     @property
     def _unused(self) -> list[nn.Parameter]:
@@ -265,6 +286,34 @@ class GradSync(ABC):
     def offloaded_bytes(self) -> dict[str, int]:
         """Model-state bytes this rank keeps off the compute device: {"cpu", "nvme"}."""
         return {"cpu": 0, "nvme": 0}
+
+    # ---------------------------------------------------------------- the optimizer's tensors
+    # What the optimizer updates (fp32 in every precision: the parameters, their fp32 masters,
+    # or ZeRO's flat shards of them), for a step taken outside it (DiLoCo's outer step).
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates, in its parameter-group order."""
+        assert self.optimizer is not None, "build_optimizer first"
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @abstractmethod
+    def logical_of(self, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors laid out like :meth:`optimizer_params` -> each parameter's whole value by
+        name (ZeRO: a collective over the strategy's group)."""
+
+    @abstractmethod
+    def shards_from(self, whole: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Whole values by parameter name -> tensors laid out like :meth:`optimizer_params`
+        (this rank's shard)."""
+
+    def resident(self) -> Any:
+        """A context in which the optimizer's parameters and states are in memory (offload)."""
+        return nullcontext()
+
+    def params_changed(self) -> None:
+        """The optimizer's parameters were written from outside: make the model's parameters
+        follow (16-bit copies of fp32 masters; ZeRO-1/2: gathered whole again)."""
+        if self.master is not None:
+            self.master.copy_to_params()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The consolidated weights, where the strategy shards the parameters themselves

@@ -11,6 +11,8 @@ builds is made once per part; :class:`CombinedOptimizer` shows them as one (its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any
 
 import torch
 
@@ -65,9 +67,20 @@ class CompositeSync(GradSync):
     def local_unused(self) -> int:
         return sum(part.local_unused() for part in self.parts)
 
-    def agree_unused(self, anywhere: bool) -> None:
+    def unused_counts(self) -> list[int]:
+        return [n for part in self.parts for n in part.unused_counts()]
+
+    def agree_unused(self, anywhere: Sequence[bool], across: Callable[[torch.Tensor], None] | None = None
+                     ) -> None:
+        at = 0
+        for part in self.parts:          # only a part with an unused parameter somewhere talks
+            n = len(part.unused_counts())
+            part.agree_unused(anywhere[at : at + n], across)
+            at += n
+
+    def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
         for part in self.parts:
-            part.agree_unused(anywhere)
+            part.pass_unreached(reached, among)
 
     def finish(self, scale: float) -> None:
         for part in self.parts:
@@ -135,6 +148,30 @@ class CompositeSync(GradSync):
             mine = f"part{i}/"
             part.load_local_shards({n[len(mine):]: t for n, t in params.items() if n.startswith(mine)},
                                    {n[len(mine):]: v for n, v in optim.items() if n.startswith(mine)})
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.optimizer_params()]
+
+    def logical_of(self, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        out, at = {}, 0
+        for part in self.parts:          # collectives: part by part, on every rank
+            n = len(part.optimizer_params())
+            out.update(part.logical_of(tensors[at : at + n]))
+            at += n
+        return out
+
+    def shards_from(self, whole: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.shards_from(whole)]
+
+    def resident(self) -> Any:
+        stack = ExitStack()
+        for part in self.parts:
+            stack.enter_context(part.resident())
+        return stack
+
+    def params_changed(self) -> None:
+        for part in self.parts:
+            part.params_changed()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Each part's consolidated weights (ZeRO-3: collectives, part by part), every

@@ -110,6 +110,10 @@ class DDP(GradSync):
         if self.readiness.final(p) and self._sync:
             self.bucketer.give(p)
 
+    def _no_grad(self, p: nn.Parameter) -> None:
+        if self.readiness.passed(p) and self._sync:   # its bucket holds zeros for it
+            self.bucketer.give(p)
+
     def _launch(self, b: FlatBucket) -> None:
         """All-reduce bucket ``b`` asynchronously (cast to ``reduce_dtype`` first, if set)."""
         b.launched_at, b.ready_when_launched = time.perf_counter(), len(self.readiness.ready)
@@ -190,6 +194,17 @@ class DDP(GradSync):
                                            for k, v in optim[n].items()}
         if self.master is not None:
             self.master.copy_to_params()
+
+    def _names_of_optimizer_params(self) -> list[str]:
+        name_of = {id(self._opt_param(p)): n for n, p in self.named_params}
+        return [name_of[id(t)] for t in self.optimizer_params()]
+
+    def logical_of(self, tensors):
+        return dict(zip(self._names_of_optimizer_params(), tensors))
+
+    def shards_from(self, whole):
+        return [whole[n].to(t.device, t.dtype) for n, t in
+                zip(self._names_of_optimizer_params(), self.optimizer_params())]
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         opt = self.optimizer.state.values() if self.optimizer else []

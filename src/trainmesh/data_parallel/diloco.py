@@ -1,34 +1,43 @@
 """DiLoCo (Douillard et al., 2023): data parallelism across slow links.
 
-Every DP replica holds the global parameters θ (the *outer* model) and its own copy θ_r that
-its own *inner* optimizer trains: each step, replica r computes the gradient of the mean loss
-over its own slice of the global batch and steps θ_r, with no communication. Every H
-(``inner_steps``) inner steps the replicas synchronise::
+Every replica holds the global parameters θ (the *outer* model) and its own copy θ_r that its
+own *inner* optimizer trains: each step, replica r computes the gradient of the mean loss over
+its own slice of the global batch and steps θ_r, with no communication between replicas. Every
+H (``inner_steps``) inner steps the replicas synchronise::
 
-    Δ = mean_r (θ - θ_r)                  # the outer gradient: one all-reduce of Ψ values (dp)
+    Δ = mean_r (θ - θ_r)                  # the outer gradient: one all-reduce across replicas
     θ <- OuterSGD(θ, Δ)                   # torch.optim.SGD(nesterov=True), lr / momentum outer
     θ_r <- θ                              # every replica restarts from the new θ
 
-The inner optimizers' states stay local (never averaged). With H = 1, outer lr 1, outer
-momentum 0 and plain SGD inside, θ <- mean_r(θ - lr g_r) = θ - lr mean_r g_r: plain DP.
-Gradients are never reduced, so there is no global gradient: clipping (``clip``) and the
-non-finite check use each replica's own gradient norm (:meth:`DiLoCo.local_norm`).
+A replica may itself be several ranks (docs/DILOCO.md): the tp x pp x cp ranks of one dp index
+(``--zero 0``), or, with ZeRO inside it, one shard group of ``--dp-shard`` dp indices (each with
+its tp x pp ranks). Inside, the replica's own strategy runs unchanged (:attr:`DiLoCo.inner`: DDP
+over ``cp``, or ZeRO over ``dp_shard``: its reductions never leave the replica); across
+replicas, each rank's outer step covers what its inner optimizer updates — its tp/pp slice, its
+ZeRO shard — in fp32 whatever the precision (the fp32 masters), all-reduced with the ranks
+holding the same piece in the other replicas (``outer_axis``: ``dp``, or ``dp_replicate``).
+
+The inner optimizers' states stay per replica (never averaged). With H = 1, outer lr 1, outer
+momentum 0 and plain SGD inside, θ <- mean_r(θ - lr g_r) = θ - lr mean_r g_r: plain DP. No
+global gradient is formed: clipping and the non-finite check use each replica's own gradient
+norm (:meth:`DiLoCo.local_norm`).
 
 Checkpoints hold θ as the parameters, the outer momentum, and every replica's θ_r and inner
-optimizer state (gathered over DP at save): a resume continues exactly, at any step, with the
-same ``--dp``.
+optimizer state (gathered across replicas at save): a resume continues exactly, at any step,
+with the same number of replicas.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from trainmesh.core.errors import ConfigError
 
 from ..comm import Comm
-from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
+from .base import CountedFn, GradSync, OptimizerFactory
+from .composite import CompositeSync
 
 REPLICA = "replica{}/"
 """Prefix of a replica's own tensors among a parameter's checkpointed states."""
@@ -36,68 +45,70 @@ INNER_DONE = "inner_steps_done"
 """Checkpointed state: inner steps taken since the last synchronisation (per parameter, all equal)."""
 
 
-class DiLoCo(GradSync):
-    """Local inner steps on each DP replica; an outer Nesterov step on the averaged change every
-    ``inner_steps`` steps."""
+def replica_axes(zero: int, cp: int) -> tuple[str, str]:
+    """(the group a replica's own strategy reduces over, the group across replicas): without
+    ZeRO a replica is one dp index (its cp ranks hold other tokens of the same sequences); with
+    ZeRO it is one HSDP shard group."""
+    return ("cp", "dp") if zero == 0 else ("dp_shard", "dp_replicate")
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
-                 options: SyncOptions | None = None, *, inner_steps: int, outer_lr: float,
-                 outer_momentum: float) -> None:
-        super().__init__(named_params, comm, options)
+
+class DiLoCo(CompositeSync):
+    """A replica's own strategy ``inner`` (steps every step) and the outer Nesterov step on the
+    averaged change across replicas every ``inner_steps`` steps (module docstring)."""
+
+    def __init__(self, inner: GradSync, comm: Comm, *, outer_axis: str, inner_steps: int,
+                 outer_lr: float, outer_momentum: float) -> None:
+        super().__init__([inner])
+        self.inner = inner
+        self.outer_axis = outer_axis
+        self.n_replicas = comm.mesh.size(outer_axis)
+        """How many replicas synchronise."""
+        self.replica = comm.mesh.index(outer_axis)
+        """This rank's replica."""
         self.inner_steps = inner_steps
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.inner_done = 0
         """Inner steps since the last synchronisation."""
         self.synced = False
         """Whether the last :meth:`step` synchronised the replicas (an outer step)."""
-        with torch.no_grad():   # θ: the outer model, fp32, as every replica starts it
-            self.outer = [p.detach().clone() for _, p in named_params]
-        self.outer_optimizer = torch.optim.SGD(self.outer, lr=outer_lr, momentum=outer_momentum,
-                                               nesterov=outer_momentum > 0)
+        self.outer: list[torch.Tensor] = []
+        self.outer_optimizer: torch.optim.Optimizer | None = None
 
-    # ---------------------------------------------------------------- backward: nothing to reduce
-    def before_backward(self, *, is_last: bool) -> None:
-        self.readiness.start()
+    # ---------------------------------------------------------------- set-up
+    def build_optimizer(self, factory: OptimizerFactory,
+                        options: Callable[[str], dict] | None) -> torch.optim.Optimizer:
+        """The replica's inner optimizer; θ: an fp32 copy of what it updates (this rank's
+        slice or shard), stepped by the outer Nesterov SGD."""
+        optimizer = super().build_optimizer(factory, options)
+        with torch.no_grad(), self.inner.resident():
+            self.outer = [t.detach().to(torch.float32, copy=True) for t in self.inner.optimizer_params()]
+        self.outer_optimizer = torch.optim.SGD(self.outer, lr=self.outer_lr, momentum=self.outer_momentum,
+                                               nesterov=self.outer_momentum > 0)
+        return optimizer
 
-    def expect_backwards(self, n: int) -> None:
-        raise ConfigError("--pp", "is not supported with --strategy diloco (a replica holds the whole model)")
+    # ---------------------------------------------------------------- per replica
+    def replica_slots(self, value: float) -> list[float]:
+        """``value`` at this replica's slot of a vector with one slot per replica (summed over
+        the world: each replica's total, e.g. its token count, riding on the loss all-reduce)."""
+        slots = [0.0] * self.n_replicas
+        slots[self.replica] = value
+        return slots
 
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for _, p in self.named_params if p.grad is not None]
-
-    def finish(self, scale: float) -> None:
-        """``scale``: 1 / this replica's token count (its own mean)."""
-        self._scale(scale)
-
-    def reduced_grads(self) -> list[torch.Tensor]:
-        return self._grads()
-
-    def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
-        """This replica's own squared gradient norm (no other replica's gradient is seen)."""
-        total = torch.zeros((), dtype=torch.float32)
-        for g in self._grads():
-            total += g.float().pow(2).sum().cpu()
-        return total
-
-    def local_norm(self) -> float:
-        """This replica's gradient norm (what it clips by); inf on every rank when any replica's
-        is non-finite, so that all skip or stop together (one 4-byte all-reduce, world)."""
-        norm = math.sqrt(float(self.grad_sq_sum(lambda name, p: True)))
-        bad = torch.tensor([0.0 if math.isfinite(norm) else 1.0])
-        self.comm.all_reduce(bad, "world", op=torch.distributed.ReduceOp.MAX)
-        return norm if bad.item() == 0.0 else math.inf
+    def local_norm(self, counted: CountedFn) -> float:
+        """This replica's gradient norm (what it clips by; its ranks' parts summed, one world
+        all-reduce of a value per replica); inf on every rank when any replica's is non-finite,
+        so that all skip or stop together."""
+        slots = torch.zeros(self.n_replicas, dtype=torch.float32)
+        slots[self.replica] = self.inner.grad_sq_sum(counted).reshape(()).float().cpu()
+        self.comm.all_reduce(slots, "world")
+        if not bool(torch.isfinite(slots).all()):
+            return math.inf
+        return math.sqrt(float(slots[self.replica]))
 
     # ---------------------------------------------------------------- steps
-    def build_optimizer(self, factory: OptimizerFactory, options=None) -> torch.optim.Optimizer:
-        groups = group_parameters(self.named_params, options)
-        if len(groups) == 1 and not groups[0][0]:
-            self.optimizer = factory([p for _, p in groups[0][1]])
-        else:
-            self.optimizer = factory([{**opts, "params": [p for _, p in ps]} for opts, ps in groups])
-        return self.optimizer
-
     def step(self) -> None:
         """The inner step; every ``inner_steps``-th one, the outer step after it."""
-        self._optimizer_step()
+        super().step()                     # through the optimizer view: an LR schedule sees it
         self.inner_done += 1
         self.synced = self.inner_done >= self.inner_steps   # >=: a resume with a smaller H
         if self.synced:
@@ -106,62 +117,80 @@ class DiLoCo(GradSync):
 
     @torch.no_grad()
     def _outer_step(self) -> None:
-        params = [p for _, p in self.named_params]
-        delta = torch.cat([(t - p).reshape(-1) for t, p in zip(self.outer, params)])   # (Ψ,)
-        nbytes = delta.numel() * delta.element_size()
-        self.reductions.count(nbytes)                   # transient: comm_buffer_peak_bytes
-        self.comm.all_reduce(delta, self.axis)
-        self.reductions.release(nbytes)
-        delta.div_(self.dp)
-        offset = 0
-        for t in self.outer:
-            t.grad = delta[offset : offset + t.numel()].view_as(t)
-            offset += t.numel()
-        self.outer_optimizer.step()
-        for t, p in zip(self.outer, params):
-            p.copy_(t)
-            t.grad = None
-
-    def zero_grad(self) -> None:
-        for g in self._grads():
-            g.zero_()
+        assert self.outer_optimizer is not None, "build_optimizer first"
+        with self.inner.resident():
+            mine = self.inner.optimizer_params()
+            delta = torch.cat([(t - p.to(t.device, torch.float32)).reshape(-1)
+                               for t, p in zip(self.outer, mine)])              # (this rank's Ψ,)
+            nbytes = delta.numel() * delta.element_size()
+            self.reductions.count(nbytes)                   # transient: comm_buffer_peak_bytes
+            reduced = delta.to(self.device)
+            self.comm.all_reduce(reduced, self.outer_axis)
+            self.reductions.release(nbytes)
+            delta.copy_(reduced).div_(self.n_replicas)
+            offset = 0
+            for t in self.outer:
+                t.grad = delta[offset : offset + t.numel()].view_as(t)
+                offset += t.numel()
+            self.outer_optimizer.step()
+            for t, p in zip(self.outer, mine):
+                p.copy_(t)
+                t.grad = None
+        self.inner.params_changed()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        inner = [t for st in self.optimizer.state.values() for t in st.values()
-                 if torch.is_tensor(t)] if self.optimizer else []
+        held = self.inner.held_tensors()
         outer = [t for st in self.outer_optimizer.state.values() for t in st.values()
-                 if torch.is_tensor(t)]
-        return {"params": [p for _, p in self.named_params], "grads": self._grads(),
-                "optimizer": [*inner, *self.outer, *outer]}
+                 if torch.is_tensor(t)] if self.outer_optimizer else []
+        return {**held, "optimizer": [*held["optimizer"], *self.outer, *outer]}
+
+    @property
+    def comm_buffer_peak_bytes(self) -> int:      # type: ignore[override]
+        return self.inner.comm_buffer_peak_bytes + self.reductions.peak_bytes
 
     # ---------------------------------------------------------------- checkpoints
     @torch.no_grad()
     def logical_state(self):
-        """Collective over DP: θ as the parameters; per parameter the outer momentum, the inner
-        step count and every replica's θ_r and inner states (``replica{r}/...``), gathered in
-        the same order on every rank."""
-        assert self.optimizer is not None
-        params, optim = {}, {}
-        for (name, p), t in zip(self.named_params, self.outer):
-            params[name] = t
+        """Collective: θ as the parameters; per parameter the outer momentum, the inner step
+        count and every replica's θ_r and inner states (``replica{r}/...``), gathered across
+        replicas in the same order on every rank."""
+        assert self.outer_optimizer is not None
+        params = self.inner.logical_of(self.outer)
+        buffers = [self.outer_optimizer.state.get(t, {}).get("momentum_buffer") for t in self.outer]
+        momentum = self.inner.logical_of(buffers) if all(b is not None for b in buffers) else {}
+        mine, inner = self.inner.logical_state()
+        # which states each replica holds (a parameter never stepped has none): one object gather
+        held = {n: {k: (list(v.shape), str(v.dtype)) for k, v in sorted(inner.get(n, {}).items())}
+                for n in mine}
+        everyone = self.comm.all_gather_object(held, self.outer_axis)
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for name in mine:
             states = optim[name] = {INNER_DONE: torch.tensor(self.inner_done, dtype=torch.int64)}
-            momentum = self.outer_optimizer.state.get(t, {}).get("momentum_buffer")
-            if momentum is not None:
-                states["outer_momentum"] = momentum
-            inner = {k: v for k, v in self.optimizer.state.get(p, {}).items() if torch.is_tensor(v)}
-            for key in ["param", *sorted(inner)]:
-                mine = (p if key == "param" else inner[key]).detach().contiguous()
-                out = torch.empty(self.dp * mine.numel(), dtype=mine.dtype, device=mine.device)
-                self.comm.all_gather(out, mine.reshape(-1), "dp")
-                for r, theirs in enumerate(out.view(self.dp, *mine.shape)):
-                    states[REPLICA.format(r) + key] = theirs.clone()   # own storage (safetensors)
+            if name in momentum:
+                states["outer_momentum"] = momentum[name]
+            keys = sorted({k for h in everyone for k in h[name]})
+            for key in ["param", *keys]:
+                if key == "param":
+                    t = mine[name]
+                else:
+                    shape, dtype = next(h[name][key] for h in everyone if key in h[name])
+                    t = inner.get(name, {}).get(key)
+                    if t is None:
+                        t = torch.zeros(shape, dtype=getattr(torch, dtype.removeprefix("torch.")),
+                                        device=self.device)
+                t = t.detach().contiguous()
+                out = torch.empty(self.n_replicas * t.numel(), dtype=t.dtype, device=t.device)
+                self.comm.all_gather(out, t.reshape(-1), self.outer_axis)
+                for r, theirs in enumerate(out.view(self.n_replicas, *t.shape)):
+                    if key == "param" or key in everyone[r][name]:
+                        states[REPLICA.format(r) + key] = theirs.clone()   # own storage
         return params, optim
 
     @torch.no_grad()
     def load_logical_state(self, params, optim) -> None:
-        assert self.optimizer is not None
-        mine = REPLICA.format(self.comm.mesh.index("dp"))
-        for (name, p), t in zip(self.named_params, self.outer):
+        assert self.outer_optimizer is not None
+        mine = REPLICA.format(self.replica)
+        for name, _ in self.named_params:
             saved = optim.get(name, {})
             if INNER_DONE not in saved:
                 raise ConfigError("--strategy", "the checkpoint was not written by a --strategy "
@@ -169,13 +198,15 @@ class DiLoCo(GradSync):
             if mine + "param" not in saved:
                 replicas = sum(1 for k in saved if k.endswith("/param"))
                 raise ConfigError("--dp", f"a DiLoCo checkpoint resumes with its own number of "
-                                  f"replicas: --dp {replicas}")
-            t.copy_(params[name])
-            p.copy_(saved[mine + "param"])
-            self.inner_done = int(saved[INNER_DONE])
-            if "outer_momentum" in saved:
-                self.outer_optimizer.state[t] = {"momentum_buffer": saved["outer_momentum"].clone()}
-            inner = {k[len(mine):]: v.clone() for k, v in saved.items()
-                     if k.startswith(mine) and k != mine + "param"}
-            if inner:
-                self.optimizer.state[p] = inner
+                                  f"replicas ({replicas}); this layout has {self.n_replicas}")
+        self.inner.load_logical_state(
+            {n: optim[n][mine + "param"] for n, _ in self.named_params},
+            {n: {k[len(mine):]: v for k, v in optim[n].items() if k.startswith(mine) and k != mine + "param"}
+             for n, _ in self.named_params})
+        for t, v in zip(self.outer, self.inner.shards_from(params)):
+            t.copy_(v)
+        self.inner_done = int(optim[self.named_params[0][0]][INNER_DONE]) if self.named_params else 0
+        if all("outer_momentum" in optim[n] for n, _ in self.named_params):
+            moms = self.inner.shards_from({n: optim[n]["outer_momentum"] for n, _ in self.named_params})
+            for t, m in zip(self.outer, moms):
+                self.outer_optimizer.state[t] = {"momentum_buffer": m.to(t.device, t.dtype)}

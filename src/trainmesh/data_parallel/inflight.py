@@ -59,7 +59,8 @@ class Reductions:
         self.on_final: Callable[[int, Any], None] | None = None
         """Called with ``Flight.final`` as a final reduction lands (offload: stream to host)."""
         self.eager = False
-        """Complete reductions as soon as they have landed (offload: stream them early)."""
+        """Complete reductions as soon as they have landed (offload: stream them early), where
+        completing one issues no collective (no HSDP replicas)."""
 
     # ---------------------------------------------------------------- memory
     def count(self, nbytes: int) -> None:
@@ -98,7 +99,9 @@ class Reductions:
         self.queue.append(flight)
         while sum(f.transient for f in self.queue) > self.max_inflight:   # bound the memory
             self._complete(self.queue.pop(0))
-        while self.eager and self.queue and self._landed(self.queue[0]):
+        # Eagerly only where completing issues no collective: a replicated shard's all-reduce
+        # (HSDP) must come at the same point of the program on every rank of its group.
+        while self.eager and self.replicate is None and self.queue and self._landed(self.queue[0]):
             self._complete(self.queue.pop(0))
 
     @staticmethod

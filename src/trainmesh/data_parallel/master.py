@@ -15,6 +15,8 @@ fp32 gradients exist only during the step. ZeRO-3 keeps fp32 shards as the param
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -29,12 +31,17 @@ class MasterWeights:
         self.scale = 1.0
         """The factor the 16-bit gradients still have to be multiplied by."""
 
-    def step(self, optimizer: torch.optim.Optimizer, *, skip: set[int] | frozenset[int] = frozenset()) -> None:
-        """Unscale the gradients into the masters, step them, cast them back into the params
+    def step(self, optimizer: torch.optim.Optimizer, *, skip: set[int] | frozenset[int] = frozenset(),
+             run: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
+        """Unscale the gradients into the masters, step them (``run(optimizer)`` in place of
+        ``optimizer.step()``: ZeRO's per-parameter step), cast them back into the params
         (masters whose id is in ``skip`` get no gradient: unused this step)."""
         for m, g in zip(self.masters, self.grads):
             m.grad = None if id(m) in skip else g.detach().to(m.dtype).mul_(self.scale)
-        optimizer.step()
+        if run is not None:
+            run(optimizer)
+        else:
+            optimizer.step()
         for m in self.masters:
             m.grad = None
         self.copy_to_params()

@@ -186,8 +186,10 @@ class NvmeStore:
         return self._io.submit(self._write, slot, t)
 
     # ---------------------------------------------------------------- the store's seam
-    def step(self, optimizer: torch.optim.Optimizer, before_group: Any, after_group: Any) -> None:
-        """Step the optimizer group by group, the next group read while this one updates."""
+    def step(self, optimizer: torch.optim.Optimizer, before_group: Any, after_group: Any,
+             run: Any) -> None:
+        """Step the optimizer group by group (``run(optimizer)`` with only that group in it),
+        the next group read while this one updates."""
         groups = list(optimizer.param_groups)
         reading = self._io.submit(self._read, self._keys(groups[:1]))
         writes: list[Future] = []
@@ -199,7 +201,7 @@ class NvmeStore:
                     reading = self._io.submit(self._read, self._keys(groups[i + 1 : i + 2]))
                 optimizer.param_groups = [group]
                 try:
-                    optimizer.step()
+                    run(optimizer)
                 finally:
                     optimizer.param_groups = groups
                 after_group(group)

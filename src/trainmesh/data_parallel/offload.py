@@ -15,7 +15,9 @@ is copied into a host fp32 buffer (:meth:`HostMaster.stream`; on a GPU ``non_blo
 pinned memory on a side stream, one event per copy, which the step waits on), overlapping the
 rest of backward. Whatever did not stream (buckets reduced several times a step in a pipeline's
 ZeRO-2) is copied once every reduction is done (:meth:`HostMaster.prefetch_grads`), so
-correctness never depends on a hook. On a CPU the host *is* the device: a master whose values
+correctness never depends on a hook. Under sequence parallelism the partial gradients are
+completed over tp on the device once every reduction is done, and the shards holding them are
+copied again before the step (:meth:`HostMaster.restream`). On a CPU the host *is* the device: a master whose values
 already sit in the parameters (fp32, host-resident shards) is the parameter shard itself (no
 copy), and the offloaded bytes are the optimizer states alone (8Ψ/N with AdamW); in mixed
 precision the masters are separate (12Ψ/N), and the 16-bit gradient slices are converted into
@@ -46,9 +48,11 @@ class StateStore(Protocol):
     def register(self, masters: list[nn.Parameter]) -> None:
         """``masters`` are copies of the parameters: the store keeps them with the states."""
 
-    def step(self, optimizer: torch.optim.Optimizer, before_group: Any, after_group: Any) -> None:
-        """Run ``optimizer.step()``, calling ``before_group(group)`` once a group's masters are
-        in host memory and ``after_group(group)`` once it is updated."""
+    def step(self, optimizer: torch.optim.Optimizer, before_group: Any, after_group: Any,
+             run: Any) -> None:
+        """Step the optimizer with ``run(optimizer)`` (in place of ``optimizer.step()``), calling
+        ``before_group(group)`` once a group's masters are in host memory and
+        ``after_group(group)`` once it is updated."""
 
     def resident(self, optimizer: torch.optim.Optimizer) -> Any:
         """A context in which every state and master is in host memory (checkpoints)."""
@@ -63,10 +67,11 @@ class HostStore:
     def register(self, masters: list[nn.Parameter]) -> None:
         pass
 
-    def step(self, optimizer: torch.optim.Optimizer, before_group: Any, after_group: Any) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, before_group: Any, after_group: Any,
+             run: Any) -> None:
         for group in optimizer.param_groups:
             before_group(group)
-        optimizer.step()
+        run(optimizer)
         for group in optimizer.param_groups:
             after_group(group)
 
@@ -170,13 +175,22 @@ class HostMaster:
                 self.stream(gi, slice(None))
         self._all_on_host = True
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale the gradients into the host masters, step them on the CPU, copy them back
-        into the device shards (group by group: a file store swaps states around each)."""
+    def restream(self, gi: int) -> None:
+        """``grads[gi]`` changes on the device after it streamed (sequence parallelism sums its
+        partial pieces over tp once every reduction is done): copy it again before the step."""
+        self._stale.add(gi)
+
+    def step(self, optimizer: torch.optim.Optimizer, *, run: Any = None) -> None:
+        """Unscale the gradients into the host masters, step them on the CPU (``run(optimizer)``
+        in place of ``optimizer.step()``: ZeRO's per-parameter step), copy them back into the
+        device shards (group by group: a file store swaps states around each)."""
         self.prefetch_grads()
+        for gi in sorted(self._stale):
+            self.stream(gi, slice(None))
         for event in self._copied:
             event.synchronize()
-        self.store.step(optimizer, self._before_group, self._after_group)
+        self.store.step(optimizer, self._before_group, self._after_group,
+                        run if run is not None else _plain_step)
         self.discard_grads()
         self.scale = 1.0
 
@@ -197,6 +211,7 @@ class HostMaster:
         """After a step, or a skipped one: drop the host copies of its gradients."""
         self._host_grads = [None] * len(self.grads)
         self._copied, self._all_on_host = [], False
+        self._stale: set[int] = set()
         self._streamed = [{} for _ in self.grads]
 
     @torch.no_grad()
@@ -222,6 +237,10 @@ class HostMaster:
                   for t in st.values() if torch.is_tensor(t)]
         return {"cpu": storage_bytes([*self.separate_masters, *states]),
                 "nvme": self.store.file_bytes()}
+
+
+def _plain_step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
 
 
 def make_store(kind: str, *, directory: str | None, rank: int) -> StateStore:

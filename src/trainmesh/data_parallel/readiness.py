@@ -6,13 +6,41 @@ final only after its last (``m``-th) backward of the step (:meth:`Readiness.expe
 same object remembers which parameters received a gradient in any backward of the step, for
 DDP's ``find_unused_parameters`` semantics: the unused ones are named (an error) or, when asked,
 agreed on over the strategy's group so that a parameter no rank used gets no update.
+
+With unused parameters allowed, a parameter may also sit out one backward only (an expert no
+token of that microbatch was routed to) or sit out on one rank only. Before each backward the
+strategy is told which parameters its graph does not reach (:func:`reached`, DDP's walk of the
+autograd graph); they pass that backward at once, without a gradient, so every bucket and
+ZeRO-3 unit still completes once per backward and every rank issues the same reductions in the
+same order.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..comm import Comm
+
+
+def reached(roots: list[torch.Tensor]) -> set[int]:
+    """id() of every leaf tensor (parameter) whose gradient a backward from ``roots`` computes:
+    a walk of the autograd graph to its ``AccumulateGrad`` nodes, as DDP's
+    ``find_unused_parameters`` does after each forward."""
+    out: set[int] = set()
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            out.add(id(variable))
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return out
 
 
 class Readiness:
@@ -41,12 +69,24 @@ class Readiness:
 
     def final(self, p: nn.Parameter) -> bool:
         """A post-accumulate-grad hook fired for ``p``: whether its gradient is now final."""
+        self.used.add(id(p))
+        return self.passed(p)
+
+    def passed(self, p: nn.Parameter) -> bool:
+        """``p`` is done with one backward pass, with a gradient (:meth:`final`) or without
+        (the pass's graph does not reach it: :func:`reached`): whether that was its last."""
         if self._remaining is not None:
             self._remaining[id(p)] -= 1
             if self._remaining[id(p)] > 0:
                 return False
-        self.mark(p)
+        self.ready.add(id(p))
         return True
+
+    def unreached(self, reached: set[int], among: set[int] | None = None) -> list[nn.Parameter]:
+        """The parameters a backward's graph does not reach (``reached``: id() of those it
+        does; ``among``: id() of those the pass goes through, None: all), in registration order."""
+        return [p for _, p in self.named
+                if id(p) not in reached and (among is None or id(p) in among)]
 
     def mark(self, p: nn.Parameter) -> None:
         """``p`` received a gradient (strategies that reduce every backward's gradient)."""
@@ -70,10 +110,11 @@ class Readiness:
         return sum(id(p) not in self.used for _, p in self.named)
 
     def agree(self, anywhere: bool, comm: Comm, axis: str, device: torch.device, *,
-              replicate: str | None = None) -> None:
+              replicate: str | None = None,
+              across: Callable[[torch.Tensor], None] | None = None) -> None:
         """``anywhere`` (some rank of the world has an unused parameter): one all-reduce over
-        ``axis`` (and ``replicate``, HSDP) of a flag per parameter; :attr:`unused` then lists
-        those no rank used."""
+        ``axis`` (and ``replicate``, HSDP; and ``across`` the fault-tolerant replicas present)
+        of a flag per parameter; :attr:`unused` then lists those no rank used."""
         self.unused = []
         if not anywhere:
             return
@@ -83,6 +124,8 @@ class Readiness:
             comm.all_reduce(flags, axis)
         if replicate is not None and flags.numel():
             comm.all_reduce(flags, replicate)
+        if across is not None:   # every replica present: the same count of flags
+            across(flags)
         self.unused = [p for (_, p), f in zip(self.named, flags.tolist()) if f == 0.0]
 
     def end_step(self) -> None:

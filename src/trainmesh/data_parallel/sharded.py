@@ -24,6 +24,7 @@ from ..comm import Comm
 from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 from .flat import Slot
 from .offload import HostMaster, make_store
+from .shard_step import Index, Member, ShardStepper, elementwise
 
 # Optimizers whose update of an element depends only on that element's own history: they can
 # update any flat piece of a parameter. Anything else (LBFGS, Adafactor, Muon, ...) cannot.
@@ -60,6 +61,7 @@ class ShardedSync(GradSync):
         self.grad_shards: list[torch.Tensor] = []       # its reduced gradient (its .grad unless mixed)
         self._norm_pieces: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         self.offloaded: HostMaster | None = None         # --offload cpu / nvme
+        self.stepper = ShardStepper([])                  # per-parameter steps (build_optimizer)
 
     # ---------------------------------------------------------------- set-up
     @abstractmethod
@@ -77,6 +79,10 @@ class ShardedSync(GradSync):
         self._setup(groups)
         if self.options.offload != "none":
             self._offload()
+        self.stepper = ShardStepper([
+            [Member(s.name, s.param, s.shape, self._ranges(gi).get(id(s.param), [])) for s in self._slots(gi)]
+            for gi in range(len(self.shard_params))])
+        self.stepper.bind(self.shard_params)
         if len(groups) == 1 and not groups[0][0]:
             optimizer = factory([self.shard_params[0]])
         else:
@@ -96,6 +102,28 @@ class ShardedSync(GradSync):
         self.shard_params = self.offloaded.masters
         self.reductions.on_final = self.offloaded.stream   # stream each final shard slice
         self.reductions.eager = True                       # ... as soon as it has landed
+
+    def resident(self) -> Any:
+        return self._resident()
+
+    def params_changed(self) -> None:
+        super().params_changed()
+        self._after_load()
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return list(self.shard_params)
+
+    def logical_of(self, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {slot.name: value.clone() for gi, t in enumerate(tensors) for slot, value in self._whole(gi, t)}
+
+    @torch.no_grad()
+    def shards_from(self, whole: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for gi, sp in enumerate(self.shard_params):
+            dst = torch.zeros_like(sp.data)
+            self._take_shard(gi, {id(s.param): whole[s.name] for s in self._slots(gi) if s.name in whole}, dst)
+            out.append(dst)
+        return out
 
     def _resident(self) -> Any:
         """Offloaded states in host memory for the duration (checkpoints)."""
@@ -132,13 +160,16 @@ class ShardedSync(GradSync):
         return self.shard_grads
 
     def grads_of(self, names: Sequence[str]) -> list[torch.Tensor]:
-        if self.offloaded is not None:   # the host copies are taken during backward
-            raise ConfigError("--offload", "cannot complete sequence-parallel gradients on the "
-                              "host; use --offload none with --sequence-parallel")
         pieces: dict[str, list[torch.Tensor]] = {}
         for name, _, view in self._norm_pieces:
             pieces.setdefault(name, []).append(view)
-        return [v for n in names for v in pieces.get(n, [])]
+        out = [v for n in names for v in pieces.get(n, [])]
+        if self.offloaded is not None:   # the host copies were taken in backward: again at the step
+            held = {v.untyped_storage().data_ptr() for v in out}
+            for gi, g in enumerate(self.grad_shards):
+                if g.untyped_storage().data_ptr() in held:
+                    self.offloaded.restream(gi)
+        return out
 
     def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         # Shards are disjoint over the group: every rank contributes its own elements, each
@@ -154,44 +185,20 @@ class ShardedSync(GradSync):
         return total * self._pending_sq()
 
     def step(self) -> None:
-        """The optimizer step on the flat shards, then :meth:`_after_step`. An element-wise
-        optimizer updates every element of a shard: the elements of parameters no DP rank used
-        this step get their values and optimizer states back afterwards (zeros where the step
-        created the states), as if they had no gradient."""
-        saved = self._save_unused()
-        self._optimizer_step()
-        if saved:
-            self._restore_unused(saved)
+        """The optimizer step on the flat shards, parameter by parameter as torch.optim steps
+        them (:mod:`.shard_step`): a parameter no rank of the group used this step is left
+        alone (value, states, step count), then :meth:`_after_step`."""
+        assert self.optimizer is not None, "build_optimizer first"
+        self.stepper.idle = {id(p) for p in self._unused}
+        if self.master is not None:
+            self.master.step(self.optimizer, run=self.stepper.step)
+        else:
+            self.stepper.step(self.optimizer)
         self._after_step()
 
-    def _shard_ranges(self, p: nn.Parameter) -> list[tuple[int, Any]]:
-        """(group, index into the group's shard) of each stretch of ``p`` this rank holds."""
-        return []
-
-    @torch.no_grad()
-    def _save_unused(self) -> list[tuple[int, Any, torch.Tensor, dict[str, torch.Tensor]]]:
-        if not self._unused or self.offloaded is not None:
-            return []
-        saved = []
-        for p in self._unused:
-            for gi, index in self._shard_ranges(p):
-                sp = self.shard_params[gi]
-                state = self.optimizer.state.get(sp, {}) if self.optimizer is not None else {}
-                states = {k: v[index].clone() for k, v in state.items()
-                          if torch.is_tensor(v) and v.shape == sp.shape}
-                saved.append((gi, index, sp.data[index].clone(), states))
-        return saved
-
-    @torch.no_grad()
-    def _restore_unused(self, saved: list[tuple[int, Any, torch.Tensor, dict[str, torch.Tensor]]]) -> None:
-        for gi, index, value, states in saved:
-            sp = self.shard_params[gi]
-            sp.data[index] = value
-            for k, v in self.optimizer.state.get(sp, {}).items():
-                if torch.is_tensor(v) and v.shape == sp.shape:
-                    v[index] = states[k] if k in states else 0
-        if self.master is not None:
-            self.master.copy_to_params()
+    @abstractmethod
+    def _ranges(self, gi: int) -> dict[int, list[Index]]:
+        """id(param) -> the stretches of this rank's shard of group ``gi`` holding it."""
 
     def _after_step(self) -> None:
         """Make the parameters whole again (ZeRO-1/2 all-gather); nothing at ZeRO-3."""
@@ -222,15 +229,19 @@ class ShardedSync(GradSync):
         for gi, sp in enumerate(self.shard_params):
             for slot, value in self._whole(gi, sp.detach()):
                 params[slot.name] = value.clone()
+            members = self.stepper.groups[gi]
+            stepped = {m.name for m in members if m.scalars is not None}
             # One gather per state key, in the same order on every rank: sorted, never the
             # state dict's own order (after a load it may differ from rank to rank).
             for key, v in sorted(self.optimizer.state.get(sp, {}).items()):
-                if not torch.is_tensor(v):
-                    continue
-                pieces = (self._whole(gi, v) if v.shape == sp.shape
-                          else [(slot, v) for slot in self._slots(gi)])   # e.g. Adam's step count
-                for slot, value in pieces:
-                    optim.setdefault(slot.name, {})[key] = value.clone()
+                if elementwise(v, sp):
+                    for slot, value in self._whole(gi, v):
+                        if slot.name in stepped:     # a parameter never stepped has no state
+                            optim.setdefault(slot.name, {})[key] = value.clone()
+            for m in members:                        # per parameter: its step count, ...
+                for key, v in (m.scalars or {}).items():
+                    if torch.is_tensor(v):
+                        optim.setdefault(m.name, {})[key] = v.clone()
 
     def _check_gather_plan(self) -> None:
         """Before gathering states whole: every DP rank is about to gather the same state keys
@@ -260,19 +271,21 @@ class ShardedSync(GradSync):
         whole = {id(by_name[n]): t for n, t in params.items() if n in by_name}
         for gi, sp in enumerate(self.shard_params):
             self._take_shard(gi, whole, sp.data)
-            names = [s.name for s in self._slots(gi)]
-            keys = sorted({k for n in names for k in optim.get(n, {})})   # same order on every rank
+            members = self.stepper.groups[gi]
+            saved = {m.name: optim[m.name] for m in members if optim.get(m.name)}
+            moments = {k for m in members for k, v in saved.get(m.name, {}).items()
+                       if v.dim() > 0 and v.shape == m.shape}
             state = {}
-            for key in keys:
-                values = {id(by_name[n]): optim[n][key] for n in names if key in optim.get(n, {})}
-                sample = next(iter(values.values()))
-                if sample.dim() == 0:
-                    state[key] = sample.clone()
-                else:
-                    state[key] = torch.zeros_like(sp.data)
-                    self._take_shard(gi, values, state[key])
+            for key in sorted(moments):              # the same order on every rank
+                values = {id(m.param): saved[m.name][key] for m in members
+                          if key in saved.get(m.name, {})}
+                state[key] = torch.zeros_like(sp.data)
+                self._take_shard(gi, values, state[key])
+            self.optimizer.state.pop(sp, None)
             if state:
                 self.optimizer.state[sp] = state
+            self.stepper.load(gi, [{k: v.clone() for k, v in saved[m.name].items() if k not in moments}
+                                   if m.name in saved else None for m in members])
 
     def local_shards(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
         """This rank's flat shards (``shard<i>``, one per optimizer group) and their optimizer
@@ -280,8 +293,9 @@ class ShardedSync(GradSync):
         fault-tolerant replicas); in mixed precision the shards are the fp32 masters. Shards in
         memory only (no offload)."""
         assert self.optimizer is not None and self.offloaded is None, "shards in memory only"
-        optim = {f"shard{gi}": {k: v for k, v in self.optimizer.state.get(sp, {}).items()
-                                if torch.is_tensor(v)} for gi, sp in enumerate(self.shard_params)}
+        optim = {f"shard{gi}": {**{k: v for k, v in self.optimizer.state.get(sp, {}).items()
+                                   if elementwise(v, sp)}, **self.stepper.local_state(gi)}
+                 for gi, sp in enumerate(self.shard_params)}
         return [(f"shard{gi}", sp.detach()) for gi, sp in enumerate(self.shard_params)], optim
 
     @torch.no_grad()
@@ -292,11 +306,12 @@ class ShardedSync(GradSync):
         assert self.optimizer is not None and self.offloaded is None, "shards in memory only"
         for gi, sp in enumerate(self.shard_params):
             sp.data.copy_(params[f"shard{gi}"])
-            state = optim.get(f"shard{gi}", {})
+            entries = optim.get(f"shard{gi}", {})
+            state = {k: v.clone() for k, v in entries.items() if elementwise(v, sp)}
+            self.optimizer.state.pop(sp, None)
             if state:
-                self.optimizer.state[sp] = {k: v.clone() for k, v in state.items()}
-            else:
-                self.optimizer.state.pop(sp, None)
+                self.optimizer.state[sp] = state
+            self.stepper.load_local_state(gi, {k: v for k, v in entries.items() if not elementwise(v, sp)})
         if self.master is not None:   # the 16-bit shards from the fp32 masters
             self.master.copy_to_params()
         self._after_load()

@@ -130,6 +130,10 @@ class FlatZero(ShardedSync):
             self.grads.take(p, self.bucketer.buckets_of(p))
             self.bucketer.give(p)
 
+    def _no_grad(self, p: nn.Parameter) -> None:
+        if self.readiness.passed(p) and self._sync:   # nothing to add to its buckets
+            self.bucketer.give(p)
+
     def _launch(self, b: FlatBucket) -> None:
         """Reduce-scatter bucket ``b`` into this rank's gradient shard."""
         g = self.groups[b.group]
@@ -165,9 +169,11 @@ class FlatZero(ShardedSync):
         return {"params": [g.params for g in self.groups], "grads": [g.grads for g in self.groups],
                 "optimizer": self._optimizer_tensors()}
 
-    def _shard_ranges(self, p: nn.Parameter) -> list[tuple[int, tuple[int, slice]]]:
-        return [(gi, (pc.bucket, slice(pc.lo, pc.hi))) for gi, g in enumerate(self.groups)
-                for pc in g.layout.shard_pieces() if pc.slot.param is p]
+    def _ranges(self, gi: int) -> dict[int, list[tuple[int, slice]]]:
+        out: dict[int, list[tuple[int, slice]]] = {}
+        for pc in self.groups[gi].layout.shard_pieces():
+            out.setdefault(id(pc.slot.param), []).append((pc.bucket, slice(pc.lo, pc.hi)))
+        return out
 
     # ---------------------------------------------------------------- checkpoints
     def _slots(self, gi: int) -> list[Slot]:

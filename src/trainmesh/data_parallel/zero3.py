@@ -203,9 +203,19 @@ class Zero3(ShardedSync):
         if unit.reduce_bufs is None:
             unit.reduce_bufs = [self.reductions.alloc(pc.layout.padded, self.reduce_dtype or p.grad.dtype)
                                 for pc in unit.pieces]
-        unit.reduce_bufs[pi][slot.start : slot.end].copy_(p.grad.reshape(-1))
+        unit.reduce_bufs[pi][slot.start : slot.end].add_(p.grad.reshape(-1))   # zeroed when allocated
         p.grad = None
         self.bucketer.give(p)          # the unit complete: reduce-scatter it (_post_backward)
+
+    def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
+        """Only in units the pass takes part in (some parameter reached): a unit it does not
+        reach at all is reduced at the end of the backward, in unit order, as before."""
+        for unit in self.units:
+            if any(id(p) in reached for p in unit.params):
+                for p in unit.params:
+                    if id(p) not in reached and (among is None or id(p) in among):
+                        self.readiness.passed(p)
+                        self.bucketer.give(p)   # nothing staged: its part of the buffer stays 0
 
     def _post_backward(self, unit: _Unit) -> None:
         """Reduce-scatter the unit's gradients into the gradient shards; free the unit."""
@@ -272,13 +282,13 @@ class Zero3(ShardedSync):
             out["cpu"] += storage_bytes(self.group_shards)
         return out
 
-    def _shard_ranges(self, p: nn.Parameter) -> list[tuple[int, slice]]:
-        unit = self._unit_of.get(id(p))
-        if unit is None:
-            return []
-        pc = unit.pieces[self._slot_of[id(p)][0]]
-        return [(pc.group, slice(pc.shard_start + piece.lo, pc.shard_start + piece.hi))
-                for piece in pc.layout.shard_pieces() if piece.slot.param is p]
+    def _ranges(self, gi: int) -> dict[int, list[slice]]:
+        out: dict[int, list[slice]] = {}
+        for pc in self._group_pieces(gi):
+            for piece in pc.layout.shard_pieces():
+                out.setdefault(id(piece.slot.param), []).append(
+                    slice(pc.shard_start + piece.lo, pc.shard_start + piece.hi))
+        return out
 
     # ---------------------------------------------------------------- checkpoints
     def _group_pieces(self, gi: int) -> list[_Piece]:

@@ -13,6 +13,11 @@ keeps running eagerly around the compiled code (docs/COMPILE.md):
   (ledger, timeouts), which dynamo does not put in a graph: each is a graph break inside a block
   (they are not marked with ``torch.compiler.disable``, which would import dynamo into every
   worker, compiled or not: ~74 MiB of RSS);
+* a module whose forward loops over collectives (context parallelism's ring attention: its
+  autograd Function sends and receives K/V blocks rank to rank) declares
+  ``runs_collectives = True`` and is disabled for dynamo here, when compiling: one graph break at
+  it, the block's graphs compiled once, instead of dynamo tracing into the ring and recompiling
+  it at every hop;
 * activation recomputation wraps ``forward`` before it is compiled (torchtitan's order: AC,
   then compile), so the checkpoint is traced into the block's graph.
 
@@ -50,9 +55,15 @@ def check_compile(device_type: str) -> None:
 
 
 def compile_layers(model: nn.Module, device_type: str) -> list[nn.Module]:
-    """Compile each layer of ``model`` (on ``device_type``) in place; returns the layers."""
+    """Compile each layer of ``model`` (on ``device_type``) in place; returns the layers.
+    Modules that exchange data with other ranks inside their ``forward`` and say so
+    (``runs_collectives = True``: context parallelism's attention) run eagerly between the
+    layer's graphs (``torch.compiler.disable``, applied only here, when compiling)."""
     check_compile(device_type)
     layers = find_layers(model)
+    for module in model.modules():
+        if getattr(module, "runs_collectives", False):
+            module.forward = torch.compiler.disable(module.forward, recursive=True)
     for layer in layers:
         # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the
         # module's hooks (ZeRO-3's gather and free) eagerly around it.

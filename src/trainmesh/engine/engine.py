@@ -8,7 +8,9 @@ replicated parameters over tp (:meth:`Engine._complete_partial_grads`); measure 
 once) and clip; step the optimizer. Every layer it composes uses only its own mesh axis. Under
 context parallelism each CP rank keeps its two zigzag chunks of every sequence
 (:meth:`Engine._cp_share`), attention runs over the CP group (:mod:`trainmesh.context_parallel`)
-and the replicas of the parameters are the dp x cp ranks (``replica_axis``).
+and the replicas of the parameters are the dp x cp ranks (``replica_axis``). Which group each
+kind of parameter is reduced over, broadcast from and held by is the axis table's
+(:mod:`trainmesh.core.axes`).
 
 The seams: the executor (:mod:`trainmesh.core.step`: local or a pipeline stage) runs the passes and
 reaches the precision policy and the DP strategy only through the :class:`~trainmesh.core.step.
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from trainmesh.checkpoint.export_hf import model_record
 from trainmesh.comm import Comm
 from trainmesh.comm.ledger import Span
 from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.axes import LATER, kind_groups, sequence_groups
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
@@ -48,9 +50,10 @@ from trainmesh.data_parallel import (
     untrained_state,
 )
 from trainmesh.data_parallel.base import OptimizerFactory
+from trainmesh.data_parallel.readiness import reached
 from trainmesh.engine.executor import LocalExecutor
 from trainmesh.engine.materialize import InitFn, materialize, materialize_buffers
-from trainmesh.engine.moe_metrics import MoEMetrics
+from trainmesh.engine.moe_metrics import MoEMetrics, model_stats
 from trainmesh.engine.precision import Precision
 from trainmesh.engine.train_state import TrainState
 from trainmesh.observe.flops import model_flops_per_token
@@ -69,14 +72,18 @@ class Engine:
                  mesh: ParallelMesh | None = None, tp_plan: dict[str, str] | None = None,
                  broadcast_init: bool = True, flops_per_token: float | None = None,
                  init_fn: InitFn | None = None, device: torch.device | str | None = None) -> None:
-        self.config = cfg = config or ParallelConfig()
+        cfg = config or ParallelConfig()
+        if getattr(model, "moe_stats", None) is not None and not cfg.find_unused_parameters:
+            # an expert no token reached has no gradient that step (models/moe.py)
+            cfg = dataclasses.replace(cfg, find_unused_parameters=True)
+        self.config = cfg
         self.flops_per_token = model_flops_per_token(model, flops_per_token)
         """Training FLOPs per token of the whole model (MFU): given, the model's own
         ``flops_per_token()``, or None (:mod:`trainmesh.observe.flops`)."""
         self.mesh = mesh or cfg.build_mesh()
         self.comm = Comm(self.mesh)
-        self.replica_axis = "dp_cp" if self.mesh.size("cp") > 1 else "dp"
-        """The ranks holding replicas of the parameters, each with other tokens (dp x cp)."""
+        self.replica_axis = kind_groups(self.mesh.degrees, "dense").holders
+        """The ranks holding replicas of the dense parameters, each with other tokens (dp x cp)."""
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if self.device.type == "meta":
             self.device = torch.device("cpu")
@@ -106,10 +113,12 @@ class Engine:
         self.grad_sync = self._make_grad_sync(named, fill)
         self.hooks = StepHooks(autocast=self.precision.autocast, scale_loss=self.precision.scale_loss,
                                before_backward=self.grad_sync.before_backward,
-                               expect_backwards=self.grad_sync.expect_backwards)
+                               expect_backwards=self.grad_sync.expect_backwards,
+                               **({"backward_from": self._pass_unreached}
+                                  if cfg.find_unused_parameters else {}))
         self.optimizer = self.grad_sync.build_optimizer(optimizer, param_groups)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
-        self.moe = MoEMetrics(getattr(model, "moe_stats", None), self.comm)
+        self.moe = MoEMetrics(model_stats(model), self.comm)
         """The MoE layers' aux loss and routing counts, per step and over the run."""
         self.state = TrainState(self.optimizer, self.lr_scheduler, self.precision, self.device)
         """Step count, learning rates, LR schedule, loss scaler, RNG: saved and restored as one."""
@@ -138,6 +147,10 @@ class Engine:
         if cfg.ep > 1:
             from trainmesh.expert_parallel import shard_experts
             shard_experts(model, self.comm, self.placements)
+        split = sequence_groups(self.mesh.degrees, cfg.sequence_parallel)
+        if split:        # MoE layers sum their per-sequence counts over the sequence's parts
+            from trainmesh.expert_parallel.sequence import split_sequences
+            split_sequences(model, self.comm, split)
         if cfg.recompute != "none":
             from trainmesh.engine.recompute import apply_recompute
             apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
@@ -148,21 +161,12 @@ class Engine:
 
     def _make_grad_sync(self, named: list[tuple[str, nn.Parameter]],
                         fill: Callable[[list[tuple[str, nn.Parameter]]], None] | None):
-        """The DP strategy; under expert parallelism one for the dense parameters and one of
-        the same kind for the experts, reduced over ``edp`` (:mod:`trainmesh.expert_parallel.sync`)."""
-        def make(subset: list[tuple[str, nn.Parameter]], cfg: ParallelConfig, axis: str = "dp"):
-            return make_grad_sync(cfg, subset, self.comm, module=self.module,
-                                  precision=self.precision, materialize=fill, device=self.device,
-                                  layers=getattr(self.executor, "layer_names", None), axis=axis)
-        experts = [(n, p) for n, p in named if self.placements.expert(n)]
-        if not experts:   # no ep, or a pipeline stage without MoE layers (so is its edp group)
-            return make(named, self.config)
-        from trainmesh.expert_parallel.sync import ExpertSplitSync
-        dense = make([(n, p) for n, p in named if not self.placements.expert(n)], self.config)
-        cfg = self.config   # nvme offload: the experts' state file apart from the dense one's
-        if cfg.offload_dir is not None:
-            cfg = dataclasses.replace(cfg, offload_dir=os.path.join(cfg.offload_dir, "experts"))
-        return ExpertSplitSync(dense, make(experts, cfg, axis="edp"))
+        """The DP strategy: one per kind of parameter (dense; experts under expert parallelism),
+        each over its kind's groups, composed as one (:func:`make_grad_sync`)."""
+        return make_grad_sync(self.config, named, self.comm, module=self.module,
+                              precision=self.precision, materialize=fill, device=self.device,
+                              layers=getattr(self.executor, "layer_names", None),
+                              kind_of=self.placements.kind)
 
     def _build_executor(self, model: nn.Module, loss_fn: LossFn) -> Executor:
         """This rank's share of the model and how a step runs it: a pipeline stage or all of it."""
@@ -196,11 +200,10 @@ class Engine:
     @torch.no_grad()
     def _broadcast_from_dp_root(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """Identical start on every DP replica, whatever the user's init (set-up traffic)."""
-        axis = self.replica_axis
-        if self.mesh.size(axis) == 1:
+        if self.mesh.size(self.replica_axis) == 1:
             return
-        for name, p in named:     # an expert: from the first of the ranks holding it
-            axis = "edp" if self.placements.expert(name) else self.replica_axis
+        for name, p in named:     # from the first of the ranks holding it (its kind's holders)
+            axis = kind_groups(self.mesh.degrees, self.placements.kind(name)).holders
             self.comm.broadcast(p.data, axis, src=self.mesh.ranks(axis)[0])
 
     def _mark_duplicates(self, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -224,10 +227,17 @@ class Engine:
         if torch.is_grad_enabled():       # a training forward (evaluation keeps its own)
             self._broadcast_buffers()
 
+    def _pass_unreached(self, root: torch.Tensor, params: list[nn.Parameter] | None) -> None:
+        """Before a backward pass (unused parameters allowed): the parameters its graph leaves
+        without a gradient pass it at once (:mod:`trainmesh.data_parallel.readiness`)."""
+        self.grad_sync.pass_unreached(reached([root]),
+                                      None if params is None else {id(p) for p in params})
+
     def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
-        """Whether this rank counts ``p`` in the global norm: duplicates only once."""
+        """Whether this rank counts ``p`` in the global norm: duplicates only once (the axis
+        table's ``LATER``), a tp shard on every TP rank, a replicated parameter on the first."""
         placement = self.placements.get(name)
-        if placement is not None and placement.duplicate:
+        if placement is not None and placement.duplicate and not LATER["duplicate"].counted:
             return False
         return (placement is not None and placement.sharded) or self.mesh.index("tp") == 0
 
@@ -240,7 +250,7 @@ class Engine:
         names = self.placements.partial_grad_names()
         if names and self.mesh.size("tp") > 1:
             from trainmesh.tensor_parallel.state import sum_partial_grads
-            sum_partial_grads(self.grad_sync.grads_of(names), self.comm)
+            sum_partial_grads(self.grad_sync.grads_of(names), self.comm, LATER["partial_grad"].then)
 
     # ---------------------------------------------------------------- one step
     def train_step(self, batch: Any = None, *, microbatches: list | None = None) -> float:
@@ -266,16 +276,25 @@ class Engine:
         loss_sum, count = self.executor.run(microbatches, self.hooks)
         holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
         sums = [loss_sum, count] if holds_loss else [0.0, 0.0]
-        if self.config.find_unused_parameters:          # rides along: the unused check's "any?"
-            sums.append(float(self.grad_sync.local_unused()))
+        unused = self.grad_sync.unused_counts() if self.config.find_unused_parameters else []
+        # rides along: each strategy part's "any unused?", as many on every rank (a pipeline
+        # stage without experts holds one strategy where the others hold two)
+        width = (2 if self.config.ep > 1 else 1) if unused else 0
+        sums += [float(n) for n in unused] + [0.0] * (width - len(unused))
+        diloco = self.config.strategy == "diloco"   # each replica: the mean over its own tokens
+        if diloco:                                  # rides along: each replica's token count
+            sums += self.grad_sync.replica_slots(count if holds_loss else 0.0)
         totals = torch.tensor(sums, dtype=torch.float64)
         self.comm.all_reduce(totals, "world")
         if across is not None:
             across(totals)
-        global_loss, global_count = (totals[0] / totals[1]).item(), totals[1].item()
-        self.grad_sync.agree_unused(len(sums) > 2 and totals[2].item() > 0)
-        diloco = self.config.strategy == "diloco"   # each replica: the mean over its own tokens
-        self.grad_sync.finish(1.0 / ((count if diloco else global_count) * self.precision.loss_scale))
+        global_loss, tokens = (totals[0] / totals[1]).item(), totals[1].item()
+        # a parameter no rank of any replica present used gets no update (the same on each)
+        self.grad_sync.agree_unused([totals[2 + i].item() > 0 for i in range(len(unused))],
+                                    across=across)
+        if diloco:   # the mean over the replica's own tokens
+            tokens = totals[len(sums) - self.grad_sync.n_replicas + self.grad_sync.replica].item()
+        self.grad_sync.finish(1.0 / (tokens * self.precision.loss_scale))
         if across is not None:   # linear: the same whether before or after finish's scaling
             for g in self.grad_sync.reduced_grads():
                 across(g)
@@ -283,8 +302,10 @@ class Engine:
         self.state_bytes = self.measure_state()
         self.offloaded_bytes = self.grad_sync.offloaded_bytes()
         overflow = self.precision.overflowed(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
-        norm = 0.0 if overflow else (self.grad_sync.local_norm() if diloco else self.grad_norm())
-        moe = self.moe.reduce(holds=self.mesh.index("tp") == 0, across=across)
+        norm = 0.0 if overflow else (self.grad_sync.local_norm(self._counted_in_norm) if diloco
+                                     else self.grad_norm())
+        moe = self.moe.reduce(holds=self.mesh.index("tp") == 0 or self.config.sequence_parallel,
+                              across=across)
         return StepResult(global_loss, norm, overflow, self._nonfinite(global_loss, norm, overflow), moe)
 
     def apply(self, result: StepResult) -> float:
@@ -434,7 +455,8 @@ class Engine:
         return write(path, self.grad_sync, self.comm, step=self.step_count,
                      layout=self.config.layout(), placements=self.placements,
                      untrained=untrained_state(self.module),
-                     trainer_state={**self.state.state_dict(), **model_record(self.module),
+                     # the whole model's record (tied aliases, a Hugging Face config): a stage too
+                     trainer_state={**self.state.state_dict(), **model_record(self.model),
                                     **(trainer_state or {})})
 
     def load(self, path: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ class LocalExecutor:
             with hooks.autocast():
                 loss_sum, count = as_sum_and_count(self.loss_fn(self.module, mb))
             t1 = time.perf_counter()
+            hooks.backward_from(loss_sum, None)
             hooks.scale_loss(loss_sum).backward()
             row += [TimedAction(Action("F", 0, i), t0, t1),
                     TimedAction(Action("B", 0, i), t1, time.perf_counter())]

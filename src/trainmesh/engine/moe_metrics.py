@@ -2,7 +2,9 @@
 
 The layers write into their model's :class:`~trainmesh.models.moe.MoEStats` (this rank's
 sequences and routed slots); :meth:`MoEMetrics.reduce` adds them over every rank in one
-all-reduce (TP ranks hold the same tokens: only TP index 0 contributes; a pipeline stage
+all-reduce (TP ranks hold the same tokens: only TP index 0 contributes, unless sequence
+parallelism gives each its own chunk; where a sequence is split over ranks each reports its
+part of the aux loss and its share of the sequences; a pipeline stage
 contributes the layers it holds) and returns the metrics file's ``"moe"`` entry:
 
 * ``aux_loss``: the mean over MoE layers of the mean over the global batch's sequences of the
@@ -20,9 +22,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from trainmesh.comm import Comm
+from trainmesh.models.hf_router import attach_router_stats
 from trainmesh.models.moe import MoEStats
+
+
+def model_stats(model: nn.Module) -> MoEStats | None:
+    """The MoE statistics ``model`` reports: the built-in GPT's ``moe_stats``, or those of a
+    Hugging Face mixture of experts whose config asks for its router's aux loss (attached here;
+    :func:`~trainmesh.engine.pretrained.causal_lm_loss` fills them)."""
+    return attach_router_stats(model)
 
 
 class MoEMetrics:

@@ -25,9 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
+from trainmesh.models.hf_router import (
+    add_router_loss,
+    attach_router_stats,
+    router_loss_enabled,
+    router_modules,
+)
+from trainmesh.models.hf_attention import routes_attention
+from trainmesh.models.hf_plan import family
 from trainmesh.models.hf_weights import CheckpointView
 
 
@@ -37,6 +46,7 @@ def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
     weights slice by slice (the engine calls it for what each rank holds)."""
     model = build_on_meta(path, field=field)
     model.init_parameter = pretrained_init(path, model, field=field)
+    attach_router_stats(model)        # a mixture of experts that asks for its router's aux loss
     return model
 
 
@@ -49,13 +59,26 @@ def pretrained_init(path: str, model: nn.Module, *, field: str = FIELD) -> InitF
 
 
 def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = FIELD,
-                    tp: int = 1) -> None:
+                    tp: int = 1, ep: int = 1, layout: ParallelConfig | None = None,
+                    seq_len: int | None = None) -> None:
     """Every parameter of the model (built from ``path`` on meta unless given) is in
-    ``model.safetensors`` with its shape, and with ``tp`` > 1 the model has a plan trainmesh
-    maps (GPT-2's, or the one its config declares): checked before any worker starts."""
+    ``model.safetensors`` with its shape, with ``tp`` > 1 the model has a plan trainmesh
+    maps (GPT-2's, or the one its config declares; its experts' styles included), with ``ep``
+    > 1 an expert-parallel plan trainmesh honours, a router aux loss the config asks for can be
+    formed, and its plans allow the other axes of ``layout`` (:func:`check_hf_layout`; its tp
+    and ep then those of ``layout``): checked before any worker starts."""
     model = model if model is not None else build_on_meta(path, field=field)
     CheckpointView(weight_files(path, field), model, field=field).check(model)
+    if layout is not None:
+        tp, ep = layout.tp, layout.ep
+    if router_loss_enabled(model):
+        router_modules(model)
+    if ep > 1:
+        from trainmesh.expert_parallel.hf import check_hf_ep
+        check_hf_ep(model, ep)
     if tp > 1:
+        from trainmesh.tensor_parallel.hf_experts import check_expert_tp
+        check_expert_tp(model, tp, ep=ep)
         from trainmesh.tensor_parallel.hf import (
             declared_plan,
             hf_model_type,
@@ -64,19 +87,81 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
         if hf_model_type(model) != "gpt2" and declared_plan(model) is None:
             raise ConfigError("--tp", f"{type(model).__name__} declares no tensor-parallel plan "
                               "(config.base_model_tp_plan); valid for it: --tp 1 (dp and ZeRO)")
-        hf_tp_plan(model)                  # a declared style trainmesh cannot map: ConfigError
+        try:
+            hf_tp_plan(model)              # a declared style trainmesh cannot map: ConfigError
+        except ConfigError as exc:
+            raise ConfigError("--tp", f"{hf_model_type(model)}: {exc.message}") from None
+    if layout is not None:
+        check_hf_layout(model, layout, seq_len)
+
+
+def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | None = None) -> None:
+    """A Hugging Face model's plans allow ``layout``'s axes: its pipeline plan ``--pp`` (with
+    enough layers for every stage), its attention ``--cp`` (at ``seq_len``), its plans
+    ``--sequence-parallel``, its attention call ``--recompute selective``
+    (ConfigError naming the flag and the family)."""
+    if layout.sequence_parallel and layout.tp > 1:
+        from trainmesh.tensor_parallel.hf import hf_tp_plan
+        from trainmesh.tensor_parallel.hf_sequence import sequence_parallel_plan
+        sequence_parallel_plan(model, hf_tp_plan(model))
+    if layout.recompute == "selective" and not routes_attention(model):
+        raise ConfigError("--recompute", f"selective checkpoints the attention call; the "
+                          f"{family(model)} family's attention does not go through transformers' "
+                          "attention interface; valid for it: none, full")
+    if router_loss_enabled(model):      # its statistics would span ranks of one sequence
+        for flag, split in (("--cp", layout.cp > 1), ("--pp", layout.pp > 1),
+                            ("--sequence-parallel", layout.sequence_parallel and layout.tp > 1)):
+            if split:
+                raise ConfigError(flag, f"the {family(model)} model's config asks for its router's "
+                                  "load-balancing loss (output_router_logits), formed per sequence "
+                                  "over every layer's routing on one rank; with it: dp, ZeRO, tp, "
+                                  "ep (or set output_router_logits false in its config.json)")
+    if layout.cp > 1:
+        from trainmesh.context_parallel.hf_attention import check_hf_context_parallel
+        check_hf_context_parallel(model, seq_len)
+    if layout.pp > 1:
+        from trainmesh.pipeline_parallel.hf import check_hf_pipeline
+        from trainmesh.pipeline_parallel.partition import check_stage_count
+        structure = check_hf_pipeline(model)
+        check_stage_count(len(structure.ordered(model)), layout.pp * layout.virtual_stages)
+        _check_ties_across_stages(model, structure.ordered(model), layout)
+
+
+def _check_ties_across_stages(model: nn.Module, planned: list[str], layout: ParallelConfig) -> None:
+    """A weight two pipeline layers share (tied embeddings: the input module's and the head's)
+    has its gradient summed over their stages, which the pipeline does with --dp 1 and
+    --zero 0/1 (as the engine checks in the workers)."""
+    owners: dict[int, set[str]] = {}
+    for name in planned:
+        for p in model.get_submodule(name).parameters():
+            owners.setdefault(id(p), set()).add(name)
+    if not any(len(names) > 1 for names in owners.values()):
+        return
+    if layout.dp > 1:
+        raise ConfigError("--dp", f"the {family(model)} model ties weights across pipeline "
+                          "stages (tie_word_embeddings), supported with --dp 1 under --pp; valid: "
+                          "--dp 1, or --pp 1")
+    if layout.zero >= 2:
+        raise ConfigError("--zero", f"the {family(model)} model ties weights across pipeline "
+                          "stages (tie_word_embeddings): --zero 0 or 1 under --pp")
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """``(loss_sum, tokens)`` of a Hugging Face causal LM on a batch whose ``labels`` are the
     next tokens already (trainmesh's data): cross-entropy over every token, as the built-in GPT.
 
-    A mixture-of-experts model's load-balancing loss (``router_aux_loss_coef``) is not added, and
-    its router logits are not returned (``output_router_logits=False``): that loss is computed
-    over the tokens of one forward, so its value would depend on how the global batch is split
-    over ranks and microbatches, and the loss would no longer be the exact mean over the batch."""
-    extra = {"output_router_logits": False} if _routes(model) else {}
-    logits = model(input_ids=batch["input_ids"], use_cache=False, **extra).logits  # (b, s, vocab)
+    A mixture of experts whose config asks for its router's load-balancing loss
+    (``output_router_logits``, ``router_aux_loss_coef``) gets it in its gradient, per sequence
+    (:mod:`trainmesh.models.hf_router`: transformers' formula over each sequence's tokens, so the
+    same under every split of the batch); the returned loss stays the cross-entropy, the aux is
+    reported in ``model.moe_stats``. Otherwise its router logits are not asked for."""
+    routes = _routes(model)
+    aux = routes and router_loss_enabled(model)
+    extra = {"output_router_logits": aux} if routes else {}
+    out = model(input_ids=batch["input_ids"], use_cache=False, **extra)
+    logits = out.logits                                                  # (b, s, vocab)
+    if aux:
+        logits = add_router_loss(model, out.router_logits, logits)
     labels = batch["labels"]                                             # (b, s)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
     return loss, labels.numel()

@@ -4,7 +4,9 @@
   keep the input of every K-th layer and re-run K layers from it (K=2 keeps the inputs of
   layers 0, 2, 4, ...).
 - ``selective``: recompute only the attention internals (Megatron's selective recomputation):
-  every module's ``core(q, k, v)`` method — the built-in GPT's ``Attention.core``.
+  every module's ``core(q, k, v)`` method — the built-in GPT's ``Attention.core`` —, or a
+  Hugging Face model's attention call (the function its attention interface names: sdpa,
+  eager, context parallelism's ring, :func:`_selective_hf`).
 
 All of it is ``torch.utils.checkpoint`` (non-reentrant), applied in place without renaming any
 parameter: a layer's ``forward`` (or ``core``) becomes an instance attribute, a
@@ -137,10 +139,37 @@ def _selective(model: nn.Module | Sequence[nn.Module]) -> None:
     modules = [m for layer in (model if isinstance(model, (list, tuple)) else [model])
                for m in layer.modules()]
     targets = [m for m in modules if callable(getattr(m, "core", None))]
+    if not targets and isinstance(model, nn.Module) and _selective_hf(model):
+        return
     if not targets:
         name = type(model).__name__
         raise ConfigError("recompute", f"selective recompute checkpoints attention internals: modules "
-                          f"with a core(q, k, v) method (the built-in GPT's Attention); none in {name}. "
-                          "Use --recompute full")
+                          f"with a core(q, k, v) method (the built-in GPT's Attention) or the attention "
+                          f"call of a Hugging Face model; none in {name}. Use --recompute full")
     for m in targets:
         _wrap(m, "core")
+
+
+RECOMPUTED = "trainmesh_recompute:"
+"""Prefix of the attention implementation that checkpoints another (a Hugging Face model's)."""
+
+
+def _selective_hf(model: nn.Module) -> bool:
+    """A Hugging Face model whose attention goes through transformers' attention interface
+    calls a checkpoint of the implementation it called (sdpa, eager, context parallelism's
+    ring), its masks built as before; False for any other model."""
+    from trainmesh.models.hf_attention import current, implementation, routes_attention, use_attention
+    if not routes_attention(model):
+        return False
+    inner = current(model)
+    if inner.startswith(RECOMPUTED):
+        return True
+
+    def recomputed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        fn = implementation(inner, module)
+        if not torch.is_grad_enabled():
+            return fn(module, *args, **kwargs)
+        return checkpoint(fn, module, *args, use_reentrant=False, **kwargs)
+
+    use_attention(model, RECOMPUTED + inner, recomputed, mask_like=inner)
+    return True

@@ -6,7 +6,5 @@ from __future__ import annotations
 
 from .dispatch import AllToAll, ExpertExchange
 from .shard import expert_names, shard_experts
-from .sync import CombinedOptimizer, ExpertSplitSync
 
-__all__ = ["AllToAll", "CombinedOptimizer", "ExpertExchange", "ExpertSplitSync", "expert_names",
-           "shard_experts"]
+__all__ = ["AllToAll", "ExpertExchange", "expert_names", "shard_experts"]

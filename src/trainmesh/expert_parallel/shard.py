@@ -6,6 +6,11 @@ materialised) and routes through :class:`~.dispatch.ExpertExchange`. Each kept p
 :class:`~trainmesh.core.placement.Placement` with ``expert=True``: its gradient is reduced over
 ``edp`` (the ranks holding the same experts) and a checkpoint writes it from one of those ranks,
 whole and by its global name, so it loads under any ``--ep``.
+
+A Hugging Face model holds a layer's experts stacked in one tensor (``(E, ...)``); its experts
+are spread by :mod:`.hf` from the plan it declares, each rank keeping a run of the expert
+dimension. :func:`gather_stacked` and :func:`stacked_slice` go between that run and the whole
+tensor (checkpoints, consolidated weights).
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
-from trainmesh.core.placement import Placements
+from trainmesh.core.placement import Placement, Placements
 from trainmesh.models.moe import MoE
 
 from .dispatch import ExpertExchange
@@ -31,7 +36,12 @@ def expert_names(model: nn.Module) -> list[str]:
 
 
 def shard_experts(model: nn.Module, comm: Comm, placements: Placements) -> None:
-    """Keep this rank's experts of every MoE layer (module docstring); record their placements."""
+    """Keep this rank's experts of every MoE layer (module docstring); record their placements.
+    A Hugging Face model: the experts its ``base_model_ep_plan`` names (:mod:`.hf`)."""
+    from .hf import is_hf_moe, shard_hf_experts
+    if is_hf_moe(model):
+        shard_hf_experts(model, comm, placements)
+        return
     mesh = comm.mesh
     size, index = mesh.size("ep"), mesh.index("ep")
     for _, layer in moe_layers(model):
@@ -48,11 +58,32 @@ def shard_experts(model: nn.Module, comm: Comm, placements: Placements) -> None:
             placements.mark(name, tuple(p.shape), expert=True)
 
 
+@torch.no_grad()
+def gather_stacked(t: torch.Tensor, comm: Comm, placement: Placement) -> torch.Tensor:
+    """The whole tensor of stacked experts ``t`` holds a run of (collective over ep: every rank
+    of the group calls it for the same tensors in the same order)."""
+    from trainmesh.tensor_parallel.mappings import _gather
+    assert placement.ep_dim is not None
+    return _gather(t.detach(), placement.ep_dim, comm, "ep")    # (.., E, ..): rank-major runs
+
+
+def stacked_slice(full: torch.Tensor, comm: Comm, placement: Placement | None) -> torch.Tensor:
+    """This rank's run of a whole tensor of stacked experts (as its placement splits it; the
+    whole tensor when it is not split over ep)."""
+    if placement is None or placement.ep_dim is None or full.dim() == 0:
+        return full
+    width = full.shape[placement.ep_dim] // comm.mesh.size("ep")
+    return full.narrow(placement.ep_dim, comm.mesh.index("ep") * width, width).contiguous()
+
+
 def gather_experts(state: dict[str, torch.Tensor], comm: Comm,
                    placements: Placements) -> dict[str, torch.Tensor]:
     """``state`` (this rank's weights by name) with every expert of its ep group added
-    (collective over ep, through pickled objects: for consolidation, never in a step)."""
-    mine = {k: v.cpu() for k, v in state.items() if placements.expert(k)}
+    (collective over ep, through pickled objects: for consolidation, never in a step); stacked
+    experts gathered whole, in name order."""
+    state = {k: (gather_stacked(v, comm, placements.get(k)) if placements.ep_split(k) else v)
+             for k, v in sorted(state.items())}
+    mine = {k: v.cpu() for k, v in state.items() if placements.expert(k) and not placements.ep_split(k)}
     merged = dict(state)
     for theirs in comm.all_gather_object(mine, "ep"):
         merged.update({k: v for k, v in theirs.items() if k not in merged})

@@ -10,7 +10,8 @@ replicas' requests, so a coordinator started again, empty, goes on where the dea
 the last committed step is the newest one a replica applied (a replica applies a step only
 after reading its commit), every replica behind it copies the live state. A run on one host
 runs it as a thread of the launcher, which also has it write the metrics file (the records the
-replicas post, ``quorum`` events where membership changes) and keep the summary's counts.
+replicas post, ``quorum`` events where membership changes, ``discarded`` events for step
+attempts not applied) and keep the summary's counts.
 docs/FAULT_TOLERANCE.md describes the protocol.
 """
 from __future__ import annotations
@@ -68,12 +69,14 @@ class Coordinator:
 
     ``startup_timeout_s`` bounds the wait for the first quorum (every replica), ``step_timeout_s``
     the wait for a member's outcome (default: the members' collective timeout plus slack).
-    ``metrics_out``: write the replicas' records there (a run on one host)."""
+    ``metrics_out``: write the replicas' records there (a run on one host), each handed to
+    ``also`` too (its TensorBoard)."""
 
     def __init__(self, *, replicas: int, host: str = LOOPBACK, port: int = 0, last: int | None = None,
                  metrics_out: str | None = None, startup_timeout_s: float = 300.0,
                  step_timeout_s: float | None = None,
-                 notify: Callable[[str], None] | None = None) -> None:
+                 notify: Callable[[str], None] | None = None,
+                 also: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.replicas, self.last = replicas, last
         self.notify = notify or log.info
         """Where the one-line notices of membership changes and discarded steps go."""
@@ -81,7 +84,7 @@ class Coordinator:
         self._server = server_store(host, port, timeout_s=startup_timeout_s, multi_tenant=True)
         self.address = f"{host}:{self._server.port}" if ":" not in host else f"[{host}]:{self._server.port}"
         self._server.set("epoch", uuid.uuid4().hex)
-        self.metrics = MetricsWriter(metrics_out)
+        self.metrics = MetricsWriter(metrics_out, also=also)
         self.tally = Tally()
         self.error: str | None = None
         """Why the run could not go on (None: it reached its last step, or was stopped)."""
@@ -202,6 +205,9 @@ class Coordinator:
                 errors = [f"replica {o.replica}: {o.error}" for o in outcomes if not o.ok]
                 missing = sorted(set(decision.replicas) - {o.replica for o in outcomes})
                 why = "; ".join(errors + [f"replica {r} lost" for r in missing])[:300]
+                self.metrics.write({"event": "discarded", "step": decision.step,
+                                    "replicas": len(decision.members),
+                                    "attempt_s": round(time.monotonic() - attempt, 3), "why": why})
                 self.notify(f"trainmesh: step {decision.step} discarded ({why}); redone by the "
                             "replicas present")
             q += 1

@@ -118,13 +118,15 @@ def validate_gpt(cfg: GPTConfig, tp: int, *, sequence_parallel: bool = False) ->
 def gpt_plan(cfg: GPTConfig | None = None) -> dict[str, str | tuple[str, ...]]:
     """The GPT's Megatron tensor-parallel plan (styles: :mod:`trainmesh.tensor_parallel.plan`).
     MoE layers stay whole on every TP rank (their experts replicated over tp): their blocks'
-    MLP entries name only the dense blocks."""
+    MLP entries name only the dense blocks. Under sequence parallelism a MoE layer runs on the
+    rank's sequence chunk, so its gradients are partial over tp (``sequence_parallel``)."""
     plan = _dense_plan()
     moe = cfg.moe_blocks() if cfg is not None else []
     if moe:
         for key in ("blocks.*.mlp", "blocks.*.mlp.fc", "blocks.*.mlp.proj"):
             style = plan.pop(key)
             plan.update({key.replace("*", str(i)): style for i in range(cfg.n_layers) if i not in moe})
+        plan.update({f"blocks.{i}.mlp": "sequence_parallel" for i in moe})
     return plan
 
 

@@ -84,6 +84,8 @@ def transformers_module(field: str) -> Any:
         import transformers
     except ImportError:
         raise ConfigError(field, "needs the transformers package: pip install 'trainmesh[hf]'") from None
+    from trainmesh.core.versions import check_transformers
+    check_transformers(transformers)
     transformers.logging.set_verbosity_error()
     return transformers
 

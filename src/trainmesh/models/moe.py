@@ -14,14 +14,21 @@ Forward, for the ``T = b * s`` tokens of a microbatch:
    expert); every pair is computed, none dropped (no capacity factor);
 3. each expert runs its rows in one matmul per layer (a loop over experts: CPU torch has no
    grouped GEMM); under expert parallelism the rows travel to the expert's rank and back
-   (:class:`Exchange`, injected by :mod:`trainmesh.expert_parallel`);
+   (:class:`Exchange`, injected by :mod:`trainmesh.expert_parallel`). An expert no row reached
+   is not run, so its parameters get no gradient that step (None: the optimizer leaves them, their
+   moments and their step count alone, in one process and under every layout);
 4. combine: each token's output is the gate-weighted sum of its k experts' outputs.
 
 Load balancing (Switch/GShard): per *sequence*, ``aux = E * sum_e f_e * P_e`` with ``f_e`` the
 share of the sequence's k-routed slots that went to expert e and ``P_e`` its mean router
 probability over the sequence (1.0 when perfectly balanced). It is computed per sequence, so its
 mean over the global batch does not depend on how sequences are split over ranks or
-microbatches. Its gradient enters without a loss term (:class:`AuxGrad`: the layer's output
+microbatches. Where each sequence is itself split over ranks (context parallelism, sequence
+parallelism: :class:`SequenceSplit`, injected by the engine), the router runs on the tokens this
+rank holds and the per-sequence slot counts are summed over the ranks holding the other parts
+before ``f`` is formed; this rank's part ``E * sum_e f_e * (sum of its P over its tokens) / S``
+then sums over those ranks to the whole sequence's aux, and its gradient is the whole one's
+restricted to this rank's tokens: the same number as in one process. Its gradient enters without a loss term (:class:`AuxGrad`: the layer's output
 carries it in backward), so it works on every pipeline stage; the training objective is
 ``CE mean + moe_aux_loss * sum over MoE layers of (mean over sequences of aux)`` when every
 position carries a label (each sequence's aux is weighted by its length ``s`` and the sum divided
@@ -46,8 +53,9 @@ class MoEStats:
 
     ``counts[l, e]``: (token, expert) pairs this rank routed to expert ``e`` in MoE layer ``l``
     this step (all microbatches); ``aux_sum[l]``: the sum over this rank's sequences of layer
-    ``l``'s per-sequence aux loss; ``sequences[l]``: how many sequences went through it (0 on a
-    pipeline stage without the layer); ``received[l]``: rows this rank's experts computed (under
+    ``l``'s per-sequence aux loss (of its part of them, where sequences are split over ranks);
+    ``sequences[l]``: how many sequences went through it (its share of them where split; 0 on
+    a pipeline stage without the layer); ``received[l]``: rows this rank's experts computed (under
     expert parallelism, from every rank of its ``ep`` group). Forwards re-run in a backward
     (activation recomputation) are not counted twice."""
 
@@ -73,6 +81,16 @@ class Exchange(Protocol):
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor,
                  compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> tuple[torch.Tensor, int]:
+        ...
+
+
+class SequenceSplit(Protocol):
+    """Each sequence split over ``parts`` ranks (this rank holds ``s / parts`` of its tokens):
+    ``__call__(t)`` sums ``t`` in place over those ranks (a collective, in the same order on each)."""
+
+    parts: int
+
+    def __call__(self, t: torch.Tensor) -> None:
         ...
 
 
@@ -120,15 +138,20 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): Expert(d_model, hidden) for e in range(n_experts)})
         self.exchange: Exchange | None = None
         """Expert parallelism's all-to-all (None: every expert is here)."""
+        self.sequence: SequenceSplit | None = None
+        """The ranks holding the other parts of this rank's sequences (None: whole sequences)."""
 
     def local_experts(self) -> list[int]:
         """Global indices of the experts this rank holds, ascending."""
         return sorted(int(e) for e in self.experts)
 
     def compute(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        """This rank's experts on ``rows`` grouped by local expert (``per_expert`` rows each)."""
+        """This rank's experts on ``rows`` grouped by local expert (``per_expert`` rows each).
+        An expert with no row is not run: it takes no part in the step and gets no gradient
+        (None), so the optimizer leaves it alone, as for any unused parameter."""
         chunks = rows.split(per_expert)
-        outs = [self.experts[str(e)](chunk) for e, chunk in zip(self.local_experts(), chunks)]
+        outs = [self.experts[str(e)](chunk) for e, chunk in zip(self.local_experts(), chunks)
+                if chunk.shape[0]]
         return torch.cat(outs) if outs else rows
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,13 +180,18 @@ class MoE(nn.Module):
         if not torch.is_grad_enabled():
             return y
         # per-sequence load balancing: E * sum_e f_e P_e, f from the chosen slots, P from probs
-        f = F.one_hot(top_e.view(b, s * self.top_k), self.n_experts).sum(1).to(probs.dtype) / (s * self.top_k)
-        aux = self.n_experts * (f * probs.view(b, s, -1).mean(1)).sum(-1)      # (b,)
+        slots = F.one_hot(top_e.view(b, s * self.top_k), self.n_experts).sum(1).to(probs.dtype)
+        parts = 1 if self.sequence is None else self.sequence.parts
+        if parts > 1:                     # the sequence is split: its whole slot counts
+            self.sequence(slots)
+        length = s * parts                # S, the whole sequence's tokens
+        f = slots / (length * self.top_k)
+        aux = self.n_experts * (f * probs.view(b, s, -1).sum(1) / length).sum(-1)   # (b,): this part
         stats = self.stats
         if stats is not None and not _in_backward():
             stats.counts[self.index] += counts.double().cpu()
             stats.aux_sum[self.index] += float(aux.detach().sum())
-            stats.sequences[self.index] += b
+            stats.sequences[self.index] += b / parts
             stats.received[self.index] += received
         scale = stats.loss_scale if stats is not None else 1.0
-        return AuxGrad.apply(y, aux.sum(), self.aux_coef * s * scale)
+        return AuxGrad.apply(y, aux.sum(), self.aux_coef * length * scale)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +67,14 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
 class MetricsWriter:
     """Appends one JSON object per line (rank 0 writes; other ranks pass path=None)."""
 
-    def __init__(self, path: str | None, *, keep_steps_before: int = 1, append: bool = False) -> None:
+    def __init__(self, path: str | None, *, keep_steps_before: int = 1, append: bool = False,
+                 also: Callable[[dict[str, Any]], None] | None = None) -> None:
         """A fresh file; when resuming at step k, the step records before k are kept. ``append``
         keeps every record (an elastic job's attempts: steps recomputed after a restart then
-        appear again, the last record of a step is the newest)."""
+        appear again, the last record of a step is the newest). ``also`` is handed every
+        record written (TensorBoard: :meth:`~trainmesh.observe.tensorboard.TensorBoardLog.record`)."""
         self.path = Path(path) if path else None
+        self.also = also
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if append:
@@ -85,6 +88,8 @@ class MetricsWriter:
             self.path.write_text("".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.also is not None:
+            self.also(record)
         if self.path:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -8,6 +8,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from trainmesh.observe.layout import (
+    column_title,
+    coord_cells,
+    coord_columns,
+    layout_text,
+)
+
 log = logging.getLogger("trainmesh")
 
 
@@ -39,7 +46,7 @@ class Progress:
         self.every = max(1, total // 10)
         self._bar = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.tty:
             from rich.progress import (
                 BarColumn,
@@ -63,7 +70,7 @@ class Progress:
         elif step == 1 or step % self.every == 0 or step == self.total:
             log.info("step %d/%d  %s", step, self.total, info)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.stop()
 
@@ -103,19 +110,6 @@ def fmt_size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def layout_text(layout: dict[str, Any]) -> str:
-    """A layout record in words: ``dp 2 x pp 1 x tp 1, zero 1, 2 microbatches, fp32``."""
-    axes = " x ".join(f"{k} {layout[k]}" for k in ("dp", "pp", "tp"))
-    extra = [f"zero {layout['zero']}" if layout.get("zero") else None,
-             f"{layout['microbatches']} microbatches" if layout.get("microbatches", 1) > 1 else None,
-             f"schedule {layout['schedule']}" if layout.get("pp", 1) > 1 else None,
-             layout.get("precision"),
-             f"recompute {layout['recompute']}" if layout.get("recompute", "none") != "none" else None,
-             f"offload {layout['offload']}" if layout.get("offload", "none") != "none" else None,
-             "sequence parallel" if layout.get("sequence_parallel") else None]
-    return ", ".join([axes, *(e for e in extra if e)])
-
-
 def run_header(*, params: int, world: int, layout: dict[str, Any], steps: int, start: int,
                device: str) -> str:
     """One readable line saying what is about to run (not a dict repr)."""
@@ -124,30 +118,80 @@ def run_header(*, params: int, world: int, layout: dict[str, Any], steps: int, s
             f"({device}): {layout_text(layout)}; {steps_text}")
 
 
+def _sum_bytes(ops: Any) -> int | None:
+    """Bytes of a ``{axis: {op: bytes}}`` (or ``{op: bytes}``) record; None if it holds none."""
+    if not isinstance(ops, dict):
+        return None
+    total = 0
+    for v in ops.values():
+        inner = _sum_bytes(v) if isinstance(v, dict) else v
+        if isinstance(inner, (int, float)) and not isinstance(inner, bool):
+            total += inner
+    return total
+
+
+def _size(value: Any) -> str | None:
+    return fmt_size(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _state(r: dict[str, Any], key: str) -> str | None:
+    held = r.get("model_state_bytes")
+    return _size(held.get(key)) if isinstance(held, dict) else None
+
+
+def rank_table(summary: dict[str, Any], *, joined: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows) of what every rank of a summary is, held and sent: its coordinate on
+    every axis of the layout, role or replica, model state, offloaded bytes, peak memory,
+    traffic per step, restarts. A column appears only where some rank has a value, so the
+    ranks of every strategy (mesh, ps, diloco, fault-tolerant replicas) fit one table.
+    ``joined``: the coordinates in one column (``dp/cp/pp/tp/ep``, a narrow terminal's)."""
+    layout = summary.get("layout") if isinstance(summary.get("layout"), dict) else {}
+    ranks = summary.get("ranks") if isinstance(summary.get("ranks"), list) else []
+    ranks = [r for r in ranks if isinstance(r, dict)]
+    coords = coord_columns(layout, ranks)
+    offload = layout.get("offload", "none")
+
+    def row(r: dict[str, Any]) -> list[Any]:
+        placed = (coord_cells(r.get("coords"), coords, layout) if isinstance(r.get("coords"), dict)
+                  else [None] * len(coords))
+        return [r.get("rank"), r.get("role"), r.get("replica"), *placed,
+                _state(r, "params"), _state(r, "grads"), _state(r, "optimizer"),
+                _size(_sum_bytes(r.get("offloaded_bytes")) or None), _size(r.get("peak_mem_bytes")),
+                _size(_sum_bytes(r.get("comm_bytes_per_step"))), r.get("restarts"), r.get("failed")]
+
+    headers = ["rank", "role", "replica", *map(column_title, coords), "params", "grads",
+               "optimizer", f"on {offload}" if offload != "none" else "offloaded", "peak memory",
+               "comm/step", "restarts", "failed"]
+    cells = [row(r) for r in ranks]
+    if joined and coords:
+        at = headers.index(column_title(coords[0]))
+        headers[at:at + len(coords)] = ["/".join(map(column_title, coords))]
+        cells = [c[:at] + [None if c[at] is None else "/".join(map(str, c[at:at + len(coords)]))]
+                 + c[at + len(coords):] for c in cells]
+    keep = [i for i in range(len(headers)) if any(c[i] is not None for c in cells)]
+    return [headers[i] for i in keep], [["" if c[i] is None else str(c[i]) for i in keep] for c in cells]
+
+
 def print_summary(summary: dict[str, Any], *, first_loss: float, first_step: int = 1,
                   wall_s: float | None = None, eval_loss: float | None = None) -> None:
-    """A table of what every rank held and sent, the loss from the run's first step to its
-    last (a resumed run: from the step it resumed at), the last eval loss and the wall time."""
+    """A table of what every rank held and sent (:func:`rank_table`), the loss from the run's
+    first step to its last (a resumed run: from the step it resumed at), the last eval loss
+    and the wall time."""
     title = (f"trainmesh: {summary['params']:,} params, world {summary['world_size']}, loss "
              f"{first_loss:.4f} -> {summary['final_loss']:.4f} (from step {first_step})")
     if eval_loss is not None:
         title += f", eval loss {eval_loss:.4f}"
-    offload = summary["layout"].get("offload", "none")
-    cols = ["rank", "dp/pp/tp", "params", "grads", "optimizer", "peak memory", "comm/step"]
-    if offload != "none":
-        cols.insert(5, f"on {offload}")
-    table = wide_table(None, cols)
-    for r in summary["ranks"]:
-        c, s = r["coords"], r["model_state_bytes"]
-        comm = sum(b for ops in r["comm_bytes_per_step"].values() for b in ops.values())
-        row = [str(r["rank"]), f"{c['dp']}/{c['pp']}/{c['tp']}", fmt_size(s["params"]),
-               fmt_size(s["grads"]), fmt_size(s["optimizer"]), fmt_size(r["peak_mem_bytes"]),
-               fmt_size(comm)]
-        if offload != "none":
-            row.insert(5, fmt_size(sum(r.get("offloaded_bytes", {}).values())))
-        table.add_row(*row)
     out = console()
+    left = ("", "role", "failed", "offloaded", f"on {summary['layout'].get('offload', 'none')}")
+    for compact in (False, True, None):   # narrower: no rules, then the coordinates joined
+        headers, rows = rank_table(summary, joined=compact is None)
+        table = wide_table(None, headers, left=left, compact=compact is not False)
+        for row in rows:
+            table.add_row(*row)
+        if out.measure(table, options=out.options.update_width(10**4)).maximum <= out.width:
+            break
     out.print(title)
+    out.print(f"layout: {layout_text(summary['layout'])}")
     out.print(table)
     if wall_s is not None:
         tps = summary.get("tokens_per_s") or 0.0

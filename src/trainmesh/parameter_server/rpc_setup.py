@@ -2,13 +2,12 @@
 
 The RPC agent meets its peers over the default process group's store (under its own key
 prefix), through a rendezvous handler registered with ``torch.distributed``: no store of its
-own, so nothing new listens and no port is picked. TensorPipe's transports listen on the
-address of the interface it resolves; a single-node run sets ``TP_SOCKET_IFNAME`` to the
-loopback interface (see docs/SECURITY.md).
+own, so nothing new listens and no port is picked. TensorPipe's transports listen on
+``TP_SOCKET_IFNAME``'s interface, which ``init_distributed`` chose with gloo's: loopback for a
+single-node run, the interface that reaches the master otherwise (see docs/SECURITY.md).
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,20 +40,10 @@ def _register_rendezvous() -> None:
         pass
 
 
-def _loopback_interface() -> str | None:
-    """The name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), or None."""
-    import socket
-    names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in ("lo", "lo0") if n in names), None)
-
-
 def start_rpc(n_trainers: int, timeout_s: float) -> None:
     """init_rpc on every rank of the (already initialised) process group."""
     rank, world = dist.get_rank(), dist.get_world_size()
     _register_rendezvous()
-    loopback = _loopback_interface()
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world and loopback:   # one node
-        os.environ.setdefault("TP_SOCKET_IFNAME", loopback)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"{RDZV_SCHEME}://", rpc_timeout=timeout_s,
                                               num_worker_threads=max(8, 2 * world))
     rpc.init_rpc(worker_name(rank, n_trainers), rank=rank, world_size=world, rpc_backend_options=options)

@@ -40,6 +40,7 @@ from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import LossFn, StepHooks
 
 from ..comm import Comm
+from .hf import pipeline_model
 from .p2p import StageP2P
 from .partition import named_pipeline_layers, partition
 from .schedules import (
@@ -89,11 +90,13 @@ class PipelineExecutor:
                                           "valid here: naive, gpipe, 1f1b, interleaved")
         self.mesh, self.comm, self.schedule = mesh, comm, schedule
         self.rank, self.peers = mesh.index("pp"), mesh.ranks("pp")
+        model = pipeline_model(model)          # a Hugging Face model: cut from its plan
         stages = partition(named_pipeline_layers(model), schedule.num_stages,
                            cuts if cuts is not None else getattr(model, "pipeline_cuts", None))
         self.stage_layers = [[name for name, _ in st] for st in stages]
         mine = schedule.stages_of_rank(self.rank)
-        self.chunks = {s: Chunk(s, stages[s]) for s in mine}
+        run = getattr(model, "pipeline_forward", None)
+        self.chunks = {s: Chunk(s, stages[s], run) for s in mine}
         held = [nl for s in mine for nl in stages[s]]
         self.layer_names = [name for name, _ in held]
         """This rank's pipeline layers (each called on its own: ZeRO-3's units)."""
@@ -222,7 +225,7 @@ class PipelineExecutor:
             first, last = self.schedule.is_first_stage(s), self.schedule.is_last_stage(s)
             x = self.io.input_of(batch) if first else p2p.take(("act", s, a.microbatch))
             with hooks.autocast():
-                out = self.chunks[s](x)                    # (b, s, d) for the GPT
+                out = self.chunks[s](x, batch)             # (b, s, d) for the GPT
                 if last:
                     loss_sum, n = self.io.loss(out, batch)
                     loss, count = loss + float(loss_sum), count + float(n)
@@ -243,7 +246,7 @@ class PipelineExecutor:
 
         def compute() -> tuple[Any, torch.Tensor]:
             with hooks.autocast():
-                out = self.chunks[s](x)
+                out = self.chunks[s](x, batch)
                 if not last:
                     return x, out
                 loss_sum, count = self.io.loss(out, batch)
@@ -260,6 +263,7 @@ class PipelineExecutor:
     def _backward(self, a: Action, hooks: StepHooks) -> TimedAction:
         s, i = a.stage, a.microbatch
         x, out = self._kept.pop((s, i))
+        hooks.backward_from(out, self._chunk_params[s])
         if self.schedule.is_last_stage(s):
             start = time.perf_counter()
             torch.autograd.backward(hooks.scale_loss(out))
@@ -278,6 +282,7 @@ class PipelineExecutor:
         """``I``: the input gradient only, sent on; the weight gradients wait for ``W``."""
         s, i = a.stage, a.microbatch
         x, out = self._kept.pop((s, i))
+        hooks.backward_from(out, self._chunk_params[s])
         if self.schedule.is_last_stage(s):
             start = time.perf_counter()
             out, grad = hooks.scale_loss(out), None

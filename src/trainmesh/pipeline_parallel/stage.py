@@ -3,7 +3,9 @@
 The bring-your-own-model protocol (docs/PIPELINE.md, "Running a pipeline"):
 
 * the layers: ``model.pipeline_layers()`` (ordered), or the model is an ``nn.Sequential`` /
-  a list of modules; each layer takes one tensor and returns one tensor;
+  a list of modules; each layer takes one tensor and returns one tensor, or the model's
+  ``pipeline_forward(names, layers, x, microbatch)`` runs a stage's layers (a Hugging Face
+  model, :mod:`.hf`, whose layers also take the position state it derives from the microbatch);
 * the first stage's input: ``model.pipeline_input(batch)`` if defined, else ``batch["input_ids"]``
   (dict batch), ``batch[0]`` (tuple/list batch) or the batch itself (a tensor);
 * the loss: the engine's own ``loss_fn(model, microbatch)``, run on the last stage with a
@@ -28,17 +30,22 @@ from .partition import NamedLayer
 
 
 class Chunk:
-    """One (virtual) stage: consecutive layers run in order, one tensor in, one tensor out.
+    """One (virtual) stage: consecutive layers run in order, one tensor in, one tensor out;
+    with ``run`` (the model's ``pipeline_forward``), ``run(names, layers, x, microbatch)`` runs
+    them instead (a Hugging Face model: its layers take the position state too).
 
     Holds references only; the parameters are registered (with their names) in :class:`LocalModule`.
     """
 
-    def __init__(self, stage: int, layers: list[NamedLayer]) -> None:
-        self.stage = stage
+    def __init__(self, stage: int, layers: list[NamedLayer],
+                 run: Callable[..., torch.Tensor] | None = None) -> None:
+        self.stage, self.run = stage, run
         self.names = [name for name, _ in layers]
         self.layers = [layer for _, layer in layers]
 
-    def __call__(self, x: Any) -> torch.Tensor:
+    def __call__(self, x: Any, batch: Any = None) -> torch.Tensor:
+        if self.run is not None:
+            return self.run(self.names, self.layers, x, batch)
         for name, layer in zip(self.names, self.layers):
             x = layer(x)
             if not isinstance(x, torch.Tensor):

@@ -1,24 +1,15 @@
 """The advisor: enumerate every valid layout for a cluster, score each, recommend one.
 
-Layouts considered (``trainmesh plan``):
+Layouts considered (``trainmesh plan``): every combination of the axes of :mod:`.space` (tp,
+cp, pp, dp, ep, the pipeline schedule and its virtual stages, ZeRO stage and offload, HSDP's
+shard group, recompute, the CP exchange, the strategy) that trainmesh's own validation accepts
+and no pruning rule of :mod:`.space` leaves out. The global batch defaults to ``8 * gpus *
+micro-batch`` sequences, the same for every layout so step times compare like with like.
+Sequence parallelism is on whenever ``tp > 1`` without offload.
 
-* ``dp * cp * pp * tp = gpus``; ``tp`` divides the node size, so a TP group never leaves a node
-  (ranks are laid out with tp fastest, :mod:`trainmesh.core.mesh`), and divides ``heads`` and ``hidden`` when
-  given; ``pp <= layers``; context parallelism ``cp`` in powers of two up to :data:`MAX_CP`
-  when the shape is known and the sequence splits into ``2·cp`` chunks (ZeRO then shards over
-  dp x cp).
-* ZeRO 0-3 with ``pp = 1``; ZeRO 0-1 with a pipeline (ZeRO-2/3 reduce or gather again for every
-  microbatch, which a pipeline's many microbatches make costly: Megatron and DeepSpeed pair PP
-  with ZeRO-1). A ZeRO stage over a single replica (``dp = 1``) shards nothing and is only
-  considered as the vehicle for CPU offload.
-* offload ``none`` or ``cpu`` (``cpu`` needs ZeRO >= 1); recompute ``none``, ``selective`` or
-  ``full`` when the shape is known; sequence parallelism on whenever ``tp > 1`` without offload
-  (same wire bytes, less activation memory; offload streams gradients to the host before SP
-  completes them, so the two exclude each other); schedule 1F1B; microbatches = global batch / (dp * micro-batch).
-  The global batch defaults to ``8 * gpus * micro-batch`` sequences, the same for every layout
-  so step times compare like with like.
-
-Ranking: layouts that fit by estimated step time, then the others by memory. The recommendation
+Ranking: layouts that fit by estimated step time, then the others by memory. DiLoCo layouts
+are scored and listed but never recommended (H local steps between synchronisations are not the
+same training step). The recommendation
 follows the rules of thumb of :mod:`.rules`, in this order: if plain DDP over every GPU fits,
 DDP; if only offloading fits, the fastest offload layout; over several nodes, ZeRO alone when it
 is within 25% of the fastest layout without offload; otherwise the fastest layout without
@@ -30,18 +21,19 @@ where the estimate puts it more than 5% faster.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
 
-from .activations import RECOMPUTE
+from .activations import RECOMPUTE, TRAINMESH, Kernels
 from .candidate import Candidate, evaluate, nominal_shape
 from .cluster import Cluster
 from .rules import Facts, explain
 from .shapes import ModelShape
+from .space import Problem, groups
 
 TOLERANCE = 0.05
 """A simpler layout within this fraction of the fastest one's step time is preferred."""
@@ -53,8 +45,6 @@ estimated more than this fraction faster ("fast links")."""
 GLOBAL_BATCH_PER_GPU = 8
 """Default global batch: this many micro-batches per GPU."""
 
-MAX_CP = 32
-"""The largest context-parallel degree scored (sequences of ~1M tokens need about this)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +57,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     """Assumptions worth telling the user (missing shape, defaults used)."""
     global_batch: int = 0
+    cluster: Cluster | None = None
+    """The cluster the plan scored, its efficiency resolved."""
 
     def to_json(self) -> dict[str, Any]:
         """The ``trainmesh plan --json`` object (docs/PLANNER.md)."""
@@ -74,62 +66,10 @@ class Plan:
                 "recommended": self.recommended.to_json(), "why": self.why}
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_ok(tp: int, model: ModelShape, cluster: Cluster) -> bool:
-    if cluster.node_size % tp:
-        return False
-    return all(not dim or dim % tp == 0 for dim in (model.heads, model.hidden))
-
-
-def _zero_offload(dp: int, pp: int) -> Iterator[tuple[int, str]]:
-    for zero in range(4 if pp == 1 else 2):
-        if dp > 1 or zero == 0:
-            yield zero, "none"
-        if zero >= 1:
-            yield zero, "cpu"
-
-
-def layouts(model: ModelShape, cluster: Cluster, *, precision: str,
-            global_batch: int) -> list[ParallelConfig]:
-    """Every valid layout (see module doc)."""
-    max_pp = model.layers or nominal_shape(model.params)[0]
-    recomputes = RECOMPUTE if model.has_shape else ("none",)
-    out = []
-    for tp in _divisors(cluster.gpus):
-        if not _tp_ok(tp, model, cluster):
-            continue
-        for cp in _cp_degrees(cluster.gpus // tp, model):
-            for pp in _divisors(cluster.gpus // (tp * cp)):
-                dp = cluster.gpus // (tp * cp * pp)
-                if pp > max_pp or global_batch % (dp * model.micro_batch):
-                    continue
-                m = global_batch // (dp * model.micro_batch)
-                for (zero, offload) in _zero_offload(dp * cp, pp):
-                    for recompute in recomputes:
-                        out.append(ParallelConfig(dp=dp, pp=pp, tp=tp, cp=cp, zero=zero,
-                                                  microbatches=m, schedule="1f1b",   # SP: not with offload
-                                                  sequence_parallel=tp > 1 and offload == "none",
-                                                  precision=precision, recompute=recompute,
-                                                  offload=offload,
-                                                  offload_params=offload != "none" and zero == 3))
-    return out
-
-
-def _cp_degrees(gpus: int, model: ModelShape) -> list[int]:
-    """Context-parallel degrees worth scoring: 1, and with a known shape the powers of two up
-    to MAX_CP dividing ``gpus`` and splitting the sequence into 2·cp equal chunks."""
-    if not model.has_shape:
-        return [1]
-    return [cp for cp in (1, 2, 4, 8, 16, 32)
-            if cp <= MAX_CP and gpus % cp == 0 and model.seq_len % (2 * cp) == 0]
-
-
 def _simplicity(c: Candidate) -> tuple:
     cfg = c.layout
-    return (cfg.offload != "none", cfg.cp > 1, (cfg.pp > 1) + (cfg.tp > 1), cfg.pp, cfg.tp, cfg.cp,
+    return (cfg.offload != "none", cfg.cp > 1, (cfg.pp > 1) + (cfg.tp > 1), cfg.shard_size < cfg.dp,
+            cfg.pp, cfg.tp, cfg.cp, cfg.ep, cfg.virtual_stages, cfg.cp_comm != "ring",
             RECOMPUTE.index(cfg.recompute), cfg.zero, c.time.total)
 
 
@@ -146,6 +86,7 @@ def _is_ddp(c: Candidate, cluster: Cluster) -> bool:
 
 def _recommend(ranked: list[Candidate], cluster: Cluster) -> Candidate:
     """Apply the rules of thumb (module doc of :mod:`.rules`) to the ranked candidates."""
+    ranked = [c for c in ranked if c.layout.strategy == "mesh"] or ranked
     fitting = [c for c in ranked if c.fits]
     if not fitting:
         return min(ranked, key=lambda c: c.memory.total)
@@ -176,38 +117,70 @@ def _notes(model: ModelShape, global_batch: int, defaulted_batch: bool) -> list[
     return notes
 
 
-def _single_gpu_bytes(model: ModelShape, cluster: Cluster, precision: str) -> float:
+def _single_gpu_bytes(model: ModelShape, cluster: Cluster, precision: str, kernels: Kernels) -> float:
     """Least memory the unsharded model needs on one GPU, over the recompute options."""
     recomputes = RECOMPUTE if model.has_shape else ("none",)
-    return min(evaluate(ParallelConfig(precision=precision, recompute=r), model, cluster).memory.total
+    return min(evaluate(ParallelConfig(precision=precision, recompute=r), model, cluster, kernels).memory.total
                for r in recomputes)
 
 
 def _first(ranked: list[Candidate], keep: Callable[[ParallelConfig], bool]) -> Candidate | None:
     """The fastest fitting candidate without offload whose layout passes ``keep``."""
-    return next((c for c in ranked if c.fits and c.layout.offload == "none" and keep(c.layout)), None)
+    return next((c for c in ranked if c.fits and c.layout.offload == "none"
+                 and c.layout.strategy == "mesh" and keep(c.layout)), None)
+
+
+def _score(problem: Problem, kernels: Kernels) -> list[Candidate]:
+    """Every group's layouts scored up to the first that fits (:func:`.space.groups`)."""
+    scored = []
+    for group in groups(problem):
+        for cfg in group:
+            c = evaluate(cfg, problem.model, problem.cluster, kernels)
+            scored.append(c)
+            if c.fits:
+                break
+    return scored
+
+
+def resolve_efficiency(cluster: Cluster, model: ModelShape, source: str | None = None
+                       ) -> tuple[Cluster, str]:
+    """``cluster`` with its efficiency set (from the published runs when unset) and the sentence
+    saying where it came from (``source`` when the caller set it)."""
+    if cluster.efficiency is not None:
+        return cluster, source or f"efficiency {cluster.efficiency:.0%} of peak (Cluster.efficiency)"
+    from .efficiency import assumed_efficiency
+    assumed = assumed_efficiency(cluster.gpu, model.active_params)
+    return replace(cluster, efficiency=assumed.efficiency), assumed.source
 
 
 def plan(model: ModelShape, cluster: Cluster, *, precision: str = "bf16",
-         global_batch: int | None = None) -> Plan:
-    """Enumerate, score and rank layouts of ``model`` on ``cluster``; recommend one."""
+         global_batch: int | None = None, kernels: Kernels = TRAINMESH,
+         axes_allowed: frozenset[str] = frozenset({"tp", "pp", "cp", "ep"}),
+         efficiency_source: str | None = None) -> Plan:
+    """Enumerate, score and rank layouts of ``model`` on ``cluster``; recommend one. Without an
+    efficiency on ``cluster`` the published runs' (:mod:`.efficiency`) is assumed and said;
+    ``efficiency_source`` says where a given one comes from (a calibration run)."""
     defaulted = global_batch is None
     batch = global_batch or GLOBAL_BATCH_PER_GPU * cluster.gpus * model.micro_batch
-    configs = layouts(model, cluster, precision=precision, global_batch=batch)
-    if not configs:
+    cluster, efficiency = resolve_efficiency(cluster, model, efficiency_source)
+    problem = Problem(model, cluster, precision, batch, axes_allowed,
+                      model.layers or nominal_shape(model.params)[0])
+    scored = _score(problem, kernels)
+    if not scored:
         raise ConfigError("--global-batch", f"{batch} sequences split evenly over no layout of "
                                             f"{cluster.gpus} GPUs with --micro-batch "
                                             f"{model.micro_batch}; give a multiple of "
                                             f"{cluster.gpus * model.micro_batch}")
-    scored = [evaluate(cfg, model, cluster) for cfg in configs]
     ranked = (sorted((c for c in scored if c.fits), key=lambda c: c.time.total)
               + sorted((c for c in scored if not c.fits), key=lambda c: c.memory.total))
     rec = _recommend(ranked, cluster)
-    facts = Facts(cluster=cluster, single_gpu_bytes=_single_gpu_bytes(model, cluster, precision),
+    mesh = [c for c in ranked if c.layout.strategy == "mesh"]
+    facts = Facts(cluster=cluster, single_gpu_bytes=_single_gpu_bytes(model, cluster, precision, kernels),
                   best_ddp=_first(ranked, lambda cfg: cfg.dp == cluster.gpus and cfg.zero == 0),
                   best_dp_only=_first(ranked, lambda cfg: cfg.dp == cluster.gpus),
-                  fits_without_offload=any(c.fits and c.layout.offload == "none" for c in ranked),
-                  fits_without_cp=any(c.fits and c.layout.cp == 1 for c in ranked),
+                  fits_without_offload=any(c.fits and c.layout.offload == "none" for c in mesh),
+                  fits_without_cp=any(c.fits and c.layout.cp == 1 for c in mesh),
                   seq_len=model.seq_len,
-                  fastest=ranked[0] if ranked[0].fits else None)
-    return Plan(ranked, rec, explain(rec, facts), _notes(model, batch, defaulted), batch)
+                  fastest=mesh[0] if mesh and mesh[0].fits else None)
+    notes = [efficiency, *_notes(model, batch, defaulted)]
+    return Plan(ranked, rec, explain(rec, facts), notes, batch, cluster)

@@ -16,10 +16,10 @@ Mixture of experts (``n_experts`` E > 0): a MoE block's MLP, ``(2df + f)/t + d``
 replaced by its router ``E d`` and the experts this rank holds, ``E/ep`` of them (``2dh + h + d``
 each; both replicated over tp).
 
-Pipeline: the L blocks are cut into ``pp * v`` consecutive chunks as evenly as possible, the
-first chunks taking one extra block when L does not divide; rank r holds chunks
-``r, r + pp, ...`` (round-robin, :mod:`trainmesh.pipeline_parallel.schedules`); the embedding
-rides with chunk 0 and the head with the last chunk.
+Pipeline: the runtime's cut (:func:`trainmesh.pipeline_parallel.partition.balanced_cuts`): the
+ordered layers (embedding, each block, head) are cut into ``pp * v`` consecutive chunks
+minimising the heaviest chunk's parameters as the rank holds them (after tp and ep); rank r
+holds chunks ``r, r + pp, ...`` (round-robin, :mod:`trainmesh.pipeline_parallel.schedules`).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from ..models.gpt import GPTConfig
+from .shapes import ModelShape
 
 
 @dataclass(frozen=True)
@@ -51,36 +52,47 @@ class RankModel:
     """MoE blocks on this rank."""
 
 
-def chunk_sizes(layers: int, chunks: int) -> list[int]:
-    """Blocks per chunk: even, the first ``layers % chunks`` chunks one more."""
-    return [layers // chunks + (1 if i < layers % chunks else 0) for i in range(chunks)]
-
-
 def block_params(cfg: GPTConfig, tp: int) -> int:
     d, f = cfg.d_model, cfg.d_ff
     return (4 * d * d + 2 * d * f + 3 * d + f) // tp + 6 * d
 
 
+def _layer_params(cfg: GPTConfig, tp: int, ep: int) -> list[int]:
+    """Parameters a rank holds of each pipeline layer: embedding, blocks, head."""
+    d, vocab_rows = cfg.d_model, math.ceil(cfg.vocab_size / tp)
+    moe = set(cfg.moe_blocks())
+    mlp = (2 * d * cfg.d_ff + cfg.d_ff) // tp + d
+    experts = cfg.n_experts // ep * cfg.expert_params() if moe else 0
+    blocks = [block_params(cfg, tp) + ((cfg.n_experts * d - mlp + experts) if i in moe else 0)
+              for i in range(cfg.n_layers)]
+    return [vocab_rows * d + cfg.seq_len * d, *blocks, 2 * d + vocab_rows * d]
+
+
 def rank_model(cfg: GPTConfig, *, pp: int, tp: int, rank: int, virtual_stages: int = 1,
                ep: int = 1) -> RankModel:
     """What pipeline ``rank`` holds, per TP shard (and, with experts, per ep rank)."""
+    from ..pipeline_parallel.partition import balanced_cuts
     chunks = pp * virtual_stages
-    sizes = chunk_sizes(cfg.n_layers, chunks)
-    mine = range(rank, chunks, pp)
-    blocks = sum(sizes[c] for c in mine)
-    here = [i for c in mine for i in range(sum(sizes[:c]), sum(sizes[:c + 1]))]
+    weights = _layer_params(cfg, tp, ep)
+    bounds = [0, *(balanced_cuts(weights, chunks) if chunks > 1 else []), len(weights)]
+    mine = [i for c in range(rank, chunks, pp) for i in range(bounds[c], bounds[c + 1])]
+    here = [i - 1 for i in mine if 0 < i <= cfg.n_layers]     # block indices
     moe = len(set(here) & set(cfg.moe_blocks()))
     local = cfg.n_experts // ep
     experts = moe * local * cfg.expert_params() if moe else 0
-    first, last = 0 in mine, chunks - 1 in mine
-    d, vocab_rows = cfg.d_model, math.ceil(cfg.vocab_size / tp)
-    params = blocks * block_params(cfg, tp)
-    params += (vocab_rows * d + cfg.seq_len * d) if first else 0
-    params += (2 * d + vocab_rows * d) if last else 0
-    tensors = 16 * blocks + 2 * int(first) + 3 * int(last)
-    partial = 6 * d * blocks + 2 * d * int(last)
-    if moe:
-        mlp = (2 * d * cfg.d_ff + cfg.d_ff) // tp + d
-        params += moe * (cfg.n_experts * d - mlp) + experts
-        tensors += moe * (1 + 4 * local - 4)
+    first, last = 0 in mine, len(weights) - 1 in mine
+    blocks = len(here)
+    params = sum(weights[i] for i in mine)
+    tensors = 16 * blocks + 2 * int(first) + 3 * int(last) + moe * (1 + 4 * local - 4)
+    partial = 6 * cfg.d_model * blocks + 2 * cfg.d_model * int(last)
     return RankModel(blocks, first, last, params, tensors, partial, experts, moe)
+
+
+def gpt_shape(cfg: GPTConfig, *, micro_batch: int = 1) -> ModelShape:
+    """The built-in GPT as the planner's :class:`~.shapes.ModelShape` (LayerNorm, GELU MLP of
+    ``d_ff``, every ``moe_every``-th MLP a mixture of experts of width ``moe_hidden``)."""
+    return ModelShape(params=cfg.num_params(), layers=cfg.n_layers, hidden=cfg.d_model,
+                      heads=cfg.n_heads, seq_len=cfg.seq_len, micro_batch=micro_batch,
+                      vocab=cfg.vocab_size, ffn=cfg.d_ff, experts=cfg.n_experts,
+                      top_k=cfg.top_k if cfg.n_experts else 1,
+                      expert_ffn=cfg.moe_hidden or None, moe_layers=len(cfg.moe_blocks()))

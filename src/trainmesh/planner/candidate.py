@@ -2,10 +2,17 @@
 
 A layout is :class:`trainmesh.config.parallel.ParallelConfig` (the same record ``trainmesh train`` takes
 and the metrics summary prints). :func:`evaluate` scores it for a model on a cluster under the
-models of :mod:`.memory`, :mod:`.activations`, :mod:`.traffic` and :mod:`.steptime`. The numbers
+models of :mod:`.memory`, :mod:`.peak`, :mod:`.traffic` and :mod:`.steptime`. The numbers
 describe the busiest rank: the first pipeline stage (most microbatches in flight) or the last
 (logits), whichever needs more. Context parallelism divides the tokens (activations, compute,
 TP/PP traffic) by cp, adds the K/V ring's traffic (``cp``) and widens the DP group to dp x cp.
+
+A mixture of experts splits the parameters in two: the dense ones (attention, norms,
+embeddings, the router and shared experts) are held per pp x tp rank and reduced over dp x cp
+like any model's; the routed experts are spread over ``ep`` ranks of the dp x cp group (whole
+on every TP rank) and reduced over the other ``edp = dp x cp / ep``. Per MoE layer and
+microbatch each token goes to its k experts and back through the ``ep`` all-to-all
+(forward and backward, routing taken as balanced); FLOPs count the active parameters.
 
 When the model's shape is not given, activations are 0 and a nominal shape (``h = 128*L``,
 ``Psi = 12*L*h^2``, the proportions of GPT-3 and Llama) sizes the TP/PP traffic, the attention
@@ -14,21 +21,24 @@ FLOPs and the ``pp <= layers`` limit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.context_parallel.traffic import cp_bytes_per_layer
 
-from .activations import inflight_stages, megatron_layer_bytes
+from .activations import TRAINMESH, Kernels, inflight_stages
 from .cluster import Cluster
-from .memory import MemoryBreakdown, bytes_per_param, element_bytes, model_states
+from .memory import MemoryBreakdown, ModelStates, bytes_per_param, element_bytes, model_states
+from .peak import comm_buffers, stage_memory
 from .shapes import ModelShape
 from .steptime import StepTime, flops_per_token, offload_seconds, step_time
 from .traffic import (
     Traffic,
     data_parallel_ops,
+    dp_ops,
     empty,
+    ep_ops,
     other_ops,
     pp_ops,
     ring_factor,
@@ -60,6 +70,8 @@ class Candidate:
     """Ring wire bytes per step of that rank, per axis."""
     time: StepTime
     fits: bool
+    expert_state_bytes: float = 0.0
+    """Of the model states, the bytes of this rank's experts (MoE; 0 for a dense model)."""
 
     @property
     def comm_bytes_per_step(self) -> float:
@@ -67,9 +79,13 @@ class Candidate:
 
     def to_json(self) -> dict[str, Any]:
         """One entry of ``candidates`` in ``trainmesh plan --json`` (docs/PLANNER.md)."""
-        return {"layout": self.layout.layout(), "memory_per_gpu_bytes": self.memory.to_json(),
-                "comm_bytes_per_step": int(round(self.comm_bytes_per_step)), "fits": self.fits,
-                "est_step_time_s": round(self.time.total, 6)}
+        out = {"layout": self.layout.layout(), "memory_per_gpu_bytes": self.memory.to_json(),
+               "comm_bytes_per_step": int(round(self.comm_bytes_per_step)), "fits": self.fits,
+               "est_step_time_s": round(self.time.total, 6)}
+        if self.expert_state_bytes:
+            out["expert_state_bytes"] = int(round(self.expert_state_bytes))
+            out["all_to_all_bytes_per_step"] = int(round(self.traffic.get("ep", {}).get("all_to_all", 0)))
+        return out
 
 
 def _shape(model: ModelShape) -> tuple[int, int]:
@@ -84,54 +100,76 @@ def _stage_layers(layers: int, pp: int, rank: int) -> int:
     return layers // pp + (1 if rank < layers % pp else 0)
 
 
-def _activations(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int) -> float:
-    if not model.has_shape:
-        return 0.0
-    seq = model.seq_len // cfg.cp            # context parallelism: each rank s/cp tokens
-    kw = dict(seq=seq, batch=model.micro_batch, hidden=model.hidden, heads=model.heads,
-              tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
-              value_bytes=element_bytes(cfg.precision))
-    inflight = inflight_stages(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches, rank=rank,
-                               virtual_stages=cfg.virtual_stages)
-    total = megatron_layer_bytes(recompute=cfg.recompute, **kw) * layers * inflight
-    if cfg.recompute == "full":  # one layer rematerialised during its backward
-        total += megatron_layer_bytes(recompute="none", **kw)
-    if model.vocab and rank == cfg.pp - 1:  # output layer (Korthikanti): 4sbh/t * (1 + V/h)
-        sbh = seq * model.micro_batch * model.hidden
-        total += 4 * sbh / cfg.tp * (1 + model.vocab / model.hidden) * inflight
-    return total
+@dataclass(frozen=True)
+class _Split:
+    """The parameters one rank holds: dense (over the dp x cp shard group) and routed experts
+    (over edp), and the groups ZeRO shards each over."""
+
+    dense: float
+    experts: float
+    dense_group: int
+    expert_group: int
 
 
-def _overhead(cfg: ParallelConfig, cluster: Cluster, psi_rank: float, layers: int, known: bool) -> float:
-    extra = 2 * BUCKET_BYTES if cfg.dp * cfg.cp > 1 else 0
-    if cfg.zero == 3 and not zero3_regathers(cfg):  # the stage, gathered for the whole step
-        extra += psi_rank * element_bytes(cfg.precision)
-    elif cfg.zero == 3 and known:  # two layers' gathered parameters (prefetch)
-        extra += 2 * psi_rank / max(layers, 1) * element_bytes(cfg.precision)
-    return cluster.framework_overhead_bytes + extra
+def _split(model: ModelShape, cfg: ParallelConfig) -> _Split:
+    experts = model.expert_params
+    dense = (model.params - experts) / (cfg.pp * cfg.tp)
+    return _Split(dense, experts / (cfg.pp * cfg.ep), cfg.shard_size * cfg.cp,
+                  max(1, cfg.dp * cfg.cp // cfg.ep))
+
+
+def _states(split: _Split, cfg: ParallelConfig) -> tuple[ModelStates, float]:
+    """(the rank's model states, of which its experts' bytes); DiLoCo adds the outer step's
+    parameters and momentum (8 bytes per parameter, counted with the optimizer)."""
+    kw = dict(zero=cfg.zero, precision=cfg.precision, offload=cfg.offload,
+              offload_params=cfg.offload_params)
+    dense = model_states(split.dense, dp=split.dense_group, **kw)   # type: ignore[arg-type]
+    experts = model_states(split.experts, dp=split.expert_group, **kw)   # type: ignore[arg-type]
+    outer = 8 * (split.dense + split.experts) if cfg.strategy == "diloco" else 0.0
+    return (ModelStates(dense.params + experts.params, dense.grads + experts.grads,
+                        dense.optimizer + experts.optimizer + outer), experts.total)
+
+
+def _moe_layers_on(model: ModelShape, layers: int, layers_total: int) -> int:
+    return round(model.moe_layer_count * layers / layers_total) if model.moe_layer_count else 0
 
 
 def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int,
-                  hidden: int, psi_rank: float) -> Traffic:
+                  hidden: int, split: _Split) -> Traffic:
     e = element_bytes(cfg.precision)
     tokens = model.tokens_per_microbatch // cfg.cp
+    m = cfg.microbatches
+    forwards = 2 if cfg.recompute == "full" else 1   # full recompute runs each forward again
     traffic = empty()
-    traffic.update(data_parallel_ops(psi_rank, dp=cfg.dp * cfg.cp, shard=cfg.shard_size * cfg.cp,
-                                     zero=cfg.zero, microbatches=cfg.microbatches, grad_bytes=e,
-                                     param_bytes=e, regather=zero3_regathers(cfg)))
+    regather = zero3_regathers(cfg)
+    if cfg.strategy == "diloco":   # the parameters all-reduced every inner_steps steps, fp32
+        traffic["dp"] = {"all_reduce": 4 * split.dense / cfg.inner_steps} if cfg.dp > 1 else {}
+    else:
+        traffic.update(data_parallel_ops(split.dense, dp=cfg.dp * cfg.cp, shard=split.dense_group,
+                                         zero=cfg.zero, microbatches=m, grad_bytes=e,
+                                         param_bytes=e, regather=regather))
     traffic["tp"] = tp_ops(tp=cfg.tp, layers=layers, tokens=tokens, hidden=hidden, value_bytes=e,
-                           microbatches=cfg.microbatches, first=rank == 0, last=rank == cfg.pp - 1,
+                           microbatches=m, first=rank == 0, last=rank == cfg.pp - 1,
                            sequence_parallel=cfg.sequence_parallel,
-                           partial_grad_bytes=e * 6 * hidden * layers)
+                           partial_grad_bytes=e * 6 * hidden * layers, forwards=forwards)
     traffic["pp"] = pp_ops(pp=cfg.pp, rank=rank, virtual_stages=cfg.virtual_stages,
-                           microbatches=cfg.microbatches, tokens=tokens, hidden=hidden,
+                           microbatches=m, tokens=tokens, hidden=hidden,
                            value_bytes=e, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
     traffic["other"] = other_ops(world=cfg.world_size, precision=cfg.precision)
     if cfg.cp > 1:   # K/V around the CP ring (docs/CONTEXT_PARALLEL.md), every layer and microbatch
+        kv = model.kv_dim if model.has_shape else hidden
         per_layer = cp_bytes_per_layer(cp=cfg.cp, micro_batch=model.micro_batch, seq_len=model.seq_len,
-                                       d_model=hidden, tp=cfg.tp, mode=cfg.cp_comm, elem_bytes=e,
+                                       d_model=kv, tp=cfg.tp, mode=cfg.cp_comm, elem_bytes=e,
                                        forwards=1 if cfg.recompute == "none" else 2)
-        traffic["cp"] = {op: b * layers * cfg.microbatches for op, b in per_layer.items()}
+        traffic["cp"] = {op: b * layers * m for op, b in per_layer.items()}
+    if split.experts:
+        moe = _moe_layers_on(model, layers, _shape(model)[0])
+        routed = tokens // (cfg.tp if cfg.sequence_parallel else 1)
+        traffic["ep"] = ep_ops(ep=cfg.ep, moe_layers=moe, tokens=routed, top_k=model.top_k,
+                               hidden=hidden, value_bytes=e, microbatches=m, experts=model.experts,
+                               forwards=forwards)
+        traffic["edp"] = dp_ops(split.experts, dp=split.expert_group, zero=cfg.zero,
+                                microbatches=m, grad_bytes=e, param_bytes=e, regather=regather)
     return traffic
 
 
@@ -142,27 +180,32 @@ def _hsdp_groups(cfg: ParallelConfig) -> list[tuple[str, int]]:
     return [("dp_shard", cfg.shard_size), ("dp_replicate", cfg.dp // cfg.shard_size)]
 
 
-def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, traffic: Traffic,
-          layers_total: int, hidden: int, psi_rank: float) -> StepTime:
+def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, kernels: Kernels,
+          traffic: Traffic, layers_total: int, hidden: int, split: _Split) -> StepTime:
     m = cfg.microbatches
-    per_token = flops_per_token(model.params, layers=layers_total, hidden=hidden,
-                                seq_len=model.seq_len, recompute=cfg.recompute)
+    per_token = flops_per_token(model.active_params, layers=layers_total, hidden=hidden,
+                                seq_len=model.seq_len, recompute=cfg.recompute,
+                                model=model if model.has_shape else None, selective=kernels.selective)
     mb_compute = (model.tokens_per_microbatch * per_token / (cfg.pp * cfg.tp * cfg.cp)
                   / cluster.flops_per_s(cfg.precision))
     tp_bw = cluster.bandwidth(cfg.tp)
     dp_bw = cluster.bandwidth(cfg.dp * cfg.cp * cfg.tp)
     pp_bw = cluster.bandwidth(cfg.world_size)
     dp_s = {op: b * ring_factor(op, cfg.dp * cfg.cp) / dp_bw for op, b in traffic["dp"].items()}
-    for axis, n in _hsdp_groups(cfg):   # HSDP: both terms, each over its own group
+    for axis, n in [*_hsdp_groups(cfg), ("edp", split.expert_group)]:   # each over its own group
         for op, b in traffic.get(axis, {}).items():
             dp_s[op] = dp_s.get(op, 0.0) + b * ring_factor(op, n) / dp_bw
     tp_mb = wire_bytes(traffic["tp"], cfg.tp) / tp_bw / m
     if "cp" in traffic:   # counted as not overlapped with attention: an upper bound
         tp_mb += wire_bytes(traffic["cp"], cfg.cp) / 2 / cluster.bandwidth(cfg.cp * cfg.tp) / m
+    if traffic.get("ep"):  # the all-to-all waits for the router: on the critical path
+        span = cfg.ep * cfg.tp * (1 if cfg.ep <= cfg.dp else cfg.cp)
+        tp_mb += wire_bytes(traffic["ep"], cfg.ep) / cluster.bandwidth(span) / m
     pp_mb = traffic["pp"].get("send", 0.0) / pp_bw / m
     offload = 0.0
     if cfg.offload != "none":
-        shard = psi_rank / cfg.dp if cfg.zero >= 1 else psi_rank
+        psi = split.dense + split.experts
+        shard = psi / cfg.dp if cfg.zero >= 1 else psi
         nvme = bytes_per_param(cfg.precision)[2] * shard if cfg.offload == "nvme" else 0.0
         offload = offload_seconds(shard, zero=cfg.zero, microbatches=m,
                                   value_bytes=element_bytes(cfg.precision), cluster=cluster,
@@ -172,30 +215,68 @@ def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, traffic: Tra
                      zero=cfg.zero, offload_s=offload)
 
 
-def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster) -> Candidate:
-    """Score ``cfg`` for ``model`` on ``cluster`` (mixed-precision or fp32 Adam)."""
+def _buffers(cfg: ParallelConfig, split: _Split, layers_total: int, model: ModelShape) -> float:
+    """Communication memory at the peak (:func:`~.peak.comm_buffers`); a ZeRO-3 unit is one
+    layer's parameters, or the embedding (the head) when larger."""
+    e = element_bytes(cfg.precision)
+    psi = split.dense + split.experts
+    layer = psi / max(1, math.ceil(layers_total / cfg.pp))
+    embed = (model.vocab or 0) * (model.hidden or 0) / cfg.tp
+    unit = max(layer, embed) if model.has_shape else layer
+    stage = e * psi if cfg.zero == 3 and not zero3_regathers(cfg) else 0.0
+    buffers = comm_buffers(zero=cfg.zero, dp=cfg.dp * cfg.cp, reduce_bytes=e * psi,
+                           bucket_bytes=BUCKET_BYTES, unit_bytes=e * unit, unit_grad_bytes=e * unit,
+                           stage_gathered=stage)
+    if cfg.strategy == "diloco":   # the change of the parameters while it is reduced, fp32
+        buffers += 4 * psi
+    return buffers
+
+
+def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster,
+             kernels: Kernels = TRAINMESH) -> Candidate:
+    """Score ``cfg`` for ``model`` on ``cluster`` (mixed-precision or fp32 Adam), its
+    activations counted as ``kernels`` keep them; without an efficiency on ``cluster``, the
+    published runs' (:func:`~.efficiency.assumed_efficiency`)."""
+    if cluster.efficiency is None:
+        from .efficiency import assumed_efficiency
+        cluster = replace(cluster, efficiency=assumed_efficiency(cluster.gpu, model.active_params).efficiency)
     layers_total, hidden = _shape(model)
-    psi_rank = model.params / (cfg.pp * cfg.tp)
-    states = model_states(psi_rank, dp=cfg.shard_size * cfg.cp, zero=cfg.zero, precision=cfg.precision,
-                          offload=cfg.offload, offload_params=cfg.offload_params)
-    best: tuple[float, float, Traffic] | None = None
+    split = _split(model, cfg)
+    states, expert_bytes = _states(split, cfg)
+    best: tuple[float, float, float, Traffic] | None = None
     for rank in sorted({0, cfg.pp - 1}):
         layers = _stage_layers(layers_total, cfg.pp, rank)
-        acts = _activations(model, cfg, rank, layers)
-        traffic = _rank_traffic(model, cfg, rank, layers, hidden, psi_rank)
-        key = (acts, total_payload(traffic))
+        traffic = _rank_traffic(model, cfg, rank, layers, hidden, split)
+        kept = working = 0.0
+        if model.has_shape:
+            inflight = inflight_stages(cfg.schedule, pp=cfg.pp, microbatches=cfg.microbatches,
+                                       rank=rank, virtual_stages=cfg.virtual_stages)
+            moe = _moe_layers_on(model, layers, layers_total)
+            stage = stage_memory(model, kernels, layers=layers, moe_layers=moe,
+                                 last=rank == cfg.pp - 1, seq=model.seq_len // cfg.cp,
+                                 batch=model.micro_batch, tp=cfg.tp,
+                                 sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+                                 segment=cfg.recompute_segment,
+                                 value_bytes=element_bytes(cfg.precision), inflight=inflight)
+            kept, working = stage.kept, stage.working
+        key = (kept + working, total_payload(traffic))
         if best is None or key > best[:2]:
-            best = (*key, traffic)
+            best = (*key, kept, traffic)
     assert best is not None
-    activations, _, traffic = best
-    stage_layers = math.ceil(layers_total / cfg.pp)
+    live, _, kept, traffic = best
+    buffers = _buffers(cfg, split, layers_total, model)
+    dynamic = live + buffers
+    scaled = cluster.memory_scale * cluster.fragmentation
     memory = MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
-                             activations=activations,
-                             overhead=_overhead(cfg, cluster, psi_rank, stage_layers, model.has_shape))
+                             activations=live, overhead=cluster.framework_overhead_bytes + buffers,
+                             fragmentation=(scaled - 1) * dynamic)
     wire = {"dp": wire_bytes(traffic["dp"], cfg.dp * cfg.cp), "tp": wire_bytes(traffic["tp"], cfg.tp),
             "cp": wire_bytes(traffic.get("cp", {}), cfg.cp),
             "pp": wire_bytes(traffic["pp"], cfg.pp),
+            "ep": wire_bytes(traffic.get("ep", {}), cfg.ep),
+            "edp": wire_bytes(traffic.get("edp", {}), split.expert_group),
             "other": wire_bytes(traffic["other"], cfg.world_size),
             **{axis: wire_bytes(traffic[axis], n) for axis, n in _hsdp_groups(cfg) if axis in traffic}}
-    time = _time(model, cfg, cluster, traffic, layers_total, hidden, psi_rank)
-    return Candidate(cfg, memory, traffic, wire, time, memory.total <= cluster.gpu_mem_bytes)
+    time = _time(model, cfg, cluster, kernels, traffic, layers_total, hidden, split)
+    return Candidate(cfg, memory, traffic, wire, time, memory.total <= cluster.gpu_mem_bytes,
+                     expert_bytes)

@@ -7,20 +7,27 @@ Every number the time model uses is a field here with its default stated, so a u
   group spans more than one node runs at ``inter_node_bw`` (the slowest link of a ring sets its
   pace); a group inside one node at ``intra_node_bw``.
 * ``peak_flops`` is one GPU's dense 16-bit tensor throughput (default 989e12, an H100 SXM);
-  fp32 training is assumed to run on TF32 tensor cores at half of it. ``efficiency`` (default
-  0.4) is the achieved fraction of peak (model FLOPs utilisation), typical of large-model
-  training.
+  fp32 training is assumed to run on TF32 tensor cores at half of it. ``efficiency`` is the
+  fraction of peak the model's matmuls reach (compute only: pipeline bubbles and exposed
+  communication are modelled on top). None (the default) takes it from the table of published
+  runs for ``gpu`` and the model's size (:mod:`.efficiency`); ``trainmesh plan --calibrate``
+  takes it from a measured run.
 * ``pcie_bw`` and ``cpu_optimizer_params_per_s`` price CPU offload: the gradient/parameter
   copies between GPU and host and the host optimizer step (per GPU's share of the host);
   ``nvme_bw`` prices NVMe offload: the optimizer states read and written back every step.
 * ``framework_overhead_bytes`` (default 1 GiB) stands for the CUDA context, NCCL buffers and
-  allocator fragmentation, which every layout pays.
+  cuBLAS workspaces, which every layout pays outside the allocator's count;
+  ``fragmentation`` is the caching allocator's reserved over allocated bytes on the dynamic
+  memory (:data:`~.peak.CUDA_FRAGMENTATION`); ``memory_scale`` a calibrated run's measured over
+  predicted dynamic memory (1 without ``--calibrate``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from trainmesh.core.errors import ConfigError
+
+from .peak import CUDA_FIXED, CUDA_FRAGMENTATION
 
 
 @dataclass(frozen=True)
@@ -39,16 +46,23 @@ class Cluster:
     """Per-GPU bandwidth between nodes (InfiniBand/RoCE class), bytes/s."""
     peak_flops: float = 989e12
     """Dense 16-bit peak of one GPU, FLOP/s (fp32 runs at half: TF32)."""
-    efficiency: float = 0.4
-    """Achieved fraction of peak for the model's matmuls."""
+    efficiency: float | None = None
+    """Achieved fraction of peak for the model's matmuls (None: from the published runs, by
+    ``gpu`` and model size, :func:`~.efficiency.assumed_efficiency`)."""
+    gpu: str = "h100"
+    """The accelerator's name in :data:`trainmesh.core.gpus.GPUS` (which published runs apply)."""
     pcie_bw: float = 25e9
     """GPU <-> host copy bandwidth per GPU (offload), bytes/s."""
     cpu_optimizer_params_per_s: float = 1e9
     """Parameters per second one GPU's share of the host updates with Adam (offload)."""
     nvme_bw: float = 3e9
     """NVMe read (and write) bandwidth of one GPU's share of the node's drives, bytes/s."""
-    framework_overhead_bytes: int = 2**30
-    """Per-GPU memory every layout pays: CUDA context, NCCL, allocator slack."""
+    framework_overhead_bytes: int = CUDA_FIXED
+    """Per-GPU memory every layout pays outside the allocator: CUDA context, NCCL, workspaces."""
+    fragmentation: float = CUDA_FRAGMENTATION
+    """Reserved over allocated bytes of the dynamic memory (:mod:`.peak`)."""
+    memory_scale: float = 1.0
+    """Measured over predicted dynamic memory of a calibration run (``--calibrate``)."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -65,8 +79,11 @@ class Cluster:
                             ("nvme_bw", self.nvme_bw)):
             if not value > 0:
                 raise ConfigError(name, f"must be > 0; got {value}")
-        if not 0 < self.efficiency <= 1:
+        if self.efficiency is not None and not 0 < self.efficiency <= 1:
             raise ConfigError("efficiency", f"must be in (0, 1]; got {self.efficiency}")
+        if self.fragmentation < 1 or not self.memory_scale > 0:
+            raise ConfigError("fragmentation", f"must be >= 1 (memory scale > 0); got "
+                              f"{self.fragmentation}, {self.memory_scale}")
 
     @property
     def node_size(self) -> int:
@@ -87,5 +104,7 @@ class Cluster:
 
     def flops_per_s(self, precision: str) -> float:
         """Achieved FLOP/s of one GPU at ``precision`` (fp32 = TF32 at half the 16-bit peak)."""
+        if self.efficiency is None:
+            raise ConfigError("efficiency", "is not set: plan() resolves it from the published runs")
         peak = self.peak_flops / 2 if precision == "fp32" else self.peak_flops
         return peak * self.efficiency

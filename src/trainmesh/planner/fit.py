@@ -8,7 +8,8 @@ Checked before any worker starts (``--force`` skips it), from the config alone: 
   now: the answer is the same on every call and in every worker. Each rank's data path adds
   :func:`~trainmesh.data.corpus.resident_bytes` (a few MiB whatever the file's size: files are read
   window by window, and the page cache they warm is not a process's own memory).
-* GPU memory: on CUDA each rank's predicted peak must fit its GPU (the smallest local one).
+* GPU memory: on CUDA each rank's predicted peak must fit its GPU (the smallest local one): what
+  the GPU holds, the caching allocator's reserve and the CUDA context included.
 * Processes: a local launch may start at most :data:`PROCS_PER_CORE` processes per CPU core
   (gloo workers past that spend their time switching, and collectives time out). On CUDA each
   local rank needs its own GPU; the CLI refuses fewer (the ``--device`` rule, docs/CLI.md).
@@ -76,7 +77,7 @@ def data_bytes(cfg: Any) -> int:
 
 def check_memory(cfg: Any, *, local_ranks: int, cuda: bool) -> None:
     """Refuse a run whose predicted memory exceeds what this machine has (ConfigError)."""
-    ranks = predict_run(cfg, base_bytes=0 if cuda else measured_base_bytes()).ranks
+    ranks = predict_run(cfg, base_bytes=0 if cuda else measured_base_bytes(), reserved=cuda).ranks
     if cuda:
         need, have = max(r.peak_mem_bytes for r in ranks), gpu_memory_bytes(local_ranks)
         if need > have:

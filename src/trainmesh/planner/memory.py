@@ -89,8 +89,11 @@ class MemoryBreakdown:
     grads: float
     optimizer: float
     activations: float
+    """Activations kept for backward and the working set at the peak (loss, a layer's backward)."""
     overhead: float
-    """Framework overhead plus transient communication buffers."""
+    """Framework overhead (CUDA context, NCCL) plus communication buffers at the peak."""
+    fragmentation: float = 0.0
+    """What the allocator holds beyond the live tensors (:mod:`.peak`)."""
 
     @property
     def model_states(self) -> float:
@@ -98,10 +101,12 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.overhead
+        return self.model_states + self.activations + self.overhead + self.fragmentation
 
     def to_json(self) -> dict[str, int]:
-        """``memory_per_gpu_bytes`` of ``trainmesh plan --json`` (docs/PLANNER.md; plus ``overhead``, part of ``total``)."""
+        """``memory_per_gpu_bytes`` of ``trainmesh plan --json`` (docs/PLANNER.md; plus
+        ``overhead`` and ``fragmentation``, parts of ``total``)."""
         parts = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                 "activations": self.activations, "overhead": self.overhead, "total": self.total}
+                 "activations": self.activations, "overhead": self.overhead,
+                 "fragmentation": self.fragmentation, "total": self.total}
         return {k: int(round(v)) for k, v in parts.items()}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..pipeline_parallel.analysis import ideal_slots as pipeline_slots
 from .cluster import Cluster
+from .shapes import ModelShape
 
 BACKWARD_SHARE = 2 / 3
 """Fraction of a microbatch's compute that is backward (the DP overlap window)."""
@@ -59,12 +60,21 @@ class StepTime:
 
 
 def flops_per_token(params: float, *, layers: int | None, hidden: int | None, seq_len: int,
-                    recompute: str = "none") -> float:
-    """Training FLOPs per token (attention term omitted when the shape is unknown)."""
-    attention_fwd = 4 * layers * hidden * seq_len if layers and hidden else 0.0
+                    recompute: str = "none", model: ModelShape | None = None,
+                    selective: str = "attention") -> float:
+    """Training FLOPs per token (attention term omitted when the shape is unknown); ``params``
+    the parameters a token runs through (a mixture of experts: the active ones). With ``model``
+    the attention uses its query width and op-level selective recompute (``selective="op"``)
+    its dropped matmuls (k, the output projection, the MLP's up or second matrix)."""
+    width = model.q_dim if model is not None and model.has_shape else hidden
+    attention_fwd = 4 * layers * width * seq_len if layers and width else 0.0
     flops = 6 * params + 3 * attention_fwd
     if recompute == "full":
         flops += 2 * params + attention_fwd
+    elif recompute == "selective" and selective == "op" and model is not None and model.has_shape:
+        h = model.hidden or 0
+        dropped = h * model.kv_dim + model.q_dim * h + model.ffn_width * h
+        flops += 2 * dropped * (model.layers or 0)
     elif recompute == "selective":
         flops += attention_fwd
     return float(flops)

@@ -114,36 +114,43 @@ def data_parallel_ops(psi: float, *, dp: int, shard: int, zero: int, microbatche
 
 
 def ep_ops(*, ep: int, moe_layers: int, tokens: int, top_k: int, hidden: int, value_bytes: int,
-           microbatches: int, experts: int) -> dict[str, float]:
+           microbatches: int, experts: int, forwards: int = 1) -> dict[str, float]:
     """Payload per step on the ``ep`` axis (docs/EXPERT_PARALLEL.md) of a rank holding
     ``moe_layers`` MoE layers, routing balanced (each rank receives as many rows as it sends):
-    per layer and microbatch the counts (8 E) and ``2 (S + R) d b`` with ``S = R = tokens k``."""
+    per layer and microbatch the counts (8 E) and ``2 (S + R) d b`` with ``S = R = tokens k``;
+    a forward run again by full recomputation (``forwards`` 2) repeats its dispatch and combine."""
     ops: dict[str, float] = {}
     if ep > 1:
         rows = tokens * top_k
-        _add(ops, "all_to_all", microbatches * moe_layers * (4 * rows * hidden * value_bytes + 8 * experts))
+        passes = 2 + 2 * forwards          # dispatch and combine, forward (again) and backward
+        _add(ops, "all_to_all", microbatches * moe_layers
+             * (passes * rows * hidden * value_bytes + forwards * 8 * experts))
     return ops
 
 
 def tp_ops(*, tp: int, layers: int, tokens: int, hidden: int, value_bytes: int,
            microbatches: int, first: bool, last: bool, sequence_parallel: bool = False,
-           partial_grad_bytes: float = 0.0) -> dict[str, float]:
+           partial_grad_bytes: float = 0.0, forwards: int = 1) -> dict[str, float]:
     """Payload per step on the TP axis of a rank holding ``layers`` blocks (tokens = b*s).
 
     ``partial_grad_bytes``: bytes of the replicated parameters' gradients that sequence
-    parallelism all-reduces after every microbatch's backward.
+    parallelism all-reduces after every microbatch's backward. ``forwards`` 2: full
+    recomputation runs each block's forward again up to its last kept tensor, which leaves out
+    the MLP's closing collective: per block 2 all_gathers and 1 reduce_scatter more (SP), or 1
+    all_reduce more.
     """
     ops: dict[str, float] = {}
     if tp == 1:
         return ops
     act = tokens * hidden * value_bytes
     m = microbatches
+    again = forwards - 1
     if sequence_parallel:
         _add(ops, "all_reduce", m * (int(first) * act + partial_grad_bytes))
-        _add(ops, "all_gather", m * (4 * layers + int(first) + int(last)) * act)
-        _add(ops, "reduce_scatter", m * (4 * layers + int(last)) * act)
+        _add(ops, "all_gather", m * ((4 + 2 * again) * layers + int(first) + int(last)) * act)
+        _add(ops, "reduce_scatter", m * ((4 + again) * layers + int(last)) * act)
     else:
-        _add(ops, "all_reduce", m * (4 * layers + int(first) + int(last)) * act)
+        _add(ops, "all_reduce", m * ((4 + again) * layers + int(first) + int(last)) * act)
     if last:
         _add(ops, "all_reduce", m * 3 * tokens * 4)
     return ops

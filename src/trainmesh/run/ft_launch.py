@@ -81,11 +81,12 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     failures: dict[int, str] = {}
     launcher_id = uuid.uuid4().hex[:8]
     run_id = f"trainmesh-ft-{launcher_id}"
+    _print_header(cfg)
     began = time.perf_counter()
     _signals_raise()
     lock = _save_dir_lock(cfg)
     try:
-        coordinator = _local_coordinator(cfg) if cfg.coordinator is None else None
+        coordinator, board = _local_coordinator(cfg) if cfg.coordinator is None else (None, None)
         address = coordinator.address if coordinator is not None else cfg.coordinator
         with local_rendezvous() as rendezvous:
             env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // (ranks * len(here))))
@@ -126,7 +127,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
         for why in failures.values():
             sys.stderr.write(f"trainmesh train: {why}\n")
         return 1 if failures else 0
-    return _finish(cfg, coordinator, failures, began)
+    return _finish(cfg, coordinator, board, failures, began)
 
 
 def _save_dir_lock(cfg: TrainConfig) -> Any:
@@ -144,23 +145,32 @@ def _save_dir_lock(cfg: TrainConfig) -> Any:
     return lock
 
 
-def _local_coordinator(cfg: TrainConfig) -> Any:
-    """The coordinator of a run on one host: a thread of this process, on loopback."""
+def _local_coordinator(cfg: TrainConfig) -> tuple[Any, Any]:
+    """The coordinator of a run on one host: a thread of this process, on loopback; it writes
+    the metrics file and hands each record to the run's TensorBoard (``board``)."""
     from trainmesh.fault_tolerance.coordinator import Coordinator
-    return Coordinator(replicas=cfg.parallel.replicas, last=cfg.exit_after or cfg.steps,
-                       metrics_out=cfg.metrics_out, startup_timeout_s=STARTUP_TIMEOUT_S,
-                       step_timeout_s=cfg.parallel.timeout_s + 30,
-                       notify=lambda line: print(line, file=sys.stderr, flush=True))
+    from trainmesh.observe.layout import layout_record
+    from trainmesh.observe.tensorboard import TensorBoardLog
+    board = TensorBoardLog(cfg.tensorboard, layout_record(cfg))
+    coordinator = Coordinator(replicas=cfg.parallel.replicas, last=cfg.exit_after or cfg.steps,
+                              metrics_out=cfg.metrics_out, startup_timeout_s=STARTUP_TIMEOUT_S,
+                              step_timeout_s=cfg.parallel.timeout_s + 30,
+                              notify=lambda line: print(line, file=sys.stderr, flush=True),
+                              also=board.record)
+    return coordinator, board
 
 
-def _finish(cfg: TrainConfig, coordinator: Any, failures: dict[int, str], began: float) -> int:
+def _finish(cfg: TrainConfig, coordinator: Any, board: Any, failures: dict[int, str],
+            began: float) -> int:
     """A run on one host: the records still to write, the summary, the exit status."""
     coordinator.stop()
     coordinator.join(5.0)
     coordinator.drain()
     p = cfg.parallel
     last = cfg.exit_after or cfg.steps
-    coordinator.metrics.write(_summary(cfg, coordinator, failures))
+    summary = _summary(cfg, coordinator, failures)
+    coordinator.metrics.write(summary)
+    board.close(summary)
     if coordinator.committed < last:
         why = coordinator.error or next(iter(failures.values()), "every replica ended early")
         sys.stderr.write(f"trainmesh train: {why} (fault-tolerant run stopped after step "
@@ -177,10 +187,22 @@ def _finish(cfg: TrainConfig, coordinator: Any, failures: dict[int, str], began:
     return 0
 
 
+def _print_header(cfg: TrainConfig) -> None:
+    """The run's first line, as every ``trainmesh train`` prints it (the layout in full)."""
+    from trainmesh.core.distributed import choose_device, visible_gpus
+    from trainmesh.observe.layout import layout_record
+    from trainmesh.observe.progress import run_header
+    device, _ = choose_device(cfg.device, local_ranks=cfg.parallel.world_size, gpus=visible_gpus())
+    print(run_header(params=cfg.num_params(), world=cfg.parallel.world_size,
+                     layout=layout_record(cfg), steps=cfg.exit_after or cfg.steps, start=1,
+                     device=device), flush=True)
+
+
 def _summary(cfg: TrainConfig, coordinator: Any, failures: dict[int, str]) -> dict[str, Any]:
+    from trainmesh.observe.layout import layout_record
     t, ranks = coordinator.tally, cfg.parallel.replica_ranks
     return {"event": "summary", "world_size": cfg.parallel.world_size,
-            "layout": {**cfg.parallel.layout(), "experts": cfg.gpt_config().n_experts},
+            "layout": layout_record(cfg),
             "params": cfg.num_params(), "final_loss": coordinator.final_loss,
             "steps": coordinator.committed,
             "ranks": [{"rank": r * ranks, "replica": r, "pids": t.pids.get(r, []),
@@ -242,20 +264,24 @@ def ft_worker_main(cfg: TrainConfig, replica: int, coordinator: str, launcher_id
     import torch
     import torch.distributed as dist
 
-    from trainmesh.core.distributed import pick_device
+    from trainmesh.core.distributed import pick_device, worker_threads
+    from trainmesh.core.interfaces import bind_backends, loopback_interface
     from trainmesh.core.stores import STORE_ENV, client_store
     from trainmesh.fault_tolerance.replica import QuorumClient
     from trainmesh.run.ft_steps import QuorumSteps
     from trainmesh.run.trainer import _train
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: os._exit(128 + signum))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(worker_threads())
     device = pick_device(cfg.device)
     ranks, rank = cfg.parallel.replica_ranks, int(os.environ.get("LOCAL_RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     incarnation = f"{launcher_id}.{restart}"
     client = QuorumClient(coordinator, replica, incarnation, timeout_s=cfg.parallel.timeout_s, rank=rank)
-    # the replica's own group, in this incarnation, over its launcher's store (one rank: alone)
+    # the replica's own group, in this incarnation, over its launcher's store (one rank: alone):
+    # its ranks all sit on this host, so the backends listen on loopback (as a local run's); the
+    # groups across replicas listen on the address towards the coordinator (QuorumClient)
+    bind_backends(loopback_interface())
     store = (dist.HashStore() if ranks == 1 else
              dist.PrefixStore(f"ft/{replica}/{incarnation}",
                               client_store(os.environ[STORE_ENV], timeout_s=client.startup_timeout_s)))

@@ -36,8 +36,10 @@ from trainmesh.engine.engine import Engine
 from trainmesh.fault_tolerance.inject import Injector
 from trainmesh.fault_tolerance.protocol import Decision, Outcome, Request, split_rows
 from trainmesh.fault_tolerance.replica import CoordinatorRestarted, QuorumClient
+from trainmesh.observe.layout import layout_record
 from trainmesh.observe.metrics import MetricsWriter
 from trainmesh.observe.progress import Progress
+from trainmesh.observe.tensorboard import TensorBoardLog
 from trainmesh.run.steps import Records, StepDone
 
 
@@ -79,12 +81,14 @@ class QuorumSteps:
         """--resume on a fresh start only: a restarted replica copies the live state."""
         return self.restart == 0
 
-    def records(self, start: int) -> Records:
+    def records(self, start: int, board: TensorBoardLog) -> Records:
+        """Across hosts rank 0 writes the replica's own metrics file (and ``board``: its
+        TensorBoard); on one host it posts them to the coordinator, whose launcher writes both."""
         if self.rank != 0:
             self._out = MetricsWriter(None)
         elif self.own:   # a restart by its agent adds to the file of its first start
             self._out = MetricsWriter(self.cfg.metrics_out, keep_steps_before=start,
-                                      append=self.restart > 0)
+                                      append=self.restart > 0, also=board.record)
         else:
             self._out = _Posted(self.client)
         return self._out
@@ -93,7 +97,7 @@ class QuorumSteps:
         """A replica's own summary (a run across hosts): the run's layout, this replica, its
         ranks' process ids and what it saw of the failures."""
         p = self.cfg.parallel
-        return {**summary, "layout": {**p.layout(), "experts": self.cfg.gpt_config().n_experts},
+        return {**summary, "layout": layout_record(self.cfg),
                 "replica": self.replica, "replicas": p.replicas, "pids": self.pids,
                 "restarts": self.restart,
                 "fault_tolerance": {"failed_attempts": self.failed, "degraded_steps": self.degraded,

@@ -244,6 +244,56 @@ def worker_entry(cfg: TrainConfig, launcher_pid: int,
         _exit_failed()
 
 
+DEBUG_ENV = "TRAINMESH_DEBUG"
+"""``TRAINMESH_DEBUG=1``: a failing worker of torchrun or srun prints its traceback too."""
+
+
+def run_as_worker(cfg: TrainConfig, *, verbose: bool = False) -> int:
+    """One worker of a torchrun or srun job: train under ``cfg``. A failure ends it with exit 1
+    and one line on stderr naming this rank, its host and the cause (a peer that stopped
+    answering is named with its host); the traceback follows only with ``verbose`` or
+    ``TRAINMESH_DEBUG=1``. Invalid input (``ConfigError``) is left to the command line (exit 2)."""
+    from trainmesh.core.distributed import launcher_job
+    from trainmesh.core.errors import ConfigError
+    from trainmesh.run.trainer import worker_main
+    # torchrun prints the error file that @record writes, traceback included: not used here
+    train = getattr(worker_main, "__wrapped__", worker_main)
+    try:
+        return train(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line
+        job = launcher_job()
+        debug = verbose or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        hint = "" if debug or _known(exc) else f" (--verbose or {DEBUG_ENV}=1: the traceback)"
+        sys.stderr.write(f"trainmesh train: {failure_line(exc, job.rank if job else 0)}{hint}\n")
+        if debug:
+            traceback.print_exc()
+        end_process(1)
+
+
+def _known(exc: BaseException) -> bool:
+    """Failures whose one line says it all (no hint about the traceback)."""
+    from trainmesh.comm.check import CollectiveOrderError
+    from trainmesh.core.errors import CommTimeout, DataError
+    from trainmesh.run.trainer import NonFiniteError
+    return isinstance(exc, (CommTimeout, NonFiniteError, CollectiveOrderError, DataError))
+
+
+def failure_line(exc: BaseException, rank: int) -> str:
+    """One line for a failed worker: the error's own first line where it names the ranks
+    (a comm failure), else ``rank R on HOST failed: Type: first line``."""
+    import socket
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if _known(exc) and first.startswith("rank "):
+        return first
+    what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    if _known(exc):
+        what = first or what
+    return f"rank {rank} on {socket.gethostname()} failed: {what}"
+
+
 def _exit_failed() -> NoReturn:
     """End a failed worker at once, exit status 1. Its error is already recorded (the error
     file ``worker_main`` writes, stderr); the interpreter's teardown would first destroy process

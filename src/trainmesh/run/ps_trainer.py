@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.config.train import TrainConfig
-from trainmesh.data.corpus import dp_slice, make_dataset
+from trainmesh.data.corpus import dp_slice, make_datasets
 from trainmesh.models.gpt import GPT
+from trainmesh.observe.layout import layout_record
 from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
-from trainmesh.observe.progress import print_summary, timed_steps
+from trainmesh.observe.progress import print_summary, run_header, timed_steps
 from trainmesh.parameter_server import PSEngine
 from trainmesh.run.optimizers import no_decay, optimizer_factory
 from trainmesh.run.schedule_lr import warmup_cosine
@@ -32,11 +33,12 @@ def train_ps(cfg: TrainConfig, device: torch.device) -> int:
         return 0
     setup_mem = memory_now(device)
     gpt = cfg.gpt_config()
-    dataset = make_dataset(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len)
+    dataset, _ = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
+                               held_out=False, **cfg.data_options())
     metrics = MetricsWriter(cfg.metrics_out if rank == 0 else None)
     tokens, last = cfg.global_batch * gpt.seq_len, cfg.exit_after or cfg.steps
-    log.info("trainmesh: %s params, %d trainers + %d servers, ps %s, %d steps",
-             f"{gpt.num_params():,}", p.dp, p.ps_servers, p.ps_mode, cfg.steps)
+    log.info(run_header(params=gpt.num_params(), world=p.world_size, layout=layout_record(cfg),
+                        steps=last, start=1, device=device.type))
     first_loss = loss = float("nan")
     def batch_of(step: int) -> dict[str, torch.Tensor]:
         batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), rank, p.dp)
@@ -70,9 +72,7 @@ def _summary(cfg: TrainConfig, engine: PSEngine, device: torch.device, setup_mem
                 "model_state_bytes": {k: held[k] for k in ("params", "grads", "optimizer")},
                 "peak_mem_bytes": held["peak_mem_bytes"], "comm_bytes_per_step": {"ps": {}}}
                for s, held in enumerate(engine.server_bytes())] if engine.rank == 0 else []
-    layout = {**p.layout(), "strategy": "ps", "ps_servers": p.ps_servers, "ps_mode": p.ps_mode,
-              "ps_staleness": p.ps_staleness}
-    return {"event": "summary", "world_size": p.world_size, "layout": layout,
+    return {"event": "summary", "world_size": p.world_size, "layout": layout_record(cfg),
             "params": cfg.gpt_config().num_params(), "final_loss": final_loss,
             "steps": engine.step_count, "ranks": ranks + servers,
             "max_staleness": max(r["max_staleness"] for r in ranks)}

@@ -24,6 +24,7 @@ import torch
 from trainmesh.data.corpus import dp_slice
 from trainmesh.engine.engine import Engine
 from trainmesh.observe.progress import timed_steps
+from trainmesh.observe.tensorboard import TensorBoardLog
 
 
 @dataclass
@@ -52,8 +53,9 @@ class StepPolicy(Protocol):
     def resumes(self) -> bool:
         """Whether this rank loads the newest checkpoint before its first step."""
 
-    def records(self, start: int) -> Records:
-        """Where this rank's metrics records go, the run starting at step ``start``."""
+    def records(self, start: int, board: TensorBoardLog) -> Records:
+        """Where this rank's metrics records go, the run starting at step ``start``; the
+        metrics file's writer hands each to ``board`` too."""
 
     def run(self, start: int, last: int, *, enabled: bool,
             before_step: Callable[[int], None] | None) -> Iterator[StepDone]:
@@ -78,7 +80,8 @@ class LocalSteps:
     summary = True
 
     def __init__(self, engine: Engine, dataset: Any, *, seed: int, global_batch: int,
-                 device: torch.device, tokens: int, records: Callable[[int], Records]) -> None:
+                 device: torch.device, tokens: int,
+                 records: Callable[[int, TensorBoardLog], Records]) -> None:
         self.engine, self.dataset, self.device = engine, dataset, device
         self.seed, self.global_batch, self.tokens = seed, global_batch, tokens
         self._records = records
@@ -86,8 +89,8 @@ class LocalSteps:
     def resumes(self) -> bool:
         return True   # asked for with --resume, or an elastic restart (the trainer decides)
 
-    def records(self, start: int) -> Records:
-        return self._records(start)
+    def records(self, start: int, board: TensorBoardLog) -> Records:
+        return self._records(start, board)
 
     def summarize(self, summary: dict[str, Any]) -> dict[str, Any]:
         return summary

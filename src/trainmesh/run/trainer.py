@@ -25,7 +25,7 @@ from trainmesh.checkpoint.resume import (
 from trainmesh.checkpoint.savedir import SaveDirLock, remove_stale_tmp
 from trainmesh.config.train import TrainConfig
 from trainmesh.core.compat import load_lazy_imports
-from trainmesh.core.distributed import init_distributed, shutdown
+from trainmesh.core.distributed import init_distributed, shutdown, worker_threads
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import LossFn
 from trainmesh.data.corpus import make_datasets
@@ -33,6 +33,7 @@ from trainmesh.engine.engine import Engine
 from trainmesh.engine.materialize import InitFn, returning_freed_memory
 from trainmesh.models.gpt import GPT
 from trainmesh.observe.flops import device_peak_tflops, mfu
+from trainmesh.observe.layout import layout_record
 from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
 from trainmesh.observe.progress import (
     outputs_of,
@@ -87,8 +88,7 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
     """One worker: join the job, train, leave. ``lock_save_dir``: rank 0 takes the --save-dir
     lock itself (torchrun/srun; a local launcher already holds it)."""
     _exit_quietly_on_signals()
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(worker_threads())
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     cfg = _elastic_layout(cfg, rank)
     if cfg is None:
@@ -155,23 +155,26 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
     init_peak = memory_peak(device)   # process start to model built, sharded, optimizer made
     gpt = cfg.gpt_config()
     dataset, held_out = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
-                                      held_out=cfg.eval_every is not None, tokenizer=cfg.tokenizer)
+                                      held_out=cfg.eval_every is not None, **cfg.data_options())
     evaluator = make_evaluator(engine, held_out, cfg)
     tokens = cfg.global_batch * gpt.seq_len
-    policy: StepPolicy = (policy_of(engine, dataset) if policy_of is not None else
-                          LocalSteps(engine, dataset, seed=cfg.seed, global_batch=cfg.global_batch,
-                                     device=device, tokens=tokens, records=lambda start: _open_metrics(
-                                         cfg, start, mesh.world_size, rank0)))
+    policy: StepPolicy = (policy_of(engine, dataset) if policy_of is not None else LocalSteps(
+        engine, dataset, seed=cfg.seed, global_batch=cfg.global_batch, device=device,
+        tokens=tokens, records=lambda start, board: _open_metrics(cfg, start, mesh.world_size,
+                                                                  rank0, board)))
     start = (_resume(cfg, engine, clean=policy_of is None) if policy.resumes() else 0) + 1
     setup_mem = memory_now(device)
-    metrics = policy.records(start)
+    # TensorBoard from the process writing the metrics file (a fault-tolerant run on one host:
+    # its launcher, beside the coordinator), each record of it the listener's
+    board = TensorBoardLog(cfg.tensorboard if rank0 and policy.summary else None, layout_record(cfg))
+    metrics = policy.records(start, board)
     elastic_run = p.min_dp is not None   # the world size can change: recorded per step
-    board = TensorBoardLog(cfg.tensorboard if rank0 else None)
     last = cfg.exit_after or cfg.steps
     tracer = make_tracer(engine, cfg, start, last)
-    if policy.summary:
-        log.info(run_header(params=cfg.num_params(), world=mesh.world_size, layout=p.layout(),
-                            steps=last, start=start, device=device.type))
+    if policy_of is None:   # a fault-tolerant run's launcher prints it
+        log.info(run_header(params=cfg.num_params(), world=mesh.world_size,
+                            layout=layout_record(cfg), steps=last, start=start,
+                            device=device.type))
     peak = device_peak_tflops(device, p.precision, cfg.peak_tflops, cfg.gpu)
     first_loss = loss = eval_loss = float("nan")
     first_step = start
@@ -194,7 +197,7 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
                **done.row}
         if elastic_run:
             row.update(world_size=mesh.world_size, dp=p.dp)
-        eval_loss = _publish(row, engine, device, metrics, board if done.lead else None,
+        eval_loss = _publish(row, engine, device, metrics, board,
                              evaluator if done.lead else None) or eval_loss
         nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
         if done.lead and cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0)
@@ -220,9 +223,11 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
     return 0
 
 
-def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> MetricsWriter:
+def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool,
+                  board: TensorBoardLog) -> MetricsWriter:
     """The metrics file of a run starting at ``start`` (appended to by an elastic job's every
-    attempt), with the ``resize`` record when the layout changed since the checkpoint."""
+    attempt), with the ``resize`` record when the layout changed since the checkpoint; every
+    record also goes to ``board``."""
     p = cfg.parallel
     if rank0 and start > 1 and cfg.metrics_out:
         from trainmesh.checkpoint.resume import drop_partial_line
@@ -230,7 +235,7 @@ def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> Metr
         if notice:
             log.info(notice)
     metrics = MetricsWriter(cfg.metrics_out if rank0 else None, keep_steps_before=start,
-                            append=p.min_dp is not None and start > 1)
+                            append=p.min_dp is not None and start > 1, also=board.record)
     resized = elastic.resize_record(cfg, step=start, world=world) if rank0 else None
     if resized is not None:
         metrics.write(resized)
@@ -241,17 +246,15 @@ def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool) -> Metr
 
 
 def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics: Records,
-             board: TensorBoardLog | None, evaluator: Any) -> float | None:
-    """A step's record to the metrics file and TensorBoard (``board``: None where another
-    replica writes it); the held-out loss when it is due (collective), returned."""
+             board: TensorBoardLog, evaluator: Any) -> float | None:
+    """A step's record to the metrics file (and by it to TensorBoard), this rank's traffic and
+    memory to TensorBoard; the held-out loss when it is due (collective; ``evaluator``: None
+    where another replica evaluates the step), returned."""
     metrics.write(row)
-    if board is not None:
-        board.step(row, engine.last_step_traffic(), memory_now(device))
+    board.traffic(row["step"], engine.last_step_traffic(), memory_now(device))
     if evaluator is not None and evaluator.due(row["step"]):
         scored = evaluator.run(row["step"])
         metrics.write(scored)
-        if board is not None:
-            board.eval(scored)
         log.info("step %d  eval loss %.4f", row["step"], scored["loss"])
         return float(scored["loss"])
     return None
@@ -357,7 +360,7 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
                             "received": engine.moe.received.round().long().tolist()}
     ranks = engine.gather_object(mine)
     return {"event": "summary", "world_size": mesh.world_size,
-            "layout": {**cfg.parallel.layout(), "experts": cfg.gpt_config().n_experts},
+            "layout": layout_record(cfg),
             "params": cfg.num_params(), "final_loss": final_loss,
             "steps": engine.step_count, "ranks": ranks,
             **({"moe": engine.moe.summary()} if engine.moe.stats is not None else {})}

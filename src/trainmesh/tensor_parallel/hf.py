@@ -16,8 +16,15 @@ Hugging Face style              trainmesh
                                 ``rowwise``; otherwise ``colwise_gather`` + ``rowwise_split_input``
 ``replicated_with_grad_allreduce``  ``partial_grad`` (Qwen3's per-head q/k norms)
 ``embedding_rowwise``           ``vocab_embedding``
-anything else (``packed_colwise``, ``moe_tp_experts``, ...)  ConfigError naming it
+``packed_colwise`` (a Linear)   ``colwise_parts:2`` (gate and up, each split)
+styles on stacked experts and   applied by :mod:`.hf_experts` (``packed_colwise``, ``colwise``,
+``moe_tp_experts``              ``rowwise`` on 3-D parameters; the experts module's hooks)
+anything else                   ConfigError naming it
 ==============================  =====================================================
+
+A declared pattern that matches nothing in this model (a dense MLP's in a config whose every
+layer is a mixture of experts) is left out; a parent style is given only to the modules that
+hold the split layers (a dense MLP, not the MoE block another pattern also matches).
 
 Each attention module whose projections are split gets ``parallel_input`` (q, k and v enter the
 region once) and ``local_heads`` (its head counts, and a copy of its ``config``, become this
@@ -25,7 +32,8 @@ rank's: Phi-3 reads ``config.num_attention_heads`` in forward); an MLP with seve
 layers gets ``parallel_input``. Embeddings, norms and ``lm_head`` stay replicated (the loss is
 the model's own). GPT-2 declares no plan: its own is kept here (the fused ``Conv1D`` ``c_attn``
 split per q/k/v block, local head counts). Head counts must divide by tp (ConfigError naming
-``tp``); sequence parallelism is refused (ConfigError naming ``sequence-parallel``).
+``tp``). Sequence parallelism adds entries drawn from the model's pipeline plan
+(:mod:`.hf_sequence`).
 """
 from __future__ import annotations
 
@@ -37,7 +45,8 @@ from trainmesh.core.errors import ConfigError
 
 STYLE_MAP = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab_embedding",
              "replicated_with_grad_allreduce": "partial_grad",
-             "colwise_gather_output": "colwise_gather", "rowwise_split_input": "rowwise_split_input"}
+             "colwise_gather_output": "colwise_gather", "rowwise_split_input": "rowwise_split_input",
+             "packed_colwise": "colwise_parts:2"}
 """Hugging Face tensor-parallel style -> trainmesh style (fused pairs refined by :func:`_fuse`)."""
 
 
@@ -69,10 +78,17 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str | tuple[str, ...]]:
         raise ValueError(f"no Hugging Face tensor-parallel plan for {type(model).__name__} (model_type "
                          f"{hf_model_type(model)!r}: its config declares no base_model_tp_plan). "
                          "Pass a plan of your own (tp_plan=...)")
+    from fnmatch import fnmatchcase
+
+    from .hf_experts import is_expert_entry
     prefix = getattr(model, "base_model_prefix", "")
     prefix = prefix + "." if prefix and prefix in names else ""
     plan: dict[str, str | tuple[str, ...]] = {}
     for pattern, style in declared.items():
+        if is_expert_entry(model, prefix + pattern, style):
+            continue                     # stacked experts: hf_experts applies them
+        if not any(n and fnmatchcase(n, prefix + pattern) for n in names):
+            continue                     # a kind of layer this model does not have
         if style not in STYLE_MAP:
             raise ConfigError("tp_plan", f"the model's declared style {style!r} (for {pattern!r}, "
                               f"config.base_model_tp_plan) has no trainmesh counterpart; mapped: "
@@ -102,7 +118,7 @@ def _fuse(model: nn.Module, plan: dict[str, str | tuple[str, ...]]) -> dict[str,
         found, parent = first(pattern), first(_parent(pattern))
         if not split_input or found is None or parent is None:
             continue
-        parts = _fused_parts(found[1], parent[1])
+        parts = _fused_parts(found[1], parent[1], attention=_is_attention(*parent))
         if parts is not None:
             out[pattern] = "colwise_parts:" + ",".join(map(str, parts))
             out[split_input[0]] = "rowwise"
@@ -118,13 +134,28 @@ def _fuse(model: nn.Module, plan: dict[str, str | tuple[str, ...]]) -> dict[str,
         if _is_attention(*found):
             styles += ("local_heads",)
         if styles:
-            out[parent_pattern] = styles
+            for parent in _holding(modules, parent_pattern, out):
+                out[parent] = styles
     return out
 
 
-def _fused_parts(linear: nn.Module, parent: nn.Module) -> tuple[int, ...] | None:
+def _holding(modules: dict[str, nn.Module], parent_pattern: str,
+             plan: dict[str, str | tuple[str, ...]]) -> list[str]:
+    """``parent_pattern`` when every module it matches holds a layer the plan splits (a layer
+    style, not another parent's); else the names of those that do (an MoE block matched with
+    the dense MLPs keeps no parent style, even when it holds split shared experts)."""
+    from fnmatch import fnmatchcase
+    children = [p for p, style in plan.items() if isinstance(style, str) and _parent(p) == parent_pattern]
+    matched = [n for n in modules if n and fnmatchcase(n, parent_pattern)]
+    holding = [n for n in matched
+               if any(fnmatchcase(c, p) for c in modules if _parent(c) == n for p in children)]
+    return [parent_pattern] if holding == matched else holding
+
+
+def _fused_parts(linear: nn.Module, parent: nn.Module, *, attention: bool) -> tuple[int, ...] | None:
     """The output blocks of a fused projection: q, k, v (grouped-query sizes) of an attention,
-    or two equal halves (gate, up) of an MLP; None when they cannot be told."""
+    or two equal halves (gate, up) of an MLP (never of an attention: OLMoE's q_proj, gathered
+    for its norm, is as wide as two of its experts' halves); None when they cannot be told."""
     out = getattr(linear, "out_features", None)
     config = getattr(parent, "config", None)
     heads = getattr(config, "num_attention_heads", None)
@@ -133,7 +164,7 @@ def _fused_parts(linear: nn.Module, parent: nn.Module) -> tuple[int, ...] | None
     if isinstance(out, int) and heads and head_dim and out == (heads + 2 * kv) * head_dim:
         return heads * head_dim, kv * head_dim, kv * head_dim
     inter = getattr(config, "intermediate_size", None)
-    if isinstance(out, int) and inter and out == 2 * inter:
+    if not attention and isinstance(out, int) and inter and out == 2 * inter:
         return inter, inter
     return None
 
@@ -166,13 +197,8 @@ def head_counts(module: nn.Module) -> dict[str, int]:
     return {a: v for a, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
-def check_hf_tp(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> None:
-    """Before any communication: the head counts divide by ``tp`` and no sequence parallelism
-    (ConfigError naming the flag)."""
-    if sequence_parallel:
-        raise ConfigError("sequence-parallel", f"is not supported for Hugging Face "
-                          f"{hf_model_type(model)} models (their plan keeps whole sequences); "
-                          "valid: without --sequence-parallel")
+def check_hf_tp(model: nn.Module, tp: int) -> None:
+    """Before any communication: the head counts divide by ``tp`` (ConfigError naming it)."""
     for attr, count in head_counts(model).items():   # the model's config
         if count % tp:
             raise ConfigError("tp", f"the model's {attr} = {count} is not divisible by --tp {tp} "

@@ -220,12 +220,14 @@ class VocabParallelEmbedding(nn.Module):
 
     fwd: ids outside this rank's range look up row 0 and are zeroed, then all-reduce (each id
     is found on exactly one rank); bwd: identity (rows of other ranks get no gradient here).
+    ``padding_idx`` (global), as nn.Embedding's: its row gets no gradient on the rank holding it.
     Shapes: (b, s) int -> (b, s, h).
     """
 
-    def __init__(self, weight: nn.Parameter, state: TPState, *, num_embeddings: int) -> None:
+    def __init__(self, weight: nn.Parameter, state: TPState, *, num_embeddings: int,
+                 padding_idx: int | None = None) -> None:
         super().__init__()
-        self.state, self.weight = state, weight                     # (V/n, h)
+        self.state, self.weight, self.padding_idx = state, weight, padding_idx   # (V/n, h)
         self.placements = Placements()
         """Record of the sharded table (``from_embedding`` fills it)."""
         self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
@@ -233,19 +235,20 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, state: TPState) -> "VocabParallelEmbedding":
-        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
-            raise ValueError("vocab_embedding supports plain nn.Embedding only "
-                             "(no padding_idx, max_norm or sparse)")
+        if emb.max_norm is not None or emb.sparse:
+            raise ValueError("vocab_embedding supports nn.Embedding without max_norm or sparse")
         _check_divisible("num_embeddings (vocab size)", emb.num_embeddings, state)
         shard, placement = state.shard(emb.weight, 0)
-        layer = cls(shard, state, num_embeddings=emb.num_embeddings)
+        layer = cls(shard, state, num_embeddings=emb.num_embeddings, padding_idx=emb.padding_idx)
         layer.placements.record("weight", placement)
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])     # (b, s) bool
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)   # (b, s, h) partial
+        pad = None if self.padding_idx is None else self.padding_idx - self.vocab_start
+        pad = pad if pad is not None and 0 <= pad < self.weight.shape[0] else None
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=pad)   # (b, s, h) partial
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_region(out, self.state.comm, self.state.axis)
 

@@ -10,6 +10,7 @@ gradients and the engine needs to know nothing of it.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from trainmesh.core.placement import Placements
 
 from ..comm import Comm
 from .hf import check_hf_tp, hf_model_type, localize_config
+from .hf_experts import apply_expert_tp
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -55,13 +57,17 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
     styles, patterns, module kinds and divisibility (ConfigError naming ``tp``).
     """
     tp = mesh.size(axis)
+    declared = plan is None
     if plan is None:
         plan = default_plan(model)
     check = getattr(model, "check_tp", None)
     if callable(check):
         check(tp, sequence_parallel=sequence_parallel)
     elif hf_model_type(model):
-        check_hf_tp(model, tp, sequence_parallel=sequence_parallel)
+        check_hf_tp(model, tp)
+        if sequence_parallel:       # the sequence split between the layers, from the model's plans
+            from .hf_sequence import sequence_parallel_plan
+            plan = {**plan, **sequence_parallel_plan(model, plan)}
     resolved = resolve(model, plan)
     check_divisible(resolved, tp)
     state = TPState(comm, axis, sequence_parallel)
@@ -71,6 +77,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
             for style in styles:
                 if is_layer_style(style) == layers_first:
                     _apply(model, name, model.get_submodule(name), style, state, records)
+    if declared and hf_model_type(model):     # stacked experts: their declared styles
+        apply_expert_tp(model, state, records, ep=mesh.size("ep"))
     return model
 
 
@@ -132,29 +140,41 @@ def _hook(module: nn.Module, style: str, state: TPState, records: Placements, na
     elif style == "sequence_gather" and sp:
         module.register_forward_hook(
             lambda _m, _a, out: gather_from_sequence(out, state.comm, state.axis, partial_grad=False))
+    elif style == "sequence_scatter_input" and sp:
+        _on_input(module, lambda x: scatter_to_sequence(x, state.comm, state.axis))  # (b, s/n, h)
     return module
 
 
-def _enter_on_input(module: nn.Module, state: TPState) -> None:
-    """The module's activation — its forward's first argument, given by position or by keyword
-    (Hugging Face calls ``self_attn(hidden_states=...)``) — enters the region once; column
-    layers inside skip f."""
+def _on_input(module: nn.Module, change: Callable[[torch.Tensor], torch.Tensor],
+              style: str = "sequence_scatter_input") -> None:
+    """``change`` the module's activation before it runs: its forward's first argument, given
+    by position or by keyword (Hugging Face calls ``self_attn(hidden_states=...)``)."""
     first = next(iter(inspect.signature(module.forward).parameters), None)
 
     def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         by_keyword = not args and first in kwargs
         x = kwargs[first] if by_keyword else (args[0] if args else None)
         if not torch.is_tensor(x):
-            raise TypeError(f"parallel_input: {type(m).__name__} must get its activation as its "
+            raise TypeError(f"{style}: {type(m).__name__} must get its activation as its "
                             f"first argument ({first!r}, by position or keyword)")
+        changed = change(x)
+        if by_keyword:
+            return args, {**kwargs, first: changed}
+        return (changed, *args[1:]), kwargs
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+def _enter_on_input(module: nn.Module, state: TPState) -> None:
+    """The module's activation enters the region once (:func:`_on_input`); column layers
+    inside skip f."""
+    def enter(x: torch.Tensor) -> torch.Tensor:
         entered = x if state.inside_region else state.enter(x)   # (b, s, h)
         state.inside_region += 1
-        if by_keyword:
-            return args, {**kwargs, first: entered}
-        return (entered, *args[1:]), kwargs
+        return entered
 
     def post(_m: nn.Module, _args: tuple[Any, ...], _out: Any) -> None:
         state.inside_region -= 1
 
-    module.register_forward_pre_hook(pre, with_kwargs=True)
+    _on_input(module, enter, "parallel_input")
     module.register_forward_hook(post, always_call=True)

@@ -34,6 +34,9 @@ pattern must match at least one module. The styles:
                       (bwd all-gather); no-op without SP
 ``sequence_gather``   any module: under SP its (b, s/n, h) output is all-gathered along the
                       sequence for replicated consumers (bwd keeps own chunk); no-op without SP
+``sequence_scatter_input``  any module: under SP its input (first argument, positional or by
+                      keyword, (b, s, h)) is split along the sequence before it runs (bwd
+                      all-gather): a Hugging Face model's first layer; no-op without SP
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ from .layers import features, is_conv1d
 
 STYLES = ("colwise", "colwise_gather", "colwise_qkv", "colwise_parts:A,B,...", "rowwise",
           "rowwise_split_input", "vocab_embedding", "vocab_head", "vocab_ce", "parallel_input",
-          "local_heads", "partial_grad", "sequence_parallel", "sequence_scatter", "sequence_gather")
+          "local_heads", "partial_grad", "sequence_parallel", "sequence_scatter", "sequence_gather",
+          "sequence_scatter_input")
 PARTS = "colwise_parts:"
 LINEAR_STYLES = ("colwise", "colwise_gather", "colwise_qkv", "rowwise", "rowwise_split_input",
                  "vocab_head")

@@ -1,0 +1,135 @@
+"""Context parallelism for Hugging Face models, through transformers' attention interface.
+
+A Hugging Face causal LM calls attention by name (:mod:`trainmesh.models.hf_attention`).
+:func:`apply_hf_context_parallel` registers trainmesh's ring (or all-gather) attention over the
+CP group as an implementation and points the model at it; each CP rank holds its two zigzag
+chunks of every sequence (the engine shards the batch), and:
+
+- **positions**: a forward pre-hook on the base model passes ``position_ids`` = the global
+  positions of the rank's chunks (unless the caller passes its own), so the model's own rotary
+  embedding (or learned positions) sees where each token sits in the whole sequence; a padding
+  mask (``attention_mask``) is refused there (the ring masks causally only);
+- **attention**: the function gets the rank's q (b, h, 2c, hd) and k, v (b, h_kv, 2c, hd) after
+  the rotary embedding, and attends over the whole sequence causally by chunk index
+  (:func:`~.ring.ring_attention`); grouped-query k/v travel with their own head count; the
+  model's ``scaling`` is honoured (q scaled by ``scaling·sqrt(hd)``, the kernels' own scale
+  being ``1/sqrt(hd)``). The mask the model would build is not needed (none is built);
+- **refused** (:func:`check_hf_context_parallel`, before any worker: ConfigError naming ``--cp``
+  and the family): a family whose attention does not go through the interface, attention
+  logit soft-capping (Gemma2), attention sinks (gpt-oss), a sliding window shorter than the
+  sequence (a window at least as long as the sequence is the causal mask: exact), attention
+  dropout, bidirectional attention. The function checks the same at run time.
+
+Imports core, comm, models and this package.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainmesh.comm import Comm
+from trainmesh.core.errors import ConfigError
+from trainmesh.core.mesh import ParallelMesh
+from trainmesh.models.hf_attention import routes_attention, use_attention
+from trainmesh.models.hf_plan import family
+
+from .partition import zigzag_positions
+from .ring import MODES, Ring, ring_attention
+
+
+def _refusal(model: nn.Module, seq_len: int | None) -> str | None:
+    """Why the model's attention cannot be split over cp exactly, or None (``seq_len`` None:
+    the window is left to the run-time check)."""
+    config = getattr(model, "config", None)
+    if not routes_attention(model):
+        return "its attention does not go through transformers' attention interface"
+    if not getattr(config, "is_causal", True):
+        return "its attention is bidirectional"
+    if getattr(config, "attention_dropout", 0.0):
+        return f"attention_dropout = {config.attention_dropout} (ring attention has no dropout)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "its attention logits are soft-capped (attn_logit_softcapping)"
+    if any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters()):
+        return "its attention has sinks (a learned logit per head)"
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    slides = isinstance(window, int) and (types is None or "sliding_attention" in types)
+    if slides and seq_len is not None and seq_len > window:
+        return (f"its sliding-window attention (window {window}) is shorter than the sequence "
+                f"({seq_len}); exact when --seq-len <= {window}")
+    return None
+
+
+def check_hf_context_parallel(model: nn.Module, seq_len: int | None) -> None:
+    """Before any worker: ConfigError naming ``--cp`` and the family when the model's attention
+    cannot be split over cp exactly (module docstring)."""
+    why = _refusal(model, seq_len)
+    if why is not None:
+        raise ConfigError("--cp", f"the {family(model)} family cannot split its sequences over cp "
+                          f"ranks: {why}; valid for it: --cp 1")
+
+
+class _Positions:
+    """Forward pre-hook of the base model: the global positions of the rank's zigzag chunks."""
+
+    def __init__(self, rank: int, cp: int) -> None:
+        self.rank, self.cp = rank, cp
+
+    def __call__(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("attention_mask") is not None:
+            raise ConfigError("--cp", "a padding mask (attention_mask) is not applied by ring "
+                              "attention, which masks causally over whole sequences; valid: "
+                              "batches without attention_mask, or --cp 1")
+        if kwargs.get("position_ids") is not None:
+            return args, kwargs
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs["inputs_embeds"]
+        local = tokens.shape[1]
+        positions = zigzag_positions(local, self.rank, self.cp, tokens.device)   # (s_local,)
+        return args, {**kwargs, "position_ids": positions.unsqueeze(0)}
+
+
+class _RingAttention:
+    """The attention implementation trainmesh registers: causal attention of the rank's chunks
+    over the CP group's whole sequence."""
+
+    def __init__(self, ring: Ring, mode: str, fused: bool, family: str) -> None:
+        self.ring, self.mode, self.fused, self.family = ring, mode, fused, family
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, attention_mask: Any, *, scaling: float | None = None,
+                 dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        whole = query.shape[2] * self.ring.size
+        window = kwargs.get("sliding_window")
+        unsupported = {"dropout": dropout, "softcap": kwargs.get("softcap"),
+                       "s_aux": kwargs.get("s_aux"),
+                       "sliding_window": window if window is not None and window < whole else None,
+                       "is_causal=False": kwargs.get("is_causal") is False or None}
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ConfigError("--cp", f"the {self.family} family's attention takes {bad}, which "
+                              "ring attention does not compute; valid for it: --cp 1")
+        head_dim = query.shape[-1]
+        if scaling is not None and not math.isclose(scaling, head_dim ** -0.5):
+            query = query * (scaling * math.sqrt(head_dim))     # the kernels scale by 1/sqrt(hd)
+        out = ring_attention(query, key, value, self.ring, mode=self.mode, fused=self.fused)
+        return out.transpose(1, 2).contiguous(), None            # (b, 2c, h, hd)
+
+
+def apply_hf_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, mode: str,
+                              fused: bool) -> None:
+    """Attention over the CP group and global positions for a Hugging Face model, in place
+    (module docstring)."""
+    if mode not in MODES:
+        raise ConfigError("--cp-comm", f"must be one of {', '.join(MODES)}; got {mode!r}")
+    check_hf_context_parallel(model, None)
+    from .ring import CommRing
+    ring = CommRing(comm, mesh)
+    name = f"trainmesh_cp_{mode}_{id(ring):x}"    # one per ring: two meshes may share a process
+    use_attention(model, name, _RingAttention(ring, mode, fused, family(model)))
+    base = getattr(model, "base_model", model)
+    base.register_forward_pre_hook(_Positions(ring.index, ring.size), with_kwargs=True)

@@ -1,0 +1,391 @@
+"""The axes of the mesh in one table: dimensions, views of the world, the group each kind of
+parameter reduces and shards over, and the combinations that mean nothing.
+
+**Dimensions** (:data:`DIMS`). ``tp``, ``cp``, ``dp``, ``pp`` are the world's four axes (world =
+their product); ``ep`` and ``dp_shard`` are set by flags too and factor other dimensions;
+``dp_replicate = dp / dp_shard`` and ``edp = dp·cp / ep`` are derived. A dimension's degree is
+read from any layout object with the fields ``dp, pp, tp, cp, ep, dp_shard`` (a
+``ParallelConfig``, a :class:`Degrees`).
+
+**Views** (:data:`VIEWS`): factorisations of the same world, fastest dimension first; a rank's
+coordinates in a view are its mixed-radix digits. ``dense`` is the rank layout itself::
+
+    rank = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i                       dense  (tp, cp, dp, pp)
+    dp_i = dp_replicate_i·dp_shard + dp_shard_i                          hsdp   (tp, cp, dp_shard, dp_replicate, pp)
+    dp_i·cp + cp_i = edp_i·ep + ep_i   (the dp × cp line cut in runs)    expert (tp, ep, edp, pp)
+
+so the dimensions views share (tp, pp, and the dp × cp line) number the ranks alike.
+
+**Groups** (:data:`GROUPS`): a name -> (view, dimensions): the ranks that differ only in those
+dimensions of that view. :class:`~trainmesh.core.mesh.ParallelMesh` builds them from here (a
+group whose member lists equal an earlier one's is that group; one of single ranks is none).
+
+**Kinds** (:data:`KINDS`): what each kind of parameter is reduced over. A ``dense`` parameter
+(replicated over the data ranks) is reduced and ZeRO-sharded over ``dp × cp`` — under HSDP over
+``dp_shard × cp``, each reduced shard then all-reduced across ``dp_replicate``; an ``expert``
+(held by the ranks of one ``ep`` index) over ``edp``. Placement flags add to a kind
+(:data:`LATER`): a ``partial_grad`` (sequence parallelism) is then summed over ``tp``; a
+``duplicate`` (a pipeline tie's second copy) is left out of the norm. The gradient strategies,
+the initial broadcast, the checkpoint writer and the norm read these rows.
+
+**Rules** (:data:`RULES`): combinations that mean nothing, each with its reason, the flag its
+refusal names and an example that breaks it. ``ParallelConfig`` and ``TrainConfig`` check them
+(exit 2 before any worker starts), the test suite turns each into a refusal case, and a
+generated pairwise matrix covers every pair of :data:`FEATURES` no rule refuses.
+
+Public API (for the planner, the config and the tests):
+
+* :data:`DIMS` — ``Dim(name, flag, help, value, choices, divides)``: ``choices(n)`` the degrees
+  to try where ``n`` is the size it divides (``divides``); :func:`degree` ``(layout, name)``;
+* :data:`FEATURES` — the non-default choices of the axes the matrix pairs;
+* :func:`check_degrees` ``(layout)`` — every degree a positive integer, ep | dp·cp, dp_shard | dp;
+* :func:`refusal` ``(cfg, experts=None) -> Refusal | None`` — the first rule ``cfg`` breaks
+  (``experts``: the model's expert count, None when unknown: model rules skipped);
+* :func:`kind_groups` ``(layout, kind) -> KindGroups`` — (reduce, replicate, holders) group names;
+* :func:`group_sizes` ``(layout) -> {kind: (reduce size, replicate size)}``;
+* :func:`sequence_groups` ``(layout, sequence_parallel)`` — the groups a sequence is split over;
+* :func:`members` ``(layout, group) -> list[list[int]]`` — every group of that name.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainmesh.core.errors import ConfigError
+
+# ---------------------------------------------------------------- dimensions
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The degrees of one layout (``dp_shard`` None: dp, plain ZeRO)."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp_shard: int | None = None
+
+    @classmethod
+    def of(cls, layout: Any) -> Degrees:
+        """The degrees of any object with the fields ``dp, pp, tp, cp, ep, dp_shard``."""
+        return cls(**{k: getattr(layout, k) for k in ("dp", "pp", "tp", "cp", "ep", "dp_shard")})
+
+    @property
+    def shard(self) -> int:
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def hsdp(self) -> bool:
+        """ZeRO shards inside groups of dp_shard ranks, replicated across them."""
+        return self.shard < self.dp
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.pp * self.tp
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One dimension: its flag (None: derived), what it splits, its degree in a layout, and the
+    degrees a planner may try (``choices(n)``, ``n`` the size it must divide, ``divides``: the
+    world for the four axes, dp·cp for ep, dp for dp_shard; None: derived from the others)."""
+
+    name: str
+    flag: str | None
+    help: str
+    value: Callable[[Degrees], int]
+    choices: Callable[[int], list[int]] | None = None
+    divides: str | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+DIMS: tuple[Dim, ...] = (
+    Dim("tp", "--tp", "each layer's matrices split over tp ranks", lambda d: d.tp, _divisors,
+        "world"),
+    Dim("cp", "--cp", "each sequence split over cp ranks (attention over the ring)",
+        lambda d: d.cp, _divisors, "world"),
+    Dim("dp", "--dp", "replicas, each with a slice of the global batch", lambda d: d.dp,
+        _divisors, "world"),
+    Dim("pp", "--pp", "pipeline stages the layers are split into", lambda d: d.pp, _divisors,
+        "world"),
+    Dim("ep", "--ep", "each MoE layer's experts spread over ep ranks of the dp x cp line",
+        lambda d: d.ep, _divisors, "dp*cp"),
+    Dim("dp_shard", "--dp-shard", "HSDP: ZeRO shards over runs of dp_shard dp ranks",
+        lambda d: d.shard, _divisors, "dp"),
+    Dim("dp_replicate", None, "HSDP: the replicas of a shard, dp / dp_shard",
+        lambda d: d.dp // d.shard),
+    Dim("edp", None, "the ranks holding the same experts, dp x cp / ep",
+        lambda d: d.dp * d.cp // d.ep),
+)
+DIM = {d.name: d for d in DIMS}
+
+
+def degree(layout: Any, name: str) -> int:
+    """The degree of dimension ``name`` in ``layout`` (a Degrees or a config)."""
+    d = layout if isinstance(layout, Degrees) else Degrees.of(layout)
+    return DIM[name].value(d)
+
+
+def check_degrees(layout: Any) -> Degrees:
+    """Every degree a positive integer and the factored ones dividing what they factor
+    (ConfigError naming the flag); returns the :class:`Degrees`."""
+    for name in ("dp", "pp", "tp", "cp", "ep"):
+        value = getattr(layout, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"--{name}", f"must be a positive integer; got {value!r}")
+    d = Degrees.of(layout)
+    if (d.dp * d.cp) % d.ep:
+        raise ConfigError("--ep", f"must divide dp x cp = {d.dp} x {d.cp} = {d.dp * d.cp} "
+                          f"(experts spread over ranks of the DP x CP group); got {d.ep}")
+    shard = d.dp_shard
+    if shard is not None and (not isinstance(shard, int) or shard < 1 or d.dp % shard):
+        raise ConfigError("--dp-shard", f"must divide --dp {d.dp} (shard groups of dp-shard "
+                          f"ranks, replicated across dp/dp-shard); got {shard!r}")
+    return d
+
+
+# ---------------------------------------------------------------- views and groups
+VIEWS: dict[str, tuple[str, ...]] = {
+    "dense": ("tp", "cp", "dp", "pp"),
+    "hsdp": ("tp", "cp", "dp_shard", "dp_replicate", "pp"),
+    "expert": ("tp", "ep", "edp", "pp"),
+}
+"""Factorisations of the world, fastest dimension first (module docstring)."""
+
+GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "pp": ("dense", ("pp",)),
+    "dp": ("dense", ("dp",)),
+    "cp": ("dense", ("cp",)),
+    "tp": ("dense", ("tp",)),
+    "dp_cp": ("dense", ("cp", "dp")),
+    "ep": ("expert", ("ep",)),
+    "edp": ("expert", ("edp",)),
+    "dp_shard": ("hsdp", ("dp_shard",)),
+    "dp_replicate": ("hsdp", ("dp_replicate",)),
+    "dp_shard_cp": ("hsdp", ("cp", "dp_shard")),
+}
+"""Named groups: (view, dimensions in view order); the ranks differing only in those."""
+
+
+def view_coords(layout: Any, view: str, rank: int) -> dict[str, int]:
+    """``rank``'s mixed-radix digits in ``view``."""
+    out = {}
+    for dim in VIEWS[view]:
+        n = degree(layout, dim)
+        out[dim] = rank % n
+        rank //= n
+    return out
+
+
+def members(layout: Any, group: str) -> list[list[int]]:
+    """Every group named ``group`` of ``layout``: lists of world ranks, ascending (the mixed
+    radix of the group's dimensions), ordered by their first rank."""
+    view, dims = GROUPS[group]
+    lines: dict[tuple[int, ...], list[int]] = {}
+    d = Degrees.of(layout) if not isinstance(layout, Degrees) else layout
+    for rank in range(d.world):
+        at = view_coords(d, view, rank)
+        lines.setdefault(tuple(v for k, v in at.items() if k not in dims), []).append(rank)
+    return sorted(lines.values())
+
+
+# ---------------------------------------------------------------- kinds of parameters
+
+
+@dataclass(frozen=True)
+class KindGroups:
+    """Where a kind of parameter's gradient goes on one layout."""
+
+    reduce: str
+    """The group its gradient is reduced over (and ZeRO shards its states over)."""
+    replicate: str | None
+    """HSDP: each reduced shard is then all-reduced across this group (None: no replicas)."""
+    holders: str
+    """The ranks holding the same values of it (the initial broadcast's group; a checkpoint
+    writes it from one of them, with the tp ranks)."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    what: str
+    groups: Callable[[Degrees], KindGroups]
+
+
+def _dense(d: Degrees) -> KindGroups:
+    holders = "dp_cp" if d.cp > 1 else "dp"
+    if d.hsdp:
+        return KindGroups("dp_shard_cp" if d.cp > 1 else "dp_shard", "dp_replicate", holders)
+    return KindGroups(holders, None, holders)
+
+
+KINDS: dict[str, Kind] = {
+    "dense": Kind("dense", "replicated over the data ranks: every dp x cp rank sees other tokens",
+                  _dense),
+    "expert": Kind("expert", "an expert under expert parallelism: held by one ep index, it saw "
+                             "its ep group's tokens through the all-to-all",
+                   lambda d: KindGroups("edp", None, "edp")),
+}
+
+
+@dataclass(frozen=True)
+class Later:
+    """A placement flag's addition to its kind: a later sum, and whether the norm counts it."""
+
+    flag: str
+    then: str | None
+    counted: bool
+    what: str
+
+
+LATER: dict[str, Later] = {
+    "partial_grad": Later("partial_grad", "tp", True, "sequence parallelism: each tp rank's "
+                          "gradient covers its sequence chunk; summed over tp after the reduction"),
+    "duplicate": Later("duplicate", None, False, "a pipeline tie's copy: summed over its tie "
+                       "group by the pipeline, counted in the norm by the lowest stage only"),
+}
+
+
+def sequence_groups(layout: Any, sequence_parallel: bool) -> tuple[str, ...]:
+    """The groups each sequence is split over: cp (2 of its 2·cp chunks per rank), and tp under
+    sequence parallelism (between the tensor-parallel regions). Per-sequence statistics (MoE
+    load balancing) are summed over them."""
+    return (*(("cp",) if degree(layout, "cp") > 1 else ()),
+            *(("tp",) if sequence_parallel and degree(layout, "tp") > 1 else ()))
+
+
+def kind_groups(layout: Any, kind: str) -> KindGroups:
+    """Reduce, replicate and holder groups of parameters of ``kind`` ("dense" or "expert")."""
+    d = layout if isinstance(layout, Degrees) else Degrees.of(layout)
+    return KINDS[kind].groups(d)
+
+
+def group_sizes(layout: Any) -> dict[str, tuple[int, int]]:
+    """{kind: (ranks its gradient is reduced and sharded over, replicas of each shard)}."""
+    d = layout if isinstance(layout, Degrees) else Degrees.of(layout)
+    size = {"dp": d.dp, "dp_cp": d.dp * d.cp, "dp_shard": d.shard, "dp_shard_cp": d.shard * d.cp,
+            "edp": d.dp * d.cp // d.ep, "dp_replicate": d.dp // d.shard}
+    out = {}
+    for name in KINDS:
+        g = kind_groups(d, name)
+        out[name] = (size[g.reduce], size[g.replicate] if g.replicate else 1)
+    return out
+
+
+# ---------------------------------------------------------------- features and rules
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A non-default choice of one axis: ``settings`` (config fields; ``experts`` is the
+    model's) turn it on from the one-process layout, ``on(cfg)`` says whether a layout has it
+    (``cfg``: the fields of a ParallelConfig and ``experts``). Features of one axis exclude
+    each other."""
+
+    name: str
+    axis: str
+    settings: dict[str, Any]
+    on: Callable[[Any], bool]
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("dp", "dp", {"dp": 2}, lambda c: c.dp > 1),
+    Feature("zero1", "zero", {"zero": 1}, lambda c: c.zero == 1),
+    Feature("zero2", "zero", {"zero": 2}, lambda c: c.zero == 2),
+    Feature("zero3", "zero", {"zero": 3}, lambda c: c.zero == 3),
+    Feature("hsdp", "dp_shard", {"dp": 4, "dp_shard": 2},
+            lambda c: c.dp_shard is not None and c.dp_shard < c.dp),
+    Feature("offload", "offload", {"offload": "cpu"}, lambda c: c.offload != "none"),
+    Feature("tp", "tp", {"tp": 2}, lambda c: c.tp > 1),
+    Feature("sp", "sequence_parallel", {"sequence_parallel": True}, lambda c: c.sequence_parallel),
+    Feature("pp", "pp", {"pp": 2, "microbatches": 2}, lambda c: c.pp > 1),
+    Feature("cp", "cp", {"cp": 2}, lambda c: c.cp > 1),
+    Feature("experts", "experts", {"experts": 4}, lambda c: c.experts > 0),
+    Feature("ep", "ep", {"ep": 2}, lambda c: c.ep > 1),
+)
+"""The axes' choices the generated matrix pairs (tests/test_layout_matrix.py): adding one here
+adds it to the matrix, and the coverage test fails until each of its pairs is run or refused."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    flag: str
+    message: str
+
+    def error(self) -> ConfigError:
+        return ConfigError(self.flag, self.message)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination that means nothing: ``refuses(cfg, experts)`` says whether ``cfg`` (with
+    the model's expert count; None: unknown) is one; the refusal names ``flag`` and says ``why``
+    (formatted with ``c``, the config, and ``experts``)."""
+
+    flag: str
+    refuses: Callable[[Any, int | None], bool]
+    why: str
+    example: dict[str, Any] = field(default_factory=dict)
+    """Settings (config fields; ``experts``) that break it: a refusal test case."""
+    pair: tuple[str, str] | None = None
+    """The two :data:`FEATURES` it refuses together, where it is such a pair."""
+
+
+def _hsdp(c: Any) -> bool:
+    return c.dp_shard is not None and c.dp_shard < c.dp
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("--sequence-parallel", lambda c, e: c.sequence_parallel and c.tp == 1,
+         "shards activations inside TP groups; needs --tp > 1",
+         {"sequence_parallel": True}),
+    Rule("--offload", lambda c, e: c.offload != "none" and c.zero == 0,
+         "moves the optimizer shard of ZeRO off the device; needs --zero 1, 2 or 3 "
+         "(valid with --zero 0: none)", {"dp": 2, "offload": "cpu"}),
+    Rule("--dp-shard", lambda c, e: _hsdp(c) and c.zero == 0,
+         "shards ZeRO's states inside groups of DP ranks; needs --zero 1, 2 or 3 "
+         "(valid with --zero 0: leave it unset)", {"dp": 4, "dp_shard": 2}),
+    Rule("--dp-shard", lambda c, e: _hsdp(c) and c.min_dp is not None and c.min_dp < c.dp,
+         "< --dp is not supported with --min-dp (an elastic dp would change the shard and "
+         "replica groups mid-run); leave --dp-shard unset",
+         {"dp": 4, "dp_shard": 2, "zero": 1, "min_dp": 2}),
+    Rule("--cp-comm", lambda c, e: c.cp_comm != "ring" and c.cp == 1,
+         "exchanges K/V inside CP groups; needs --cp > 1 (valid otherwise: ring)",
+         {"cp_comm": "allgather"}),
+    Rule("--zero3-reshard", lambda c, e: c.zero3_reshard != "step" and (c.zero != 3 or c.pp == 1),
+         "chooses when ZeRO-3 re-gathers under a pipeline; needs --zero 3 and --pp > 1 "
+         "(valid otherwise: step)", {"dp": 2, "zero": 3, "zero3_reshard": "microbatch"}),
+    Rule("--ep", lambda c, e: e is not None and c.ep > 1 and e == 0,
+         "spreads the experts of MoE layers; needs --experts > 0", {"dp": 2, "ep": 2}),
+    Rule("--ep", lambda c, e: e is not None and e > 0 and e % c.ep != 0,
+         "must divide --experts {experts}; got {c.ep}", {"dp": 2, "ep": 2, "experts": 3}),
+)
+"""Every rule between the axes; none refuses a pair of :data:`FEATURES` today (what they need
+of each other — SP needs tp, offload and HSDP need ZeRO, ep needs experts — is a rule, not a
+refused pair). docs/LAYOUTS.md lists them with the strategies' own rules."""
+
+
+def refusal(cfg: Any, experts: int | None = None) -> Refusal | None:
+    """The first rule ``cfg`` breaks (``experts``: the model's count; None skips model rules),
+    or None; the degrees (:func:`check_degrees`) first."""
+    try:
+        check_degrees(cfg)
+    except ConfigError as exc:
+        return Refusal(exc.field, exc.message)
+    for rule in RULES:
+        if rule.refuses(cfg, experts):
+            return Refusal(rule.flag, rule.why.format(c=cfg, experts=experts))
+    return None
+
+
+def check(cfg: Any, experts: int | None = None) -> None:
+    """Raise the :class:`ConfigError` of the first rule ``cfg`` breaks."""
+    found = refusal(cfg, experts)
+    if found is not None:
+        raise found.error()

@@ -1,0 +1,133 @@
+"""The router's load-balancing loss of a Hugging Face mixture of experts, per sequence.
+
+transformers adds ``router_aux_loss_coef · aux`` to a mixture of experts' loss when its config
+sets ``output_router_logits``; ``aux`` is its ``load_balancing_loss_func`` (Switch Transformer):
+with ``p = softmax(router logits)`` of every token of every MoE layer and each token's ``k``
+largest ``p`` its chosen slots,
+
+    aux = E · Σ_e  f_e · P_e,   f_e = slots(e) / N,   P_e = Σ p_e / N
+
+where the counts and sums run over the MoE layers *pooled* and the ``N = L·T`` rows of the ``T``
+tokens one forward holds (so ``Σ_e f_e = k``). Over the tokens of one forward, its value depends
+on how the global batch is cut into ranks and microbatches. trainmesh takes the same formula
+per *sequence* (``T = s``, its tokens in every MoE layer) and the mean over the global batch's
+sequences, which no split changes; the training objective is
+
+    mean cross-entropy + router_aux_loss_coef · mean over sequences of aux
+
+(each sequence's aux weighted by its ``s`` positions and the sum divided by the global label
+count, the cross-entropy's denominator: the same when every position carries a label). One
+process on the whole batch forms exactly this; so does any layout.
+
+A sequence whose tokens lie on several ranks (context parallelism, sequence parallelism) has
+its per-expert slot counts and row counts summed over those ranks before the product (they carry
+no gradient), while each rank keeps its own tokens' probability sums: the ranks' terms
+``E · Σ_e f_e · (their Σ p_e) / N`` add up to the sequence's aux, and each one's gradient is that
+rank's share (:func:`sequence_aux` takes the summing as ``sum_over_sequence``).
+
+Its gradient enters through :class:`~trainmesh.models.moe.AuxGrad` on the logits, so the
+reported loss stays the cross-entropy and the aux is reported apart, in the model's
+:class:`~trainmesh.models.moe.MoEStats` (the metrics file's ``moe``). Imports models only.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from trainmesh.core.errors import ConfigError
+
+from .moe import AuxGrad, MoEStats, _in_backward
+
+SumOverSequence = Callable[[torch.Tensor], torch.Tensor]
+"""Sums per-sequence statistics over the ranks holding parts of each sequence (identity when
+every rank holds whole sequences)."""
+
+
+def router_loss_enabled(model: nn.Module) -> bool:
+    """Whether the model's config asks for its router's aux loss (``output_router_logits``,
+    with a ``router_aux_loss_coef``)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "output_router_logits", False)) \
+        and isinstance(getattr(config, "router_aux_loss_coef", None), (int, float))
+
+
+def router_modules(model: nn.Module) -> list[str]:
+    """Names of the modules whose output transformers records as ``router_logits`` (the
+    routers, one per MoE layer, in model order); ConfigError naming ``--model-dir`` when the
+    model records none."""
+    recorders = getattr(type(model), "_can_record_outputs", None) or {}
+    recorder = recorders.get("router_logits")
+    target = getattr(recorder, "target_class", recorder)
+    names = [n for n, m in model.named_modules() if isinstance(target, type) and isinstance(m, target)]
+    if not names:
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ConfigError("--model-dir", f"{kind} asks for its router's aux loss "
+                          "(output_router_logits) but records no router_logits; valid: "
+                          "output_router_logits false in config.json")
+    return names
+
+
+def attach_router_stats(model: nn.Module) -> MoEStats | None:
+    """``model.moe_stats`` (created for a model whose config asks for the aux loss), or None."""
+    stats = getattr(model, "moe_stats", None)
+    if stats is None and router_loss_enabled(model):
+        n_experts = getattr(model.config, "num_experts", None) or getattr(model.config, "num_local_experts", None) \
+            or getattr(model.config, "n_routed_experts", None)
+        stats = MoEStats(len(router_modules(model)), int(n_experts))
+        model.moe_stats = stats
+    return stats
+
+
+def sequence_routing(router_logits: tuple[torch.Tensor, ...], batch: int, top_k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sequence of this rank's ``batch`` sequences: (slots per expert (b, E), no gradient;
+    router probability sums per expert (b, E), fp32; slots per expert of each layer (L, E)),
+    the layers pooled as transformers pools them. Each logits tensor is ``(b·s, E)``."""
+    slots, probs, per_layer = 0.0, 0.0, []
+    for logits in router_logits:
+        p = logits.float().softmax(-1).view(batch, -1, logits.shape[-1])     # (b, s, E)
+        chosen = p.topk(top_k, dim=-1).indices                               # (b, s, k)
+        hits = torch.zeros_like(p).scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=p.dtype))
+        slots = slots + hits.detach().sum(1)                                  # (b, E)
+        probs = probs + p.sum(1)
+        per_layer.append(hits.detach().sum((0, 1)))
+    return slots, probs, torch.stack(per_layer)
+
+
+def sequence_aux(slots: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
+                 sum_over_sequence: SumOverSequence | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each sequence's aux ``E · Σ_e f_e P_e`` (b,), its rows over every rank (b,)) from this
+    rank's slot counts, probability sums and ``rows`` (b,) = layers × its tokens (module
+    docstring); ``sum_over_sequence`` sums the counts and rows over the ranks that hold parts of
+    a sequence (each rank's aux is then its share, the shares adding up to the sequence's)."""
+    if sum_over_sequence is not None:
+        slots, rows = sum_over_sequence(slots), sum_over_sequence(rows)
+    n = rows.unsqueeze(-1)
+    return slots.shape[-1] * ((slots / n) * (probs / n)).sum(-1), rows
+
+
+def add_router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], logits: torch.Tensor,
+                    *, sum_over_sequence: SumOverSequence | None = None) -> torch.Tensor:
+    """``logits`` (b, s, vocab), carrying the gradient of ``router_aux_loss_coef`` times the
+    sum over this rank's sequences of their aux, each weighted by its length (module
+    docstring); records the aux and the routing in ``model.moe_stats``. An evaluation (no
+    gradient) is left as it is: nothing to train, nothing to report."""
+    if not torch.is_grad_enabled():
+        return logits
+    b, s = logits.shape[:2]
+    config, layers = model.config, len(router_logits)
+    slots, probs, per_layer = sequence_routing(router_logits, b, int(config.num_experts_per_tok))
+    rows = torch.full((b,), float(layers * s), dtype=probs.dtype, device=probs.device)
+    aux, whole = sequence_aux(slots, probs, rows, sum_over_sequence)          # (b,), (b,)
+    weighted = (aux * (whole / layers)).sum()           # each sequence's aux times its length
+    stats = attach_router_stats(model)
+    scale = 1.0
+    if stats is not None:
+        scale = stats.loss_scale
+        if not _in_backward():
+            stats.counts += per_layer.double().cpu()
+            stats.aux_sum += float(aux.detach().sum())       # the pooled aux, in every layer's row
+            stats.sequences += float((rows / whole).sum())    # this rank's share of its sequences
+    return AuxGrad.apply(logits, weighted, float(config.router_aux_loss_coef) * scale)

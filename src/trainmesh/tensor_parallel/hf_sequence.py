@@ -1,0 +1,65 @@
+"""Sequence parallelism for Hugging Face models: the entries it adds to their plan.
+
+Under sequence parallelism (Megatron's SP) the activations between the tensor-parallel regions
+are split along the sequence over the TP ranks: each region enters by an all-gather (the
+``parallel_input`` of an attention or MLP, or a column layer) and leaves by a reduce-scatter
+(its row layer); what runs in between — norms, residual additions — runs on 1/tp of the
+tokens. For a Hugging Face model the stretch between the regions is where its pipeline plan
+(:mod:`trainmesh.models.hf_plan`) says the layers are: the base model computes its position
+state (rotary embeddings of the whole sequence, masks) before the first layer, so the sequence
+is split at the first layer's input (``sequence_scatter_input``: a split, its backward an
+all-gather) and gathered again after the last module before the head (``sequence_gather``: the
+replicated head and loss see the whole sequence). :func:`sequence_parallel_plan` returns these
+entries and a ``sequence_parallel`` entry (gradients summed over tp) for every module with
+parameters that runs on sequence chunks: inside the layers, those outside every TP region (the
+layer norms), and the final norm.
+
+The plan allows SP when everything that runs on chunks is per token: a module with parameters
+outside every region must hold 1-D parameters only (a norm); one holding a matrix (an
+attention or MLP the plan leaves whole, a convolution over the sequence) is a ConfigError
+naming ``--sequence-parallel`` and the family, as is a family without a pipeline plan.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from trainmesh.core.errors import ConfigError
+from trainmesh.models.hf_plan import hf_structure
+
+from .plan import Plan, is_layer_style, resolve
+
+FLAG = "--sequence-parallel"
+REGION_STYLES = ("parallel_input",)
+"""Styles that put a module's whole computation inside a TP region (besides layer styles)."""
+
+
+def sequence_parallel_plan(model: nn.Module, plan: Plan) -> dict[str, tuple[str, ...]]:
+    """The entries SP adds to ``plan`` (the model's tensor-parallel plan), by exact module name
+    (module docstring)."""
+    structure = hf_structure(model, FLAG)
+    regions = [name for name, _, styles in resolve(model, plan)
+               if any(is_layer_style(s) or s in REGION_STYLES for s in styles)]
+
+    def in_region(name: str) -> bool:
+        return any(name == r or name.startswith(r + ".") for r in regions)
+
+    layers = structure.layer_names(model)
+    out: dict[str, tuple[str, ...]] = {layers[0]: ("sequence_scatter_input",)}
+    for layer in layers:
+        for sub, module in model.get_submodule(layer).named_modules():
+            name = f"{layer}.{sub}" if sub else layer
+            own = list(module.parameters(recurse=False))
+            if not own or in_region(name):
+                continue
+            if any(p.dim() != 1 for p in own):
+                raise ConfigError(FLAG, f"the {structure.family} family's {name} "
+                                  f"({type(module).__name__}) runs on the whole sequence outside "
+                                  "its tensor-parallel plan, so its tokens cannot be split over "
+                                  "tp; valid for it: without --sequence-parallel")
+            out[name] = ("sequence_parallel",)
+    for name in structure.post:
+        if any(True for _ in model.get_submodule(name).parameters()):
+            out[name] = ("sequence_parallel",)
+    last = structure.post[-1] if structure.post else layers[-1]
+    out[last] = (*out.get(last, ()), "sequence_gather")
+    return out
