@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.config.parallel import GRAD_CLIP, ParallelConfig
-from trainmesh.config.validation import Flag, check_fields, flags_of, setting
+from trainmesh.config.validation import INT64_MAX, Flag, check_fields, flags_of, setting
 from trainmesh.core import axes
 from trainmesh.core.errors import ConfigError
 from trainmesh.models.gpt import PRESETS, GPTConfig
@@ -173,6 +173,7 @@ class TrainConfig:
             if self.replica_id >= self.replicas:
                 raise ConfigError("--replica-id", f"must be in 0..{self.replicas - 1} (--replicas "
                                   f"{self.replicas}); got {self.replica_id}")
+            _check_coordinator(self.coordinator)
         if self.global_batch < p.dp:
             raise ConfigError("--global-batch", f"must be at least --dp {p.dp} with "
                               "--fault-tolerant (each replica takes rows of it)")
@@ -325,14 +326,28 @@ def read_toml(path: str) -> dict[str, Any]:
     return flat
 
 
+def _check_coordinator(spec: str) -> None:
+    """--coordinator: ``HOST:PORT[,HOST:PORT...]`` (ports 1..65535), or ``@FILE`` (read by the
+    replica at each connection: the file may name other addresses later)."""
+    if spec.startswith("@") and len(spec) > 1:
+        return
+    for address in (a.strip() for a in spec.split(",")):
+        host, sep, port = address.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError("--coordinator", "must be HOST:PORT of `trainmesh coordinator` "
+                              "(several comma-separated, or @FILE listing them; e.g. "
+                              f"10.0.0.1:29400); got {spec!r}")
+
+
 def build_train_config(values: dict[str, Any]) -> TrainConfig:
     """{field: value} (from TOML and flags) -> a validated TrainConfig."""
     par = {k: v for k, v in values.items() if k in PARALLEL_FIELDS}
     rest = {k: v for k, v in values.items() if k in TRAIN_FIELDS}
     replicas = rest.get("replicas")
-    if isinstance(replicas, int) and "dp" not in par:   # a replica across hosts: dp from R
+    if (type(replicas) is int and 1 <= replicas <= INT64_MAX   # else its own check names it
+            and "dp" not in par):   # a replica across hosts: dp from R
         shard = par.get("dp_shard") if par.get("zero", 0) else None
-        par["dp"] = replicas * (shard if isinstance(shard, int) else 1)
+        par["dp"] = replicas * (shard if type(shard) is int and 1 <= shard <= INT64_MAX else 1)
     for name, value in TRAIN_DEFAULTS.items():   # trainmesh train's own defaults (docs/CLI.md)
         par.setdefault(name, value)
     return TrainConfig(parallel=ParallelConfig(**par), **rest)
