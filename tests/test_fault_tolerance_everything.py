@@ -17,6 +17,8 @@ FT = ["--dp", "3", "--fault-tolerant", "--timeout", "30"]
 MOE = [*SMALL[:-4], "--steps", "12", "--warmup-steps", "3", "--optimizer", "adamw", "--experts", "4",
        "--top-k", "2", "--moe-every", "2"]
 """SMALL (global batch 8: 3 + 3 + 2 rows over three replicas, 4 + 4 over two) with MoE layers."""
+FP16_MOE = ["--precision", "fp16", "--experts", "4", "--top-k", "2", "--moe-every", "2"]
+"""The one process of the cp case: fp16, MoE layers (context parallelism is inside a replica)."""
 
 
 def _survivors_kept(records: list[dict], ranks: int = 1) -> None:
@@ -61,27 +63,28 @@ def test_checkpoints_eval_board_trace_moe_through_a_fault(reference_run, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("layout, precision", [(["--cp", "2"], "fp16"),
-                                               (["--tp", "2", "--sequence-parallel"], "fp32")],
-                         ids=["cp2-fp16", "tp2-sp"])
-def test_parallelism_inside_each_replica(layout, precision, reference_run, tmp_path, monkeypatch):
-    """Replicas of 2 ranks (a CP group in fp16; a TP group with sequence parallelism): rank 1 of
-    replica 1 is SIGKILLed at step 4 just before the sums across replicas; replicas 0 and 2 redo
-    it (4 + 4 rows), replica 1's agent restarts both its ranks, which copy their live state at
-    step 7. fp16 starts at the default scale 2^16, so the first steps overflow and back off,
-    across the fault: every step's skip and scale are the single process's (the replicas decide
-    on the gradient summed across them; one deciding on its own gradient disagrees with its
-    peers, which the coordinator refuses), and the rejoining replica takes its source's scaler."""
+@pytest.mark.parametrize("layout, model", [(["--cp", "2"], FP16_MOE),
+                                           (["--tp", "2", "--sequence-parallel"], [])],
+                         ids=["cp2-moe-fp16", "tp2-sp"])
+def test_parallelism_inside_each_replica(layout, model, reference_run, tmp_path, monkeypatch):
+    """Replicas of 2 ranks (a CP group running MoE layers in fp16; a TP group with sequence
+    parallelism): rank 1 of replica 1 is SIGKILLed at step 4 just before the sums across
+    replicas; replicas 0 and 2 redo it (4 + 4 rows), replica 1's agent restarts both its ranks,
+    which copy their live state at step 7. fp16 starts at the default scale 2^16, so the first
+    steps overflow and back off, across the fault: every step's skip and scale are the single
+    process's (the replicas decide on the gradient summed across them; one deciding on its own
+    gradient disagrees with its peers, which the coordinator refuses), and the rejoining replica
+    takes its source's scaler."""
     base = [*SMALL, "--optimizer", "adamw"]
-    ref = reference_run(one_process() if precision == "fp32" else [*base, "--precision", precision])
+    ref = reference_run([*base, *model] if model else one_process())
     monkeypatch.setenv("TRAINMESH_FT_INJECT", "1/1@4,1.1@7:join,0@7:hold")
-    proc, records = run_train([*base, *FT, *layout, "--precision", precision, "--exit-after", "9"],
+    proc, records = run_train([*base, *model, *FT, *layout, "--exit-after", "9"],
                               tmp_path, timeout=420)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _same_curve(ref, records, 9)
     assert [r["replicas"] for r in steps(records)] == [3] * 3 + [2] * 3 + [3] * 3
     _survivors_kept(records, ranks=2)
-    if precision == "fp16":
+    if model:
         got, want = steps(records), steps(ref)[:9]
         assert [(r["skipped"], r["loss_scale"]) for r in got] == \
             [(r["skipped"], r["loss_scale"]) for r in want]
