@@ -20,6 +20,7 @@ replica's headline; 130/143 after Ctrl-C/SIGTERM (workers die with this process)
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
@@ -117,7 +118,9 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
             while any(t.is_alive() for t in agents):
                 for t in agents:
                     t.join(0.2)
-    except _Signalled as exc:
+    except _Signalled as exc:   # the agents are threads: the workers are stopped here
+        for worker in multiprocessing.active_children():   # (exit would wait for them)
+            worker.kill()
         sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(exc.signum).name}; "
                          "workers stopped\n")
         return 128 + exc.signum
