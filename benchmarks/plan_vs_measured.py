@@ -13,7 +13,7 @@ measured, ``base_mem_bytes``).
     python benchmarks/plan_vs_measured.py --published     # the published runs' table (no run)
 
 The stored summaries (:data:`STORED`, the fields the comparison reads) let the test suite check
-the planner against every measured layout without running them (tests/test_planner.py); adding a
+the planner against every measured layout without running them (tests/test_planner_references.py); adding a
 layout is one line in :data:`MATRIX` and a run with ``--write``. Peak memory does not depend on
 the machine's load; the times of these runs are not used.
 """
@@ -30,6 +30,11 @@ from typing import Any
 MODEL = ["--model", "tiny", "--layers", "4", "--d-model", "64", "--heads", "4", "--seq-len", "256",
          "--vocab-size", "4096", "--global-batch", "16", "--steps", "2", "--warmup-steps", "1"]
 MOE = ["--experts", "4", "--top-k", "2"]
+LAYOUT_16 = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--vocab-size", "64",
+             "--global-batch", "8", "--steps", "20", "--warmup-steps", "5", "--optimizer", "adamw",
+             "--experts", "4", "--moe-aux-loss", "0.1", "--dp", "2", "--zero", "3", "--tp", "2",
+             "--sequence-parallel", "--pp", "2", "--microbatches", "2", "--cp", "2", "--ep", "2"]
+"""Every axis at once, 16 processes, on a model of its own (its flags override :data:`MODEL`'s)."""
 
 MATRIX: list[list[str]] = [
     [],                                                               # one process
@@ -54,13 +59,22 @@ MATRIX: list[list[str]] = [
     [*MOE],
     [*MOE, "--dp", "2", "--ep", "2"],
     [*MOE, "--dp", "2", "--ep", "2", "--zero", "3", "--recompute", "full"],
+    ["--dp", "4", "--dp-shard", "2", "--zero", "3", "--tp", "2"],     # HSDP x tp
+    ["--dp", "4", "--dp-shard", "2", "--zero", "1", "--pp", "2", "--microbatches", "2"],
+    ["--dp", "4", "--dp-shard", "2", "--zero", "2", "--cp", "2"],     # HSDP x cp: dp_shard_cp
+    [*MOE, "--cp", "2", "--ep", "2"],                                 # experts under cp
+    [*MOE, "--tp", "2"],                                              # experts under tp
+    [*MOE, "--dp", "2", "--ep", "2", "--tp", "2", "--sequence-parallel"],
+    ["--tp", "2", "--sequence-parallel", "--zero", "1", "--offload", "cpu"],
+    LAYOUT_16,
 ]
 """The CPU matrix: one layout per line (dense and MoE; dp, ZeRO 1-3, HSDP, tp + SP, pp, cp, ep;
 recompute none/selective/full)."""
 
 STORED = Path(__file__).with_name("plan_vs_measured.json")
 RANK_FIELDS = ("rank", "coords", "base_mem_bytes", "init_peak_mem_bytes", "setup_mem_bytes",
-               "peak_mem_bytes", "model_state_bytes", "comm_bytes_per_step", "comm_buffer_peak_bytes")
+               "peak_mem_bytes", "model_state_bytes", "comm_bytes_per_step", "comm_buffer_peak_bytes",
+               "offloaded_bytes", "moe_rows")
 
 
 def name(layout: list[str]) -> str:
@@ -75,7 +89,7 @@ def measure(layout: list[str], tmp: Path, timeout: float = 900) -> dict[str, Any
     if proc.returncode:
         raise RuntimeError(f"{name(layout)}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
     summary = json.loads(out.read_text().splitlines()[-1])
-    return {"params": summary["params"],
+    return {"params": summary["params"], "steps": summary["steps"],
             "ranks": [{k: r[k] for k in RANK_FIELDS if k in r} for r in summary["ranks"]]}
 
 

@@ -13,6 +13,11 @@ from typing import Any
 
 HEADER = """# Command line reference
 
+```bash doc-test
+trainmesh --version
+trainmesh train --help
+```
+
 Generated from the parsers by `python -m trainmesh.cli.docs > docs/CLI.md`; do not edit by hand.
 Every `trainmesh train` flag is also a key of a `--config` TOML file (the flag name without
 `--`; flags win over the file). Bad values exit 2 with one line naming the flag, before any

@@ -1,6 +1,6 @@
 """Engine: composes the mesh, tensor/pipeline parallelism and a DP strategy into one train step.
 
-One step (README.md, "Architecture"): split this DP rank's batch into microbatches; run
+One step (docs/TRAINING.md, "One training step"): split this DP rank's batch into microbatches; run
 forward and backward (locally, or through the pipeline schedule) while the DP strategy reduces
 gradients in buckets; sum the loss and token count over the world; scale gradients to the mean
 over every token of the global batch; under sequence parallelism, sum the partial gradients of

@@ -8,6 +8,7 @@ unless marked fp32, a layer with no recompute keeps::
 
     norm inputs        2 T h          the residual stream (/t with sequence parallelism)
     norm outputs       2 T h          the column-parallel layers' inputs, whole on every rank
+                                      (a MoE block's MLP norm output: T h/t with SP)
     norm statistics    2 T n (fp32)   n = 2 (LayerNorm: mean, rstd) or 1 (RMSNorm: rstd); /t with SP
     q, k, v            T (q + 2 kv)/t
     attention output   T q/t          (the output projection's input)
@@ -96,7 +97,9 @@ def layer_parts(model: ModelShape, kernels: Kernels = TRAINMESH, *, seq: int, ba
     if recompute == "selective" and kernels.selective == "op":
         return _op_parts(model, tokens=tokens, tp=t, sp=sp, e=e, moe=moe)
     parts = {"norm inputs": 2 * tokens * h / sp * e,
-             "norm outputs": 2 * tokens * h * e,
+             # the attention's input is gathered (SP); a MoE block's experts take the rank's own
+             # tokens, so its MLP norm's output stays split
+             "norm outputs": tokens * h * e * (1 + (1 / sp if moe else 1)),
              "norm statistics": 2 * tokens / sp * NORM_STATS[model.norm] * 4,
              "q, k, v": tokens * (q + 2 * kv) / t * e,
              "attention output": tokens * q / t * e}

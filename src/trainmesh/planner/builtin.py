@@ -8,7 +8,7 @@ parallel rank of t, following trainmesh's Megatron plan (``tensor_parallel.plan.
 * each block: q, k, v and fc column-parallel (weights and biases split), attention ``proj`` and
   MLP ``proj`` row-parallel (weights split, biases replicated), two LayerNorms replicated:
   ``(4d^2 + 2df + 3d + f)/t + 6d``; sequence parallelism all-reduces the gradients of the 6d
-  replicated norm and bias values;
+  replicated norm and bias values (and of a MoE block's router and experts);
 * head (last pipeline rank): ``head.ln_f`` replicated ``2d``, ``head.out`` vocab-parallel
   ``V/t x d``. With t = 1 the total is ``2Vd + Sd + L(12d^2 + 13d) + 2d``.
 
@@ -50,6 +50,8 @@ class RankModel:
     """Of ``params``, the values of this rank's experts (reduced over edp, not dp)."""
     moe_blocks: int = 0
     """MoE blocks on this rank."""
+    partial_dense_params: int = 0
+    """Of ``partial_grad_params``, those reduced over dp (not the experts, reduced over edp)."""
 
 
 def block_params(cfg: GPTConfig, tp: int) -> int:
@@ -84,8 +86,11 @@ def rank_model(cfg: GPTConfig, *, pp: int, tp: int, rank: int, virtual_stages: i
     blocks = len(here)
     params = sum(weights[i] for i in mine)
     tensors = 16 * blocks + 2 * int(first) + 3 * int(last) + moe * (1 + 4 * local - 4)
-    partial = 6 * cfg.d_model * blocks + 2 * cfg.d_model * int(last)
-    return RankModel(blocks, first, last, params, tensors, partial, experts, moe)
+    # SP: norms and row-parallel biases; a MoE block's router and experts in place of its MLP bias
+    dense_partial = 6 * cfg.d_model * blocks + 2 * cfg.d_model * int(last) \
+        + moe * (cfg.n_experts * cfg.d_model - cfg.d_model)
+    partial = dense_partial + experts
+    return RankModel(blocks, first, last, params, tensors, partial, experts, moe, dense_partial)
 
 
 def gpt_shape(cfg: GPTConfig, *, micro_batch: int = 1) -> ModelShape:

@@ -148,10 +148,12 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
         traffic.update(data_parallel_ops(split.dense, dp=cfg.dp * cfg.cp, shard=split.dense_group,
                                          zero=cfg.zero, microbatches=m, grad_bytes=e,
                                          param_bytes=e, regather=regather))
+    moe = _moe_layers_on(model, layers, _shape(model)[0]) if split.experts else 0
     traffic["tp"] = tp_ops(tp=cfg.tp, layers=layers, tokens=tokens, hidden=hidden, value_bytes=e,
                            microbatches=m, first=rank == 0, last=rank == cfg.pp - 1,
                            sequence_parallel=cfg.sequence_parallel,
-                           partial_grad_bytes=e * 6 * hidden * layers, forwards=forwards)
+                           partial_grad_bytes=e * 6 * hidden * layers, forwards=forwards,
+                           moe_layers=moe)
     traffic["pp"] = pp_ops(pp=cfg.pp, rank=rank, virtual_stages=cfg.virtual_stages,
                            microbatches=m, tokens=tokens, hidden=hidden,
                            value_bytes=e, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
@@ -163,7 +165,6 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
                                        forwards=1 if cfg.recompute == "none" else 2)
         traffic["cp"] = {op: b * layers * m for op, b in per_layer.items()}
     if split.experts:
-        moe = _moe_layers_on(model, layers, _shape(model)[0])
         routed = tokens // (cfg.tp if cfg.sequence_parallel else 1)
         traffic["ep"] = ep_ops(ep=cfg.ep, moe_layers=moe, tokens=routed, top_k=model.top_k,
                                hidden=hidden, value_bytes=e, microbatches=m, experts=model.experts,

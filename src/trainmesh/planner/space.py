@@ -182,10 +182,22 @@ def _walk(index: int, choice: Choice, problem: Problem, stop: int) -> Iterator[C
         yield from _walk(index + 1, {**choice, **dict(zip(names, values))}, problem, stop)
 
 
+COMPLETED = ("precision", "sequence_parallel", "offload_params")
+"""Fields each layout gets without being an axis of its own (:func:`_complete`): the problem's
+precision, sequence parallelism wherever tp > 1 (it only saves memory, with or without offload)
+and, offloading at ZeRO-3, the parameter shards too."""
+
+
 def _complete(fields: Choice, problem: Problem) -> Choice:
-    return {**fields, "precision": problem.precision,
-            "sequence_parallel": fields["tp"] > 1 and fields["offload"] == "none",
+    return {**fields, "precision": problem.precision, "sequence_parallel": fields["tp"] > 1,
             "offload_params": fields["offload"] != "none" and fields["zero"] == 3}
+
+
+def fields() -> set[str]:
+    """Every :class:`~trainmesh.config.parallel.ParallelConfig` field the space sets: its axes'
+    and :data:`COMPLETED`."""
+    named = {n for axis, _ in AXES for n in (axis if isinstance(axis, tuple) else (axis,))}
+    return named | set(COMPLETED)
 
 
 def groups(problem: Problem) -> Iterator[Iterator[ParallelConfig]]:

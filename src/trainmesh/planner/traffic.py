@@ -24,9 +24,11 @@ q bytes per gathered parameter value (both the compute dtype by default), m micr
   ``tensor_parallel`` does it): each layer's 4 all_reduces become 4 all_gathers + 4
   reduce_scatters of A; the embedding keeps its forward all_reduce and adds a backward
   all_gather (its output is split by sequence); the head gathers its input (all_gather forward,
-  reduce_scatter backward); and after every microbatch's backward the gradients of the
-  parameters TP replicates but sees only part of the sequence of (norms, row-parallel biases)
-  are all-reduced.
+  reduce_scatter backward); and once per step, after the data-parallel reduction, the
+  gradients of the parameters TP replicates but sees only part of the sequence of (norms,
+  row-parallel biases; a MoE block's router and experts) are all-reduced: whole, or under ZeRO
+  this rank's pieces of its gradient shard (1/N of them, N the group ZeRO shards over).
+  A MoE block's MLP is not split over tp: it keeps only its attention's collectives.
 * PP: per microbatch a rank sends and receives A (A/t with SP) once per boundary of each chunk
   it holds: pp.send = pp.recv = m*A*(chunks not last + chunks not first); for one chunk
   ``[stage < p-1] + [stage > 0]``.
@@ -130,14 +132,20 @@ def ep_ops(*, ep: int, moe_layers: int, tokens: int, top_k: int, hidden: int, va
 
 def tp_ops(*, tp: int, layers: int, tokens: int, hidden: int, value_bytes: int,
            microbatches: int, first: bool, last: bool, sequence_parallel: bool = False,
-           partial_grad_bytes: float = 0.0, forwards: int = 1) -> dict[str, float]:
-    """Payload per step on the TP axis of a rank holding ``layers`` blocks (tokens = b*s).
+           partial_grad_bytes: float = 0.0, forwards: int = 1,
+           moe_layers: int = 0) -> dict[str, float]:
+    """Payload per step on the TP axis of a rank holding ``layers`` blocks (tokens = b*s),
+    ``moe_layers`` of them with a mixture of experts as their MLP.
 
+    A MoE block's MLP is not split over tp (its experts are whole; under SP it routes the
+    rank's own tokens): only its attention's collectives remain, 2 of the 4 per layer.
     ``partial_grad_bytes``: bytes of the replicated parameters' gradients that sequence
-    parallelism all-reduces after every microbatch's backward. ``forwards`` 2: full
+    parallelism all-reduces once per step, after the data-parallel reduction (under ZeRO the
+    rank's pieces of them in its gradient shard). ``forwards`` 2: full
     recomputation runs each block's forward again up to its last kept tensor, which leaves out
-    the MLP's closing collective: per block 2 all_gathers and 1 reduce_scatter more (SP), or 1
-    all_reduce more.
+    the MLP's closing collective: per dense block 2 all_gathers and 1 reduce_scatter more (SP),
+    or 1 all_reduce more; per MoE block (whose experts keep tensors after the attention) the
+    attention's forward again, 1 all_gather and 1 reduce_scatter (SP) or 1 all_reduce.
     """
     ops: dict[str, float] = {}
     if tp == 1:
@@ -145,12 +153,16 @@ def tp_ops(*, tp: int, layers: int, tokens: int, hidden: int, value_bytes: int,
     act = tokens * hidden * value_bytes
     m = microbatches
     again = forwards - 1
+    dense = layers - moe_layers
     if sequence_parallel:
-        _add(ops, "all_reduce", m * (int(first) * act + partial_grad_bytes))
-        _add(ops, "all_gather", m * ((4 + 2 * again) * layers + int(first) + int(last)) * act)
-        _add(ops, "reduce_scatter", m * ((4 + again) * layers + int(last)) * act)
+        _add(ops, "all_reduce", m * int(first) * act + partial_grad_bytes)
+        _add(ops, "all_gather", m * ((4 + 2 * again) * dense + (2 + again) * moe_layers
+                                     + int(first) + int(last)) * act)
+        _add(ops, "reduce_scatter", m * ((4 + again) * dense + (2 + again) * moe_layers
+                                         + int(last)) * act)
     else:
-        _add(ops, "all_reduce", m * ((4 + again) * layers + int(first) + int(last)) * act)
+        _add(ops, "all_reduce", m * ((4 + again) * dense + (2 + again) * moe_layers
+                                     + int(first) + int(last)) * act)
     if last:
         _add(ops, "all_reduce", m * 3 * tokens * 4)
     return ops
