@@ -33,6 +33,7 @@ WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PRO
 def no_launch(monkeypatch) -> list:
     """Validation only: no worker ever starts and the process is a launcher, not a worker.
     Returns the list of configs the stubs were handed (empty while nothing got past validation)."""
+    import trainmesh.run.ft_launch
     import trainmesh.run.launch
     import trainmesh.run.trainer
     started: list = []
@@ -46,6 +47,7 @@ def no_launch(monkeypatch) -> list:
         return LAUNCHED
 
     monkeypatch.setattr(trainmesh.run.launch, "launch_local", launch)
+    monkeypatch.setattr(trainmesh.run.ft_launch, "launch_fault_tolerant", launch)
     monkeypatch.setattr(trainmesh.run.trainer, "worker_main", worker)
     for var in WORKER_ENV:
         monkeypatch.delenv(var, raising=False)

@@ -44,7 +44,7 @@ OBSERVED = {
     # replica 1 is killed inside step 3's all-reduce: the attempt is discarded, step 3 is
     # redone by replica 0 alone, replica 1 rejoins (restarted by its agent)
     "ft": Observed(("--dp", "2", "--fault-tolerant", "--timeout", "30", "--steps", "6"),
-                   saves=False, env={"TRAINMESH_FT_INJECT": "1@3"}),
+                   saves=False, tensorboard=HAS_TENSORBOARD, env={"TRAINMESH_FT_INJECT": "1@3"}),
 }
 
 

@@ -87,14 +87,16 @@ def test_injection_syntax():
 
 @pytest.mark.parametrize("extra, flag", [
     (["--dp", "1"], "--fault-tolerant"),
-    (["--dp", "2", "--tp", "2", "--cp", "2"], "--cp"),
     (["--dp", "2", "--zero", "1"], "--zero"),
-    (["--dp", "4", "--dp-shard", "2", "--zero", "2", "--precision", "bf16"], "--precision"),
+    (["--dp", "2", "--experts", "4", "--ep", "2"], "--ep"),   # experts across replicas
+    (["--dp", "4", "--dp-shard", "2", "--zero", "1", "--offload", "cpu"], "--offload"),
     (["--dp", "2", "--min-dp", "1"], "--min-dp"),
-    (["--dp", "2", "--precision", "bf16"], "--precision"),
     (["--dp", "2", "--strategy", "diloco"], "--fault-tolerant"),
-    (["--dp", "2", "--save-dir", "ckpt"], "--save-dir"),
+    (["--dp", "2", "--on-nonfinite", "skip"], "--on-nonfinite"),
     (["--dp", "4", "--global-batch", "2", "--microbatches", "1"], "--global-batch"),
+    (["--replicas", "2"], "--coordinator"),
+    (["--coordinator", "h:1", "--replica-id", "2", "--replicas", "2"], "--replica-id"),
+    (["--coordinator", "h:1", "--replica-id", "0", "--replicas", "2", "--dp", "4"], "--replicas"),
 ])
 @pytest.mark.timeout(30)
 def test_layouts_it_cannot_protect_are_refused(capsys, extra, flag):

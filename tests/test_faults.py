@@ -142,12 +142,15 @@ def _launcher_killed(tmp: Path) -> None:
     assert not left, f"workers {left} outlived their SIGKILLed launcher"
 
 
-def _signalled(sig: signal.Signals, tmp: Path) -> None:
-    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM."""
-    proc = start(["--steps", "100000"], tmp / f"{sig.name}.jsonl")
+def _signalled(sig: signal.Signals, tmp: Path, *flags: str) -> None:
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM; ``flags``
+    (--fault-tolerant: the replicas' agents are threads of the launcher, which stops the
+    workers itself)."""
+    name = f"{sig.name}{'-'.join(flags)}"
+    proc = start(["--steps", "100000", *flags], tmp / f"{name}.jsonl")
     pids: list[int] = []
     try:
-        pids = wait_for_steps(proc, tmp / f"{sig.name}.jsonl", 2)
+        pids = wait_for_steps(proc, tmp / f"{name}.jsonl", 2)
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)
         else:
@@ -165,7 +168,8 @@ def _signalled(sig: signal.Signals, tmp: Path) -> None:
 @pytest.mark.timeout(150)
 def test_workers_end_with_their_launcher(tmp_path):
     in_threads(lambda: _launcher_killed(tmp_path), lambda: _signalled(signal.SIGINT, tmp_path),
-               lambda: _signalled(signal.SIGTERM, tmp_path))
+               lambda: _signalled(signal.SIGTERM, tmp_path),
+               lambda: _signalled(signal.SIGTERM, tmp_path, "--fault-tolerant"))
 
 
 # ---------------------------------------------------------------- divergence

@@ -57,16 +57,15 @@ LAYOUTS = [
      dict(strategy="diloco", dp=2, fault_tolerant=True)),
     (["--dp", "4", "--zero", "2", "--fault-tolerant"], "--zero",       # one replica: nothing stands in
      dict(dp=4, zero=2, fault_tolerant=True)),
-    (["--dp", "4", "--dp-shard", "2", "--zero", "2", "--fault-tolerant", "--ep", "2", "--experts", "2"],
-     "--dp-shard", dict(dp=4, dp_shard=2, zero=2, fault_tolerant=True, ep=2)),
-    (["--dp", "4", "--dp-shard", "2", "--zero", "1", "--pp", "2", "--fault-tolerant"], "--dp-shard",
-     dict(dp=4, dp_shard=2, zero=1, pp=2, fault_tolerant=True)),
+    # experts spread beyond one replica (a lost replica would take experts with it)
+    (["--dp", "4", "--dp-shard", "2", "--zero", "2", "--fault-tolerant", "--ep", "4", "--experts", "4"],
+     "--ep", dict(dp=4, dp_shard=2, zero=2, fault_tolerant=True, ep=4)),
+    (["--dp", "2", "--ep", "2", "--experts", "2", "--fault-tolerant"], "--ep",
+     dict(dp=2, ep=2, fault_tolerant=True)),
+    (["--dp", "4", "--dp-shard", "2", "--zero", "1", "--offload", "cpu", "--fault-tolerant"],
+     "--offload", dict(dp=4, dp_shard=2, zero=1, offload="cpu", fault_tolerant=True)),
     (["--dp", "3", "--pp", "2", "--global-batch", "6", "--microbatches", "2", "--fault-tolerant"],
      "--global-batch", None),    # 1..3 replicas cut 6 rows into 2 equal microbatches: needs 12
-    (["--dp", "2", "--tp", "2", "--sequence-parallel", "--fault-tolerant"], "--sequence-parallel",
-     dict(dp=2, tp=2, sequence_parallel=True, fault_tolerant=True)),
-    (["--dp", "2", "--tp", "2", "--cp", "2", "--fault-tolerant"], "--cp",
-     dict(dp=2, tp=2, cp=2, fault_tolerant=True)),
     (["--cp", "2", "--seq-len", "6"], "--seq-len", None),
     (["--dp", "2", "--ep", "2"], "--ep", None),                                  # no --experts
     (["--dp", "2", "--ep", "2", "--experts", "3"], "--ep", None),
@@ -107,6 +106,10 @@ def test_valid_layouts_get_past_validation(no_launch):
     assert len(no_launch) == 1 and no_launch[0].parallel.virtual_stages == 2
     assert no_launch[0].parallel.grad_clip == 1.0      # trainmesh train's default clip
     assert ParallelConfig().grad_clip == 0.0           # the Python API's: no clipping
+    # what runs inside a fault-tolerant replica composes as in any run (the axis table's rules)
+    for inside in (dict(tp=2, sequence_parallel=True), dict(tp=2, cp=2), dict(cp=2, ep=2),
+                   dict(dp_shard=2, zero=1, pp=2), dict(dp_shard=2, zero=2, ep=2)):
+        ParallelConfig(dp=4 if "dp_shard" in inside else 2, fault_tolerant=True, **inside)
     # fault-tolerant replicas of one HSDP shard group each (2 replicas of 2 ranks)
     assert ParallelConfig(dp=4, dp_shard=2, zero=2, fault_tolerant=True).replica_ranks == 2
     assert ParallelConfig(dp=3, fault_tolerant=True).replica_ranks == 1

@@ -246,6 +246,29 @@ def test_tensorboard_has_the_moe_and_save_scalars_and_the_layout(observed_run):
     assert text == layout_text(summary["layout"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not OBSERVED["ft"].tensorboard, reason="the tensorboard package (extra [tensorboard])")
+def test_tensorboard_of_a_fault_tolerant_run_has_its_steps_and_quorum_events(observed_run):
+    """On one host the launcher writes the run's TensorBoard from the metrics file its
+    coordinator writes: every committed step's loss once, the replicas per step, the discarded
+    attempt and the quorum change."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = observed_run("ft")
+    acc = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    records = _records(run / "run.jsonl")
+    steps = [r for r in records if r["event"] == "step"]
+    for tag in ("loss", "replicas"):
+        assert [(e.step, e.value) for e in acc.Scalars(tag)] == [
+            (r["step"], pytest.approx(r[tag], rel=1e-6)) for r in steps], tag
+    lost = [r for r in records if r["event"] == "quorum" and r["lost"]]
+    assert lost and [(e.step, e.value) for e in acc.Scalars("quorum/lost")][0] == (lost[0]["step"], 1)
+    discarded = [r for r in records if r["event"] == "discarded"]
+    assert [e.step for e in acc.Scalars("discarded/attempt_s")] == [r["step"] for r in discarded]
+    assert "layout/text_summary" in acc.Tags()["tensors"]
+
+
 LOSSY = [{"event": "step", "step": 1, "loss": 4.0, "grad_norm": 1.0, "tokens_per_s": 10.0},
          {"event": "step", "step": 2},                                   # fields missing
          {"event": "step", "step": 3, "loss": "4.1", "grad_norm": None},   # wrong types

@@ -141,6 +141,17 @@ fault-tolerant 2-rank replica: the failed      test_fault_tolerance_shards: a_ra
   step's gradients dropped by rank 0 only       (step 5 loss off by 0.12)
 fault-tolerant 2-rank replica: each rank       test_fault_tolerance_shards: failures_during_...
   keeps its own outcome (no agreement)          (step 2 grad_norm 1.38 vs 2.12)
+fault-tolerant: the lead treats its own       test_fault_tolerance_everything: checkpoints_...
+  discarded attempt as taken (a checkpoint of   (step 8 loss 1.17 vs 1.37)
+  a step not every replica committed)
+fault-tolerant: fp16 overflow decided on a     test_fault_tolerance_everything: ...[cp2-moe-
+  replica's own gradient                        fp16] (step 6 non-finite grad_norm: exit 1)
+fault-tolerant: a restarted coordinator takes  test_fault_tolerance_hosts: coordinator_...
+  the oldest step held as committed             ("a step applied twice": 12, 12)
+fault-tolerant: a replica back from a silence  test_fault_tolerance_hosts: coordinator_...
+  behind the committed step not sent the state  (step 9 loss 3.99 vs 3.86)
+fault-tolerant: the remainder rows dropped     test_fault_tolerance: uneven_split_covers_...
+  by the re-split                               (the last piece ends at 6 of 7 rows)
 ZeRO-2 accumulation overwriting the shard     test_zero: stages_..._at_dp2 (zero2-m2, 6 steps)
 param_groups options dropped at ZeRO          test_zero: stages_..._at_dp2 (zero1-groups, 2e-3)
 a trainer's push lost on a PS server          test_parameter_server: sync_is_data_parallel

@@ -86,3 +86,57 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+# ---------------------------------------------------------------- fault tolerance across hosts
+def coordinator_argv(bind: str, replicas: int) -> list[str]:
+    """``trainmesh coordinator`` (``bind``: HOST:PORT, port 0 for one the kernel picks)."""
+    import sys
+    return [sys.executable, "-m", "trainmesh", "coordinator", "--bind", bind, "--replicas", str(replicas)]
+
+
+def replica_argv(train: list[str], coordinator: str, replica: int, replicas: int,
+                 metrics: str | os.PathLike) -> list[str]:
+    """``trainmesh train TRAIN --fault-tolerant`` as replica ``replica`` of a run across hosts."""
+    import sys
+    return [sys.executable, "-m", "trainmesh", "train", *train, "--fault-tolerant",
+            "--coordinator", coordinator, "--replica-id", str(replica), "--replicas", str(replicas),
+            "--metrics-out", str(metrics)]
+
+
+def served_address(proc: Any, timeout_s: float = 120.0) -> str:
+    """The address a ``trainmesh coordinator`` started with ``stdout=PIPE`` (text) says it
+    serves; the rest of its output is drained on a thread."""
+    import threading
+    import time
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in lines:
+            if "serving" in line:
+                return line.split("serving", 1)[1].split()[0]
+        if proc.poll() is not None and not lines:
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"trainmesh coordinator did not start: {''.join(lines)[-2000:]}")
+
+
+def metrics_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics file being written (a partial last line left out)."""
+    import json
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out

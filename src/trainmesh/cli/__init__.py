@@ -21,6 +21,7 @@ COMMANDS = {
     "checkpoint": ".checkpoint",
     "launch": ".launch",
     "report": ".report",
+    "coordinator": ".coordinator",
 }
 
 

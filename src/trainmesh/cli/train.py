@@ -206,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
         from .logs import configure_worker_logging
         configure_worker_logging()
         return run_as_worker(cfg, verbose=args.verbose)
-    preflight(cfg, local_ranks=cfg.parallel.world_size, launching=True)
+    here = cfg.parallel.replica_ranks if cfg.coordinator is not None else cfg.parallel.world_size
+    preflight(cfg, local_ranks=here, launching=True)   # across hosts: one replica's ranks here
     warn_warmup(cfg)
     from .logs import configure_worker_logging
     if cfg.parallel.fault_tolerant:

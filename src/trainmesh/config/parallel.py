@@ -155,50 +155,36 @@ class ParallelConfig:
                     raise ConfigError(f"--{name}", f"needs --strategy mesh (got {self.strategy})")
         self._check_fault_tolerant()
 
-    def _check_fault_tolerant_hsdp(self) -> None:
-        """--fault-tolerant replicas of HSDP shard groups: each the tp ranks of --dp-shard dp
-        indices; what its launcher does not build is refused, naming --dp-shard."""
-        if self.shard_size == self.dp:
-            return
-        for flag, changed in (("pp", self.pp > 1), ("cp", self.cp > 1), ("ep", self.ep > 1),
-                              ("offload", self.offload != "none")):
-            if changed:
-                raise ConfigError("--dp-shard", f"< --dp is not supported with --fault-tolerant "
-                                  f"and --{flag} (the fault-tolerant launcher builds a shard "
-                                  "group's replica of its tp ranks alone, its states on the "
-                                  "device); leave --dp-shard unset")
-
     def _check_fault_tolerant(self) -> None:
-        """--fault-tolerant protects data-parallel replicas in fp32: the pp x tp ranks of one dp
-        index each (--zero 0), or one HSDP shard group of --dp-shard dp indices each (--zero 1,
-        2 or 3; tp, not pp: HSDP's rule)."""
+        """--fault-tolerant protects data-parallel replicas: each the cp x pp x tp ranks of one
+        dp index (--zero 0), or of one shard group of --dp-shard dp indices (--zero 1, 2 or 3),
+        with whatever runs inside it (ep, sequence parallelism, any precision); what stays
+        refused cannot mean anything for replicas that come and go."""
         if not self.fault_tolerant:
             return
-        self._check_fault_tolerant_hsdp()
         if self.dp < 2:
             raise ConfigError("--fault-tolerant", f"needs --dp >= 2 (replicas that can stand in for "
                               f"each other); got --dp {self.dp}")
         if self.zero > 0 and self.shard_size == self.dp:
             raise ConfigError("--zero", f"{self.zero} with --fault-tolerant shards inside each replica: "
                               "needs --dp-shard S < --dp (replicas of S ranks); valid without it: 0")
-        if self.sequence_parallel:
-            raise ConfigError("--sequence-parallel", "is not supported with --fault-tolerant (its "
-                              "partial gradients inside a replica are not verified); leave it unset")
+        if (self.replica_dp * self.cp) % self.ep:
+            raise ConfigError("--ep", f"{self.ep} with --fault-tolerant spreads experts inside one "
+                              f"replica (a replica lost must not take experts with it): must divide "
+                              f"its dp x cp = {self.replica_dp} x {self.cp} (raise --dp-shard)")
         for flag, changed, valid in (
-                ("--cp", self.cp > 1, "1"), ("--ep", self.ep > 1, "1"),
                 ("--min-dp", self.min_dp is not None, "unset: replicas come and go per step"),
-                ("--precision", self.precision != "fp32", "fp32"),
+                ("--offload", self.offload != "none", "none: the live state is copied from memory"),
                 ("--allreduce", self.allreduce != "native", "native")):
             if changed:
-                raise ConfigError(flag, "is not supported with --fault-tolerant, whose replica is the "
-                                  "pp x tp ranks of one dp index, or the tp ranks of one shard "
-                                  f"group of --dp-shard dp indices (valid: {valid})")
+                raise ConfigError(flag, "is not supported with --fault-tolerant, whose replicas "
+                                  f"reduce across each other themselves (valid: {valid})")
 
     @property
     def replica_ranks(self) -> int:
-        """--fault-tolerant: the ranks of one replica (its unit of failure): pp x tp ranks for
-        each of its dp indices (the shard group of --dp-shard under ZeRO, else one)."""
-        return self.replica_dp * self.pp * self.tp
+        """--fault-tolerant: the ranks of one replica (its unit of failure): cp x pp x tp ranks
+        for each of its dp indices (the shard group of --dp-shard under ZeRO, else one)."""
+        return self.replica_dp * self.cp * self.pp * self.tp
 
     @property
     def replica_dp(self) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.config.parallel import GRAD_CLIP, ParallelConfig
-from trainmesh.config.validation import Flag, check_fields, flags_of, setting
+from trainmesh.config.validation import INT64_MAX, Flag, check_fields, flags_of, setting
 from trainmesh.core import axes
 from trainmesh.core.errors import ConfigError
 from trainmesh.models.gpt import PRESETS, GPTConfig
@@ -95,9 +95,20 @@ class TrainConfig:
                                group="checkpoints")
     exit_after: int | None = setting(None, "stop cleanly after this step (planned preemption)", ge=1,
                                      group="checkpoints")
-    max_restarts: int | None = setting(None, "restarts of failed workers (local runs; default 0, "
-                                             "with --fault-tolerant 3 per replica)", ge=0,
-                                       group="launch")
+    max_restarts: int | None = setting(None, "restarts of failed workers by their elastic agent "
+                                             "(local runs): default 0; with --fault-tolerant 3, "
+                                             "per replica (a restarted replica copies the live "
+                                             "state, the others go on)", ge=0, group="launch")
+    coordinator: str | None = setting(None, "--fault-tolerant across hosts: HOST:PORT of the "
+                                            "`trainmesh coordinator` (several, comma-separated, "
+                                            "or @FILE listing them: tried in turn when it is "
+                                            "lost); this host runs replica --replica-id",
+                                      group="launch")
+    replica_id: int | None = setting(None, "with --coordinator: the replica this host runs, "
+                                           "0 .. --replicas - 1", ge=0, group="launch")
+    replicas: int | None = setting(None, "with --coordinator: the run's replicas (--dp defaults "
+                                         "to replicas x the dp indices of one replica)", ge=1,
+                                   group="launch")
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
                                              "(pipeline runs)", path=True, group="observability")
     eval_every: int | None = setting(None, "validation loss on the held-out split (the last 5 percent "
@@ -132,25 +143,40 @@ class TrainConfig:
         return 3 if self.parallel.fault_tolerant else 0
 
     def _check_fault_tolerant(self) -> None:
-        """What a --fault-tolerant run cannot protect yet: refused, naming the flag."""
-        why = {"--save-dir": self.save_dir is not None and "replicas keep the live state; "
-                             "checkpoints are not written by fault-tolerant runs yet",
-               "--eval-every": self.eval_every is not None and "evaluation is not run by "
-                               "fault-tolerant replicas yet",
-               "--trace-out": self.trace_out is not None and "traces need a fixed world",
-               "--tensorboard": self.tensorboard is not None and "only the metrics file is "
-                                "written by fault-tolerant runs",
-               "--model-dir": self.model_dir is not None and "fault-tolerant runs train the "
+        """What a --fault-tolerant run cannot protect: refused, naming the flag; the flags of a
+        run across hosts."""
+        p = self.parallel
+        across = {"--coordinator": self.coordinator, "--replica-id": self.replica_id,
+                  "--replicas": self.replicas}
+        if not p.fault_tolerant:
+            for flag, value in across.items():
+                if value is not None:
+                    raise ConfigError(flag, "runs a replica of a fault-tolerant run across hosts; "
+                                      "needs --fault-tolerant")
+            return
+        why = {"--model-dir": self.model_dir is not None and "fault-tolerant runs train the "
                               "built-in GPT",
                "--on-nonfinite": self.on_nonfinite != "stop" and "a skipped step is not "
                                  "supported by fault-tolerant runs (valid: stop)"}
         for flag, reason in why.items():
             if reason:
                 raise ConfigError(flag, f"is not supported with --fault-tolerant: {reason}")
-        if self.global_batch < self.parallel.dp:
-            raise ConfigError("--global-batch", f"must be at least --dp {self.parallel.dp} with "
+        if any(v is not None for v in across.values()):
+            missing = [flag for flag, value in across.items() if value is None]
+            if missing:
+                raise ConfigError(missing[0], "a replica of a run across hosts needs --coordinator "
+                                  "HOST:PORT, --replica-id I and --replicas R")
+            if self.replicas != p.replicas:
+                raise ConfigError("--replicas", f"{self.replicas} disagrees with the layout: --dp "
+                                  f"{p.dp} makes {p.replicas} replicas of {p.replica_dp} dp "
+                                  "index(es) (leave --dp unset to derive it)")
+            if self.replica_id >= self.replicas:
+                raise ConfigError("--replica-id", f"must be in 0..{self.replicas - 1} (--replicas "
+                                  f"{self.replicas}); got {self.replica_id}")
+            _check_coordinator(self.coordinator)
+        if self.global_batch < p.dp:
+            raise ConfigError("--global-batch", f"must be at least --dp {p.dp} with "
                               "--fault-tolerant (each replica takes rows of it)")
-        p = self.parallel
         whole = math.lcm(*range(1, p.replicas + 1)) * p.microbatches
         if p.pp > 1 and self.global_batch % whole:
             raise ConfigError("--global-batch", f"must be divisible by {whole} with --fault-tolerant "
@@ -178,8 +204,7 @@ class TrainConfig:
             if not self.timeline_out.endswith((".svg", ".png")):
                 raise ConfigError("--timeline-out", f"must end in .svg or .png; got {self.timeline_out!r}")
         p = self.parallel
-        if p.fault_tolerant:
-            self._check_fault_tolerant()
+        self._check_fault_tolerant()
         per = p.dp * p.microbatches
         if self.global_batch % per and not p.fault_tolerant:   # fault-tolerant: split unevenly
             raise ConfigError("--global-batch", f"must be divisible by dp x microbatches = {p.dp} x "
@@ -301,10 +326,28 @@ def read_toml(path: str) -> dict[str, Any]:
     return flat
 
 
+def _check_coordinator(spec: str) -> None:
+    """--coordinator: ``HOST:PORT[,HOST:PORT...]`` (ports 1..65535), or ``@FILE`` (read by the
+    replica at each connection: the file may name other addresses later)."""
+    if spec.startswith("@") and len(spec) > 1:
+        return
+    for address in (a.strip() for a in spec.split(",")):
+        host, sep, port = address.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError("--coordinator", "must be HOST:PORT of `trainmesh coordinator` "
+                              "(several comma-separated, or @FILE listing them; e.g. "
+                              f"10.0.0.1:29400); got {spec!r}")
+
+
 def build_train_config(values: dict[str, Any]) -> TrainConfig:
     """{field: value} (from TOML and flags) -> a validated TrainConfig."""
     par = {k: v for k, v in values.items() if k in PARALLEL_FIELDS}
     rest = {k: v for k, v in values.items() if k in TRAIN_FIELDS}
+    replicas = rest.get("replicas")
+    if (type(replicas) is int and 1 <= replicas <= INT64_MAX   # else its own check names it
+            and "dp" not in par):   # a replica across hosts: dp from R
+        shard = par.get("dp_shard") if par.get("zero", 0) else None
+        par["dp"] = replicas * (shard if type(shard) is int and 1 <= shard <= INT64_MAX else 1)
     for name, value in TRAIN_DEFAULTS.items():   # trainmesh train's own defaults (docs/CLI.md)
         par.setdefault(name, value)
     return TrainConfig(parallel=ParallelConfig(**par), **rest)

@@ -92,3 +92,24 @@ class Executor(Protocol):
         """Forward only (no gradients, no hooks of the DP strategy's backward) over every
         microbatch; (loss_sum, token_count) of this rank, zeros where it holds no loss."""
         ...
+
+
+Across = Callable[[torch.Tensor], None]
+"""Sums a tensor in place over the fault-tolerant replicas present
+(:meth:`~trainmesh.engine.engine.Engine.compute`)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A computed step, not yet taken (:meth:`~trainmesh.engine.engine.Engine.compute`)."""
+
+    loss: float
+    """Mean loss over every token of the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping (0 where fp16 overflowed)."""
+    overflow: bool
+    """fp16: some gradient element overflowed; the step is skipped, the scale backs off."""
+    nonfinite: str | None
+    """Why the step is non-finite (never applied), or None."""
+    moe: torch.Tensor | None = None
+    """The MoE layers' summed counts (:meth:`~trainmesh.engine.moe_metrics.MoEMetrics.reduce`)."""

@@ -161,14 +161,16 @@ class GradSync(ABC):
         engine sums them over the world along with the loss."""
         return [self.local_unused()]
 
-    def agree_unused(self, anywhere: Sequence[bool]) -> None:
+    def agree_unused(self, anywhere: Sequence[bool], across: Callable[[torch.Tensor], None] | None = None
+                     ) -> None:
         """The unused check: ``anywhere`` (per part of :meth:`unused_counts`: some rank of the
         world has an unused parameter of it, from the engine's one reduction of the step's
-        totals) costs one all-reduce over the group of a flag per parameter; a parameter no rank
-        of the group used gets no update this step (:meth:`step`), one used on some ranks keeps
-        its reduced gradient, as DDP's ``find_unused_parameters``."""
+        totals) costs one all-reduce over the group of a flag per parameter (and ``across``
+        the fault-tolerant replicas present); a parameter no rank of the group used gets no
+        update this step (:meth:`step`), one used on some ranks keeps its reduced gradient, as
+        DDP's ``find_unused_parameters``."""
         self.readiness.agree(any(anywhere), self.comm, self.axis, self.device,
-                             replicate=self.reductions.replicate)
+                             replicate=self.reductions.replicate, across=across)
 
     def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
         """Before a backward pass (unused parameters allowed): the parameters it goes through

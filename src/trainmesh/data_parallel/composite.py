@@ -70,11 +70,12 @@ class CompositeSync(GradSync):
     def unused_counts(self) -> list[int]:
         return [n for part in self.parts for n in part.unused_counts()]
 
-    def agree_unused(self, anywhere: Sequence[bool]) -> None:
+    def agree_unused(self, anywhere: Sequence[bool], across: Callable[[torch.Tensor], None] | None = None
+                     ) -> None:
         at = 0
         for part in self.parts:          # only a part with an unused parameter somewhere talks
             n = len(part.unused_counts())
-            part.agree_unused(anywhere[at : at + n])
+            part.agree_unused(anywhere[at : at + n], across)
             at += n
 
     def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
@@ -129,6 +130,24 @@ class CompositeSync(GradSync):
             names = [n for n, _ in part.named_params]
             part.load_logical_state({n: params[n] for n in names if n in params},
                                     {n: optim[n] for n in names if n in optim})
+
+    def local_shards(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        """Each part's :meth:`~trainmesh.data_parallel.sharded.ShardedSync.local_shards`,
+        named ``part<i>/...`` (fault-tolerant replicas of shard groups)."""
+        params: list[tuple[str, torch.Tensor]] = []
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for i, part in enumerate(self.parts):
+            p, o = part.local_shards()
+            params += [(f"part{i}/{n}", t) for n, t in p]
+            optim.update({f"part{i}/{n}": v for n, v in o.items()})
+        return params, optim
+
+    def load_local_shards(self, params: dict[str, torch.Tensor],
+                          optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        for i, part in enumerate(self.parts):   # collectives: part by part, on every rank
+            mine = f"part{i}/"
+            part.load_local_shards({n[len(mine):]: t for n, t in params.items() if n.startswith(mine)},
+                                   {n[len(mine):]: v for n, v in optim.items() if n.startswith(mine)})
 
     def optimizer_params(self) -> list[torch.Tensor]:
         return [t for part in self.parts for t in part.optimizer_params()]

@@ -16,6 +16,8 @@ same order.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -108,10 +110,11 @@ class Readiness:
         return sum(id(p) not in self.used for _, p in self.named)
 
     def agree(self, anywhere: bool, comm: Comm, axis: str, device: torch.device, *,
-              replicate: str | None = None) -> None:
+              replicate: str | None = None,
+              across: Callable[[torch.Tensor], None] | None = None) -> None:
         """``anywhere`` (some rank of the world has an unused parameter): one all-reduce over
-        ``axis`` (and ``replicate``, HSDP) of a flag per parameter; :attr:`unused` then lists
-        those no rank used."""
+        ``axis`` (and ``replicate``, HSDP; and ``across`` the fault-tolerant replicas present)
+        of a flag per parameter; :attr:`unused` then lists those no rank used."""
         self.unused = []
         if not anywhere:
             return
@@ -121,6 +124,8 @@ class Readiness:
             comm.all_reduce(flags, axis)
         if replicate is not None and flags.numel():
             comm.all_reduce(flags, replicate)
+        if across is not None:   # every replica present: the same count of flags
+            across(flags)
         self.unused = [p for (_, p), f in zip(self.named, flags.tolist()) if f == 0.0]
 
     def end_step(self) -> None:

@@ -290,8 +290,9 @@ class ShardedSync(GradSync):
     def local_shards(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
         """This rank's flat shards (``shard<i>``, one per optimizer group) and their optimizer
         states, as held (no collective): what the same rank of another replica holds (HSDP,
-        fault-tolerant replicas). fp32 without offload only."""
-        assert self.optimizer is not None and self.master is None, "fp32 shards in memory only"
+        fault-tolerant replicas); in mixed precision the shards are the fp32 masters. Shards in
+        memory only (no offload)."""
+        assert self.optimizer is not None and self.offloaded is None, "shards in memory only"
         optim = {f"shard{gi}": {**{k: v for k, v in self.optimizer.state.get(sp, {}).items()
                                    if elementwise(v, sp)}, **self.stepper.local_state(gi)}
                  for gi, sp in enumerate(self.shard_params)}
@@ -302,7 +303,7 @@ class ShardedSync(GradSync):
                           optim: dict[str, dict[str, torch.Tensor]]) -> None:
         """Take :meth:`local_shards` of the same rank of another replica; then (collective over
         the group, every rank) make the parameters whole again."""
-        assert self.optimizer is not None and self.master is None, "fp32 shards in memory only"
+        assert self.optimizer is not None and self.offloaded is None, "shards in memory only"
         for gi, sp in enumerate(self.shard_params):
             sp.data.copy_(params[f"shard{gi}"])
             entries = optim.get(f"shard{gi}", {})
@@ -311,6 +312,8 @@ class ShardedSync(GradSync):
             if state:
                 self.optimizer.state[sp] = state
             self.stepper.load_local_state(gi, {k: v for k, v in entries.items() if not elementwise(v, sp)})
+        if self.master is not None:   # the 16-bit shards from the fp32 masters
+            self.master.copy_to_params()
         self._after_load()
 
     @abstractmethod

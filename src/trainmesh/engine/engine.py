@@ -38,11 +38,10 @@ from trainmesh.comm import Comm
 from trainmesh.comm.ledger import Span
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.axes import LATER, kind_groups, sequence_groups
-from trainmesh.core.compat import set_last_lr
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
-from trainmesh.core.step import Executor, LossFn, StepHooks
+from trainmesh.core.step import Across, Executor, LossFn, StepHooks, StepResult
 from trainmesh.data.corpus import split_microbatches
 from trainmesh.data_parallel import (
     frozen_named_parameters,
@@ -56,12 +55,12 @@ from trainmesh.engine.executor import LocalExecutor
 from trainmesh.engine.materialize import InitFn, materialize, materialize_buffers
 from trainmesh.engine.moe_metrics import MoEMetrics, model_stats
 from trainmesh.engine.precision import Precision
+from trainmesh.engine.train_state import TrainState
 from trainmesh.observe.flops import model_flops_per_token
 from trainmesh.observe.metrics import storage_bytes
 
 if TYPE_CHECKING:
     from trainmesh.pipeline_parallel.schedules import Timeline
-
 
 class Engine:
     """Trains ``model`` under ``config`` on the mesh (docs/API.md)."""
@@ -121,11 +120,17 @@ class Engine:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
         self.moe = MoEMetrics(model_stats(model), self.comm)
         """The MoE layers' aux loss and routing counts, per step and over the run."""
-        self.step_count = 0
+        self.state = TrainState(self.optimizer, self.lr_scheduler, self.precision, self.device)
+        """Step count, learning rates, LR schedule, loss scaler, RNG: saved and restored as one."""
         self.last: dict[str, Any] = {}
         self.state_bytes = {"params": 0, "grads": 0, "optimizer": 0}
         self.offloaded_bytes = {"cpu": 0, "nvme": 0}
         """Model-state bytes kept off the compute device (--offload), measured with state_bytes."""
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (:attr:`state`)."""
+        return self.state.step
 
     # ---------------------------------------------------------------- set-up
     def _split_layers(self, model: nn.Module, tp_plan: dict[str, str] | None) -> nn.Module:
@@ -256,6 +261,15 @@ class Engine:
             raise TypeError("train_step takes a batch or microbatches=[...], exactly one of them")
         if microbatches is None:
             microbatches = split_microbatches(batch, self.config.microbatches)
+        return self.apply(self.compute(microbatches))
+
+    def compute(self, microbatches: list, across: Across | None = None) -> StepResult:
+        """The step up to, not including, its update: forward and backward of this rank's
+        ``microbatches``; the loss, the token count and the gradient summed over the world (and,
+        given ``across``, over the fault-tolerant replicas: after the world's sums, before
+        anything depends on them) and scaled to the mean over every token of the global batch;
+        the global norm and fp16's overflow decided. Nothing of the training state changes:
+        :meth:`apply` takes the step, :meth:`discard` drops it."""
         microbatches = self._cp_share(microbatches)
         self.comm.ledger.begin_step()
         self.moe.begin_step(self.precision.loss_scale)
@@ -272,38 +286,60 @@ class Engine:
             sums += self.grad_sync.replica_slots(count if holds_loss else 0.0)
         totals = torch.tensor(sums, dtype=torch.float64)
         self.comm.all_reduce(totals, "world")
+        if across is not None:
+            across(totals)
         global_loss, tokens = (totals[0] / totals[1]).item(), totals[1].item()
-        self.grad_sync.agree_unused([totals[2 + i].item() > 0 for i in range(len(unused))])
+        # a parameter no rank of any replica present used gets no update (the same on each)
+        self.grad_sync.agree_unused([totals[2 + i].item() > 0 for i in range(len(unused))],
+                                    across=across)
         if diloco:   # the mean over the replica's own tokens
             tokens = totals[len(sums) - self.grad_sync.n_replicas + self.grad_sync.replica].item()
         self.grad_sync.finish(1.0 / (tokens * self.precision.loss_scale))
+        if across is not None:   # linear: the same whether before or after finish's scaling
+            for g in self.grad_sync.reduced_grads():
+                across(g)
         self._complete_partial_grads()
         self.state_bytes = self.measure_state()
         self.offloaded_bytes = self.grad_sync.offloaded_bytes()
-        skip = self.precision.should_skip(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
-        norm = 0.0 if skip else (self.grad_sync.local_norm(self._counted_in_norm) if diloco
-                                 else self.grad_norm())
-        nonfinite = self._nonfinite(global_loss, norm)   # never applied; the caller's policy decides
-        skip = skip or nonfinite is not None
+        overflow = self.precision.overflowed(self.grad_sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
+        norm = 0.0 if overflow else (self.grad_sync.local_norm(self._counted_in_norm) if diloco
+                                     else self.grad_norm())
+        moe = self.moe.reduce(holds=self.mesh.index("tp") == 0 or self.config.sequence_parallel,
+                              across=across)
+        return StepResult(global_loss, norm, overflow, self._nonfinite(global_loss, norm, overflow), moe)
+
+    def apply(self, result: StepResult) -> float:
+        """Take the step :meth:`compute` prepared: the loss scaler moves, the gradients are
+        clipped by the global norm and the optimizer steps (unless fp16 overflowed or the step
+        is non-finite: never applied, the caller's policy decides), then the LR schedule and
+        the step count. Returns the step's loss."""
+        self.precision.commit(result.overflow)
+        skip = result.overflow or result.nonfinite is not None
+        norm = result.grad_norm
         if not skip:
             if self.config.grad_clip > 0 and norm > self.config.grad_clip:
                 self.grad_sync.clip(self.config.grad_clip / (norm + 1e-6))
             self.grad_sync.step()
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.lr_scheduler is not None and not skip:
-            self.lr_scheduler.step()
+        self.state.advance(applied=not skip)
         self.grad_sync.zero_grad()
-        moe = self.moe.end_step(holds=self.mesh.index("tp") == 0 or self.config.sequence_parallel)
+        moe = self.moe.record(result.moe)
         self.comm.end_step()   # with TRAINMESH_CHECK_COLLECTIVES=1: the ranks compare their collectives
-        self.step_count += 1
-        self.last = {"loss": global_loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}
-        if diloco:   # no global gradient; "outer" marks the steps that synchronised
+        self.last = {"loss": result.loss, "grad_norm": norm, "lr": lr, **self.precision.metrics()}
+        if self.config.strategy == "diloco":   # no global gradient; "outer" marks the steps that synchronised
             self.last.update(grad_norm=None, **({"outer": True} if self.grad_sync.synced else {}))
-        if nonfinite:
-            self.last["nonfinite"] = nonfinite
+        if result.nonfinite:
+            self.last["nonfinite"] = result.nonfinite
         if moe is not None:
             self.last["moe"] = moe
-        return global_loss
+        return result.loss
+
+    def discard(self) -> None:
+        """Drop the step :meth:`compute` prepared: the gradients are zeroed, the weights, the
+        optimizer, the schedule and the loss scaler stay as they were (the step is attempted
+        again)."""
+        self.grad_sync.zero_grad()
+        self.comm.end_step()
 
     def _cp_share(self, microbatches: list) -> list:
         """Context parallelism: this CP rank's two zigzag chunks of every sequence (dim 1 of
@@ -314,13 +350,13 @@ class Engine:
         from trainmesh.context_parallel import shard_batch
         return [shard_batch(mb, self.mesh.index("cp"), cp) for mb in microbatches]
 
-    def _nonfinite(self, loss: float, norm: float) -> str | None:
+    def _nonfinite(self, loss: float, norm: float, overflow: bool) -> str | None:
         """What makes this step non-finite (the same on every rank: all inputs are reduced)."""
         if not math.isfinite(loss):
             return f"loss {loss}"
         if not math.isfinite(norm):
             return f"grad_norm {norm}"
-        return self.precision.nonfinite()
+        return self.precision.nonfinite(overflow)
 
     def evaluate(self, batches: list[Any]) -> float:
         """Mean loss over every token of this DP rank's ``batches`` and the other ranks': forward
@@ -419,45 +455,17 @@ class Engine:
         return write(path, self.grad_sync, self.comm, step=self.step_count,
                      layout=self.config.layout(), placements=self.placements,
                      untrained=untrained_state(self.module),
-                     trainer_state={**self.checkpoint_state(), **(trainer_state or {})})
+                     # the whole model's record (tied aliases, a Hugging Face config): a stage too
+                     trainer_state={**self.state.state_dict(), **model_record(self.model),
+                                    **(trainer_state or {})})
 
     def load(self, path: str) -> dict[str, Any]:
         """Collective: resume from the newest checkpoint under ``path``, in this layout; returns
         the trainer state saved with it."""
         state = checkpoint.load(path, self.grad_sync, self.comm, self.placements,
                                 untrained_state(self.module))
-        self.restore_checkpoint_state(state)
+        self.state.load_state_dict(state)
         return state
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Step, learning rates, LR schedule and loss scaler: the non-tensor training state."""
-        state: dict[str, Any] = {"step": self.step_count,
-                                 "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
-                                 "precision": self.precision.state_dict()}
-        if self.lr_scheduler is not None:
-            state["lr_scheduler"] = {"last_epoch": self.lr_scheduler.last_epoch,
-                                     "last_lr": self.lr_scheduler.get_last_lr()}
-        state.update(model_record(self.model))   # tied aliases, a Hugging Face config (whole model: a pipeline stage too)
-        return state
-
-    def apply_lr_schedule(self) -> None:
-        """Set each group's learning rate from the LR scheduler at its current step (after
-        :meth:`load` under a changed schedule: the next step follows this run's schedule)."""
-        sched = self.lr_scheduler
-        if sched is None:
-            return
-        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-            group["lr"] = base * factor(sched.last_epoch)
-
-    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.step_count = state["step"]
-        for group, lr in zip(self.optimizer.param_groups, state["group_lrs"]):
-            group["lr"] = lr
-        if self.lr_scheduler is not None and "lr_scheduler" in state:
-            self.lr_scheduler.last_epoch = state["lr_scheduler"]["last_epoch"]
-            set_last_lr(self.lr_scheduler, state["lr_scheduler"]["last_lr"])
-        if "precision" in state:
-            self.precision.load_state_dict(state["precision"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated, unsharded model weights (identical on every rank for DDP; under

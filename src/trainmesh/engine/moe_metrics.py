@@ -1,7 +1,7 @@
 """The MoE layers' report per step: the aux loss and the load, summed over the world.
 
 The layers write into their model's :class:`~trainmesh.models.moe.MoEStats` (this rank's
-sequences and routed slots); :meth:`MoEMetrics.end_step` adds them over every rank in one
+sequences and routed slots); :meth:`MoEMetrics.reduce` adds them over every rank in one
 all-reduce (TP ranks hold the same tokens: only TP index 0 contributes, unless sequence
 parallelism gives each its own chunk; where a sequence is split over ranks each reports its
 part of the aux loss and its share of the sequences; a pipeline stage
@@ -18,6 +18,7 @@ The run's totals (:attr:`MoEMetrics.expert_tokens`, global; :attr:`MoEMetrics.ro
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,17 +54,29 @@ class MoEMetrics:
             self.stats.reset()
             self.stats.loss_scale = loss_scale
 
-    def end_step(self, *, holds: bool) -> dict[str, Any] | None:
-        """Collective over the world (where the model has MoE layers): the step's ``"moe"``."""
+    def reduce(self, *, holds: bool, across: Callable[[torch.Tensor], None] | None = None
+               ) -> torch.Tensor | None:
+        """Collective over the world (and ``across`` fault-tolerant replicas): the step's
+        counts, aux-loss sums and sequence counts, summed; nothing recorded yet."""
         s = self.stats
         if s is None:
             return None
-        self.routed += s.counts
-        self.received += s.received
         flat = torch.cat([s.counts.flatten(), s.aux_sum, s.sequences])
         if not holds:
             flat.zero_()
         self.comm.all_reduce(flat, "world")
+        if across is not None:
+            across(flat)
+        return flat
+
+    def record(self, flat: torch.Tensor | None) -> dict[str, Any] | None:
+        """The step is taken: add :meth:`reduce`'s totals (and this rank's own counts) to the
+        run's; the step's ``"moe"`` entry."""
+        s = self.stats
+        if s is None or flat is None:
+            return None
+        self.routed += s.counts
+        self.received += s.received
         n = s.n_layers * s.n_experts
         counts = flat[:n].view(s.n_layers, s.n_experts)
         aux_sum, sequences = flat[n:n + s.n_layers], flat[n + s.n_layers:]

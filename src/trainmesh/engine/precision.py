@@ -117,24 +117,39 @@ class Precision:
 
     def should_skip(self, grads_finite: torch.Tensor | Callable[[], torch.Tensor],
                     all_reduce_min: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-        """fp16: whether every rank skips this step (an overflow on any rank, in any shard);
-        updates the loss scale. Never skips otherwise (and computes and sends nothing).
-        ``grads_finite``: this rank's 1.0/0.0 flag, or a function computing it (called only
-        when needed: checking every gradient element costs a pass over them)."""
+        """fp16: whether every rank skips this step (:meth:`overflowed`), the scaler updated
+        at once (:meth:`commit`). Never skips otherwise."""
+        self.commit(self.overflowed(grads_finite, all_reduce_min))
+        return self.skipped
+
+    def overflowed(self, grads_finite: torch.Tensor | Callable[[], torch.Tensor],
+                   all_reduce_min: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """fp16: whether some gradient element on some rank, in some shard, is inf/NaN (every
+        rank gets the same answer); the scaler is left as it is until :meth:`commit`. Always
+        False otherwise (and computes and sends nothing). ``grads_finite``: this rank's
+        1.0/0.0 flag, or a function computing it (called only when needed: checking every
+        gradient element costs a pass over them)."""
         self._step_scale = self.loss_scale
         if self.scaler is None:
             return False
         if callable(grads_finite):
             grads_finite = grads_finite()
         flag = all_reduce_min(grads_finite.detach().reshape(1).to(torch.float32).clone())
-        finite = bool(flag.item() >= 1.0)
-        self.scaler.update(finite)
-        self.skipped = not finite
-        return self.skipped
+        return not bool(flag.item() >= 1.0)
 
-    def nonfinite(self) -> str | None:
-        """fp16: why this step's overflow is a failure (it happened at the minimum scale)."""
-        if self.scaler is None or not self.skipped or self._step_scale > self.scaler.min_scale:
+    def commit(self, overflowed: bool) -> None:
+        """The step is taken (applied, or skipped for its overflow): the scale backs off or
+        grows. A step attempt that is discarded instead (fault tolerance) never calls it."""
+        if self.scaler is None:
+            return
+        self.scaler.update(not overflowed)
+        self.skipped = overflowed
+
+    def nonfinite(self, overflowed: bool | None = None) -> str | None:
+        """fp16: why this step's overflow is a failure (it happened at the minimum scale).
+        ``overflowed``: the step's :meth:`overflowed` (default: the last committed step's)."""
+        overflowed = self.skipped if overflowed is None else overflowed
+        if self.scaler is None or not overflowed or self._step_scale > self.scaler.min_scale:
             return None
         return f"gradients overflow fp16 at the minimum loss scale {self._step_scale:g}"
 

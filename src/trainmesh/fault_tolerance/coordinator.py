@@ -1,18 +1,28 @@
-"""The coordinator of a ``--fault-tolerant`` run: a thread of the launcher that serves the
-replicas' store (loopback only, a kernel-picked port) and decides, for every step attempt, which
-replicas take part (the quorum) and whether the attempt is applied (the commit).
+"""The coordinator of a ``--fault-tolerant`` run: it serves the replicas' store (on one address
+only: loopback for a run on one host, the ``--bind`` address of ``trainmesh coordinator``) and
+decides, for every step attempt, which replicas take part (the quorum) and whether the attempt
+is applied (the commit).
 
 Every replica reads the same decision from the store, so membership, the split of the global
-batch and the outcome of a step can never differ between replicas. The coordinator also writes
-the metrics file (the step rows the members report, ``quorum`` events where membership changes,
-``discarded`` events for step attempts not applied) and keeps the counts of the summary.
+batch and the outcome of a step can never differ between replicas. Its state (the members, the
+last committed step, who holds the live state, the run's last step) is rebuilt from the
+replicas' requests, so a coordinator started again, empty, goes on where the dead one stopped:
+the last committed step is the newest one a replica applied (a replica applies a step only
+after reading its commit), every replica behind it copies the live state. A run on one host
+runs it as a thread of the launcher, which also has it write the metrics file (the records the
+replicas post, ``quorum`` events where membership changes, ``discarded`` events for step
+attempts not applied) and keep the summary's counts.
 docs/FAULT_TOLERANCE.md describes the protocol.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +30,7 @@ from typing import Any
 from trainmesh.core.stores import LOOPBACK, client_store, server_store
 from trainmesh.observe.metrics import MetricsWriter
 
+from .inject import COORDINATOR, Injector
 from .protocol import (
     DONE,
     HEARTBEAT_TIMEOUT_S,
@@ -31,6 +42,9 @@ from .protocol import (
 )
 
 log = logging.getLogger("trainmesh")
+REJOIN_GRACE_S = 1.0
+"""A coordinator started again: how long its first quorum waits for every replica to find it
+before going on with those whose heartbeat it sees."""
 
 
 @dataclass
@@ -50,21 +64,27 @@ class Tally:
 
 
 class Coordinator:
-    """Decides quorums and commits for ``replicas`` replicas until step ``last`` is committed.
+    """Decides quorums and commits for ``replicas`` replicas until the last step is committed
+    (``last``, or the one the replicas' requests name).
 
     ``startup_timeout_s`` bounds the wait for the first quorum (every replica), ``step_timeout_s``
-    the wait for a member's outcome (its collective timeout plus slack)."""
+    the wait for a member's outcome (default: the members' collective timeout plus slack).
+    ``metrics_out``: write the replicas' records there (a run on one host), each handed to
+    ``also`` too (its TensorBoard)."""
 
-    def __init__(self, *, replicas: int, last: int, metrics_out: str | None, tokens: int,
-                 startup_timeout_s: float = 300.0, step_timeout_s: float = 330.0,
-                 notify: Callable[[str], None] | None = None) -> None:
-        self.replicas, self.last, self.tokens = replicas, last, tokens
+    def __init__(self, *, replicas: int, host: str = LOOPBACK, port: int = 0, last: int | None = None,
+                 metrics_out: str | None = None, startup_timeout_s: float = 300.0,
+                 step_timeout_s: float | None = None,
+                 notify: Callable[[str], None] | None = None,
+                 also: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.replicas, self.last = replicas, last
         self.notify = notify or log.info
         """Where the one-line notices of membership changes and discarded steps go."""
         self.startup_timeout_s, self.step_timeout_s = startup_timeout_s, step_timeout_s
-        self._server = server_store(LOOPBACK, timeout_s=step_timeout_s, multi_tenant=True)
-        self.address = f"{LOOPBACK}:{self._server.port}"
-        self.metrics = MetricsWriter(metrics_out)
+        self._server = server_store(host, port, timeout_s=startup_timeout_s, multi_tenant=True)
+        self.address = f"{host}:{self._server.port}" if ":" not in host else f"[{host}]:{self._server.port}"
+        self._server.set("epoch", uuid.uuid4().hex)
+        self.metrics = MetricsWriter(metrics_out, also=also)
         self.tally = Tally()
         self.error: str | None = None
         """Why the run could not go on (None: it reached its last step, or was stopped)."""
@@ -75,6 +95,11 @@ class Coordinator:
         self._suspects: set[int] = set()
         """Members lost during the last attempt: the next quorum does not wait for them (they
         are let in if they ask in time)."""
+        self._posters: dict[tuple[int, str], int] = {}
+        """(replica, incarnation) -> the number of the next record it posts."""
+        self._written: set[tuple[str, int]] = set()
+        self._transfer: dict[int, float] = {}
+        self._inject = Injector(COORDINATOR, 0)
         self._thread = threading.Thread(target=self._run, name="trainmesh-ft-coordinator", daemon=True)
 
     # ---------------------------------------------------------------- life cycle
@@ -82,16 +107,31 @@ class Coordinator:
         self._thread.start()
 
     def stop(self) -> None:
-        """Every agent has ended: stop waiting for replicas."""
+        """Every replica has ended: stop waiting for them."""
         self._stop.set()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    def serve(self) -> None:
+        """Run in this thread until the last step is committed (``trainmesh coordinator``)."""
+        self._run()
+
+    def linger(self, bound_s: float = 60.0) -> None:
+        """After the last commit: until no replica has beaten for the heartbeat timeout (they
+        have read it and left), at most ``bound_s``."""
+        store = getattr(self, "_store", None)
+        deadline = time.monotonic() + bound_s
+        while store is not None and time.monotonic() < deadline:
+            if not any(self._alive(store, r) for r in range(self.replicas)):
+                return
+            time.sleep(POLL_S * 5)
+
     def _run(self) -> None:
         store = None
         try:
-            store = client_store(self.address, timeout_s=self.step_timeout_s)
+            store = client_store(self.address, timeout_s=self.startup_timeout_s)
+            self._store = store
             self._loop(store)
         except _Stopped:
             pass
@@ -102,8 +142,8 @@ class Coordinator:
                 store.set(DONE, str(self.committed))
 
     # ---------------------------------------------------------------- liveness
-    def _alive(self, store: Any, replica: int, incarnation: int) -> bool:
-        """Whether the heartbeat of ``replica`` in ``incarnation`` changed recently."""
+    def _alive(self, store: Any, replica: int, incarnation: str | None = None) -> bool:
+        """Whether the heartbeat of ``replica`` (in ``incarnation``, if given) changed recently."""
         now = time.monotonic()
         if store.check([key("hb", replica)]):
             beat = store.get(key("hb", replica)).decode()
@@ -111,8 +151,8 @@ class Coordinator:
             if seen is None or seen[0] != beat:
                 self._beats[replica] = (beat, now)
         seen = self._beats.get(replica)
-        return (seen is not None and seen[0].split(":")[0] == str(incarnation)
-                and now - seen[1] < HEARTBEAT_TIMEOUT_S)
+        return (seen is not None and now - seen[1] < HEARTBEAT_TIMEOUT_S
+                and (incarnation is None or seen[0].rsplit(":", 1)[0] == incarnation))
 
     def _requests(self, store: Any, q: int) -> dict[int, Request]:
         keys = [key("req", q, r) for r in range(self.replicas)]
@@ -120,16 +160,14 @@ class Coordinator:
 
     # ---------------------------------------------------------------- the loop
     def _loop(self, store: Any) -> None:
-        members: list[list[int]] = []
+        members: list[list[Any]] = []
         q, began = 0, time.monotonic()
         failed_at: float | None = None   # start of the first failed attempt since the last commit
-        while self.committed < self.last:
+        while self.last is None or self.committed < self.last:
             store.set("next", str(q))
             store.set("next_step", str(self.committed + 1))
             requests = self._collect(store, q, members, began)
-            decision = self._decide(q, requests)
-            lost = [r for r, inc in members if not decision.has(r, inc)]
-            joined = [r for r, inc in decision.members if [r, inc] not in members]
+            decision = self._decide(q, requests, members)
             store.set(key("dec", q), decision.encode())
             if decision.abort:
                 self.error = decision.abort
@@ -137,24 +175,23 @@ class Coordinator:
             for req in requests.values():
                 pids = self.tally.pids.setdefault(req.replica, [])
                 pids += [pid for pid in req.pids or [req.pid] if pid not in pids]
-            if q > 0 and (lost or joined):
-                event = {"event": "quorum", "step": decision.step, "replicas": len(decision.members),
-                         "lost": lost, "joined": joined}
-                if failed_at is not None:
-                    event["recovering_s"] = round(time.monotonic() - failed_at, 3)
-                elif lost:   # lost between two steps: the wait for its heartbeat to stop
-                    waited = time.monotonic() - began
-                    event["recovering_s"] = round(waited, 3)
-                    self.tally.recovery_s += waited
-                self.metrics.write(event)
-                self.notify(f"trainmesh: step {decision.step}: {len(decision.members)} replicas"
-                            + (f", lost {lost}" if lost else "") + (f", joined {joined}" if joined else ""))
+                self._posters.setdefault((req.replica, req.incarnation), 0)
+            self._membership(decision, failed_at, began)
             members = decision.members
             attempt = time.monotonic()
             outcomes = self._outcomes(store, q, decision)
             ok = len(outcomes) == len(decision.members) and all(o.ok for o in outcomes)
+            if ok and not _same_step(outcomes):   # a bug, not a fault: never applied
+                store.set(key("commit", q), "0")
+                self.error = (f"internal: the members of step {decision.step} computed different "
+                              "steps: " + "; ".join(f"replica {o.replica}: loss {o.row.get('loss')}"
+                                                    f" overflow {o.row.get('overflow')}" for o in outcomes))
+                break
             nonfinite = outcomes[0].row.get("nonfinite") if ok else None
             store.set(key("commit", q), "1" if ok and not nonfinite else "0")
+            if ok and self._inject.maybe_wait_until(decision.step, "commit", lambda: any(
+                    store.check([key("req", q + 1, r)]) for r in range(self.replicas))):
+                os.kill(os.getpid(), signal.SIGKILL)   # tests: a replica applied the step
             if nonfinite:   # the same on every member (the sums are reduced): never applied
                 self.error = (f"step {decision.step}: non-finite {nonfinite} (--on-nonfinite stop); "
                               "the run stops, nothing of the step was applied")
@@ -176,17 +213,46 @@ class Coordinator:
             q += 1
             began = time.monotonic()
 
-    def _collect(self, store: Any, q: int, members: list[list[int]], began: float) -> dict[int, Request]:
-        """The requests for quorum q, once every live member of the last quorum made one (the
-        first quorum: every replica, within the start-up timeout)."""
+    def _membership(self, decision: Decision, failed_at: float | None, began: float) -> None:
+        """The ``quorum`` event and notice of a changed membership."""
+        if decision.quorum == 0 or not (decision.lost or decision.joined):
+            return
+        event = {"event": "quorum", "step": decision.step, "replicas": len(decision.members),
+                 "lost": decision.lost, "joined": decision.joined}
+        if failed_at is not None:
+            event["recovering_s"] = round(time.monotonic() - failed_at, 3)
+        elif decision.lost:   # lost between two steps: the wait for its heartbeat to stop
+            waited = time.monotonic() - began
+            event["recovering_s"] = round(waited, 3)
+            self.tally.recovery_s += waited
+        self.metrics.write(event)
+        self.notify(f"trainmesh: step {decision.step}: {len(decision.members)} replicas"
+                    + (f", lost {decision.lost}" if decision.lost else "")
+                    + (f", joined {decision.joined}" if decision.joined else ""))
+
+    def _collect(self, store: Any, q: int, members: list[list[Any]], began: float) -> dict[int, Request]:
+        """The requests for quorum q, once every live member of the last quorum made one. The
+        first quorum: every replica, within the start-up timeout; but once a request shows a
+        run under way (this coordinator was started again), those that find it within
+        :data:`REJOIN_GRACE_S` and then every replica whose heartbeat it sees."""
+        resumed_at: float | None = None
         while True:
             if self._stop.is_set():
                 raise _Stopped
+            self._drain(store)
             requests = self._requests(store, q)
+            now = time.monotonic()
             if q == 0:
                 if len(requests) == self.replicas:
                     return requests
-                if time.monotonic() - began > self.startup_timeout_s:
+                if resumed_at is None and any(r.step > 0 or r.needs_state for r in requests.values()):
+                    resumed_at = now
+                if resumed_at is not None and now - resumed_at > REJOIN_GRACE_S:
+                    waiting = [r for r in range(self.replicas)
+                               if r not in requests and self._alive(store, r)]
+                    if not waiting:
+                        return requests
+                if now - began > self.startup_timeout_s:
                     missing = sorted(set(range(self.replicas)) - set(requests))
                     raise RuntimeError(f"replicas {missing} did not start within "
                                        f"{self.startup_timeout_s:.0f} s")
@@ -197,29 +263,48 @@ class Coordinator:
                     return requests
             time.sleep(POLL_S)
 
-    def _decide(self, q: int, requests: dict[int, Request]) -> Decision:
+    def _decide(self, q: int, requests: dict[int, Request], previous: list[list[Any]]) -> Decision:
         members = [[r, requests[r].incarnation] for r in sorted(requests)]
+        now = time.monotonic()
+        for r, inc in members:   # its request is a sign of life: its beats may not be here yet
+            seen = self._beats.get(r)
+            if seen is None or seen[0].rsplit(":", 1)[0] != inc:
+                self._beats[r] = (f"{inc}:asked", now)
+        lost = [r for r, inc in previous if [r, inc] not in members]
+        joined = [r for r, inc in members if [r, inc] not in previous] if previous else []
+        lasts = {req.last for req in requests.values()}
+        if len(lasts) > 1:
+            return Decision(q, members, abort=f"the replicas disagree on the last step ({sorted(lasts)}); "
+                                              "start them with the same --steps and --exit-after")
+        self.last = self.last or lasts.pop()
+        if self.step_timeout_s is None:
+            self.step_timeout_s = max(req.timeout_s for req in requests.values()) + 30.0
         holders = [req for req in requests.values() if not req.needs_state]
         if not holders:
             return Decision(q, members, abort=f"no replica holding the live state is left (the "
                                               f"last committed step is {self.committed}); the run "
                                               "cannot go on")
         step = max(req.step for req in holders)
+        restarted = q == 0 and step > 0
+        if restarted:   # rebuilt: the newest step a replica applied was committed
+            self.committed = step
+            self.notify(f"trainmesh: coordinator at {self.address} took over at step {step + 1} "
+                        f"with replicas {sorted(requests)}")
         if step != self.committed:
             return Decision(q, members, abort=f"internal: replicas hold step {step}, but step "
                                               f"{self.committed} is the last committed")
         source = min(req.replica for req in holders if req.step == step)
         receivers = sorted(r for r, req in requests.items() if req.needs_state or req.step != step)
         return Decision(q, members, step=step + 1, source=source if receivers else None,
-                        receivers=receivers)
+                        receivers=receivers, restarted=restarted, lost=lost, joined=joined)
 
     def _outcomes(self, store: Any, q: int, decision: Decision) -> list[Outcome]:
         """Each member's outcome. A member lost meanwhile (its heartbeat stopped) or silent past
         the step timeout has none, and becomes a suspect: the next quorum does not wait for it.
         A live member is always waited for (one stuck in a collective with a failed peer fails
-        when that peer drops the group, at the latest after ``--timeout``)."""
+        when the quorum is abandoned, at the latest after ``--timeout``)."""
         got: dict[int, Outcome] = {}
-        deadline = time.monotonic() + self.step_timeout_s
+        deadline = time.monotonic() + (self.step_timeout_s or 330.0)
         first_failure: float | None = None
         while True:
             if self._stop.is_set():
@@ -239,23 +324,57 @@ class Coordinator:
             if not pending or now > deadline:
                 self._suspects = {r for r, _ in decision.members if r not in got}
                 return [got[r] for r in sorted(got)]
+            self._drain(store)
             time.sleep(POLL_S)
 
     def _committed(self, decision: Decision, outcomes: list[Outcome], failed_at: float | None) -> None:
         self.committed = decision.step
-        n = len(decision.members)
-        if n < self.replicas:
+        if len(decision.members) < self.replicas:
             self.tally.degraded_steps += 1
         if failed_at is not None:
             self.tally.recovery_s += time.monotonic() - failed_at
         self.tally.transfer_s += sum(o.row.get("state_transfer_s", 0.0) for o in outcomes)
-        row = dict(outcomes[0].row)
-        row.pop("state_transfer_s", None)
         transfer = max((o.row.get("state_transfer_s", 0.0) for o in outcomes), default=0.0)
-        row.update(replicas=n, **({"state_transfer_s": round(transfer, 4)} if transfer else {}))
-        self.final_loss = row.get("loss", self.final_loss)
-        self.metrics.write({"event": "step", "step": decision.step, **row})
+        if transfer:
+            self._transfer[decision.step] = round(transfer, 4)
+        self.final_loss = outcomes[0].row.get("loss", self.final_loss)
+
+    # ---------------------------------------------------------------- records
+    def _drain(self, store: Any) -> None:
+        """Write the records the replicas posted (a run on one host): each step's row, eval and
+        save once (every member posts its row; the first one is written)."""
+        if self.metrics.path is None:
+            return
+        for poster, n in list(self._posters.items()):
+            while store.check([k := key("rec", *poster, n)]):
+                record = json.loads(store.get(k))
+                n += 1
+                once = (record.get("event"), record.get("step"))
+                if record.get("event") in ("step", "eval", "save"):
+                    if once in self._written:
+                        continue
+                    self._written.add(once)
+                if record.get("event") == "step" and record["step"] in self._transfer:
+                    record["state_transfer_s"] = self._transfer[record["step"]]
+                self.metrics.write(record)
+            self._posters[poster] = n
+
+    def drain(self) -> None:
+        """The records posted since the loop ended (the replicas have ended)."""
+        store = getattr(self, "_store", None)
+        if store is not None:
+            self._drain(store)
+
+
+def _same_step(outcomes: list[Outcome]) -> bool:
+    """Whether every member reports the step alike: the loss (summed across them) and fp16's
+    overflow, on which each member decides alone whether it steps."""
+    def same(a: float, b: float) -> bool:
+        return a == b or (a != a and b != b) or abs(a - b) <= 1e-9 * max(1.0, abs(b))
+    first = outcomes[0].row
+    return all(o.row.get("overflow") == first.get("overflow")
+               and same(o.row.get("loss", 0.0), first.get("loss", 0.0)) for o in outcomes)
 
 
 class _Stopped(Exception):
-    """The launcher stopped the coordinator (every agent ended)."""
+    """The launcher stopped the coordinator (every replica ended)."""

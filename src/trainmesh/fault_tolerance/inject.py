@@ -16,7 +16,16 @@ several ranks, 0 by default): at step K, replica R (its rank J)
   asked into it (at most :data:`HOLD_S`), so that a restarting replica rejoins at step K whatever
   the machine's speed (once: a redo of step K does not wait again);
 - ``join``: (a restarted incarnation, ``R.I@K:join`` with I >= 1) asks back in no earlier than
-  the quorum of step K, so that a restart faster than the steps does not rejoin early.
+  the quorum of step K, so that a restart faster than the steps does not rejoin early;
+- ``report``: SIGKILLs itself after its all-reduce across replicas went through, before
+  reporting its outcome (the others' attempts succeeded, the step is discarded);
+- ``late``: after reporting its outcome of step K, waits until the coordinator is gone (at most
+  :data:`HOLD_S`) before reading the commit (the others may have read and applied it);
+- ``pause``: just before its sums across replicas, stops beating and sleeps :data:`PAUSE_S`,
+  its connections open (a partition, as the others see it: silent, not gone).
+
+``coordinator@K`` makes the coordinator SIGKILL itself once it committed step K and a replica
+asked into the next quorum (that replica applied step K).
 
 Never set it outside tests.
 """
@@ -29,7 +38,11 @@ from collections.abc import Callable
 
 from .protocol import INJECT_ENV, POLL_S
 
-POINTS = ("reduce", "fail", "send", "recv", "hold", "join")
+POINTS = ("reduce", "fail", "send", "recv", "hold", "join", "report", "late", "commit", "pause")
+PAUSE_S = 4.0
+"""Twice the heartbeat timeout: the others drop the replica and go on before it returns."""
+COORDINATOR = -1
+"""The replica field of ``coordinator@K`` entries."""
 HOLD_S = 120.0
 
 
@@ -41,6 +54,8 @@ def parse(value: str) -> list[tuple[int, int, int, str, int]]:
         who, _, step = where.partition("@")
         who, _, incarnation = who.partition(".")
         replica, _, rank = who.partition("/")
+        if replica == "coordinator":
+            replica, point = str(COORDINATOR), point or "commit"
         if (point or "reduce") not in POINTS:
             raise ValueError(f"{INJECT_ENV}: unknown point {point!r} in {item!r} ({', '.join(POINTS)})")
         out.append((int(replica), int(incarnation or 0), int(step), point or "reduce", int(rank or 0)))
@@ -72,6 +87,24 @@ class Injector:
             deadline = time.monotonic() + HOLD_S
             while not everyone_asked() and time.monotonic() < deadline:
                 time.sleep(POLL_S)
+
+    def maybe_pause(self, step: int, silence: Callable[[float], None]) -> None:
+        """``pause``: ``silence(seconds)`` stops the heartbeat; then sleep as long."""
+        if (step, "pause") in self.at:
+            self.at.discard((step, "pause"))
+            silence(PAUSE_S)
+            time.sleep(PAUSE_S)
+
+    def maybe_wait_until(self, step: int, point: str, condition: Callable[[], bool]) -> bool:
+        """``late`` (and the coordinator's ``commit``): wait until ``condition()`` (bounded);
+        whether this was the point."""
+        if (step, point) in self.at:
+            self.at.discard((step, point))
+            deadline = time.monotonic() + HOLD_S
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            return True
+        return False
 
     def maybe_wait_to_join(self, next_step: Callable[[], int]) -> None:
         """``join``: wait until the quorum being collected is that of the given step (bounded)."""

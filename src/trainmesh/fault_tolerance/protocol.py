@@ -1,27 +1,31 @@
 """The quorum protocol's records and store keys, shared by the coordinator and the replicas.
 
-Every key lives in the coordinator's store (docs/FAULT_TOLERANCE.md gives the protocol):
+Every key lives in the coordinator's store (docs/FAULT_TOLERANCE.md gives the protocol). The
+store is the coordinator's memory and nothing else: a coordinator started again has an empty
+one and rebuilds what it needs from the replicas' requests.
 
-- ``hb/{r}``: replica r's heartbeat (from its first rank), ``"{incarnation}:{counter}"``, rewritten every
-  :data:`HEARTBEAT_S`;
-- ``next``: the number of the quorum the coordinator is collecting;
+- ``epoch``: this coordinator's id, random, set before anything else (a replica that finds
+  another one after reconnecting knows the coordinator was restarted);
+- ``hb/{r}``: replica r's heartbeat (from its first rank), ``"{incarnation}:{counter}"``,
+  rewritten every :data:`HEARTBEAT_S`;
+- ``next``: the number of the quorum the coordinator is collecting; ``next_step``: the step it
+  would run;
 - ``req/{q}/{r}``: replica r asks to take part in quorum q (a :class:`Request`, from its first
-  rank; the others read the decision);
-- ``start/{r}/{i}``: the quorum replica r's incarnation i asks into first (its first rank
-  writes it, its other ranks read it);
-- ``shard/{r}/{i}/...``: the process group of replica r's ranks in incarnation i (a
-  ``PrefixStore``; replicas of several ranks);
-- ``dec/{q}``: the coordinator's decision (a :class:`Decision`), read by every replica;
+  rank, which passes the decision and the commit on to the replica's other ranks);
+- ``dec/{q}``: the coordinator's decision (a :class:`Decision`);
 - ``ok/{q}/{r}``: replica r's outcome of the step attempt of quorum q (an :class:`Outcome`,
   the one its ranks agreed on);
 - ``commit/{q}``: ``"1"`` when every member succeeded (the step is applied), else ``"0"``;
 - ``arrive/{q}/{r}/{j}``: rank j of member r is about to build quorum q's group j (every member
   waits for the others first, so a member lost meanwhile abandons q instead of a connect
   waiting for it until ``--timeout``);
-- ``abandon/{q}``: set once a member of q failed or was lost (the others stop waiting on it);
+- ``abandon/{q}``: set once a member of q failed or was lost (the others stop waiting on it,
+  inside a collective too);
 - ``state/{q}/{j}``: the description of the live state rank j of the source sends to rank j of
-  the receivers;
+  the receivers, with its training state (:class:`~trainmesh.engine.train_state.TrainState`);
 - ``pg/{q}/{j}/...``: process group j of quorum q, rank j of every member (a ``PrefixStore``);
+- ``rec/{r}/{i}/{n}``: the n-th metrics record of replica r's incarnation i (a run on one host,
+  whose coordinator writes the metrics file);
 - ``done``: set once the last step is committed (a replica still asking in ends).
 """
 from __future__ import annotations
@@ -65,7 +69,8 @@ class Request(_Record):
     """A replica asking to take part in a quorum."""
 
     replica: int
-    incarnation: int
+    incarnation: str
+    """Its process (re)start: a launcher's own id and its agent's restart count."""
     step: int
     """Optimizer steps it has applied (its state is the run's state after that step)."""
     needs_state: bool
@@ -73,6 +78,10 @@ class Request(_Record):
     pid: int
     pids: list[int] = field(default_factory=list)
     """The process ids of all its ranks (a replica of several ranks), in rank order."""
+    last: int = 0
+    """The run's last step (every replica says the same; a restarted coordinator learns it)."""
+    timeout_s: float = 300.0
+    """The replica's collective timeout (how long a live member may take to report)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +89,7 @@ class Decision(_Record):
     """The members of quorum q and the step they run, the same for every replica."""
 
     quorum: int
-    members: list[list[int]] = field(default_factory=list)
+    members: list[list[Any]] = field(default_factory=list)
     """``[replica, incarnation]`` pairs, by replica id: the process-group ranks in this order."""
     step: int = 0
     """The step this quorum attempts."""
@@ -89,12 +98,18 @@ class Decision(_Record):
     receivers: list[int] = field(default_factory=list)
     abort: str | None = None
     """Set when the run cannot go on: the reason, in one line."""
+    restarted: bool = False
+    """The first decision of a coordinator started again (its state rebuilt from the requests)."""
+    lost: list[int] = field(default_factory=list)
+    """Members of the previous quorum left out of this one."""
+    joined: list[int] = field(default_factory=list)
+    """Members of this quorum that were not in the previous one."""
 
     @property
     def replicas(self) -> list[int]:
         return [r for r, _ in self.members]
 
-    def has(self, replica: int, incarnation: int) -> bool:
+    def has(self, replica: int, incarnation: str) -> bool:
         return [replica, incarnation] in self.members
 
 
@@ -103,7 +118,7 @@ class Outcome(_Record):
     """How a member's attempt at the step of a quorum went, with its metrics row when it did."""
 
     replica: int
-    incarnation: int
+    incarnation: str
     ok: bool
     error: str = ""
     row: dict[str, Any] = field(default_factory=dict)

@@ -1,12 +1,17 @@
-"""The local launcher of a ``--fault-tolerant`` run: one elastic agent per replica, and the
-coordinator (docs/FAULT_TOLERANCE.md).
+"""The local launcher of a ``--fault-tolerant`` run: one elastic agent per replica of this
+host, and, on one host, the coordinator (docs/FAULT_TOLERANCE.md).
 
 Each replica runs under its own PyTorch elastic agent (a thread of this process, one worker
-per rank of the replica: one, or the --dp-shard ranks of a shard group; its own rendezvous run
-id over the launcher's loopback store), so the agent of a failed replica restarts that replica
-(all its ranks) alone (``--max-restarts``, :data:`FT_MAX_RESTARTS` by default)
-while the others go on. The coordinator (:mod:`trainmesh.fault_tolerance.coordinator`) decides
-every step's quorum and commit and writes the metrics file; this module adds the summary.
+per rank of the replica; its own rendezvous run id over the launcher's loopback store), so the
+agent of a failed replica restarts that replica (all its ranks) alone (``--max-restarts``,
+:data:`FT_MAX_RESTARTS` by default) while the others go on.
+
+- One host (no ``--coordinator``): every replica runs here, and so does the coordinator
+  (:mod:`trainmesh.fault_tolerance.coordinator`, a thread listening on loopback), which
+  decides every step's quorum and commit and writes the metrics file from the records the
+  replicas post; this module adds the summary.
+- Across hosts (``--coordinator HOST:PORT --replica-id I``): replica I runs here and writes its
+  own metrics file; the coordinator is a ``trainmesh coordinator`` process elsewhere.
 
 Exit status: 0 when the last step was committed (a replica whose agent gave up is reported in
 one line); 1 when the run could not go on, with the coordinator's reason or the first failed
@@ -14,6 +19,8 @@ replica's headline; 130/143 after Ctrl-C/SIGTERM (workers die with this process)
 """
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
@@ -64,27 +71,26 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from trainmesh.core.compat import bound_worker_shutdown
-    from trainmesh.fault_tolerance.coordinator import Coordinator
 
     p = cfg.parallel
     _quiet_agent()
     bound_worker_shutdown(FAILURE_GRACE_S)
     grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}
              if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
-    gpt = cfg.gpt_config()
     ranks = p.replica_ranks
-    coordinator = Coordinator(replicas=p.replicas, last=cfg.exit_after or cfg.steps,
-                              metrics_out=cfg.metrics_out, tokens=cfg.global_batch * gpt.seq_len,
-                              startup_timeout_s=STARTUP_TIMEOUT_S, step_timeout_s=p.timeout_s + 30,
-                              notify=lambda line: print(line, file=sys.stderr, flush=True))
+    here = list(range(p.replicas)) if cfg.coordinator is None else [cfg.replica_id]
     failures: dict[int, str] = {}
-    run_id = f"trainmesh-ft-{uuid.uuid4().hex[:8]}"
+    launcher_id = uuid.uuid4().hex[:8]
+    run_id = f"trainmesh-ft-{launcher_id}"
     _print_header(cfg)
     began = time.perf_counter()
     _signals_raise()
+    lock = _save_dir_lock(cfg)
     try:
+        coordinator, board = _local_coordinator(cfg) if cfg.coordinator is None else (None, None)
+        address = coordinator.address if coordinator is not None else cfg.coordinator
         with local_rendezvous() as rendezvous:
-            env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // p.world_size))
+            env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // (ranks * len(here))))
             start_method = worker_start_method()
             if start_method == "forkserver":   # started here: it dies with this thread, which
                 multiprocessing.forkserver.ensure_running()   # outlives every agent's thread
@@ -96,7 +102,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
                     start_method=start_method, **rendezvous, **grace)
                 try:
                     elastic_launch(config, ft_worker_entry)(cfg, os.getpid(), worker_setup, replica,
-                                                            coordinator.address, env)
+                                                            address, launcher_id, env)
                 except ChildFailedError as exc:
                     failures[replica] = (_headline(exc).replace("rank 0", f"replica {replica}", 1)
                                          if ranks == 1 else f"replica {replica}: {_headline(exc)}")
@@ -104,21 +110,70 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
                     failures[replica] = f"replica {replica}: agent failed: {exc}"
 
             agents = [threading.Thread(target=agent, args=(r,), name=f"trainmesh-ft-agent-{r}",
-                                       daemon=True) for r in range(p.replicas)]
-            coordinator.start()
+                                       daemon=True) for r in here]
+            if coordinator is not None:
+                coordinator.start()
             for t in agents:
                 t.start()
             while any(t.is_alive() for t in agents):
                 for t in agents:
                     t.join(0.2)
-    except _Signalled as exc:
+    except _Signalled as exc:   # the agents are threads: the workers are stopped here
+        for worker in multiprocessing.active_children():   # (exit would wait for them)
+            worker.kill()
         sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(exc.signum).name}; "
                          "workers stopped\n")
         return 128 + exc.signum
+    finally:
+        lock.__exit__(None, None, None)
+    if coordinator is None:   # across hosts: this host's replica reported its own run
+        for why in failures.values():
+            sys.stderr.write(f"trainmesh train: {why}\n")
+        return 1 if failures else 0
+    return _finish(cfg, coordinator, board, failures, began)
+
+
+def _save_dir_lock(cfg: TrainConfig) -> Any:
+    """A run on one host holds the --save-dir lock for its replicas, removing what interrupted
+    saves left first (across hosts the replicas share the directory: no lock, nothing removed:
+    a peer may be writing)."""
+    from pathlib import Path
+
+    from trainmesh.checkpoint.savedir import SaveDirLock, remove_stale_tmp
+    if not cfg.save_dir or cfg.coordinator is not None:
+        return contextlib.nullcontext()
+    lock = SaveDirLock(cfg.save_dir).__enter__()
+    for path in remove_stale_tmp(Path(cfg.save_dir)):
+        print(f"trainmesh: removed {path}, left by an interrupted save", flush=True)
+    return lock
+
+
+def _local_coordinator(cfg: TrainConfig) -> tuple[Any, Any]:
+    """The coordinator of a run on one host: a thread of this process, on loopback; it writes
+    the metrics file and hands each record to the run's TensorBoard (``board``)."""
+    from trainmesh.fault_tolerance.coordinator import Coordinator
+    from trainmesh.observe.layout import layout_record
+    from trainmesh.observe.tensorboard import TensorBoardLog
+    board = TensorBoardLog(cfg.tensorboard, layout_record(cfg))
+    coordinator = Coordinator(replicas=cfg.parallel.replicas, last=cfg.exit_after or cfg.steps,
+                              metrics_out=cfg.metrics_out, startup_timeout_s=STARTUP_TIMEOUT_S,
+                              step_timeout_s=cfg.parallel.timeout_s + 30,
+                              notify=lambda line: print(line, file=sys.stderr, flush=True),
+                              also=board.record)
+    return coordinator, board
+
+
+def _finish(cfg: TrainConfig, coordinator: Any, board: Any, failures: dict[int, str],
+            began: float) -> int:
+    """A run on one host: the records still to write, the summary, the exit status."""
     coordinator.stop()
     coordinator.join(5.0)
+    coordinator.drain()
+    p = cfg.parallel
     last = cfg.exit_after or cfg.steps
-    coordinator.metrics.write(_summary(cfg, coordinator, failures))
+    summary = _summary(cfg, coordinator, failures)
+    coordinator.metrics.write(summary)
+    board.close(summary)
     if coordinator.committed < last:
         why = coordinator.error or next(iter(failures.values()), "every replica ended early")
         sys.stderr.write(f"trainmesh train: {why} (fault-tolerant run stopped after step "
@@ -179,15 +234,18 @@ def _signals_raise() -> None:
 
 
 def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], None] | None,
-                    replica: int, address: str, env: dict[str, str]) -> int:
+                    replica: int, address: str, launcher_id: str, env: dict[str, str]) -> int:
     """What each replica's worker runs (see :func:`~trainmesh.run.launch.worker_entry`)."""
     die_with_parent(launcher_pid)
     apply_env(env)
     if setup is not None:
         setup()
-    from trainmesh.run.ft_worker import ReplicaRankLost, ft_worker_main
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from trainmesh.run.ft_steps import ReplicaRankLost
     try:
-        code = ft_worker_main(cfg, replica, address)
+        code = record(ft_worker_main)(cfg, replica, address, launcher_id,
+                                      own_records=cfg.coordinator is not None)
         run_exit_handlers()   # a forked worker ends with os._exit
         return code
     except ReplicaRankLost as exc:
@@ -196,3 +254,52 @@ def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], Non
     except Exception:
         traceback.print_exc()
         end_process(1)
+
+
+def ft_worker_main(cfg: TrainConfig, replica: int, coordinator: str, launcher_id: str, *,
+                   own_records: bool) -> int:
+    """Rank ``LOCAL_RANK`` of replica ``replica`` of the run whose coordinator serves one of
+    ``coordinator``'s addresses. ``own_records``: the replica writes its own metrics file (a
+    run across hosts), else it posts its records to the coordinator (a run on one host)."""
+    import dataclasses
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from trainmesh.core.distributed import pick_device, worker_threads
+    from trainmesh.core.interfaces import bind_backends, loopback_interface
+    from trainmesh.core.stores import STORE_ENV, client_store
+    from trainmesh.fault_tolerance.replica import QuorumClient
+    from trainmesh.run.ft_steps import QuorumSteps
+    from trainmesh.run.trainer import _train
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: os._exit(128 + signum))
+    torch.set_num_threads(worker_threads())
+    device = pick_device(cfg.device)
+    ranks, rank = cfg.parallel.replica_ranks, int(os.environ.get("LOCAL_RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    incarnation = f"{launcher_id}.{restart}"
+    client = QuorumClient(coordinator, replica, incarnation, timeout_s=cfg.parallel.timeout_s, rank=rank)
+    # the replica's own group, in this incarnation, over its launcher's store (one rank: alone):
+    # its ranks all sit on this host, so the backends listen on loopback (as a local run's); the
+    # groups across replicas listen on the address towards the coordinator (QuorumClient)
+    bind_backends(loopback_interface())
+    store = (dist.HashStore() if ranks == 1 else
+             dist.PrefixStore(f"ft/{replica}/{incarnation}",
+                              client_store(os.environ[STORE_ENV], timeout_s=client.startup_timeout_s)))
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=timeout)
+    try:   # the control group: decisions and commits wait as long as the first quorum may
+        control = (dist.new_group(backend="gloo", timeout=timedelta(seconds=client.startup_timeout_s))
+                   if ranks > 1 else None)
+        local = dataclasses.replace(cfg.parallel, dp=cfg.parallel.replica_dp, dp_shard=None,
+                                    fault_tolerant=False)
+        one = dataclasses.replace(cfg, parallel=local, coordinator=None, replica_id=None,
+                                  replicas=None)
+        return _train(one, device, lambda engine, dataset: QuorumSteps(
+            cfg, engine, dataset, client, replica=replica, restart=restart, control=control,
+            own_records=own_records))
+    finally:
+        client.close()
+        dist.destroy_process_group()

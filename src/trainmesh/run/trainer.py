@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from trainmesh.core.compat import load_lazy_imports
 from trainmesh.core.distributed import init_distributed, shutdown, worker_threads
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import LossFn
-from trainmesh.data.corpus import dp_slice, make_datasets
+from trainmesh.data.corpus import make_datasets
 from trainmesh.engine.engine import Engine
 from trainmesh.engine.materialize import InitFn, returning_freed_memory
 from trainmesh.models.gpt import GPT
@@ -39,13 +40,13 @@ from trainmesh.observe.progress import (
     print_outputs,
     print_summary,
     run_header,
-    timed_steps,
 )
 from trainmesh.observe.tensorboard import TensorBoardLog
 from trainmesh.run import elastic
 from trainmesh.run.evaluation import make_evaluator
 from trainmesh.run.optimizers import no_decay, optimizer_factory
 from trainmesh.run.schedule_lr import warmup_cosine
+from trainmesh.run.steps import LocalSteps, Records, StepPolicy
 from trainmesh.run.trace import make_tracer
 
 log = logging.getLogger("trainmesh")
@@ -136,7 +137,13 @@ def _exit_quietly_on_signals() -> None:
         signal.signal(sig, lambda signum, _frame: os._exit(128 + signum))
 
 
-def _train(cfg: TrainConfig, device: torch.device) -> int:
+PolicyFactory = Callable[[Engine, Any], StepPolicy]
+"""(engine, training set) -> the step policy of a fault-tolerant replica."""
+
+
+def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | None = None) -> int:
+    """The training loop, the same for every run: ``policy_of`` gives the steps of a
+    fault-tolerant replica (:mod:`trainmesh.run.ft_steps`), else every step once."""
     p = cfg.parallel
     began = time.perf_counter()
     mesh = p.build_mesh()
@@ -150,57 +157,67 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     dataset, held_out = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
                                       held_out=cfg.eval_every is not None, **cfg.data_options())
     evaluator = make_evaluator(engine, held_out, cfg)
-    start = _resume(cfg, engine) + 1
-    setup_mem = memory_now(device)
-    board = TensorBoardLog(cfg.tensorboard if rank0 else None, layout_record(cfg))
-    metrics = _open_metrics(cfg, start, mesh.world_size, rank0, board)
-    elastic_run = p.min_dp is not None   # the world size can change: recorded per step
     tokens = cfg.global_batch * gpt.seq_len
+    policy: StepPolicy = (policy_of(engine, dataset) if policy_of is not None else LocalSteps(
+        engine, dataset, seed=cfg.seed, global_batch=cfg.global_batch, device=device,
+        tokens=tokens, records=lambda start, board: _open_metrics(cfg, start, mesh.world_size,
+                                                                  rank0, board)))
+    start = (_resume(cfg, engine, clean=policy_of is None) if policy.resumes() else 0) + 1
+    setup_mem = memory_now(device)
+    # TensorBoard from the process writing the metrics file (a fault-tolerant run on one host:
+    # its launcher, beside the coordinator), each record of it the listener's
+    board = TensorBoardLog(cfg.tensorboard if rank0 and policy.summary else None, layout_record(cfg))
+    metrics = policy.records(start, board)
+    elastic_run = p.min_dp is not None   # the world size can change: recorded per step
     last = cfg.exit_after or cfg.steps
     tracer = make_tracer(engine, cfg, start, last)
-    log.info(run_header(params=cfg.num_params(), world=mesh.world_size, layout=layout_record(cfg),
-                        steps=last, start=start, device=device.type))
+    if policy_of is None:   # a fault-tolerant run's launcher prints it
+        log.info(run_header(params=cfg.num_params(), world=mesh.world_size,
+                            layout=layout_record(cfg), steps=last, start=start,
+                            device=device.type))
     peak = device_peak_tflops(device, p.precision, cfg.peak_tflops, cfg.gpu)
     first_loss = loss = eval_loss = float("nan")
+    first_step = start
     nonfinite_run = 0   # non-finite steps in a row
     saver = engine.async_saver() if cfg.async_save else None
     timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
-
-    def batch_of(step: int) -> dict[str, torch.Tensor]:
-        batch = dp_slice(dataset.batch(cfg.seed, step, cfg.global_batch), mesh.index("dp"), p.dp)
-        return {k: v.to(device) for k, v in batch.items()}
-
-    for step, loss, t0, dt in timed_steps(engine.train_step, batch_of, start=start, last=last,
-                                          tokens=tokens, enabled=rank0,
-                                          before_step=tracer.before_step if tracer else None):
+    for done in policy.run(start, last, enabled=rank0 and policy.summary,
+                           before_step=tracer.before_step if tracer else None):
+        step, loss, t0, dt = done.step, done.loss, done.t0, done.dt
         if tracer is not None:
             tracer.after_step(step, t0, t0 + dt)
-        first_loss = loss if step == start else first_loss
+        if timed[1] == 0.0:
+            first_loss, first_step = loss, step
         timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
         tps = tokens / dt if dt > 0 else 0.0
         row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
                "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
                "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
-               **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")}}
+               **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")},
+               **done.row}
         if elastic_run:
             row.update(world_size=mesh.world_size, dp=p.dp)
-        eval_loss = _publish(row, engine, device, metrics, board, evaluator) or eval_loss
+        eval_loss = _publish(row, engine, device, metrics, board,
+                             evaluator if done.lead else None) or eval_loss
         nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
-        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last):
-            _save(cfg, engine, step, saver, metrics)
+        if done.lead and cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0)
+                                           or step == last):
+            _save(cfg, engine, step, saver, metrics, ft=policy_of is not None)
         if saver is not None:
             _saves_done(cfg, engine, saver, metrics)
     if saver is not None:   # the last write finishes before the run reports
         saver.wait()
         _saves_done(cfg, engine, saver, metrics)
-    _draw(cfg, engine, tracer)
+    if policy.led_last:
+        _draw(cfg, engine, tracer)
     summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem, init_peak)
     tps = timed[0] / timed[1] if timed[1] > 0 else 0.0
     summary.update(tokens_per_s=tps, mfu=mfu(tps, engine.flops_per_token, peak, mesh.world_size))
+    summary = policy.summarize(summary)
     metrics.write(summary)
     board.close(summary)
-    if rank0:
-        print_summary(summary, first_loss=first_loss, first_step=start, eval_loss=eval_loss
+    if rank0 and policy.summary:
+        print_summary(summary, first_loss=first_loss, first_step=first_step, eval_loss=eval_loss
                       if evaluator is not None else None, wall_s=time.perf_counter() - began)
         print_outputs(outputs_of(cfg))
     return 0
@@ -228,10 +245,11 @@ def _open_metrics(cfg: TrainConfig, start: int, world: int, rank0: bool,
     return metrics
 
 
-def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics: MetricsWriter,
+def _publish(row: dict[str, Any], engine: Engine, device: torch.device, metrics: Records,
              board: TensorBoardLog, evaluator: Any) -> float | None:
-    """A step's record to the metrics file and TensorBoard; the held-out loss when it is due
-    (collective), returned."""
+    """A step's record to the metrics file (and by it to TensorBoard), this rank's traffic and
+    memory to TensorBoard; the held-out loss when it is due (collective; ``evaluator``: None
+    where another replica evaluates the step), returned."""
     metrics.write(row)
     board.traffic(row["step"], engine.last_step_traffic(), memory_now(device))
     if evaluator is not None and evaluator.due(row["step"]):
@@ -268,13 +286,14 @@ def _check_finite(cfg: TrainConfig, engine: Engine, step: int, run: int) -> int:
 
 
 def _save(cfg: TrainConfig, engine: Engine, step: int, saver: AsyncSaver | None,
-          metrics: MetricsWriter) -> None:
+          metrics: Records, *, ft: bool = False) -> None:
     """Checkpoint, unless some rank's weights or optimizer states are not all finite: at once,
-    or (--async-save) a snapshot written in the background (its record comes when written)."""
+    or (--async-save) a snapshot written in the background (its record comes when written).
+    ``ft``: a fault-tolerant replica's (no elastic job to continue)."""
     if not engine.state_is_finite():
         raise NonFiniteError(f"step {step}: non-finite weights or optimizer states; not saved, "
                              "the newest checkpoint is from before it")
-    state = {"run": run_record(cfg), "job": elastic_job()}
+    state = {"run": run_record(cfg), "job": None if ft else elastic_job()}
     if saver is not None:
         engine.save(cfg.save_dir, state, saver=saver)
         return
@@ -285,7 +304,7 @@ def _save(cfg: TrainConfig, engine: Engine, step: int, saver: AsyncSaver | None,
     _prune(cfg, engine, path)
 
 
-def _saves_done(cfg: TrainConfig, engine: Engine, saver: AsyncSaver, metrics: MetricsWriter) -> None:
+def _saves_done(cfg: TrainConfig, engine: Engine, saver: AsyncSaver, metrics: Records) -> None:
     """The records of the background saves that completed (rank 0's are the published ones)."""
     for record in saver.finished():
         metrics.write(record.event())
@@ -299,13 +318,14 @@ def _prune(cfg: TrainConfig, engine: Engine, written: Path) -> None:
         prune(cfg.save_dir, cfg.keep_last, protect=written)
 
 
-def _resume(cfg: TrainConfig, engine: Engine) -> int:
+def _resume(cfg: TrainConfig, engine: Engine, *, clean: bool = True) -> int:
     """The last step already done: from the newest checkpoint when resuming (asked for with
     --resume, or implied by an elastic restart: a failed worker, or a node lost or joining,
-    restarts every worker of the job), else 0."""
+    restarts every worker of the job), else 0. ``clean``: remove what interrupted saves left
+    (not a fault-tolerant replica: a peer may be writing; its launcher cleans on one host)."""
     restarted = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
                  or bool(cfg.save_dir and same_job(cfg.save_dir)))   # a node lost or joined
-    if cfg.save_dir and engine.mesh.rank == 0:   # this run holds the --save-dir lock
+    if cfg.save_dir and engine.mesh.rank == 0 and clean:   # this run holds the --save-dir lock
         for path in remove_stale_tmp(Path(cfg.save_dir)):
             log.info("trainmesh: removed %s, left by an interrupted save", path)
     if not cfg.save_dir or not (cfg.resume or restarted):
@@ -319,7 +339,7 @@ def _resume(cfg: TrainConfig, engine: Engine) -> int:
     changed = schedule_changed(cfg)
     state = engine.load(cfg.save_dir)
     if changed:   # the next step's LR from this run's schedule, not the checkpoint's
-        engine.apply_lr_schedule()
+        engine.state.apply_lr_schedule()
     log.info("trainmesh: resumed from step %d of %s", state["step"], cfg.save_dir)
     if notice:
         log.info(notice)

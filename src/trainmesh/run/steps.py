@@ -1,0 +1,114 @@
+"""How the training loop gets its steps: a step policy yields every step this rank took.
+
+The loop of :mod:`trainmesh.run.trainer` is the same for every run; what differs is the policy
+it takes:
+
+- :class:`LocalSteps` (every run but a fault-tolerant one): each step once, in order, on this
+  DP rank's slice of the global batch;
+- :class:`~trainmesh.run.ft_steps.QuorumSteps` (a fault-tolerant replica): each step is a quorum
+  decision; the global batch is split among the replicas present; an attempt can be discarded
+  and redone, and a returning replica jumps ahead with the live state it copied.
+
+A policy also says which replica writes what a step leads to (checkpoint, evaluation,
+TensorBoard) and where the metrics records go.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from trainmesh.data.corpus import dp_slice
+from trainmesh.engine.engine import Engine
+from trainmesh.observe.progress import timed_steps
+from trainmesh.observe.tensorboard import TensorBoardLog
+
+
+@dataclass
+class StepDone:
+    """A step this rank took (applied, or skipped for an fp16 overflow)."""
+
+    step: int
+    loss: float
+    t0: float
+    """When its (last) attempt began (``perf_counter`` seconds)."""
+    dt: float
+    """Seconds of that attempt."""
+    row: dict[str, Any] = field(default_factory=dict)
+    """Fields the metrics row of the step adds (a fault-tolerant step's ``replicas``)."""
+    lead: bool = True
+    """This rank's replica writes the step's checkpoint, evaluation and TensorBoard scalars."""
+
+
+class Records(Protocol):
+    """Where the metrics records go (:class:`~trainmesh.observe.metrics.MetricsWriter`)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+
+class StepPolicy(Protocol):
+    def resumes(self) -> bool:
+        """Whether this rank loads the newest checkpoint before its first step."""
+
+    def records(self, start: int, board: TensorBoardLog) -> Records:
+        """Where this rank's metrics records go, the run starting at step ``start``; the
+        metrics file's writer hands each to ``board`` too."""
+
+    def run(self, start: int, last: int, *, enabled: bool,
+            before_step: Callable[[int], None] | None) -> Iterator[StepDone]:
+        """The steps ``start..last`` this rank takes, in order."""
+
+    def summarize(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """The run's summary record as this policy reports it."""
+
+    @property
+    def led_last(self) -> bool:
+        """This rank's replica writes what the run leaves at its end (trace, timeline)."""
+
+    @property
+    def summary(self) -> bool:
+        """This rank's records include the run's summary (printed too)."""
+
+
+class LocalSteps:
+    """Every step once, in order, on this DP rank's rows (module docstring)."""
+
+    led_last = True
+    summary = True
+
+    def __init__(self, engine: Engine, dataset: Any, *, seed: int, global_batch: int,
+                 device: torch.device, tokens: int,
+                 records: Callable[[int, TensorBoardLog], Records]) -> None:
+        self.engine, self.dataset, self.device = engine, dataset, device
+        self.seed, self.global_batch, self.tokens = seed, global_batch, tokens
+        self._records = records
+
+    def resumes(self) -> bool:
+        return True   # asked for with --resume, or an elastic restart (the trainer decides)
+
+    def records(self, start: int, board: TensorBoardLog) -> Records:
+        return self._records(start, board)
+
+    def summarize(self, summary: dict[str, Any]) -> dict[str, Any]:
+        return summary
+
+    def _batch(self, step: int) -> dict[str, torch.Tensor]:
+        mesh = self.engine.mesh
+        batch = dp_slice(self.dataset.batch(self.seed, step, self.global_batch), mesh.index("dp"),
+                         mesh.size("dp"))
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def run(self, start: int, last: int, *, enabled: bool,
+            before_step: Callable[[int], None] | None) -> Iterator[StepDone]:
+        for step, loss, t0, dt in timed_steps(self.engine.train_step, self._batch, start=start,
+                                              last=last, tokens=self.tokens, enabled=enabled,
+                                              before_step=before_step):
+            yield StepDone(step, loss, t0, dt)
+
+
+def restart_count() -> int:
+    """This worker's restarts by its elastic agent (0: its first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
