@@ -1,6 +1,6 @@
-"""The local launcher gives its workers their environment (its store, OpenMP threads,
-unbuffered output) through the elastic launcher's entry-point arguments, never by writing its
-own os.environ."""
+"""The local launcher gives its workers their environment (its own as it is at the launch, its
+store, OpenMP threads, unbuffered output) through the elastic launcher's entry-point arguments,
+never by writing its own os.environ."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,9 @@ def test_worker_env_leaves_the_launchers_environment_alone(monkeypatch):
     with local_rendezvous() as rendezvous:
         env = worker_env(rendezvous, threads=2)
         assert STORE_ENV not in os.environ
-    assert env == {STORE_ENV: rendezvous["rdzv_endpoint"], "PYTHONUNBUFFERED": "1"}
+    assert env == {**before, STORE_ENV: rendezvous["rdzv_endpoint"], "PYTHONUNBUFFERED": "1",
+                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert env["OMP_NUM_THREADS"] == "7"
     before.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)   # read by torch's agent, in-process
     after = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     assert after == before
@@ -35,6 +37,29 @@ def test_apply_env_sets_the_workers_environment(monkeypatch):
     apply_env({"TRAINMESH_TEST_ONLY": "1"})
     assert os.environ["TRAINMESH_TEST_ONLY"] == "1"
     monkeypatch.delenv("TRAINMESH_TEST_ONLY")
+
+
+@pytest.mark.timeout(30)
+def test_a_forked_worker_takes_the_launchers_environment_and_keeps_the_agents(monkeypatch):
+    """A worker forked by a server that started with another environment: what the server had
+    and the launcher has not is gone, what the launcher has is there, and what the elastic agent
+    set for this worker (its rank) stays."""
+    import sys
+    import types
+
+    from trainmesh.run.launch import WORKER_IMAGE
+    saved = dict(os.environ)
+    server = {"PATH": "/server", "STALE": "1"}
+    monkeypatch.setitem(sys.modules, WORKER_IMAGE, types.SimpleNamespace(STARTED_WITH=server))
+    try:
+        os.environ.clear()
+        os.environ.update({**server, "RANK": "3"})          # the server's, and the agent's
+        apply_env({"PATH": "/launcher", "FRESH": "1"})
+        seen = dict(os.environ)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert seen == {"PATH": "/launcher", "FRESH": "1", "RANK": "3"}
 
 
 def _what_the_worker_sees() -> tuple[bool, str | None]:
