@@ -125,10 +125,7 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
             assert 12 not in taken and taken[-1] == 20, taken
     restarted = [[r["step"] for r in f if r.get("event") == "coordinator"] for f in files]
     assert restarted == [[13], [13], [13]], restarted
-    rejoined = [r["step"] for r in steps(files[1]) if r["step"] > plan["kill"]]
-    assert rejoined, "host1's replica, started again, took no step"
-    if scenario == "long":   # the short run may end before the restarted processes are back
-        assert steps(files[0])[-1]["replicas"] == 3
+    assert steps(files[0])[-1]["replicas"] == 3
     assert any(q["event"] == "quorum" and q["lost"] == [1] and q["step"] == 5 for q in files[0])
     s0 = next(r for r in files[0] if r["event"] == "summary")
     assert s0["replica"] == 0 and s0["restarts"] == 0 and s0["fault_tolerance"]["coordinator_restarts"] == 1
