@@ -142,7 +142,7 @@ def test_coordinator_flags_are_checked(capsys):
 
 
 SCENARIOS = {
-    "short": {"steps": 36, "kill": 6, "partition": 14, "coordinator": 24},
+    "short": {"steps": 60, "kill": 6, "partition": 14, "coordinator": 24},
     "long": {"steps": 300, "kill": 20, "partition": 60, "coordinator": 120},
 }
 """When (host0's committed step) host1 is killed, host2's link goes down for 8 s, and the
