@@ -342,7 +342,7 @@ def test_model_dir_layout_rules_exit_2(dirs, no_launch, refused):
 
 def test_structure_read_from_the_declared_pipeline_plan():
     """Llama's plan: input module, layer list, norm, head, under the model's names."""
-    from trainmesh.models.hf_plan import hf_structure
+    from trainmesh.core.hf_plan import hf_structure
     s = hf_structure(family_model("llama"))
     assert (s.family, s.base, s.pre, s.layers, s.post, s.head) == \
         ("llama", "model", ("model.embed_tokens",), "model.layers", ("model.norm",), "lm_head")

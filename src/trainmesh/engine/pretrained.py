@@ -36,7 +36,7 @@ from trainmesh.models.hf_router import (
     router_modules,
 )
 from trainmesh.models.hf_attention import routes_attention
-from trainmesh.models.hf_plan import family
+from trainmesh.core.hf_plan import family
 from trainmesh.models.hf_weights import CheckpointView
 
 

@@ -1,6 +1,6 @@
 """Pipeline stages of a Hugging Face causal LM, cut from the plan it declares.
 
-The model's ``pp_plan`` (:mod:`trainmesh.models.hf_plan`) names its data flow: the input
+The model's ``pp_plan`` (:mod:`trainmesh.core.hf_plan`) names its data flow: the input
 module (``model.embed_tokens``), the layer list, the final norm, the head. The pipeline layers
 are those modules in that order — the input module, each decoder layer, the norm, the head — and
 the stages cut that list (:mod:`.partition`), so a stage holds the parameters of its layers only
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
-from trainmesh.models.hf_plan import HFStructure, hf_structure
+from trainmesh.core.hf_plan import HFStructure, hf_structure
 
 
 def is_hf_model(model: Any) -> bool:

@@ -5,7 +5,7 @@ are split along the sequence over the TP ranks: each region enters by an all-gat
 ``parallel_input`` of an attention or MLP, or a column layer) and leaves by a reduce-scatter
 (its row layer); what runs in between — norms, residual additions — runs on 1/tp of the
 tokens. For a Hugging Face model the stretch between the regions is where its pipeline plan
-(:mod:`trainmesh.models.hf_plan`) says the layers are: the base model computes its position
+(:mod:`trainmesh.core.hf_plan`) says the layers are: the base model computes its position
 state (rotary embeddings of the whole sequence, masks) before the first layer, so the sequence
 is split at the first layer's input (``sequence_scatter_input``: a split, its backward an
 all-gather) and gathered again after the last module before the head (``sequence_gather``: the
@@ -24,7 +24,7 @@ from __future__ import annotations
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
-from trainmesh.models.hf_plan import hf_structure
+from trainmesh.core.hf_plan import hf_structure
 
 from .plan import Plan, is_layer_style, resolve
 
