@@ -50,6 +50,27 @@ def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeou
                                        stderr.read_text())
 
 
+def train_config(args: list[str]):
+    """The TrainConfig ``trainmesh train ARGS`` would run with (parsed and validated in process)."""
+    from trainmesh.cli import build_parser
+    from trainmesh.cli.train import collect
+    from trainmesh.config.train import build_train_config
+    return build_train_config(collect(build_parser().parse_args(["train", *args]), True))
+
+
+def step_differences(ref: list[tuple[float, float]], run: list[tuple[float, float]], what: str,
+                     first: int = 1) -> list[str]:
+    """Where the (loss, grad_norm) pairs of ``run``, from step ``first`` on, leave those of the
+    one-process ``ref`` (loss beyond LOSS_ABS, grad norm beyond NORM_REL); one line each."""
+    out = [] if run else [f"{what}: no steps"]
+    for step, ((a, na), (b, nb)) in enumerate(zip(ref[first - 1:], run), first):
+        if abs(a - b) > LOSS_ABS:
+            out.append(f"{what} step {step}: loss {b} vs one process {a}")
+        if abs(na - nb) > NORM_REL * na:
+            out.append(f"{what} step {step}: grad_norm {nb} vs one process {na}")
+    return out
+
+
 def assert_refused(capsys, argv: list[str], flag: str) -> str:
     """``trainmesh ARGV`` (in process) exits 2 with exactly one line on stderr naming ``flag``,
     without a traceback; returns that line."""

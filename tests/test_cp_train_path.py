@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_prediction, run_train, steps, summary
-from tolerances import LOSS_ABS, NORM_REL
+from helpers import check_prediction, run_train, step_differences, steps, summary, train_config
 
 from trainmesh.testing import run_distributed
 
@@ -47,11 +46,7 @@ MATRIX: dict[str, tuple[int, list[str], str]] = {
 
 
 def _config(flags: list[str], optimizer: str):
-    from trainmesh.cli import build_parser
-    from trainmesh.cli.train import collect
-    from trainmesh.config.train import build_train_config
-    return build_train_config(collect(build_parser().parse_args(
-        ["train", *BASE, *flags, *OPTIMIZER_FLAGS[optimizer]]), True))
+    return train_config([*BASE, *flags, *OPTIMIZER_FLAGS[optimizer]])
 
 
 def _engine(flags: list[str], optimizer: str, mesh=None):
@@ -117,17 +112,6 @@ def reference() -> dict[str, list[tuple[float, float]]]:
     return out
 
 
-def _differences(ref, run, what: str, first: int = 1) -> list[str]:
-    ref = ref[first - 1:first - 1 + len(run)]
-    out = [] if run else [f"{what}: no steps"]
-    for step, ((a, na), (b, nb)) in enumerate(zip(ref, run), first):
-        if abs(a - b) > LOSS_ABS:
-            out.append(f"{what} step {step}: loss {b} vs one process {a}")
-        if abs(na - nb) > NORM_REL * na:
-            out.append(f"{what} step {step}: grad_norm {nb} vs one process {na}")
-    return out
-
-
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cp-ckpt"))
@@ -137,9 +121,9 @@ def _check_world(reference, res: dict, labels: list[str]) -> list[str]:
     failures = []
     for rank, out in res.items():
         for label in labels:
-            failures += _differences(reference[MATRIX[label][2]], out[label], f"{label} rank {rank}")
+            failures += step_differences(reference[MATRIX[label][2]], out[label], f"{label} rank {rank}")
         if "resumed-cp4" in out:
-            failures += _differences(reference["adamw-longer"], out["resumed-cp4"][:1],
+            failures += step_differences(reference["adamw-longer"], out["resumed-cp4"][:1],
                                      f"cp2 checkpoint resumed at cp4, rank {rank}", first=STEPS + 1)
     return failures
 
@@ -156,7 +140,7 @@ def test_world2_layouts_match_one_process_and_resume_at_cp1(reference, checkpoin
     from trainmesh.core.mesh import ParallelMesh
     resumed = _curve([], "adamw", mesh=ParallelMesh(local=True), first=STEPS + 1, last=STEPS + 1,
                      load=checkpoint_dir)
-    failures += _differences(reference["adamw-longer"], resumed[:1], "cp2 checkpoint resumed at cp1",
+    failures += step_differences(reference["adamw-longer"], resumed[:1], "cp2 checkpoint resumed at cp1",
                              STEPS + 1)
     assert not failures, "\n".join(failures)
 
@@ -185,7 +169,7 @@ def test_cli_cp2_matches_one_process_and_its_traffic_formula(reference, tmp_path
     proc, records = run_train(args, tmp_path, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = [(r["loss"], r["grad_norm"]) for r in steps(records)]
-    failures = _differences(reference["adamw"][:STEPS], run, "trainmesh train --cp 2")
+    failures = step_differences(reference["adamw"][:STEPS], run, "trainmesh train --cp 2")
     assert not failures, "\n".join(failures)
     done = summary(records)
     assert done["layout"]["cp"] == 2

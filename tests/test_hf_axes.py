@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LAUNCHED, run_train, steps
-from tolerances import LOSS_ABS, NORM_REL
+from helpers import LAUNCHED, run_train, step_differences, steps, train_config
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -84,11 +83,7 @@ def dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def _config(directory: str, flags: list[str]):
-    from trainmesh.cli import build_parser
-    from trainmesh.cli.train import collect
-    from trainmesh.config.train import build_train_config
-    return build_train_config(collect(build_parser().parse_args(
-        ["train", "--model-dir", directory, *BASE, *flags]), True))
+    return train_config(["--model-dir", directory, *BASE, *flags])
 
 
 def _plain(directory: str) -> list[tuple[float, float]]:
@@ -133,16 +128,6 @@ def _one_process(directory: str, first: int = 1, load: str | None = None) -> lis
             for step in range(first, SCHEDULE + 1)]
 
 
-def _differences(ref, run, what: str, first: int = 1) -> list[str]:
-    out = [] if run else [f"{what}: no steps"]
-    for step, ((a, na), (b, nb)) in enumerate(zip(ref[first - 1:], run), first):
-        if abs(a - b) > LOSS_ABS:
-            out.append(f"{what} step {step}: loss {b} vs one process {a}")
-        if abs(na - nb) > NORM_REL * na:
-            out.append(f"{what} step {step}: grad_norm {nb} vs one process {na}")
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(dirs, tmp_path_factory):
     """``runs(kind, layout)``: the `trainmesh train` launch of that family and layout, stopped
@@ -170,7 +155,7 @@ def references(dirs) -> dict[str, list[tuple[float, float]]]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_one_process_trains_like_plain_pytorch(dirs, references, kind):
-    failures = _differences(_plain(dirs[kind]), references[kind], f"{kind} one process vs plain PyTorch")
+    failures = step_differences(_plain(dirs[kind]), references[kind], f"{kind} one process vs plain PyTorch")
     assert not failures, "\n".join(failures)
 
 
@@ -185,7 +170,7 @@ def test_layout_trains_like_one_process(runs, references, kind, layout):
     assert run["proc"].returncode == 0, run["proc"].stderr[-3000:]
     curve = [(r["loss"], r["grad_norm"]) for r in steps(run["records"])]
     assert len(curve) == STEPS, curve
-    failures = _differences(references[kind], curve, f"{kind} {' '.join(LAYOUTS[layout])}")
+    failures = step_differences(references[kind], curve, f"{kind} {' '.join(LAYOUTS[layout])}")
     assert not failures, "\n".join(failures)
 
 
@@ -204,7 +189,7 @@ def test_checkpoints_resume_in_one_process_and_export(runs, references, dirs, ki
         run = runs(kind, layout)
         assert run["proc"].returncode == 0, run["proc"].stderr[-3000:]
         resumed = _one_process(dirs[kind], STEPS + 1, load=run["save"])
-        failures = _differences(references[kind], resumed, f"{kind} {layout} resumed", STEPS + 1)
+        failures = step_differences(references[kind], resumed, f"{kind} {layout} resumed", STEPS + 1)
         assert not failures, "\n".join(failures)
         whole = load_file(str(consolidate(run["save"], tmp_path / f"{layout}.safetensors")))
         exported, info = transformers.AutoModelForCausalLM.from_pretrained(

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_train, steps, summary
+from helpers import run_train, steps, summary, train_config
 from tolerances import LOSS_ABS, NORM_REL, fp32_atol, scale_of
 
 transformers = pytest.importorskip("transformers")
@@ -105,11 +105,7 @@ def dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def _config(directory: str, flags: list[str]):
-    from trainmesh.cli import build_parser
-    from trainmesh.cli.train import collect
-    from trainmesh.config.train import build_train_config
-    return build_train_config(collect(build_parser().parse_args(
-        ["train", "--model-dir", directory, *BASE, *flags]), True))
+    return train_config(["--model-dir", directory, *BASE, *flags])
 
 
 def _data(cfg):
