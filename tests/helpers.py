@@ -7,11 +7,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from launcher_zygote import zygote
 from tolerances import LOSS_ABS, NORM_REL
 
 LAUNCHED = 99
 """What ``trainmesh train`` returns under the ``no_launch`` fixture once validation has passed."""
+
+
+
+def _compile_refusal() -> str:
+    """Why ``--compile`` cannot run on this machine's CPU ('' when it can): the same check
+    ``trainmesh train --compile`` makes before any worker starts."""
+    from trainmesh.core.errors import ConfigError
+    from trainmesh.engine.compile import check_compile
+    try:
+        check_compile("cpu")
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+_COMPILE_REFUSAL = _compile_refusal()
+needs_cxx = pytest.mark.skipif(bool(_COMPILE_REFUSAL), reason=_COMPILE_REFUSAL or "-")
+"""For tests that run ``--compile`` on CPU: inductor builds C++ kernels."""
 
 # A small but real GPT for end-to-end runs (fast on 2 cores).
 SMALL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",

@@ -9,7 +9,7 @@ other's kernels instead of compiling the same graph again.
 from __future__ import annotations
 
 import pytest
-from helpers import SMALL, assert_equivalent, one_process, run_train, steps, summary
+from helpers import SMALL, assert_equivalent, needs_cxx, one_process, run_train, steps, summary
 
 from trainmesh.cli import main
 from trainmesh.core.errors import ConfigError
@@ -51,6 +51,7 @@ def check_mfu(records: list[dict], world: int) -> None:
     assert s["mfu"] == pytest.approx(hand_mfu(run_tps, s["params"], world), rel=1e-9)
 
 
+@needs_cxx
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mfu_follows_the_formula(compiled):
@@ -59,6 +60,7 @@ def test_mfu_follows_the_formula(compiled):
         assert all(r["mfu"] is None for r in steps(compiled[name])) and summary(compiled[name])["mfu"] is None
 
 
+@needs_cxx
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_compiled_layouts_match_one_process(compiled, reference_run):
@@ -77,6 +79,18 @@ def test_bad_input_exits_2_naming_the_field(args, field, capsys, monkeypatch):
     assert main(["train", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0] and "Traceback" not in err[0], err
+
+
+def test_a_compiler_driver_that_cannot_compile_is_refused(tmp_path, monkeypatch, capsys):
+    """A ``g++`` on PATH whose compiler proper is missing (no ``cc1plus``) passes a PATH lookup
+    but fails inside inductor: the check runs it."""
+    broken = tmp_path / "g++"
+    broken.write_text("#!/bin/sh\necho \"g++: fatal error: cannot execute 'cc1plus'\" >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    assert main(["train", "--compile", *SMALL, "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--compile" in err[0] and str(broken) in err[0], err
 
 
 def test_compile_on_cuda_needs_triton(monkeypatch):

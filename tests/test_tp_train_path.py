@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_train, steps
+from helpers import needs_cxx, run_train, steps
 from tolerances import LOSS_ABS, NORM_REL
 
 from trainmesh.testing import run_distributed
@@ -115,6 +115,7 @@ def test_matrix_matches_one_process(reference, world):
     assert not failures, "\n".join(failures)
 
 
+@needs_cxx
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_cli_sequence_parallel_matches_one_process(reference, tmp_path):

@@ -26,9 +26,12 @@ keeps running eagerly around the compiled code (docs/COMPILE.md):
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 
 import torch
 from torch import nn
@@ -36,8 +39,11 @@ from torch import nn
 from trainmesh.core.errors import ConfigError
 from trainmesh.engine.recompute import LAYER_LIST_NAMES
 
-CXX_CANDIDATES = ("g++", "clang++", "c++")
-"""The C++ compilers inductor's CPU backend looks for (besides ``$CXX``)."""
+
+def inductor_cxx() -> str:
+    """The C++ compiler inductor's CPU backend runs: ``$CXX``, else ``g++`` (``clang++`` on
+    macOS), as ``torch._inductor.config.cpp.cxx`` defaults."""
+    return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
 
 
 def check_compile(device_type: str) -> None:
@@ -48,10 +54,23 @@ def check_compile(device_type: str) -> None:
             raise ConfigError("--compile", "needs the triton package on CUDA (inductor generates "
                               "triton kernels); install triton or leave --compile off")
         return
-    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else list(CXX_CANDIDATES)
-    if not any(shutil.which(c) for c in candidates):
-        raise ConfigError("--compile", f"needs a C++ compiler on CPU (looked for "
-                          f"{', '.join(candidates)}); install one or leave --compile off")
+    cxx = inductor_cxx()
+    if not _compiler_runs(cxx):
+        raise ConfigError("--compile", f"needs a working C++ compiler on CPU ({cxx} is missing "
+                          "or cannot compile; set CXX or install one) or leave --compile off")
+
+
+@functools.cache
+def _compiler_runs(cxx: str) -> bool:
+    """Whether ``cxx`` exists and preprocesses an empty C++ file: a driver found on PATH whose
+    compiler proper is missing (``g++`` without ``cc1plus``) fails here, not inside a worker."""
+    if shutil.which(cxx) is None:
+        return False
+    try:
+        return subprocess.run([cxx, "-x", "c++", "-E", "-"], input=b"", capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def compile_layers(model: nn.Module, device_type: str) -> list[nn.Module]:
