@@ -56,15 +56,17 @@ def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "
 
 
 def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeout: float,
-                      name: str = "m") -> subprocess.CompletedProcess:
+                      name: str = "m", cwd: Path | None = None) -> subprocess.CompletedProcess:
     """``trainmesh ARGV`` run to its end as a launcher process of its own, forked from this
     test process's zygote (tests/launcher_zygote.py: the interpreter's start-up shared), or
-    started afresh where the zygote is busy; its output captured."""
+    started afresh where the zygote is busy; its output captured. It runs in ``cwd`` (default:
+    this process's)."""
     stdout, stderr = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
-    code = zygote().run(argv, env, Path.cwd(), stdout, stderr, timeout)
+    cwd = cwd or Path.cwd()
+    code = zygote().run(argv, env, cwd, stdout, stderr, timeout)
     if code is None:
         return subprocess.run([sys.executable, "-m", "trainmesh", *argv], capture_output=True,
-                              text=True, timeout=timeout, env=env)
+                              text=True, timeout=timeout, env=env, cwd=cwd)
     return subprocess.CompletedProcess(["trainmesh", *argv], code, stdout.read_text(),
                                        stderr.read_text())
 

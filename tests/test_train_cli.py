@@ -18,6 +18,7 @@ from helpers import (
     run_train,
     steps,
     summary,
+    trainmesh_process,
 )
 
 from trainmesh.cli import main
@@ -84,8 +85,7 @@ def check_ddp_accounting(s: dict) -> None:
 def test_bare_demo_learns(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "trainmesh", "train"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=110)
+    proc = trainmesh_process(["train"], tmp_path, env=env, timeout=110, name="demo", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "world 2" in proc.stdout
     assert "on 2 processes (cpu): dp 2 x cp 1 x pp 1 x tp 1" in proc.stdout   # rank 0's log line: the
