@@ -20,7 +20,6 @@ one-process model on the whole global batch, or ``torch.nn.parallel.DistributedD
 """
 from __future__ import annotations
 
-import math
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import FP32_EPS, LOSS_ABS
+from tolerances import LOSS_ABS
 from torch import nn
 
 from trainmesh.testing import run_distributed

@@ -168,7 +168,6 @@ def _unused_bucket() -> dict:
 
 def _clipped_runs() -> dict:
     """5 SGD steps with a clip well below the gradient norm: one process, dp 2 (ZeRO 0, 2), tp 2."""
-    rank = dist.get_rank()
     data = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.5)    # noqa: E731
     out = {}

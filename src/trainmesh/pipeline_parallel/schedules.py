@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from trainmesh.config.parallel import SCHEDULES, check_pipeline
+from trainmesh.config.parallel import SCHEDULES, check_pipeline  # noqa: F401 - SCHEDULES re-exported
 from trainmesh.core.errors import ConfigError
 
 FORWARD = "F"

@@ -306,9 +306,9 @@ def _save(cfg: TrainConfig, engine: Engine, step: int, saver: AsyncSaver | None,
 
 def _saves_done(cfg: TrainConfig, engine: Engine, saver: AsyncSaver, metrics: Records) -> None:
     """The records of the background saves that completed (rank 0's are the published ones)."""
-    for record in saver.finished():
-        metrics.write(record.event())
-        _prune(cfg, engine, Path(record.path))
+    for done in saver.finished():
+        metrics.write(done.event())
+        _prune(cfg, engine, Path(done.path))
 
 
 def _prune(cfg: TrainConfig, engine: Engine, written: Path) -> None:
