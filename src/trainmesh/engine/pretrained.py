@@ -104,18 +104,12 @@ def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | Non
         from trainmesh.tensor_parallel.hf import hf_tp_plan
         from trainmesh.tensor_parallel.hf_sequence import sequence_parallel_plan
         sequence_parallel_plan(model, hf_tp_plan(model))
+        from trainmesh.tensor_parallel.hf_experts import check_expert_tp
+        check_expert_tp(model, layout.tp, ep=layout.ep, sequence_parallel=True)
     if layout.recompute == "selective" and not routes_attention(model):
         raise ConfigError("--recompute", f"selective checkpoints the attention call; the "
                           f"{family(model)} family's attention does not go through transformers' "
                           "attention interface; valid for it: none, full")
-    if router_loss_enabled(model):      # its statistics would span ranks of one sequence
-        for flag, split in (("--cp", layout.cp > 1), ("--pp", layout.pp > 1),
-                            ("--sequence-parallel", layout.sequence_parallel and layout.tp > 1)):
-            if split:
-                raise ConfigError(flag, f"the {family(model)} model's config asks for its router's "
-                                  "load-balancing loss (output_router_logits), formed per sequence "
-                                  "over every layer's routing on one rank; with it: dp, ZeRO, tp, "
-                                  "ep (or set output_router_logits false in its config.json)")
     if layout.cp > 1:
         from trainmesh.context_parallel.hf_attention import check_hf_context_parallel
         check_hf_context_parallel(model, seq_len)
