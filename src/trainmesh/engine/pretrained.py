@@ -98,8 +98,11 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
 def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | None = None) -> None:
     """A Hugging Face model's plans allow ``layout``'s axes: its pipeline plan ``--pp`` (with
     enough layers for every stage), its attention ``--cp`` (at ``seq_len``), its plans
-    ``--sequence-parallel``, its attention call ``--recompute selective``
-    (ConfigError naming the flag and the family)."""
+    ``--sequence-parallel`` (a mixture of experts' with its experts split over tp, not spread
+    over ep), its attention call ``--recompute selective`` (ConfigError naming the flag and the
+    family). A router aux loss the config asks for composes with every one of them
+    (:mod:`trainmesh.models.hf_router`: its counts summed over a split sequence's ranks,
+    carried from pipeline stage to stage)."""
     if layout.sequence_parallel and layout.tp > 1:
         from trainmesh.tensor_parallel.hf import hf_tp_plan
         from trainmesh.tensor_parallel.hf_sequence import sequence_parallel_plan

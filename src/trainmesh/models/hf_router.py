@@ -23,7 +23,14 @@ A sequence whose tokens lie on several ranks (context parallelism, sequence para
 its per-expert slot counts and row counts summed over those ranks before the product (they carry
 no gradient), while each rank keeps its own tokens' probability sums: the ranks' terms
 ``E · Σ_e f_e · (their Σ p_e) / N`` add up to the sequence's aux, and each one's gradient is that
-rank's share (:func:`sequence_aux` takes the summing as ``sum_over_sequence``).
+rank's share (:func:`sequence_aux` takes the summing as ``split``: the engine's
+:class:`~trainmesh.expert_parallel.sequence.SequenceSum` over the axis table's
+``sequence_groups``, cp and, under sequence parallelism, tp, whose ranks route their own chunk
+of the tokens; ``model.moe_stats.sequence``). Under a pipeline the layers of one sequence lie on
+several stages: each stage adds its layers' :class:`Routing` to what the previous ones carried
+and sends the sums on with the hidden states (:mod:`trainmesh.pipeline_parallel.hf_routing`);
+the last stage forms the aux from them, and the gradient of the probability sums flows back
+through the pipeline to every stage's routers.
 
 Its gradient enters through :class:`~trainmesh.models.moe.AuxGrad` on the logits, so the
 reported loss stays the cross-entropy and the aux is reported apart, in the model's
