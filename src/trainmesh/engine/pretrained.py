@@ -27,16 +27,16 @@ from torch import nn
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hf_plan import family
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
+from trainmesh.models.hf_attention import routes_attention
 from trainmesh.models.hf_router import (
     add_router_loss,
     attach_router_stats,
     router_loss_enabled,
     router_modules,
 )
-from trainmesh.models.hf_attention import routes_attention
-from trainmesh.core.hf_plan import family
 from trainmesh.models.hf_weights import CheckpointView
 
 

@@ -49,7 +49,6 @@ from trainmesh.core.errors import ConfigError
 from .moe import AuxGrad, MoEStats, SequenceSplit, _in_backward
 
 
-
 def router_loss_enabled(model: nn.Module) -> bool:
     """Whether the model's config asks for its router's aux loss (``output_router_logits``,
     with a ``router_aux_loss_coef``)."""
@@ -101,7 +100,7 @@ class Routing:
     probs: torch.Tensor
     rows: torch.Tensor
 
-    def __add__(self, other: "Routing") -> "Routing":
+    def __add__(self, other: Routing) -> Routing:
         return Routing(self.slots + other.slots, self.probs + other.probs, self.rows + other.rows)
 
 

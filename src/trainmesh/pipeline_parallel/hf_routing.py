@@ -25,7 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainmesh.models.hf_router import Routing, record_routing, router_logits_of, router_modules
+from trainmesh.models.hf_router import (
+    Routing,
+    record_routing,
+    router_logits_of,
+    router_modules,
+)
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 """Hidden-state dtypes a boundary carries, by code."""

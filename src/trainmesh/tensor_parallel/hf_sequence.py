@@ -28,7 +28,6 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_plan import hf_structure
-
 from trainmesh.models.hf_router import router_logits_of
 
 from .hf_experts import expert_entries
