@@ -27,7 +27,7 @@ Imports core and models.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -145,16 +145,17 @@ class HFPipeline:
         holds_input = s.pre[0] in names
         routing = None
         if self.routers is not None:                  # the routing so far (module docstring)
-            routing = empty(self.model, self._ids(batch).shape[0], self._ids(batch).device) \
-                if holds_input else None
-            if not holds_input:
+            if holds_input:
+                ids = self._ids(batch)
+                routing = empty(self.model, ids.shape[0], ids.device)
+            else:
                 x, routing = unpack(x, self.model.moe_stats.n_experts)
         calls: dict[int, tuple] = {}
         if needed or holds_input:
             first_hidden, calls = self._capture(batch, holds_input, max(needed, default=0))
             if holds_input:
                 x = first_hidden                          # (b, s, h): what enters layer 0
-        with self._tapped(names) as seen:
+        with self.routers.tapped(names) if self.routers is not None else nullcontext([]) as seen:
             for name, layer in zip(names, layers):
                 if name in self._layer_index:
                     args, kwargs = calls[self._layer_index[name]]
@@ -164,15 +165,7 @@ class HFPipeline:
                 # the input modules ran in the capture; the head runs in pipeline_output
         if self.routers is None or routing is None:
             return x
-        return pack(x, self.routers.add(routing, seen, x.shape[0]))
-
-    @contextmanager
-    def _tapped(self, names: Sequence[str]) -> Iterator[list]:
-        if self.routers is None:
-            yield []
-            return
-        with self.routers.tapped(names) as seen:
-            yield seen
+        return pack(x, self.routers.add(routing, seen, x.shape[0]))   # (b, s + r, h)
 
     def pipeline_output(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """What the causal LM's forward returns (logits, its loss with ``labels=``) when its base
