@@ -10,7 +10,10 @@ aux loss (``output_router_logits``, ``router_aux_loss_coef``), are trained by re
 
 - Mixtral and Qwen3-MoE at ``--dp 2 --ep 2``, ``--dp 2 --zero 3 --ep 2`` (experts spread over ep
   from ``base_model_ep_plan``, tokens dispatched by all-to-all) and ``--tp 2`` (the stacked
-  experts split by ``base_model_tp_plan``'s ``packed_colwise``/``rowwise``/``moe_tp_experts``);
+  experts split by ``base_model_tp_plan``'s ``packed_colwise``/``rowwise``/``moe_tp_experts``),
+  ``--cp 2`` (each sequence's slot counts summed over cp), ``--tp 2 --sequence-parallel`` (the
+  router on the rank's chunk of the tokens, its counts summed over tp) and ``--pp 2
+  --microbatches 2`` (each stage's routing carried to the last with the hidden states);
 - Qwen2-MoE (a gated shared expert, dense) at ``--dp 2 --tp 2 --ep 2 --zero 2 --microbatches 2``
   (the experts spread over ep and whole on every TP rank, the attention split over tp).
 
@@ -32,7 +35,11 @@ experts reduced over dp instead of edp (the Mixtral ep run: grad norm 1.1e-3 rel
 1, loss 1.3e-2 at step 2); the shared expert placed as a routed expert, reduced over edp (the
 Qwen2 run: grad norm 1.9e-3 relative at step 1); the aux loss formed over a rank's batch, not
 per sequence, or left out of the gradient (the single process against plain PyTorch: aux 8.4 vs
-2.2, or the grad norm, at step 1).
+2.2, or the grad norm, at step 1); the slot counts not summed over cp (Mixtral cp 2: aux 2.2437
+vs 2.2331 at step 1), nor over tp under sequence parallelism (Qwen3-MoE: aux off from step 1,
+3.06 vs 2.93 at step 2); under pp the first stage's probability sums dropped (aux 0.0), its
+slot counts not carried (aux 0.0), or its sums carried without their gradient (grad norm, loss
+from step 3: 4.472 vs 4.461); the carry packed in bf16 (the boundary test's counts).
 """
 from __future__ import annotations
 
