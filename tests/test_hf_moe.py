@@ -36,10 +36,10 @@ experts reduced over dp instead of edp (the Mixtral ep run: grad norm 1.1e-3 rel
 Qwen2 run: grad norm 1.9e-3 relative at step 1); the aux loss formed over a rank's batch, not
 per sequence, or left out of the gradient (the single process against plain PyTorch: aux 8.4 vs
 2.2, or the grad norm, at step 1); the slot counts not summed over cp (Mixtral cp 2: aux 2.2437
-vs 2.2331 at step 1), nor over tp under sequence parallelism (Qwen3-MoE: aux off from step 1,
-3.06 vs 2.93 at step 2); under pp the first stage's probability sums dropped (aux 0.0), its
-slot counts not carried (aux 0.0), or its sums carried without their gradient (grad norm, loss
-from step 3: 4.472 vs 4.461); the carry packed in bf16 (the boundary test's counts).
+vs 2.2331 at step 1), nor over tp under sequence parallelism (Qwen3-MoE: aux 2.787 vs 2.683 at step 1); under pp
+the first stage's probability sums dropped (aux 0.0), its slot counts not carried (aux 0.0), or
+its sums carried without their gradient (Mixtral: grad norm 3.8834 vs 3.8918 at step 1); the
+carry packed in bf16 (the boundary test: a count of 12289 arrives as 12288).
 """
 from __future__ import annotations
 
