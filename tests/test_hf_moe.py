@@ -10,7 +10,10 @@ aux loss (``output_router_logits``, ``router_aux_loss_coef``), are trained by re
 
 - Mixtral and Qwen3-MoE at ``--dp 2 --ep 2``, ``--dp 2 --zero 3 --ep 2`` (experts spread over ep
   from ``base_model_ep_plan``, tokens dispatched by all-to-all) and ``--tp 2`` (the stacked
-  experts split by ``base_model_tp_plan``'s ``packed_colwise``/``rowwise``/``moe_tp_experts``);
+  experts split by ``base_model_tp_plan``'s ``packed_colwise``/``rowwise``/``moe_tp_experts``),
+  ``--cp 2`` (each sequence's slot counts summed over cp), ``--tp 2 --sequence-parallel`` (the
+  router on the rank's chunk of the tokens, its counts summed over tp) and ``--pp 2
+  --microbatches 2`` (each stage's routing carried to the last with the hidden states);
 - Qwen2-MoE (a gated shared expert, dense) at ``--dp 2 --tp 2 --ep 2 --zero 2 --microbatches 2``
   (the experts spread over ep and whole on every TP rank, the attention split over tp).
 
@@ -32,7 +35,11 @@ experts reduced over dp instead of edp (the Mixtral ep run: grad norm 1.1e-3 rel
 1, loss 1.3e-2 at step 2); the shared expert placed as a routed expert, reduced over edp (the
 Qwen2 run: grad norm 1.9e-3 relative at step 1); the aux loss formed over a rank's batch, not
 per sequence, or left out of the gradient (the single process against plain PyTorch: aux 8.4 vs
-2.2, or the grad norm, at step 1).
+2.2, or the grad norm, at step 1); the slot counts not summed over cp (Mixtral cp 2: aux 2.2437
+vs 2.2331 at step 1), nor over tp under sequence parallelism (Qwen3-MoE: aux 2.787 vs 2.683 at step 1); under pp
+the first stage's probability sums dropped (aux 0.0), its slot counts not carried (aux 0.0), or
+its sums carried without their gradient (Mixtral: grad norm 3.8834 vs 3.8918 at step 1); the
+carry packed in bf16 (the boundary test: a count of 12289 arrives as 12288).
 """
 from __future__ import annotations
 
@@ -61,7 +68,13 @@ LAYOUTS = {"mixtral ep": ["--dp", "2", "--ep", "2"],
            "qwen3_moe zero3 ep": ["--dp", "2", "--zero", "3", "--ep", "2"],
            "qwen3_moe tp": ["--tp", "2"],
            "qwen2_moe tp ep zero2": ["--dp", "2", "--tp", "2", "--ep", "2", "--zero", "2",
-                                     "--microbatches", "2"]}
+                                     "--microbatches", "2"],
+           "mixtral cp": ["--cp", "2"],
+           "mixtral tp sp": ["--tp", "2", "--sequence-parallel"],
+           "mixtral pp": ["--pp", "2", "--microbatches", "2"],
+           "qwen3_moe cp": ["--cp", "2"],
+           "qwen3_moe tp sp": ["--tp", "2", "--sequence-parallel"],
+           "qwen3_moe pp": ["--pp", "2", "--microbatches", "2"]}
 SAVED = ("mixtral zero3 ep", "qwen3_moe zero3 ep", "mixtral tp", "qwen2_moe tp ep zero2")
 """The runs that save a checkpoint (resumed, exported)."""
 BASE = ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--steps", str(SCHEDULE),
@@ -216,7 +229,9 @@ def test_one_process_trains_like_plain_pytorch(references, kind):
 @pytest.mark.parametrize("run", list(LAYOUTS))
 def test_layouts_train_like_one_process(runs, references, run):
     """Bugs: experts read in another order; the router's gradient dropped; experts reduced over
-    dp, not edp; the shared expert marked as an expert; the aux loss per rank, not per sequence."""
+    dp, not edp; the shared expert marked as an expert; the aux loss per rank, not per sequence;
+    a sequence's counts not summed over cp, or over tp under sequence parallelism; a pipeline
+    stage's routing not carried to the last."""
     result = runs[run]
     assert result["proc"].returncode == 0, result["proc"].stderr[-3000:]
     curve = [(r["loss"], r["grad_norm"], r["moe"]["aux_loss"]) for r in steps(result["records"])]
@@ -224,9 +239,10 @@ def test_layouts_train_like_one_process(runs, references, run):
     failures = _differences(references[_kind(run)]["one"], curve,
                             f"trainmesh train {' '.join(LAYOUTS[run])} vs one process")
     assert not failures, "\n".join(failures)
-    layout = summary(result["records"])["layout"]
-    flags = dict(zip(LAYOUTS[run][::2], LAYOUTS[run][1::2]))
-    assert all(layout[f[2:]] == int(v) for f, v in flags.items()), layout
+    layout, given = summary(result["records"])["layout"], LAYOUTS[run]
+    flags = {f[2:].replace("-", "_"): int(v) if not v.startswith("--") else True
+             for f, v in zip(given, [*given[1:], "--"]) if f.startswith("--")}
+    assert all(layout[f] == v for f, v in flags.items()), layout
 
 
 @pytest.mark.slow
@@ -329,16 +345,18 @@ def test_weights_written_are_what_save_pretrained_writes(dirs, kind):
 @pytest.mark.timeout(120)
 def test_layouts_a_plan_cannot_honour_and_a_missing_expert_exit_2(dirs, tmp_path, capsys, monkeypatch):
     """Before any worker starts, exit 2 in one line naming the flag (and the family where its
-    plan is the reason): --ep not dividing the experts; --ep for a dense model; an expert-parallel
-    or an expert tensor-parallel style trainmesh does not map; a file lacking one expert."""
+    plan is the reason): --ep not dividing the experts; --sequence-parallel with the experts
+    spread over ep (whole on every TP rank, outside any region); --ep for a dense model; an
+    expert-parallel or an expert tensor-parallel style trainmesh does not map; a file lacking
+    one expert."""
     from helpers import assert_refused
     from safetensors.torch import load_file, save_file
     mix = dirs["mixtral"]
     base = ["train", "--model-dir", mix, "--seq-len", str(SEQ), "--global-batch", "6"]
     assert "4 experts" in assert_refused(capsys, [*base, "--dp", "3", "--ep", "3"], "--ep")
-    for flag in (["--cp", "2"], ["--pp", "2"]):     # the aux loss needs a sequence's routing
-        line = assert_refused(capsys, [*base, *flag], flag[0])
-        assert "load-balancing" in line, line
+    line = assert_refused(capsys, [*base, "--dp", "2", "--tp", "2", "--ep", "2",
+                                   "--sequence-parallel"], "--sequence-parallel")
+    assert "mixtral" in line and "--ep 1" in line, line
     dense = tmp_path / "dense"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -393,10 +411,39 @@ def test_sequence_aux_is_transformers_loss_per_sequence_and_splits_over_ranks(di
                     for layer in logits) for h in (0, 1)]
     stats = [sequence_routing(half, BATCH, k) for half in halves]
 
-    def over_halves(t: torch.Tensor) -> torch.Tensor:   # what an all-reduce over the two gives
-        return stats[0][0] + stats[1][0] if t.dim() == 2 else rows
+    class OverHalves:              # what an all-reduce over the two halves gives one of them
+        parts = 2
 
-    shares = [sequence_aux(sl, pr, rows / 2, over_halves)[0] for sl, pr, _ in stats]
+        def __init__(self, other: int) -> None:
+            self.other = torch.cat([stats[other][0], (rows / 2).unsqueeze(-1)], -1)  # (b, E + 1)
+
+        def __call__(self, t: torch.Tensor) -> None:
+            t += self.other
+
+    shares = [sequence_aux(sl, pr, rows / 2, OverHalves(1 - h))[0] for h, (sl, pr, _) in enumerate(stats)]
     assert torch.allclose(shares[0] + shares[1], whole, rtol=0, atol=budget), (shares, whole)
     (grad_split,) = torch.autograd.grad((shares[0] + shares[1]).sum(), logits[0])
     assert torch.allclose(grad_split, grad_whole, rtol=0, atol=fp32_atol(scale_of([grad_whole]), 2))
+
+
+@pytest.mark.timeout(60)
+def test_a_pipeline_boundary_carries_the_routing_exactly_with_its_gradient():
+    """The routing a stage sends on with its hidden states (pipeline_parallel/hf_routing.py)
+    comes off the next stage as it went in — the counts exact past bf16's integers, the hidden
+    states in their own dtype — and the probability sums carry their gradient back. Bug: the
+    carry packed in the hidden states' dtype (bf16 rounds the counts)."""
+    from trainmesh.models.hf_router import Routing
+    from trainmesh.pipeline_parallel.hf_routing import pack, unpack
+    experts = 12
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(2, 5, 8).to(dtype)
+        probs = torch.rand(2, experts, requires_grad=True)
+        slots = torch.full((2, experts), 3.0 * 4096 + 1)       # no bf16 holds 12289
+        rows = torch.full((2,), 3.0 * 4096)
+        out_hidden, routing = unpack(pack(hidden, Routing(slots, probs, rows)), experts)
+        assert out_hidden.dtype == dtype and torch.equal(out_hidden, hidden), dtype
+        for got, want in ((routing.slots, slots), (routing.rows, rows), (routing.probs, probs)):
+            assert torch.equal(got, want), (dtype, got, want)
+        weight = torch.randn(2, experts)
+        (routing.probs * weight).sum().backward()
+        assert torch.equal(probs.grad, weight), dtype

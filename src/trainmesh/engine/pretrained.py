@@ -27,16 +27,16 @@ from torch import nn
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hf_plan import family
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
+from trainmesh.models.hf_attention import routes_attention
 from trainmesh.models.hf_router import (
     add_router_loss,
     attach_router_stats,
     router_loss_enabled,
     router_modules,
 )
-from trainmesh.models.hf_attention import routes_attention
-from trainmesh.core.hf_plan import family
 from trainmesh.models.hf_weights import CheckpointView
 
 
@@ -98,24 +98,21 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
 def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | None = None) -> None:
     """A Hugging Face model's plans allow ``layout``'s axes: its pipeline plan ``--pp`` (with
     enough layers for every stage), its attention ``--cp`` (at ``seq_len``), its plans
-    ``--sequence-parallel``, its attention call ``--recompute selective``
-    (ConfigError naming the flag and the family)."""
+    ``--sequence-parallel`` (a mixture of experts' with its experts split over tp, not spread
+    over ep), its attention call ``--recompute selective`` (ConfigError naming the flag and the
+    family). A router aux loss the config asks for composes with every one of them
+    (:mod:`trainmesh.models.hf_router`: its counts summed over a split sequence's ranks,
+    carried from pipeline stage to stage)."""
     if layout.sequence_parallel and layout.tp > 1:
         from trainmesh.tensor_parallel.hf import hf_tp_plan
         from trainmesh.tensor_parallel.hf_sequence import sequence_parallel_plan
         sequence_parallel_plan(model, hf_tp_plan(model))
+        from trainmesh.tensor_parallel.hf_experts import check_expert_tp
+        check_expert_tp(model, layout.tp, ep=layout.ep, sequence_parallel=True)
     if layout.recompute == "selective" and not routes_attention(model):
         raise ConfigError("--recompute", f"selective checkpoints the attention call; the "
                           f"{family(model)} family's attention does not go through transformers' "
                           "attention interface; valid for it: none, full")
-    if router_loss_enabled(model):      # its statistics would span ranks of one sequence
-        for flag, split in (("--cp", layout.cp > 1), ("--pp", layout.pp > 1),
-                            ("--sequence-parallel", layout.sequence_parallel and layout.tp > 1)):
-            if split:
-                raise ConfigError(flag, f"the {family(model)} model's config asks for its router's "
-                                  "load-balancing loss (output_router_logits), formed per sequence "
-                                  "over every layer's routing on one rank; with it: dp, ZeRO, tp, "
-                                  "ep (or set output_router_logits false in its config.json)")
     if layout.cp > 1:
         from trainmesh.context_parallel.hf_attention import check_hf_context_parallel
         check_hf_context_parallel(model, seq_len)

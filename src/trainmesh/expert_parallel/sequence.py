@@ -5,7 +5,9 @@ parallelism a TP rank holds 1/tp of the tokens between the tensor-parallel regio
 MoE layers run. The router runs on the tokens the rank holds; the per-sequence slot counts are
 summed over the ranks holding the sequence's other parts (the axis table's
 :func:`~trainmesh.core.axes.sequence_groups`) before the load-balancing loss is formed, so it is
-the same number as in one process (:mod:`trainmesh.models.moe`).
+the same number as in one process (:mod:`trainmesh.models.moe`; a Hugging Face mixture of
+experts pools its layers per sequence, :mod:`trainmesh.models.hf_router`, and sums the same
+counts over the same groups).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
+from trainmesh.models.hf_router import attach_router_stats, router_loss_enabled
 
 from .shard import moe_layers
 
@@ -33,9 +36,15 @@ class SequenceSum:
 
 
 def split_sequences(model: nn.Module, comm: Comm, axes: tuple[str, ...]) -> None:
-    """Tell every MoE layer of ``model`` that its sequences are split over the groups ``axes``."""
+    """Tell every MoE layer of ``model`` that its sequences are split over the groups ``axes``
+    (a Hugging Face mixture of experts asking for its router's aux loss: its ``moe_stats``,
+    the aux being formed over all its layers at once)."""
     split = SequenceSum(comm, axes)
     if split.parts == 1:
         return
     for _, layer in moe_layers(model):
         layer.sequence = split
+    if router_loss_enabled(model):
+        stats = attach_router_stats(model)
+        if stats is not None:
+            stats.sequence = split

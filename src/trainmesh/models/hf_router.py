@@ -23,7 +23,14 @@ A sequence whose tokens lie on several ranks (context parallelism, sequence para
 its per-expert slot counts and row counts summed over those ranks before the product (they carry
 no gradient), while each rank keeps its own tokens' probability sums: the ranks' terms
 ``E · Σ_e f_e · (their Σ p_e) / N`` add up to the sequence's aux, and each one's gradient is that
-rank's share (:func:`sequence_aux` takes the summing as ``sum_over_sequence``).
+rank's share (:func:`sequence_aux` takes the summing as ``split``: the engine's
+:class:`~trainmesh.expert_parallel.sequence.SequenceSum` over the axis table's
+``sequence_groups``, cp and, under sequence parallelism, tp, whose ranks route their own chunk
+of the tokens; ``model.moe_stats.sequence``). Under a pipeline the layers of one sequence lie on
+several stages: each stage adds its layers' :class:`Routing` to what the previous ones carried
+and sends the sums on with the hidden states (:mod:`trainmesh.pipeline_parallel.hf_routing`);
+the last stage forms the aux from them, and the gradient of the probability sums flows back
+through the pipeline to every stage's routers.
 
 Its gradient enters through :class:`~trainmesh.models.moe.AuxGrad` on the logits, so the
 reported loss stays the cross-entropy and the aux is reported apart, in the model's
@@ -31,18 +38,15 @@ reported loss stays the cross-entropy and the aux is reported apart, in the mode
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
 
-from .moe import AuxGrad, MoEStats, _in_backward
-
-SumOverSequence = Callable[[torch.Tensor], torch.Tensor]
-"""Sums per-sequence statistics over the ranks holding parts of each sequence (identity when
-every rank holds whole sequences)."""
+from .moe import AuxGrad, MoEStats, SequenceSplit, _in_backward
 
 
 def router_loss_enabled(model: nn.Module) -> bool:
@@ -53,13 +57,18 @@ def router_loss_enabled(model: nn.Module) -> bool:
         and isinstance(getattr(config, "router_aux_loss_coef", None), (int, float))
 
 
+def router_logits_of(model: nn.Module) -> tuple[type, int]:
+    """(the router class transformers records ``router_logits`` from, the index of the logits
+    in its output)."""
+    recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    return getattr(recorder, "target_class", recorder), int(getattr(recorder, "index", 0) or 0)
+
+
 def router_modules(model: nn.Module) -> list[str]:
     """Names of the modules whose output transformers records as ``router_logits`` (the
     routers, one per MoE layer, in model order); ConfigError naming ``--model-dir`` when the
     model records none."""
-    recorders = getattr(type(model), "_can_record_outputs", None) or {}
-    recorder = recorders.get("router_logits")
-    target = getattr(recorder, "target_class", recorder)
+    target, _ = router_logits_of(model)
     names = [n for n, m in model.named_modules() if isinstance(target, type) and isinstance(m, target)]
     if not names:
         kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
@@ -80,6 +89,21 @@ def attach_router_stats(model: nn.Module) -> MoEStats | None:
     return stats
 
 
+@dataclass
+class Routing:
+    """What the aux loss needs of a forward's routing, per sequence of its ``b``: slots per
+    expert (b, E), no gradient; router probability sums per expert (b, E), fp32 or wider, with
+    gradient; rows (b,), MoE layers × the sequence's tokens they saw here. The layers pool by
+    adding (a pipeline stage adds its layers' to what the previous stages carried)."""
+
+    slots: torch.Tensor
+    probs: torch.Tensor
+    rows: torch.Tensor
+
+    def __add__(self, other: Routing) -> Routing:
+        return Routing(self.slots + other.slots, self.probs + other.probs, self.rows + other.rows)
+
+
 def sequence_routing(router_logits: tuple[torch.Tensor, ...], batch: int, top_k: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sequence of this rank's ``batch`` sequences: (slots per expert (b, E), no gradient;
@@ -96,38 +120,51 @@ def sequence_routing(router_logits: tuple[torch.Tensor, ...], batch: int, top_k:
     return slots, probs, torch.stack(per_layer)
 
 
+def record_routing(model: nn.Module, router_logits: Sequence[torch.Tensor], layers: Sequence[int],
+                   batch: int) -> Routing:
+    """The :class:`Routing` of the MoE layers ``layers`` (their indices among the model's
+    routers) from their logits, each ``(b·s, E)`` over this rank's ``batch`` sequences; their
+    per-layer slot counts go to ``model.moe_stats`` (not again in a recomputation)."""
+    slots, probs, per_layer = sequence_routing(tuple(router_logits), batch,
+                                               int(model.config.num_experts_per_tok))
+    tokens = router_logits[0].shape[0] // batch
+    rows = torch.full((batch,), float(len(layers) * tokens), dtype=probs.dtype, device=probs.device)
+    stats = attach_router_stats(model)
+    if stats is not None and not _in_backward():
+        stats.counts[list(layers)] += per_layer.double().cpu()
+    return Routing(slots, probs, rows)
+
+
 def sequence_aux(slots: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
-                 sum_over_sequence: SumOverSequence | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 split: SequenceSplit | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(each sequence's aux ``E · Σ_e f_e P_e`` (b,), its rows over every rank (b,)) from this
     rank's slot counts, probability sums and ``rows`` (b,) = layers × its tokens (module
-    docstring); ``sum_over_sequence`` sums the counts and rows over the ranks that hold parts of
-    a sequence (each rank's aux is then its share, the shares adding up to the sequence's)."""
-    if sum_over_sequence is not None:
-        slots, rows = sum_over_sequence(slots), sum_over_sequence(rows)
+    docstring); ``split`` sums the counts and rows, in one collective, over the ranks that hold
+    parts of a sequence (each rank's aux is then its share, the shares adding up to the
+    sequence's)."""
+    if split is not None and split.parts > 1:
+        counts = torch.cat([slots, rows.unsqueeze(-1)], -1)           # (b, E + 1), no gradient
+        split(counts)
+        slots, rows = counts[:, :-1], counts[:, -1]
     n = rows.unsqueeze(-1)
     return slots.shape[-1] * ((slots / n) * (probs / n)).sum(-1), rows
 
 
-def add_router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], logits: torch.Tensor,
-                    *, sum_over_sequence: SumOverSequence | None = None) -> torch.Tensor:
+def add_router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...] | Routing,
+                    logits: torch.Tensor) -> torch.Tensor:
     """``logits`` (b, s, vocab), carrying the gradient of ``router_aux_loss_coef`` times the
     sum over this rank's sequences of their aux, each weighted by its length (module
-    docstring); records the aux and the routing in ``model.moe_stats``. An evaluation (no
-    gradient) is left as it is: nothing to train, nothing to report."""
-    if not torch.is_grad_enabled():
-        return logits
-    b, s = logits.shape[:2]
-    config, layers = model.config, len(router_logits)
-    slots, probs, per_layer = sequence_routing(router_logits, b, int(config.num_experts_per_tok))
-    rows = torch.full((b,), float(layers * s), dtype=probs.dtype, device=probs.device)
-    aux, whole = sequence_aux(slots, probs, rows, sum_over_sequence)          # (b,), (b,)
-    weighted = (aux * (whole / layers)).sum()           # each sequence's aux times its length
+    docstring), from the forward's ``router_logits`` (every MoE layer's) or the
+    :class:`Routing` a pipeline's stages carried; records the aux in ``model.moe_stats``. An
+    evaluation (no gradient) is left as it is: nothing to train, nothing to report."""
     stats = attach_router_stats(model)
-    scale = 1.0
-    if stats is not None:
-        scale = stats.loss_scale
-        if not _in_backward():
-            stats.counts += per_layer.double().cpu()
-            stats.aux_sum += float(aux.detach().sum())       # the pooled aux, in every layer's row
-            stats.sequences += float((rows / whole).sum())    # this rank's share of its sequences
-    return AuxGrad.apply(logits, weighted, float(config.router_aux_loss_coef) * scale)
+    if not torch.is_grad_enabled() or stats is None:
+        return logits
+    routing = router_logits if isinstance(router_logits, Routing) else \
+        record_routing(model, router_logits, range(len(router_logits)), logits.shape[0])
+    aux, whole = sequence_aux(routing.slots, routing.probs, routing.rows, stats.sequence)
+    weighted = (aux * (whole / stats.n_layers)).sum()   # each sequence's aux times its length
+    if not _in_backward():
+        stats.aux_sum += float(aux.detach().sum())           # the pooled aux, in every layer's row
+        stats.sequences += float((routing.rows / whole).sum())   # this rank's share of its sequences
+    return AuxGrad.apply(logits, weighted, float(model.config.router_aux_loss_coef) * stats.loss_scale)

@@ -35,7 +35,8 @@ position carries a label (each sequence's aux is weighted by its length ``s`` an
 by the global label count, the denominator of the CE mean).
 
 The layers share one :class:`MoEStats` (``GPT.moe_stats``): the typed side channel through which
-the engine sets the loss scale of the aux gradient and reads the step's aux loss and routing
+the engine sets the loss scale of the aux gradient (and, for a Hugging Face model, how its
+sequences are split) and reads the step's aux loss and routing
 counts. Nothing is a module global.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ from torch import nn
 
 
 class MoEStats:
-    """What the MoE layers of one model report per step, and the one setting the engine gives them.
+    """What the MoE layers of one model report per step, and the settings the engine gives them.
 
     ``counts[l, e]``: (token, expert) pairs this rank routed to expert ``e`` in MoE layer ``l``
     this step (all microbatches); ``aux_sum[l]``: the sum over this rank's sequences of layer
@@ -63,6 +64,10 @@ class MoEStats:
         self.n_layers, self.n_experts = n_layers, n_experts
         self.loss_scale = 1.0
         """Multiplies the aux gradient (fp16's loss scale; set by the engine each step)."""
+        self.sequence: SequenceSplit | None = None
+        """The ranks holding the other parts of this rank's sequences, for a Hugging Face
+        mixture of experts whose aux is formed over all its layers at once (set by the engine;
+        the built-in GPT's layers hold their own)."""
         self.reset()
 
     def reset(self) -> None:

@@ -27,7 +27,7 @@ Imports core and models.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -35,6 +35,9 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_plan import HFStructure, hf_structure
+from trainmesh.models.hf_router import router_loss_enabled
+
+from .hf_routing import RouterTap, empty, pack, unpack
 
 
 def is_hf_model(model: Any) -> bool:
@@ -114,6 +117,10 @@ class HFPipeline:
         self.structure: HFStructure = hf_structure(model)
         self.base = model.get_submodule(self.structure.base)
         self._layer_index = {name: i for i, name in enumerate(self.structure.layer_names(model))}
+        self.routers: RouterTap | None = None
+        """A mixture of experts asking for its router's aux loss: its routing is carried."""
+        if router_loss_enabled(model):
+            self.routers = RouterTap(model, self.structure.layer_names(model))
 
     def __getattr__(self, name: str) -> Any:
         if "model" not in self.__dict__:
@@ -136,33 +143,55 @@ class HFPipeline:
         s = self.structure
         needed = [self._layer_index[n] for n in names if n in self._layer_index]
         holds_input = s.pre[0] in names
+        routing = None
+        if self.routers is not None:                  # the routing so far (module docstring)
+            if holds_input:
+                ids = self._ids(batch)
+                routing = empty(self.model, ids.shape[0], ids.device)
+            else:
+                x, routing = unpack(x, self.model.moe_stats.n_experts)
         calls: dict[int, tuple] = {}
         if needed or holds_input:
             first_hidden, calls = self._capture(batch, holds_input, max(needed, default=0))
             if holds_input:
                 x = first_hidden                          # (b, s, h): what enters layer 0
-        for name, layer in zip(names, layers):
-            if name in self._layer_index:
-                args, kwargs = calls[self._layer_index[name]]
-                x = _first(layer(x, *args[1:], **kwargs))
-            elif name in s.post:
-                x = layer(x)
-            # the input modules ran in the capture; the head runs in pipeline_output
-        return x
+        with self.routers.tapped(names) if self.routers is not None else nullcontext([]) as seen:
+            for name, layer in zip(names, layers):
+                if name in self._layer_index:
+                    args, kwargs = calls[self._layer_index[name]]
+                    x = _first(layer(x, *args[1:], **kwargs))
+                elif name in s.post:
+                    x = layer(x)
+                # the input modules ran in the capture; the head runs in pipeline_output
+        if self.routers is None or routing is None:
+            return x
+        return pack(x, self.routers.add(routing, seen, x.shape[0]))   # (b, s + r, h)
 
     def pipeline_output(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """What the causal LM's forward returns (logits, its loss with ``labels=``) when its base
-        model's output is ``hidden`` (the final norm's, (b, s, h))."""
+        model's output is ``hidden`` (the final norm's, (b, s, h)); a mixture of experts
+        asking for its router's aux loss: its ``router_logits`` are the
+        :class:`~trainmesh.models.hf_router.Routing` the stages carried (the model's own aux
+        term, over its layers' logits, is not formed)."""
         from transformers.modeling_outputs import BaseModelOutputWithPast
+        routing = None
+        if self.routers is not None:
+            hidden, routing = unpack(hidden, self.model.moe_stats.n_experts)
+            kwargs = {**kwargs, "output_router_logits": False}
 
         def stand_in(*_a: Any, **_k: Any) -> Any:
-            return BaseModelOutputWithPast(last_hidden_state=hidden)
+            out = BaseModelOutputWithPast(last_hidden_state=hidden)
+            out.router_logits = None       # what a mixture of experts' causal LM reads of it
+            return out
 
         self.base.__dict__["forward"] = stand_in
         try:
-            return self.model(*args, **kwargs)
+            out = self.model(*args, **kwargs)
         finally:
             del self.base.__dict__["forward"]
+        if routing is not None:
+            out["router_logits"] = routing
+        return out
 
     # ---------------------------------------------------------------- the model's own state
     def _ids(self, batch: Any) -> torch.Tensor:

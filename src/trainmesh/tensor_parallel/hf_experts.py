@@ -26,7 +26,9 @@ rank's gate and up halves). The router and shared experts follow the rest of the
 styles, or replicated). Refused, naming ``--tp`` and the family: an experts module with a
 parameter the plan leaves whole (a bias would be added on every rank, then summed), experts
 stored transposed or with gate and up interleaved (a packed split would cut the wrong features),
-a split dimension not divisible by tp, sequence parallelism. Under expert parallelism (ep > 1)
+a split dimension not divisible by tp. Under sequence parallelism the router runs on this
+rank's chunk of the tokens, between the tensor-parallel regions, and the experts' region
+gathers its rows over tp (the hook's docstring). Under expert parallelism (ep > 1)
 the experts are spread over ep instead (:mod:`trainmesh.expert_parallel.hf`) and stay whole on
 every TP rank, as the built-in GPT's: these styles are then not applied.
 """
@@ -41,7 +43,12 @@ from trainmesh.core.errors import ConfigError
 from trainmesh.core.placement import Placements
 
 from .layers import TPState
-from .mappings import copy_to_region, reduce_from_region
+from .mappings import (
+    copy_to_region,
+    gather_from_sequence,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+)
 
 PARAM_STYLES = {"packed_colwise": (1, 2), "colwise": (1, 1), "rowwise": (2, 1)}
 """Style on a stacked 3-D parameter -> (dimension split over tp, blocks split separately)."""
@@ -82,14 +89,18 @@ def expert_entries(model: nn.Module) -> tuple[dict[str, str], list[str]]:
 def check_expert_tp(model: nn.Module, tp: int, *, ep: int = 1, sequence_parallel: bool = False) -> None:
     """Before any communication (and before any worker starts): the declared expert styles can
     be honoured at ``tp`` (module docstring; ConfigError naming ``--tp`` or
-    ``--sequence-parallel`` and the family). Nothing to check under ep > 1."""
+    ``--sequence-parallel`` and the family). Under ep > 1 only that sequence parallelism is
+    off (the experts are whole there, run on no TP region)."""
     params, modules = expert_entries(model)
-    if ep > 1 or not (params or modules):
+    if not (params or modules):
         return
     family = _family(model)
-    if sequence_parallel:
-        raise ConfigError("--sequence-parallel", f"{family}: its experts are split by tensor "
-                          "parallelism over whole sequences; valid: without --sequence-parallel")
+    if ep > 1 and sequence_parallel:
+        raise ConfigError("--sequence-parallel", f"{family}: its experts, spread over ep, would "
+                          "run on the sequence chunks whole on every TP rank; valid: "
+                          "--sequence-parallel with --ep 1 (the experts split over tp)")
+    if ep > 1:
+        return
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for name, style in params.items():
         owner = name.rpartition(".")[0]
@@ -136,20 +147,34 @@ def apply_expert_tp(model: nn.Module, state: TPState, records: Placements, *, ep
 
 def _hook_experts(module: nn.Module, state: TPState) -> None:
     """``moe_tp_experts``: the activations and routing weights (arguments 0 and 2, by position
-    or keyword) enter the region, the output leaves it."""
+    or keyword) enter the region, the output leaves it. Under sequence parallelism the router
+    ran on this rank's chunk of the tokens (rows ``(b·s/tp, ·)``): the activations, chosen
+    experts and routing weights are all-gathered over tp by rows (backward: reduce-scatter of
+    their partial gradients), the output reduce-scattered back to this rank's rows."""
     import inspect
     names = list(inspect.signature(module.forward).parameters)[:3]
+    sp, comm, axis = state.sequence_parallel, state.comm, state.axis
+
+    def enter(i: int, x: Any) -> Any:
+        if sp:                        # hidden_states (T/tp, d), top_k_index, top_k_weights (T/tp, k)
+            return gather_from_sequence(x, comm, axis, dim=0)
+        return copy_to_region(x, comm, axis) if i != 1 else x
 
     def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         args, kwargs = list(args), dict(kwargs)
-        for i in (0, 2):              # hidden_states (T, d), top_k_weights (T, k)
+        for i in (0, 1, 2):
             if i == 0 and state.inside_region:
                 continue              # entered already, with its parent's input
             if i < len(args):
-                args[i] = copy_to_region(args[i], state.comm, state.axis)
+                args[i] = enter(i, args[i])
             elif i < len(names) and names[i] in kwargs:
-                kwargs[names[i]] = copy_to_region(kwargs[names[i]], state.comm, state.axis)
+                kwargs[names[i]] = enter(i, kwargs[names[i]])
         return tuple(args), kwargs
 
+    def leave(_m: nn.Module, _a: Any, out: Any) -> Any:
+        if sp:
+            return reduce_scatter_to_sequence(out, comm, axis, dim=0)
+        return reduce_from_region(out, comm, axis)
+
     module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(lambda _m, _a, out: reduce_from_region(out, state.comm, state.axis))
+    module.register_forward_hook(leave)

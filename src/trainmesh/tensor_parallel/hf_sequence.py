@@ -15,9 +15,12 @@ parameters that runs on sequence chunks: inside the layers, those outside every 
 layer norms), and the final norm.
 
 The plan allows SP when everything that runs on chunks is per token: a module with parameters
-outside every region must hold 1-D parameters only (a norm); one holding a matrix (an
-attention or MLP the plan leaves whole, a convolution over the sequence) is a ConfigError
-naming ``--sequence-parallel`` and the family, as is a family without a pipeline plan.
+outside every region must hold 1-D parameters only (a norm) or be a mixture of experts' router
+(the module transformers records ``router_logits`` from: it scores each token alone, its
+gradient summed over tp like a norm's; the stacked experts split over tp are a region of their
+own, :mod:`.hf_experts`); one holding another matrix (an attention or MLP the plan leaves
+whole, a convolution over the sequence) is a ConfigError naming ``--sequence-parallel`` and
+the family, as is a family without a pipeline plan.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_plan import hf_structure
+from trainmesh.models.hf_router import router_logits_of
 
+from .hf_experts import expert_entries
 from .plan import Plan, is_layer_style, resolve
 
 FLAG = "--sequence-parallel"
@@ -39,6 +44,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan) -> dict[str, tuple[str,
     structure = hf_structure(model, FLAG)
     regions = [name for name, _, styles in resolve(model, plan)
                if any(is_layer_style(s) or s in REGION_STYLES for s in styles)]
+    regions += expert_entries(model)[1]           # stacked experts split over tp: their region
+    router, _ = router_logits_of(model)           # a mixture of experts' router: per token
 
     def in_region(name: str) -> bool:
         return any(name == r or name.startswith(r + ".") for r in regions)
@@ -51,7 +58,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan) -> dict[str, tuple[str,
             own = list(module.parameters(recurse=False))
             if not own or in_region(name):
                 continue
-            if any(p.dim() != 1 for p in own):
+            per_token = isinstance(router, type) and isinstance(module, router)
+            if any(p.dim() != 1 for p in own) and not per_token:
                 raise ConfigError(FLAG, f"the {structure.family} family's {name} "
                                   f"({type(module).__name__}) runs on the whole sequence outside "
                                   "its tensor-parallel plan, so its tokens cannot be split over "

@@ -178,21 +178,24 @@ def scatter_to_sequence(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.
 
 
 def gather_from_sequence(x: torch.Tensor, comm: Comm, axis: str = "tp", *,
-                         partial_grad: bool = True) -> torch.Tensor:
+                         partial_grad: bool = True, dim: int = SEQ_DIM) -> torch.Tensor:
     """fwd all-gather along the sequence, bwd reduce-scatter. (b, s/n, h) -> (b, s, h).
 
     The sequence-parallel f: with ``partial_grad`` (the consumer is column-parallel, so each
     rank's gradient is a partial sum) the backward reduce-scatters; without it (a replicated
     consumer, identical gradients on every rank) the backward just keeps this rank's chunk.
+    ``dim=0``: of tokens flattened to rows, (b·s/n, h) -> (n·b·s/n, h), rank by rank.
     """
     if _trivial(comm, axis):
         return x
-    return _Gather.apply(x, SEQ_DIM, comm, axis, partial_grad)
+    return _Gather.apply(x, dim, comm, axis, partial_grad)
 
 
-def reduce_scatter_to_sequence(x: torch.Tensor, comm: Comm, axis: str = "tp") -> torch.Tensor:
+def reduce_scatter_to_sequence(x: torch.Tensor, comm: Comm, axis: str = "tp", *,
+                               dim: int = SEQ_DIM) -> torch.Tensor:
     """The sequence-parallel g: fwd reduce-scatter along the sequence, bwd all-gather.
 
-    (b, s, h) partial sums -> (b, s/n, h) complete sums of this rank's sequence chunk.
+    (b, s, h) partial sums -> (b, s/n, h) complete sums of this rank's sequence chunk (``dim``
+    as :func:`gather_from_sequence`'s).
     """
-    return x if _trivial(comm, axis) else _ReduceScatter.apply(x, SEQ_DIM, comm, axis)
+    return x if _trivial(comm, axis) else _ReduceScatter.apply(x, dim, comm, axis)
