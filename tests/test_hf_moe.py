@@ -394,7 +394,8 @@ def test_sequence_aux_is_transformers_loss_per_sequence_and_splits_over_ranks(di
     on each sequence alone; the same sequences cut in two halves (as two ranks of context
     parallelism hold them), their counts summed over the halves, give shares that add up to it,
     with the same gradient. Bug: the rows or counts of one half only."""
-    from trainmesh.models.hf_router import sequence_aux, sequence_routing
+    from trainmesh.core.hf_routing import sequence_routing
+    from trainmesh.models.hf_router import sequence_aux
     model = transformers.AutoModelForCausalLM.from_pretrained(dirs["mixtral"])
     ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     logits = model(input_ids=ids, output_router_logits=True).router_logits     # L x (b s, E)
@@ -432,7 +433,7 @@ def test_a_pipeline_boundary_carries_the_routing_exactly_with_its_gradient():
     comes off the next stage as it went in — the counts exact past bf16's integers, the hidden
     states in their own dtype — and the probability sums carry their gradient back. Bug: the
     carry packed in the hidden states' dtype (bf16 rounds the counts)."""
-    from trainmesh.models.hf_router import Routing
+    from trainmesh.core.hf_routing import Routing
     from trainmesh.pipeline_parallel.hf_routing import pack, unpack
     experts = 12
     for dtype in (torch.float32, torch.bfloat16):

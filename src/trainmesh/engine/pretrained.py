@@ -31,12 +31,8 @@ from trainmesh.core.hf_plan import family
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
 from trainmesh.models.hf_attention import routes_attention
-from trainmesh.models.hf_router import (
-    add_router_loss,
-    attach_router_stats,
-    router_loss_enabled,
-    router_modules,
-)
+from trainmesh.core.hf_routing import router_loss_enabled, router_modules
+from trainmesh.models.hf_router import add_router_loss, attach_router_stats
 from trainmesh.models.hf_weights import CheckpointView
 
 

@@ -45,7 +45,8 @@ from torch import nn
 from trainmesh.comm import Comm
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.placement import Placement, Placements
-from trainmesh.models.moe import MoEStats, _in_backward
+from trainmesh.core.compat import in_backward
+from trainmesh.models.moe import MoEStats
 
 from .dispatch import ExpertExchange
 
@@ -180,7 +181,7 @@ class Dispatch:
         gates = top_k_weights.reshape(-1)[order].unsqueeze(-1)        # (T k, 1)
         weighted = (out * gates.to(out.dtype)).to(hidden_states.dtype)
         stats = self.stats()
-        if stats is not None and torch.is_grad_enabled() and not _in_backward():
+        if stats is not None and torch.is_grad_enabled() and not in_backward():
             stats.received[self.index] += received
         return hidden_states.new_zeros((tokens, hidden_states.shape[-1])).index_add(0, token_of, weighted)
 

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
-from trainmesh.models.hf_router import attach_router_stats, router_loss_enabled
+from trainmesh.core.hf_routing import router_loss_enabled
+from trainmesh.models.hf_router import attach_router_stats
 
 from .shard import moe_layers
 

@@ -27,55 +27,27 @@ rank's share (:func:`sequence_aux` takes the summing as ``split``: the engine's
 :class:`~trainmesh.expert_parallel.sequence.SequenceSum` over the axis table's
 ``sequence_groups``, cp and, under sequence parallelism, tp, whose ranks route their own chunk
 of the tokens; ``model.moe_stats.sequence``). Under a pipeline the layers of one sequence lie on
-several stages: each stage adds its layers' :class:`Routing` to what the previous ones carried
+several stages: each stage adds its layers' :class:`~trainmesh.core.hf_routing.Routing` to what the previous ones carried
 and sends the sums on with the hidden states (:mod:`trainmesh.pipeline_parallel.hf_routing`);
 the last stage forms the aux from them, and the gradient of the probability sums flows back
 through the pipeline to every stage's routers.
 
 Its gradient enters through :class:`~trainmesh.models.moe.AuxGrad` on the logits, so the
 reported loss stays the cross-entropy and the aux is reported apart, in the model's
-:class:`~trainmesh.models.moe.MoEStats` (the metrics file's ``moe``). Imports models only.
+:class:`~trainmesh.models.moe.MoEStats` (the metrics file's ``moe``). Imports core and models.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from trainmesh.core.errors import ConfigError
 
-from .moe import AuxGrad, MoEStats, SequenceSplit, _in_backward
+from trainmesh.core.compat import in_backward
+from trainmesh.core.hf_routing import Routing, layers_routing, router_loss_enabled, router_modules
 
-
-def router_loss_enabled(model: nn.Module) -> bool:
-    """Whether the model's config asks for its router's aux loss (``output_router_logits``,
-    with a ``router_aux_loss_coef``)."""
-    config = getattr(model, "config", None)
-    return bool(getattr(config, "output_router_logits", False)) \
-        and isinstance(getattr(config, "router_aux_loss_coef", None), (int, float))
-
-
-def router_logits_of(model: nn.Module) -> tuple[type, int]:
-    """(the router class transformers records ``router_logits`` from, the index of the logits
-    in its output)."""
-    recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
-    return getattr(recorder, "target_class", recorder), int(getattr(recorder, "index", 0) or 0)
-
-
-def router_modules(model: nn.Module) -> list[str]:
-    """Names of the modules whose output transformers records as ``router_logits`` (the
-    routers, one per MoE layer, in model order); ConfigError naming ``--model-dir`` when the
-    model records none."""
-    target, _ = router_logits_of(model)
-    names = [n for n, m in model.named_modules() if isinstance(target, type) and isinstance(m, target)]
-    if not names:
-        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise ConfigError("--model-dir", f"{kind} asks for its router's aux loss "
-                          "(output_router_logits) but records no router_logits; valid: "
-                          "output_router_logits false in config.json")
-    return names
+from .moe import AuxGrad, MoEStats, SequenceSplit
 
 
 def attach_router_stats(model: nn.Module) -> MoEStats | None:
@@ -89,50 +61,13 @@ def attach_router_stats(model: nn.Module) -> MoEStats | None:
     return stats
 
 
-@dataclass
-class Routing:
-    """What the aux loss needs of a forward's routing, per sequence of its ``b``: slots per
-    expert (b, E), no gradient; router probability sums per expert (b, E), fp32 or wider, with
-    gradient; rows (b,), MoE layers × the sequence's tokens they saw here. The layers pool by
-    adding (a pipeline stage adds its layers' to what the previous stages carried)."""
-
-    slots: torch.Tensor
-    probs: torch.Tensor
-    rows: torch.Tensor
-
-    def __add__(self, other: Routing) -> Routing:
-        return Routing(self.slots + other.slots, self.probs + other.probs, self.rows + other.rows)
-
-
-def sequence_routing(router_logits: tuple[torch.Tensor, ...], batch: int, top_k: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per sequence of this rank's ``batch`` sequences: (slots per expert (b, E), no gradient;
-    router probability sums per expert (b, E), fp32; slots per expert of each layer (L, E)),
-    the layers pooled as transformers pools them. Each logits tensor is ``(b·s, E)``."""
-    slots, probs, per_layer = 0.0, 0.0, []
-    for logits in router_logits:
-        p = logits.float().softmax(-1).view(batch, -1, logits.shape[-1])     # (b, s, E)
-        chosen = p.topk(top_k, dim=-1).indices                               # (b, s, k)
-        hits = torch.zeros_like(p).scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=p.dtype))
-        slots = slots + hits.detach().sum(1)                                  # (b, E)
-        probs = probs + p.sum(1)
-        per_layer.append(hits.detach().sum((0, 1)))
-    return slots, probs, torch.stack(per_layer)
-
-
 def record_routing(model: nn.Module, router_logits: Sequence[torch.Tensor], layers: Sequence[int],
                    batch: int) -> Routing:
-    """The :class:`Routing` of the MoE layers ``layers`` (their indices among the model's
-    routers) from their logits, each ``(b·s, E)`` over this rank's ``batch`` sequences; their
-    per-layer slot counts go to ``model.moe_stats`` (not again in a recomputation)."""
-    slots, probs, per_layer = sequence_routing(tuple(router_logits), batch,
-                                               int(model.config.num_experts_per_tok))
-    tokens = router_logits[0].shape[0] // batch
-    rows = torch.full((batch,), float(len(layers) * tokens), dtype=probs.dtype, device=probs.device)
+    """:func:`~trainmesh.core.hf_routing.layers_routing` with ``model.moe_stats``'s counts
+    (the stats created if the model has none yet)."""
     stats = attach_router_stats(model)
-    if stats is not None and not _in_backward():
-        stats.counts[list(layers)] += per_layer.double().cpu()
-    return Routing(slots, probs, rows)
+    return layers_routing(router_logits, layers, batch, int(model.config.num_experts_per_tok),
+                          None if stats is None else stats.counts)
 
 
 def sequence_aux(slots: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
@@ -164,7 +99,7 @@ def add_router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...] | 
         record_routing(model, router_logits, range(len(router_logits)), logits.shape[0])
     aux, whole = sequence_aux(routing.slots, routing.probs, routing.rows, stats.sequence)
     weighted = (aux * (whole / stats.n_layers)).sum()   # each sequence's aux times its length
-    if not _in_backward():
+    if not in_backward():
         stats.aux_sum += float(aux.detach().sum())           # the pooled aux, in every layer's row
         stats.sequences += float((routing.rows / whole).sum())   # this rank's share of its sequences
     return AuxGrad.apply(logits, weighted, float(model.config.router_aux_loss_coef) * stats.loss_scale)

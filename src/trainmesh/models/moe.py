@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.core.compat import in_backward
+
 
 class MoEStats:
     """What the MoE layers of one model report per step, and the settings the engine gives them.
@@ -125,11 +127,6 @@ class Expert(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-def _in_backward() -> bool:
-    """Whether this forward is a recomputation inside a backward pass."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class MoE(nn.Module):
     """A dropless top-k mixture of experts (module docstring); layer ``index`` of the model's
     MoE layers, reporting into ``stats``."""
@@ -193,7 +190,7 @@ class MoE(nn.Module):
         f = slots / (length * self.top_k)
         aux = self.n_experts * (f * probs.view(b, s, -1).sum(1) / length).sum(-1)   # (b,): this part
         stats = self.stats
-        if stats is not None and not _in_backward():
+        if stats is not None and not in_backward():
             stats.counts[self.index] += counts.double().cpu()
             stats.aux_sum[self.index] += float(aux.detach().sum())
             stats.sequences[self.index] += b / parts

@@ -22,7 +22,7 @@ The last stage scores the model: the loss function calls the model (:class:`.sta
 LastStageModel`), and :meth:`HFPipeline.pipeline_output` runs the causal LM's own forward on
 the norm's output, its base model standing in with that output — so the head, anything the
 model applies to the logits (soft-capping) and its own loss (``labels=``) are the model's.
-Imports core and models.
+Imports core only.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_plan import HFStructure, hf_structure
-from trainmesh.models.hf_router import router_loss_enabled
+from trainmesh.core.hf_routing import router_loss_enabled
 
 from .hf_routing import RouterTap, empty, pack, unpack
 
@@ -171,7 +171,7 @@ class HFPipeline:
         """What the causal LM's forward returns (logits, its loss with ``labels=``) when its base
         model's output is ``hidden`` (the final norm's, (b, s, h)); a mixture of experts
         asking for its router's aux loss: its ``router_logits`` are the
-        :class:`~trainmesh.models.hf_router.Routing` the stages carried (the model's own aux
+        :class:`~trainmesh.core.hf_routing.Routing` the stages carried (the model's own aux
         term, over its layers' logits, is not formed)."""
         from transformers.modeling_outputs import BaseModelOutputWithPast
         routing = None

@@ -3,8 +3,8 @@
 The router's load-balancing loss pools every MoE layer of a sequence
 (:mod:`trainmesh.models.hf_router`): ``aux = E/N² · Σ_e S_e · P_e`` with ``S`` the slots per
 expert and ``P`` the router probability sums, both summed over all the layers, which the
-pipeline spreads over stages. Each stage adds its own layers' :class:`~trainmesh.models.
-hf_router.Routing` (slots, probabilities, rows) per sequence to what the previous stages
+pipeline spreads over stages. Each stage adds its own layers' :class:`~trainmesh.core.
+hf_routing.Routing` (slots, probabilities, rows) per sequence to what the previous stages
 carried and sends the sums on with the hidden states, as extra positions appended to them
 (:func:`pack`; the next stage takes them off, :func:`unpack`); the last stage forms the aux from
 the whole sums. The probabilities stay differentiable across the boundary, so the aux's
@@ -25,12 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainmesh.models.hf_router import (
-    Routing,
-    record_routing,
-    router_logits_of,
-    router_modules,
-)
+from trainmesh.core.hf_routing import Routing, layers_routing, router_logits_of, router_modules
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 """Hidden-state dtypes a boundary carries, by code."""
@@ -102,4 +97,6 @@ class RouterTap:
         """``routing`` plus that of the routers ``seen`` (recording their counts)."""
         if not seen or not torch.is_grad_enabled():
             return routing
-        return routing + record_routing(self.model, [t for _, t in seen], [i for i, _ in seen], batch)
+        stats = self.model.moe_stats
+        return routing + layers_routing([t for _, t in seen], [i for i, _ in seen], batch,
+                                        int(self.model.config.num_experts_per_tok), stats.counts)

@@ -28,7 +28,7 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_plan import hf_structure
-from trainmesh.models.hf_router import router_logits_of
+from trainmesh.core.hf_routing import router_logits_of
 
 from .hf_experts import expert_entries
 from .plan import Plan, is_layer_style, resolve
