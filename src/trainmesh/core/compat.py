@@ -1,6 +1,6 @@
-"""The private torch APIs trainmesh relies on, each behind one small function.
+"""The private torch (and standard library) APIs trainmesh relies on, each behind one small function.
 
-torch offers no public way to do these few things; each function says why it needs the private
+torch and multiprocessing offer no public way to do these few things; each function says why it needs the private
 name and what it falls back to. ``tests/test_compat.py`` checks every one against the installed
 torch, so an upgrade that moves or changes one fails there, by name, rather than deep inside a
 training step.
@@ -95,3 +95,26 @@ def load_lazy_imports() -> None:
     over one scalar; no thread pool is started. Workers do it before measuring their base
     footprint, so the base means the same however they were started (docs/METRICS.md)."""
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+
+
+def close_fork_server(wait_s: float = 10.0) -> None:
+    """Kill this process's multiprocessing fork server and keep any thread from starting
+    another. A fault-tolerant launcher stopping on a signal kills its workers while its
+    replicas' agents (threads) still run: an agent seeing its workers killed would start new
+    ones through the server as the launcher exits, and they would fail half-started, each
+    printing a traceback. multiprocessing has no public way to stop its server; the server's
+    lock is taken here and kept, so ``ensure_running`` blocks the agents instead of starting a
+    new server (waiting up to ``wait_s`` for an agent holding it)."""
+    import os
+    import signal
+    from multiprocessing import forkserver
+    server = forkserver._forkserver
+    server._lock.acquire(timeout=wait_s)
+    pid, server._forkserver_pid = server._forkserver_pid, None
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):   # gone already, or not this process's child
+        pass

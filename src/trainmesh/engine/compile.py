@@ -55,22 +55,28 @@ def check_compile(device_type: str) -> None:
                               "triton kernels); install triton or leave --compile off")
         return
     cxx = inductor_cxx()
-    if not _compiler_runs(cxx):
-        raise ConfigError("--compile", f"needs a working C++ compiler on CPU ({cxx} is missing "
-                          "or cannot compile; set CXX or install one) or leave --compile off")
+    why = _compiler_fault(cxx)
+    if why:
+        raise ConfigError("--compile", f"needs a working C++ compiler on CPU: {cxx} {why} (set "
+                          "CXX or install one) or leave --compile off")
 
 
 @functools.cache
-def _compiler_runs(cxx: str) -> bool:
-    """Whether ``cxx`` exists and preprocesses an empty C++ file: a driver found on PATH whose
-    compiler proper is missing (``g++`` without ``cc1plus``) fails here, not inside a worker."""
+def _compiler_fault(cxx: str) -> str:
+    """'' when ``cxx`` exists and preprocesses an empty C++ file, else what went wrong: a
+    driver found on PATH whose compiler proper is missing (``g++`` without ``cc1plus``) fails
+    here, not inside a worker."""
     if shutil.which(cxx) is None:
-        return False
+        return "is not on PATH"
     try:
-        return subprocess.run([cxx, "-x", "c++", "-E", "-"], input=b"", capture_output=True,
-                              timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        done = subprocess.run([cxx, "-x", "c++", "-E", "-"], input=b"", capture_output=True,
+                              timeout=60)
+    except subprocess.TimeoutExpired:
+        return "did not answer within 60 s"
+    except OSError as exc:
+        return f"cannot run ({exc.strerror})"
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    return "" if done.returncode == 0 else f"cannot compile ({said[-1] if said else f'exit {done.returncode}'})"
 
 
 def compile_layers(model: nn.Module, device_type: str) -> list[nn.Module]:

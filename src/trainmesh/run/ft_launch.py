@@ -70,7 +70,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainmesh.core.compat import bound_worker_shutdown
+    from trainmesh.core.compat import bound_worker_shutdown, close_fork_server
 
     p = cfg.parallel
     _quiet_agent()
@@ -119,6 +119,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
                 for t in agents:
                     t.join(0.2)
     except _Signalled as exc:   # the agents are threads: the workers are stopped here
+        close_fork_server()      # first: no agent restarts a replica whose workers die now
         for worker in multiprocessing.active_children():   # (exit would wait for them)
             worker.kill()
         sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(exc.signum).name}; "
