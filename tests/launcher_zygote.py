@@ -37,16 +37,20 @@ PRELOADED = ("torch.distributed.launcher.api", "torch.distributed.elastic.multip
 def serve() -> None:
     """The zygote's loop (its stdin: requests, its stdout: answers)."""
     import importlib
+    import importlib.util
 
     from trainmesh.cli import main
     from trainmesh.run.launch import kill_with_parent, run_exit_handlers
-    from trainmesh.run.launch import WORKER_IMAGE
+    from trainmesh.run.launch import HF_PRELOAD, WORKER_IMAGE
     for module in PRELOADED:                   # what the children run, imported once here
         importlib.import_module(module)
     kill_with_parent()                     # ends with the pytest process that started it
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                          # nothing but answers on the pipe
-    multiprocessing.set_forkserver_preload([WORKER_IMAGE])
+    hub = [HF_PRELOAD] if importlib.util.find_spec("transformers") is not None else []
+    for module in hub:                     # a --model-dir launcher reads the model's config
+        importlib.import_module(module)
+    multiprocessing.set_forkserver_preload([WORKER_IMAGE, *hub])   # workers: see worker_start_method
     forkserver.ensure_running()            # the workers' fork server, shared by the children
     for line in sys.stdin:
         request = json.loads(line)

@@ -12,6 +12,7 @@ that rank and its error.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +44,8 @@ def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, args: tuple,
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
                     threads: int = 1) -> dict[int, Any]:
-    """Run ``fn(*args)`` on ``world_size`` fresh processes; return {rank: result}."""
+    """Run ``fn(*args)`` on ``world_size`` fresh processes; return {rank: result}. Where this
+    process has imported transformers, the workers' fork server imports it too (once)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from trainmesh.core.stores import STORE_ENV
@@ -51,7 +53,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     with local_rendezvous() as rendezvous:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
                               run_id=f"tm-{uuid.uuid4().hex[:8]}", max_restarts=0,
-                              monitor_interval=0.05, start_method=worker_start_method(),
+                              monitor_interval=0.05, start_method=worker_start_method("transformers" in sys.modules),
                               **rendezvous)
         # the workers' environment, not ours: this process's as it is now (the fork server
         # holds the one of its start) and the store
