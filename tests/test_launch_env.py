@@ -81,3 +81,30 @@ def test_workers_fork_from_the_worker_image_and_see_the_current_environment(monk
     for value in ("first", "second"):
         monkeypatch.setenv("TRAINMESH_TEST_ONLY", value)
         assert run_distributed(_what_the_worker_sees, 2) == {0: (forked, value), 1: (forked, value)}
+
+
+HUB_WORKERS = """
+import sys
+import transformers  # noqa: F401 - the caller has imported transformers
+from trainmesh.testing import run_distributed
+from trainmesh.run.launch import HF_PRELOAD
+def seen():
+    import sys
+    return HF_PRELOAD in sys.modules
+if __name__ == "__main__":
+    print(run_distributed(seen, 2))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_hub_workers_start_with_transformers_imported(tmp_path):
+    """A --model-dir run's fork server (and run_distributed's, where its caller imported
+    transformers) imports transformers' model base once: its workers start with it."""
+    import subprocess
+    import sys
+    pytest.importorskip("transformers")
+    script = tmp_path / "hub_workers.py"     # a file: the workers unpickle its function
+    script.write_text(HUB_WORKERS)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "{0: True, 1: True}", out.stdout
