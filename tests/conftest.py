@@ -26,6 +26,9 @@ from pathlib import Path
 import pytest
 from helpers import LAUNCHED, assert_refused
 
+pytest_plugins = ["cpu_log"] if os.environ.get("CPU_LOG") else []
+"""CPU_LOG=FILE: each test's CPU-seconds into FILE (tests/cpu_log.py)."""
+
 WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID")
 
 
