@@ -22,6 +22,8 @@ import pytest
 V1 = Path("/sys/fs/cgroup/cpuacct")
 V2 = Path("/sys/fs/cgroup")
 _group: Path | None = None
+_log: str = ""
+"""Where the lines go (read once: tests may clear os.environ)."""
 
 
 def _join_own_group(name: str) -> Path | None:
@@ -47,8 +49,9 @@ def _cpu_s(group: Path) -> float:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _group
-    if os.environ.get("CPU_LOG"):
+    global _group, _log
+    _log = os.environ.get("CPU_LOG", "")
+    if _log:
         worker = getattr(config, "workerinput", {}).get("workerid", "main")
         _group = _join_own_group(f"trainmesh-tests-{worker}-{os.getpid()}")
 
@@ -70,6 +73,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return
     cpu, wall = _cpu_s(_group), time.monotonic()
     yield
-    with open(os.environ["CPU_LOG"], "a") as out:
+    with open(_log, "a") as out:
         out.write(json.dumps({"id": item.nodeid, "cpu": round(_cpu_s(_group) - cpu, 2),
                               "wall": round(time.monotonic() - wall, 2)}) + "\n")
