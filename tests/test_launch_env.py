@@ -92,7 +92,7 @@ def seen():
     import sys
     return HF_PRELOAD in sys.modules
 if __name__ == "__main__":
-    print(run_distributed(seen, 2))
+    print(sorted(run_distributed(seen, 2).items()))
 """
 
 
@@ -107,4 +107,4 @@ def test_hub_workers_start_with_transformers_imported(tmp_path):
     script.write_text(HUB_WORKERS)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "{0: True, 1: True}", out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[(0, True), (1, True)]", out.stdout
