@@ -32,9 +32,9 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hf_plan import family
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.models.hf_attention import routes_attention, use_attention
-from trainmesh.core.hf_plan import family
 
 from .partition import zigzag_positions
 from .ring import MODES, Ring, ring_attention

@@ -28,10 +28,10 @@ from torch import nn
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_plan import family
+from trainmesh.core.hf_routing import router_loss_enabled, router_modules
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
 from trainmesh.models.hf_attention import routes_attention
-from trainmesh.core.hf_routing import router_loss_enabled, router_modules
 from trainmesh.models.hf_router import add_router_loss, attach_router_stats
 from trainmesh.models.hf_weights import CheckpointView
 
@@ -101,9 +101,9 @@ def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | Non
     carried from pipeline stage to stage)."""
     if layout.sequence_parallel and layout.tp > 1:
         from trainmesh.tensor_parallel.hf import hf_tp_plan
+        from trainmesh.tensor_parallel.hf_experts import check_expert_tp
         from trainmesh.tensor_parallel.hf_sequence import sequence_parallel_plan
         sequence_parallel_plan(model, hf_tp_plan(model))
-        from trainmesh.tensor_parallel.hf_experts import check_expert_tp
         check_expert_tp(model, layout.tp, ep=layout.ep, sequence_parallel=True)
     if layout.recompute == "selective" and not routes_attention(model):
         raise ConfigError("--recompute", f"selective checkpoints the attention call; the "

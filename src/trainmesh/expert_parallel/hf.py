@@ -43,9 +43,9 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
+from trainmesh.core.compat import in_backward
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.placement import Placement, Placements
-from trainmesh.core.compat import in_backward
 from trainmesh.models.moe import MoEStats
 
 from .dispatch import ExpertExchange

@@ -43,9 +43,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-
 from trainmesh.core.compat import in_backward
-from trainmesh.core.hf_routing import Routing, layers_routing, router_loss_enabled, router_modules
+from trainmesh.core.hf_routing import (
+    Routing,
+    layers_routing,
+    router_loss_enabled,
+    router_modules,
+)
 
 from .moe import AuxGrad, MoEStats, SequenceSplit
 
