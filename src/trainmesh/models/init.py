@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 
-def _generator(seed: int, name: str, row: int) -> torch.Generator:
-    key = zlib.crc32(f"{name}#{row}".encode())
-    return torch.Generator().manual_seed((seed * 1_000_003 + key) % 2**63)
+def _seed(seed: int, name: str, row: int) -> int:
+    """The seed of row ``row`` of parameter ``name``."""
+    return (seed * 1_000_003 + zlib.crc32(f"{name}#{row}".encode())) % 2**63
 
 
 def full_index(index: Sequence[slice] | None, shape: tuple[int, ...]) -> tuple[range, ...]:
@@ -43,12 +43,18 @@ def init_value(name: str, shape: tuple[int, ...], *, seed: int, n_layers: int, s
     if name.endswith("proj.weight"):  # residual projections, scaled by depth
         std = std / math.sqrt(2 * n_layers)
     if not shape:
-        return torch.randn((), generator=_generator(seed, name, 0)) * std
+        return torch.randn((), generator=torch.Generator().manual_seed(_seed(seed, name, 0))) * std
     rest = shape[1:]
     cols = tuple(slice(r.start, r.stop, r.step) for r in ranges[1:])
+    whole_rows = out_shape[1:] == rest
     out = torch.empty(out_shape)
+    gen = torch.Generator()
     for j, i in enumerate(ranges[0]):                      # one row at a time: (rest,) -> slice
-        out[j] = torch.randn(rest, generator=_generator(seed, name, i))[cols]
+        gen.manual_seed(_seed(seed, name, i))
+        if whole_rows:
+            torch.randn(rest, generator=gen, out=out[j])
+        else:
+            out[j] = torch.randn(rest, generator=gen)[cols]
     return out.mul_(std)
 
 
@@ -56,6 +62,7 @@ def init_value(name: str, shape: tuple[int, ...], *, seed: int, n_layers: int, s
 def init_module(module: nn.Module, *, seed: int, n_layers: int, prefix: str = "") -> None:
     """Materialise (if on meta) and initialise every parameter of ``module`` by its full name."""
     if any(p.is_meta for p in module.parameters()):
-        module.to_empty(device="cpu")
+        # torch.empty from the shape: to_empty's empty_like runs the meta kernels, far slower
+        module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype), recurse=True)
     for name, p in module.named_parameters(prefix=prefix.rstrip(".")):
         p.copy_(init_value(name, tuple(p.shape), seed=seed, n_layers=n_layers).to(p.dtype))
