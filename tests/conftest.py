@@ -24,7 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCHED, assert_refused
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+"""One intra-op thread per process, workers and one-process runs alike: the suite's processes
+outnumber the cores (two xdist workers, each with its runs), and a second OpenMP thread that spins
+at its barriers while another process holds the core makes a tiny step hundreds of times slower."""
+
+from helpers import LAUNCHED, assert_refused  # noqa: E402
 
 pytest_plugins = ["cpu_log"] if os.environ.get("CPU_LOG") else []
 """CPU_LOG=FILE: each test's CPU-seconds into FILE (tests/cpu_log.py)."""
