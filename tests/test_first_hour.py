@@ -2,6 +2,7 @@
 --version, a misspelt flag, a warm-up longer than the run, and readable output."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import steps, summary
+from helpers import steps, summary, trainmesh_process
 from tolerances import LOSS_ABS
 
 from trainmesh.cli import main
@@ -24,10 +25,15 @@ def _env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
-def _train(cmd: list[str], args: list[str], metrics: Path) -> tuple[subprocess.CompletedProcess, list]:
-    proc = subprocess.run([*cmd, "-m", "trainmesh", "train", *args, "--metrics-out", str(metrics)],
-                          capture_output=True, text=True, timeout=150, env=_env())
-    import json
+def _train(cmd: list[str] | None, args: list[str], metrics: Path) -> tuple[subprocess.CompletedProcess, list]:
+    """``trainmesh train ARGS`` under ``cmd`` (torchrun), or as its own launcher (``None``:
+    forked from the test zygote, the interpreter's start-up shared)."""
+    argv = ["train", *args, "--metrics-out", str(metrics)]
+    if cmd is None:
+        proc = trainmesh_process(argv, metrics.parent, env=_env(), timeout=150, name=metrics.stem)
+    else:
+        proc = subprocess.run([*cmd, "-m", "trainmesh", *argv], capture_output=True, text=True,
+                              timeout=150, env=_env())
     records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     return proc, records
 
@@ -38,11 +44,11 @@ def runs(tmp_path_factory):
     step 2 with a checkpoint; a local --dp 2 run resuming it to step 4."""
     tmp = tmp_path_factory.mktemp("first-hour")
     ck = tmp / "ck"
-    ref = _train([sys.executable], TINY, tmp / "ref.jsonl")
+    ref = _train(None, TINY, tmp / "ref.jsonl")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     first = _train(torchrun, [*TINY, "--exit-after", "2", "--save-dir", str(ck), "--eval-every", "1",
                               "--eval-batches", "1"], tmp / "first.jsonl")
-    resumed = _train([sys.executable], [*TINY, "--dp", "2", "--save-dir", str(ck), "--resume"],
+    resumed = _train(None, [*TINY, "--dp", "2", "--save-dir", str(ck), "--resume"],
                      tmp / "resumed.jsonl")
     for proc, _ in (ref, first, resumed):
         assert proc.returncode == 0, proc.stderr[-3000:]
