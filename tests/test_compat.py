@@ -104,3 +104,24 @@ def test_a_closed_fork_server_is_gone_and_none_starts_again():
                          timeout=50)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["blocked"], out.stdout
+
+
+def test_rendezvous_events_are_named_as_torch_names_them(monkeypatch):
+    """The frame-based name is the one torch's inspect.stack() gives (the method that called
+    ``_record``), and it replaces torch's own in the rendezvous module."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    original = dynamic_rendezvous.get_method_name
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", original)
+
+    class Handler:
+        def _record(self, depth: int = 2) -> str:
+            return dynamic_rendezvous.get_method_name(depth)
+
+        def next_rendezvous(self) -> str:
+            return self._record()
+
+    want = Handler().next_rendezvous()
+    compat.cheap_rendezvous_event_names()
+    assert dynamic_rendezvous.get_method_name is not original
+    assert Handler().next_rendezvous() == want == "next_rendezvous"
+    assert Handler()._record(10_000) == original(10_000) == "no_method_name"

@@ -48,8 +48,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     process has imported transformers, the workers' fork server imports it too (once)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from trainmesh.core.compat import cheap_rendezvous_event_names
     from trainmesh.core.stores import STORE_ENV
     from trainmesh.run.launch import local_rendezvous, worker_start_method
+    cheap_rendezvous_event_names()
     with local_rendezvous() as rendezvous:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
                               run_id=f"tm-{uuid.uuid4().hex[:8]}", max_restarts=0,

@@ -80,6 +80,32 @@ def bound_worker_shutdown(grace_s: float) -> None:
     ProcessContext.join = bounded_join
 
 
+def cheap_rendezvous_event_names() -> None:
+    """Make the elastic rendezvous name its events from the calling frame alone.
+
+    ``dynamic_rendezvous.get_method_name`` runs ``inspect.stack()`` twice for every event the
+    rendezvous records (each state change, each keep-alive, the shutdown), even where no event
+    handler is set: that builds source context for every frame and walks ``sys.modules`` per
+    frame, several CPU-seconds per launch once torch is imported. The name it returns is the
+    function ``depth`` frames up, which ``sys._getframe`` gives directly. Affects only this
+    process (the launcher); where torch has no such function, nothing changes.
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    if getattr(dynamic_rendezvous.get_method_name, "trainmesh_frame_name", False):
+        return
+    if not callable(getattr(dynamic_rendezvous, "get_method_name", None)):
+        return
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:                     # the stack is not that deep
+            return "no_method_name"
+
+    get_method_name.trainmesh_frame_name = True  # type: ignore[attr-defined]
+    dynamic_rendezvous.get_method_name = get_method_name
+
+
 DEFERRED_IMPORT_BYTES = 72 * 2**20
 """Resident memory :func:`load_lazy_imports` adds on CPU (torch 2.13, measured: 72 MiB)."""
 

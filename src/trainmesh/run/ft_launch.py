@@ -70,11 +70,12 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainmesh.core.compat import bound_worker_shutdown, close_fork_server
+    from trainmesh.core.compat import bound_worker_shutdown, cheap_rendezvous_event_names, close_fork_server
 
     p = cfg.parallel
     _quiet_agent()
     bound_worker_shutdown(FAILURE_GRACE_S)
+    cheap_rendezvous_event_names()
     grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}
              if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
     ranks = p.replica_ranks

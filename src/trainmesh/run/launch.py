@@ -118,11 +118,12 @@ def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int,
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from trainmesh.checkpoint.savedir import SaveDirLock
-    from trainmesh.core.compat import bound_worker_shutdown
+    from trainmesh.core.compat import bound_worker_shutdown, cheap_rendezvous_event_names
 
     with SaveDirLock(cfg.save_dir) if cfg.save_dir else contextlib.nullcontext():
         _quiet_agent()
         bound_worker_shutdown(FAILURE_GRACE_S)
+        cheap_rendezvous_event_names()
         grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}   # where torch has it; else 30 s on signals
                  if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
         with local_rendezvous() as rendezvous:
