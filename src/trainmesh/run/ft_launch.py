@@ -70,7 +70,11 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainmesh.core.compat import bound_worker_shutdown, cheap_rendezvous_event_names, close_fork_server
+    from trainmesh.core.compat import (
+        bound_worker_shutdown,
+        cheap_rendezvous_event_names,
+        close_fork_server,
+    )
 
     p = cfg.parallel
     _quiet_agent()

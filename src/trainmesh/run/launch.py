@@ -118,7 +118,10 @@ def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int,
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from trainmesh.checkpoint.savedir import SaveDirLock
-    from trainmesh.core.compat import bound_worker_shutdown, cheap_rendezvous_event_names
+    from trainmesh.core.compat import (
+        bound_worker_shutdown,
+        cheap_rendezvous_event_names,
+    )
 
     with SaveDirLock(cfg.save_dir) if cfg.save_dir else contextlib.nullcontext():
         _quiet_agent()
