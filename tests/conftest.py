@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 outnumber the cores (two xdist workers, each with its runs), and a second OpenMP thread that spins
 at its barriers while another process holds the core makes a tiny step hundreds of times slower."""
 
-from helpers import LAUNCHED, assert_refused  # noqa: E402
+from helpers import LAUNCHED, assert_refused
 
 pytest_plugins = ["cpu_log"] if os.environ.get("CPU_LOG") else []
 """CPU_LOG=FILE: each test's CPU-seconds into FILE (tests/cpu_log.py)."""
