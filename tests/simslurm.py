@@ -10,7 +10,9 @@ configuration, keys, state and logs live in one fresh directory; on exit every d
 here (and each job step it forked, found in the hosts' namespaces) is killed and the directory
 removed. Slurm 22.05's slurmd wants a cgroup hierarchy even with ``proctrack/linuxproc``: each
 slurmd gets a private tmpfs one (``ip netns exec`` gives every command its own mount
-namespace). Install with ``apt-get install slurm-wlm munge``.
+namespace). ``MinJobAge=4``: ``sbatch --wait`` polls the job every 2 s (with Slurm's default of
+300 its polls back off to 2, 10 and 42 s after submission, most of a short job's wait idle).
+Install with ``apt-get install slurm-wlm munge``.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
-MinJobAge=300
+MinJobAge=4
 {nodes}
 PartitionName=sim Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """

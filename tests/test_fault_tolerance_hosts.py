@@ -31,7 +31,10 @@ TRAIN = [*SMALL, "--optimizer", "adamw", "--timeout", "30"]
 
 
 def _env(inject: str = "") -> dict[str, str]:
+    """The replicas' and the coordinator's environment: one intra-op thread per worker (several
+    replicas share this machine's cores; idle threads spinning on them cost CPU, not coverage)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
     env.pop("TRAINMESH_FT_INJECT", None)
     if inject:
         env["TRAINMESH_FT_INJECT"] = inject
@@ -142,12 +145,18 @@ def test_coordinator_flags_are_checked(capsys):
 
 
 SCENARIOS = {
-    "short": {"steps": 60, "kill": 6, "partition": 14, "coordinator": 24},
-    "long": {"steps": 300, "kill": 20, "partition": 60, "coordinator": 120},
+    "short": {"args": [], "steps": 20, "kill": 3, "rejoin": 6, "back": 12, "coordinator": 16},
+    "long": {"args": ["--global-batch", "15", "--steps", "300"], "steps": 300, "kill": 20,
+             "rejoin": 40, "back": 80, "coordinator": 120},
 }
-"""When (host0's committed step) host1 is killed, host2's link goes down for 8 s, and the
-coordinator is killed and started again. The long one is the benchmark's scenario
-(TRAINMESH_FT_LONG=1 runs it here)."""
+"""The steps of each event (the short one runs the session's one-process reference layout).
+host1's replica takes step ``kill``'s outcome and, before reading its commit (``late``), every
+process of host1 is SIGKILLed; host0's replica holds the quorum of step ``rejoin`` until
+host1's restarted replica asked in (``hold``), the run paused there while host2's link goes
+down; host0's replica holds step ``back`` until host2 asked in again; host2's replica takes
+step ``coordinator``'s outcome and waits (``late``) while the coordinator is SIGKILLed and
+started again. Each event thus happens while the run waits for it, whatever the machine's
+speed. The long one is the benchmark's scenario (TRAINMESH_FT_LONG=1 runs it here)."""
 
 
 @pytest.mark.slow
@@ -156,47 +165,53 @@ coordinator is killed and started again. The long one is the benchmark's scenari
     "short", pytest.param("long", marks=pytest.mark.skipif(
         not os.environ.get("TRAINMESH_FT_LONG"), reason="the 300-step run: TRAINMESH_FT_LONG=1"))])
 def test_three_hosts_a_lost_host_a_partition_and_a_coordinator_restart(scenario, reference_run, tmp_path):
-    """A coordinator on host0, one replica per host, global batch 15 (5 + 5 + 5 rows; 8 + 7 with
-    two replicas). Every process of host1 is SIGKILLed and host1's replica started again (it
-    rejoins by copying the live state); host2's link goes down for 8 s (it is dropped from the
-    quorum, its step in flight discarded; back, it copies the live state); the coordinator is
-    SIGKILLed and started again on the same address. host0's and host2's replicas exit 0 as the
-    same processes, host1's new replica takes steps, the long run ends with three replicas (the
-    short one may end before the last rejoin on a loaded machine), and every step each replica
-    took equals one process. Nothing listens on a wildcard address; the coordinator on its --bind only."""
+    """A coordinator on host0, one replica per host (global batch 8: 3 + 3 + 2 rows, 4 + 4 with
+    two replicas; 15 in the long one). Every process of host1 is SIGKILLed and host1's replica
+    started again (it rejoins by copying the live state); host2's link goes down (for at least
+    8 s, until host0's replica saw it dropped from the quorum, its step in flight discarded;
+    back, it copies the live state); the coordinator is SIGKILLed and started again on the same
+    address. host0's and host2's replicas exit 0 as the same processes, host1's new replica
+    takes steps, the long run ends with three replicas, and every step each replica took equals
+    one process. Nothing listens on a wildcard address; the coordinator on its --bind only."""
     from simhosts import SimHosts
     plan = SCENARIOS[scenario]
-    model = [*SMALL[:-6], "--global-batch", "15", "--steps", str(plan["steps"]), "--warmup-steps", "5",
-             "--optimizer", "adamw"]
-    ref = reference_run(model, timeout=600)
-    train = [*model, "--timeout", "30"]
-    out = [tmp_path / f"h{i}.jsonl" for i in range(3)]
+    model = [*SMALL, *plan["args"]]
+    ref = reference_run(one_process() if scenario == "short" else [*model, "--optimizer", "adamw"],
+                        timeout=600)
+    train = [*model, "--optimizer", "adamw", "--timeout", "90"]   # host2's waits outlast its cut,
+    out = [tmp_path / f"h{i}.jsonl" for i in range(3)]               # which lasts host1's restart
+    inject = {0: f"0@{plan['rejoin']}:hold,0@{plan['back']}:hold", 1: f"1@{plan['kill']}:late",
+              2: f"2@{plan['coordinator']}:late"}
     log = open(tmp_path / "stderr.log", "w")   # noqa: SIM115 - closed with the hosts
     with SimHosts(3) as hosts, log:
         bind = f"{hosts[0].addr}:0"
-        env = _env()
 
         def coordinator_on_host0(at: str) -> subprocess.Popen:
             return hosts[0].popen(coordinator_argv(at, 3), stdout=subprocess.PIPE,
-                                  stderr=log, text=True, env=env)
+                                  stderr=log, text=True, env=_env())
         coordinator = coordinator_on_host0(bind)
         address = served_address(coordinator)
 
-        def replica(i: int) -> subprocess.Popen:
-            return hosts[i].popen(replica_argv(train, address, i, 3, out[i]), env=env,
+        def replica(i: int, faults: str = "") -> subprocess.Popen:
+            return hosts[i].popen(replica_argv(train, address, i, 3, out[i]), env=_env(faults),
                                   stdout=subprocess.DEVNULL, stderr=log, text=True)
-        procs = [replica(i) for i in range(3)]
-        at = lambda step: (lambda: _step_of(out[0]) >= step)   # noqa: E731
-        _wait(f"step {plan['kill']}", at(plan["kill"]), 600)
+        procs = [replica(i, inject[i]) for i in range(3)]
+        at = lambda i, step: (lambda: _step_of(out[i]) >= step)   # noqa: E731
+        _wait(f"step {plan['kill']}", at(0, plan["kill"]), 600)
         listening = [h.listening() for h in hosts]
         hosts[1].kill()
         procs[1].wait(timeout=60)
-        procs[1] = replica(1)
-        _wait(f"step {plan['partition']}", at(plan["partition"]), 600)
+        # host0's replica holds step `rejoin` for host1's: host2's asks into it, then is cut off
+        _wait(f"host2 at step {plan['rejoin'] - 1}", at(2, plan["rejoin"] - 1), 600)
+        time.sleep(2)   # (host2 asks in right after writing its step)
         hosts[2].link_down()
-        time.sleep(8)
+        cut = time.monotonic()
+        procs[1] = replica(1)
+        _wait("host2 dropped", lambda: any(2 in r.get("lost", []) for r in metrics_records(out[0])
+                                           if r.get("event") == "quorum"), 300)
+        time.sleep(max(0.0, cut + 8 - time.monotonic()))
         hosts[2].link_up()
-        _wait(f"step {plan['coordinator']}", at(plan["coordinator"]), 600)
+        _wait(f"step {plan['coordinator']}", at(0, plan["coordinator"]), 600)
         coordinator.kill()
         coordinator.wait()
         coordinator = coordinator_on_host0(address)
@@ -212,14 +227,14 @@ def test_three_hosts_a_lost_host_a_partition_and_a_coordinator_restart(scenario,
     assert [r["step"] for r in steps(files[0])] == list(range(1, plan["steps"] + 1))
     rejoined = [r["step"] for r in steps(files[1]) if r["step"] > plan["kill"]]
     assert rejoined, "host1's replica, started again, took no step"
-    if scenario == "long":   # the short run may end before the restarted processes are back
+    if scenario == "long":
         assert steps(files[0])[-1]["replicas"] == 3
     for i in (0, 2):   # the same processes throughout
         s = next(r for r in files[i] if r["event"] == "summary")
         assert s["restarts"] == 0 and s["fault_tolerance"]["coordinator_restarts"] == 1, s
     lost = [(q["step"], q["lost"]) for q in files[0] if q["event"] == "quorum" and q["lost"]]
     assert any(1 in who for _, who in lost), lost                       # the host killed
-    assert any(2 in who and step > plan["partition"] for step, who in lost), lost   # cut off
+    assert any(2 in who and step >= plan["rejoin"] for step, who in lost), lost   # cut off
     wildcard = [(h.name, a, p) for h, found in zip(hosts, listening) for a, p in found
                 if a in ("0.0.0.0", "::", "*")]
     assert not wildcard, wildcard

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, steps
+from helpers import SMALL, steps, trainmesh_process
 from simhosts import SimHost, SimHosts
 
 pytestmark = [pytest.mark.slow,
@@ -191,8 +191,8 @@ def test_a_real_slurm_runs_srun_and_the_launch_script_as_one_job(local_dp2, tmp_
         assert _records(out)[-1]["world_size"] == 2
         _same_run(local_dp2[0], _records(out))
         script = tmp_path / "job.sbatch"
-        made = slurm.run(0, [*TRAIN[:-1], "launch", "slurm", "--nodes", "2", "--", *SMALL,
-                             "--metrics-out", str(tmp_path / "sbatch.jsonl")], env=CLEAN)
+        made = trainmesh_process(["launch", "slurm", "--nodes", "2", "--", *SMALL, "--metrics-out",
+                                  str(tmp_path / "sbatch.jsonl")], tmp_path, env=CLEAN, timeout=60)
         assert made.returncode == 0, made.stderr
         script.write_text(made.stdout)
         ran = slurm.run(0, ["sbatch", "--wait", "-o", str(tmp_path / "job.out"), str(script)],

@@ -24,6 +24,7 @@ def test_two_agents_rendezvous_and_train(metrics_path, reference_run):
     port, run_id = _free_port(), uuid.uuid4().hex[:8]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["OMP_NUM_THREADS"] = "1"   # one intra-op thread per worker: two share this machine's cores
     metrics = metrics_path
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
