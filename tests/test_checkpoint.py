@@ -26,6 +26,7 @@ from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_LOSS_ABS
 
 from trainmesh.checkpoint.sharded import CheckpointError, _Reader, latest
 from trainmesh.cli import main
+from trainmesh.testing import worker_pids
 
 
 @pytest.fixture(scope="module")
@@ -148,10 +149,6 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
         reader.get(key)                                          # every piece verifies
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
-
-
 def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str]:
     """The reference's 20 steps at dp=2; SIGKILL one worker once step `kill_at` is logged;
     --max-restarts 1."""
@@ -167,7 +164,8 @@ def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str
             if metrics.exists() and f'"step": {kill_at},' in metrics.read_text():
                 break
             time.sleep(0.02)
-        workers = _children(proc.pid)
+        workers = worker_pids(proc.pid)   # the workers, not their fork server (which a
+        assert len(workers) == 2, workers  # restart would have to start again)
         os.kill(workers[-1], signal.SIGKILL)
         _, err = proc.communicate(timeout=180)
     finally:
