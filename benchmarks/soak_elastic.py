@@ -1,6 +1,6 @@
 """Soak of elastic resize: N consecutive trials of tests/test_elastic.py's scenario.
 
-Each trial: two torchrun agents ("nodes" of 2 ranks) train a dp 4 job with --min-dp 2; the second
+Each trial: two of torchrun's elastic agents ("nodes" of 2 ranks; tests/elastic_run.py) train a dp 4 job with --min-dp 2; the second
 agent and its workers are SIGKILLed once step 10 is recorded (the job goes on at dp 2), then the
 agent starts again (the job grows back to dp 4; tests/elastic_run.py holds the dp 2 workers
 meanwhile). A trial passes when both agents exit 0, every

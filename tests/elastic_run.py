@@ -22,6 +22,8 @@ from pathlib import Path
 
 from helpers import one_process
 
+from trainmesh.testing import worker_pids
+
 ARGS = one_process("adamw")
 """The run: the small GPT, global batch 8 (dp 4 x 1 microbatch of 2, or dp 2 x 2), the
 one-process reference's arguments (tests/conftest.py ``reference_run`` runs it once a session)."""
@@ -41,18 +43,39 @@ wait after 120 s."""
 
 AT_WORLD_2 = 3
 """Steps the shrunk job records before the lost node is told to join again."""
-AGENT = """
-import pathlib, sys, time
+AGENT = f"""
+import multiprocessing, pathlib, sys, time
+from multiprocessing import forkserver
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 import torch.distributed.run as torchrun
+from torch.distributed.launcher.api import elastic_launch
+import elastic_run
+from trainmesh.run.launch import WORKER_IMAGE
+multiprocessing.set_forkserver_preload([WORKER_IMAGE, "elastic_run"])
+forkserver.ensure_running()
 go = pathlib.Path(sys.argv[1])
 pathlib.Path(sys.argv[1] + ".ready").touch()
 while not go.exists():
     time.sleep(0.02)
-torchrun.main(sys.argv[2:])
+config, _, argv = torchrun.config_from_args(torchrun.parse_args(sys.argv[2:]))
+config.start_method = "forkserver"
+elastic_launch(config, elastic_run.worker)(*argv)
 """
-"""A "node": torchrun, imported ahead (then the file argv[1] + ".ready" exists), joining the job
-once the file argv[1] exists (a machine that boots while the job shrinks, and joins when the
-trial says)."""
+"""A "node": torchrun's elastic agent, configured from torchrun's flags by torchrun itself, whose
+workers are forked from a server that imported trainmesh once (as ``trainmesh train``'s own
+launcher does) instead of each starting an interpreter: the same agent, rendezvous, restarts
+and worker environment, without a fresh import of torch per worker and restart. Imported
+ahead (then the file argv[1] + ".ready" exists), it joins the job once the file argv[1]
+exists (a machine that boots while the job shrinks, and joins when the trial says)."""
+
+
+def worker(*argv: str) -> None:
+    """A worker: ``python -u -m trainmesh ARGV`` as torchrun would exec it, run in the forked
+    process (its environment already the agent's: RANK, WORLD_SIZE, the restart count ...)."""
+    from trainmesh.cli import main
+    code = main(list(argv[argv.index("trainmesh") + 1:]))
+    if code:
+        raise SystemExit(code)
 
 
 @dataclass
@@ -199,7 +222,7 @@ def run_trial(tmp: Path, *, kill_after: int = KILL_AFTER, deadline_s: float = 24
         agents[1] = start(1, rejoin)   # booted while the job shrinks; joins once told
         seconds["shrink"] = watch.wait("a step at world 2", lambda: watch.count(2) > 0)
         watch.wait(f"{AT_WORLD_2} steps at world 2", lambda: watch.count(2) >= AT_WORLD_2)
-        held = _tree(agents[0].pid)[1:]            # the dp 2 workers: no further step
+        held = worker_pids(agents[0].pid)          # the dp 2 workers: no further step
         for pid in held:
             os.kill(pid, signal.SIGSTOP)
         rejoin.touch()

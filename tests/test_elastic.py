@@ -1,9 +1,10 @@
 """Elastic resize: a job that loses a node keeps training at a smaller dp and grows back when the
 node returns, on the uninterrupted loss curve.
 
-The layout choice is a pure function, checked without processes; one real trial (two torchrun
-agents of 2 ranks each, the multi-node test's set-up) shrinks dp 4 -> 2 -> 4; one torchrun run
-with too few processes checks the runtime error. The soak: benchmarks/soak_elastic.py.
+The layout choice is a pure function, checked without processes; one real trial (two of
+torchrun's elastic agents of 2 ranks each, configured from torchrun's flags, their workers forked
+from a preloaded server: tests/elastic_run.py) shrinks dp 4 -> 2 -> 4; one torchrun run with too
+few processes checks the runtime error. The soak: benchmarks/soak_elastic.py.
 """
 from __future__ import annotations
 
