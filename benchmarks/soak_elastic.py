@@ -1,8 +1,9 @@
 """Soak of elastic resize: N consecutive trials of tests/test_elastic.py's scenario.
 
-Each trial: two torchrun agents ("nodes" of 2 ranks) train a dp 4 job with --min-dp 2; the second
+Each trial: two of torchrun's elastic agents ("nodes" of 2 ranks; tests/elastic_run.py) train a dp 4 job with --min-dp 2; the second
 agent and its workers are SIGKILLed once step 10 is recorded (the job goes on at dp 2), then the
-agent starts again (the job grows back to dp 4). A trial passes when both agents exit 0, every
+agent starts again (the job grows back to dp 4; tests/elastic_run.py holds the dp 2 workers
+meanwhile). A trial passes when both agents exit 0, every
 record of every step (steps recomputed after a restart included) matches the uninterrupted dp 4
 run within 1e-3 (loss, absolute) and 1e-3 (grad norm, relative), and the run went 4 -> 2 -> 4.
 Prints one line per trial with the transition times and a summary; exits 1 when any failed.

@@ -1,10 +1,14 @@
 """One elastic-resize trial: two torchrun agents ("nodes" of 2 ranks each) share a c10d
 rendezvous and train a dp 4 job with --min-dp 2; the second agent is killed (its whole process
 tree, like a lost machine) once step ``kill_after`` is recorded at world 4, and joins again
-once the job has recorded a few steps at world 2. Used by tests/test_elastic.py and benchmarks/soak_elastic.py.
+once the job has recorded a few steps at world 2. While it joins, the dp 2 workers are held
+(SIGSTOP) until their agent tells them to stop for the new rendezvous (a pending SIGTERM), so
+the shrunk job cannot finish before the node is back however slow the rejoin is, and the run
+needs no more steps than it checks. Used by tests/test_elastic.py and benchmarks/soak_elastic.py.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,14 +20,21 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers import SMALL
+from helpers import one_process
 
-STEPS = 100
-"""Long enough that the shrunk job cannot finish before the lost node is back: the rejoin takes
-about 7 s (the new rendezvous and the workers' restart) while a step of this run takes well
-under 0.2 s on an idle machine."""
-ARGS = [*SMALL[:-4], "--steps", str(STEPS), "--warmup-steps", "5"]
-"""The run: the small GPT, global batch 8 (dp 4 x 1 microbatch of 2, or dp 2 x 2)."""
+from trainmesh.testing import worker_pids
+
+ARGS = one_process("adamw")
+"""The run: the small GPT, global batch 8 (dp 4 x 1 microbatch of 2, or dp 2 x 2), the
+one-process reference's arguments (tests/conftest.py ``reference_run`` runs it once a session)."""
+STEPS = 20
+"""The steps of :data:`ARGS`: step ``KILL_AFTER`` at dp 4, a few at dp 2 (held there while the
+node joins), the rest at dp 4 again."""
+KILL_AFTER = 5
+"""The step recorded at world 4 after which the second agent is killed."""
+HELD_AT_MOST_S = 90
+"""How long the dp 2 workers are held waiting for their agent to stop them for the rejoined
+node (a few seconds); past it the trial ends with an error (the node was never let in)."""
 RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
 """A lone agent waits 3 s for more nodes before starting without them; a node that stops
 heart-beating (every 1 s) is dropped after 3 missed beats; a node that never comes ends the
@@ -32,16 +43,39 @@ wait after 120 s."""
 
 AT_WORLD_2 = 3
 """Steps the shrunk job records before the lost node is told to join again."""
-AGENT = """
-import pathlib, sys, time
+AGENT = f"""
+import multiprocessing, pathlib, sys, time
+from multiprocessing import forkserver
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 import torch.distributed.run as torchrun
+from torch.distributed.launcher.api import elastic_launch
+import elastic_run
+from trainmesh.run.launch import WORKER_IMAGE
+multiprocessing.set_forkserver_preload([WORKER_IMAGE, "elastic_run"])
+forkserver.ensure_running()
 go = pathlib.Path(sys.argv[1])
+pathlib.Path(sys.argv[1] + ".ready").touch()
 while not go.exists():
     time.sleep(0.02)
-torchrun.main(sys.argv[2:])
+config, _, argv = torchrun.config_from_args(torchrun.parse_args(sys.argv[2:]))
+config.start_method = "forkserver"
+elastic_launch(config, elastic_run.worker)(*argv)
 """
-"""A "node": torchrun, imported ahead, joining the job once the file argv[1] exists (a machine
-that boots while the job shrinks, and joins when the trial says)."""
+"""A "node": torchrun's elastic agent, configured from torchrun's flags by torchrun itself, whose
+workers are forked from a server that imported trainmesh once (as ``trainmesh train``'s own
+launcher does) instead of each starting an interpreter: the same agent, rendezvous, restarts
+and worker environment, without a fresh import of torch per worker and restart. Imported
+ahead (then the file argv[1] + ".ready" exists), it joins the job once the file argv[1]
+exists (a machine that boots while the job shrinks, and joins when the trial says)."""
+
+
+def worker(*argv: str) -> None:
+    """A worker: ``python -u -m trainmesh ARGV`` as torchrun would exec it, run in the forked
+    process (its environment already the agent's: RANK, WORLD_SIZE, the restart count ...)."""
+    from trainmesh.cli import main
+    code = main(list(argv[argv.index("trainmesh") + 1:]))
+    if code:
+        raise SystemExit(code)
 
 
 @dataclass
@@ -92,6 +126,25 @@ def kill_tree(proc: subprocess.Popen) -> None:
             pass
 
 
+def _pending(pid: int) -> int:
+    """The signals pending on process ``pid`` (a mask, bit ``n - 1`` for signal ``n``); -1 once
+    it is gone (Linux /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return -1
+    if "zombie" in status:
+        return -1
+    masks = [int(line.split()[1], 16) for line in status.splitlines()
+             if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return masks[0] | masks[1]
+
+
+def _told_to_stop(pids: list[int]) -> bool:
+    """Some held process has a SIGTERM waiting (its agent is stopping it) or has ended."""
+    return any(m == -1 or m & (1 << (signal.SIGTERM - 1)) for m in map(_pending, pids))
+
+
 def read_records(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -137,7 +190,7 @@ class _Watch:
             time.sleep(0.05)
 
 
-def run_trial(tmp: Path, *, kill_after: int = 10, deadline_s: float = 240) -> Trial:
+def run_trial(tmp: Path, *, kill_after: int = KILL_AFTER, deadline_s: float = 240) -> Trial:
     """Start, shrink, grow; every process is killed on the way out, whatever happens."""
     port, job = _free_port(), uuid.uuid4().hex[:8]
     metrics = tmp / "elastic.jsonl"
@@ -153,22 +206,38 @@ def run_trial(tmp: Path, *, kill_after: int = 10, deadline_s: float = 240) -> Tr
         return subprocess.Popen([sys.executable, "-c", AGENT, str(go), *cmd], env=env, text=True,
                                 stdout=subprocess.DEVNULL, stderr=(tmp / f"agent{i}.err").open("a"))
 
-    go, rejoin = tmp / "go", tmp / "rejoin"
-    go.touch()
-    agents = [start(0, go)]   # the first agent hosts the rendezvous store: it is the one that stays
+    go, rejoin = [tmp / "go0", tmp / "go1"], tmp / "rejoin"
+    agents = [start(0, go[0]), start(1, go[1])]
     watch, seconds, t0 = _Watch(metrics, agents, time.time() + deadline_s), {}, time.time()
     try:
+        # Both imported before either joins: the second then joins within the first's last
+        # call, and the job starts at world 4 (not at 2, restarted at 4 once it joins).
+        watch.wait("agents started", lambda: all(Path(f"{g}.ready").exists() for g in go))
+        go[0].touch()   # the first agent hosts the rendezvous store: it is the one that stays
         watch.wait("rendezvous store", lambda: _listening(port))
-        agents.append(start(1, go))
+        go[1].touch()
         seconds["start"] = watch.wait(f"step {kill_after} at world 4",
                                       lambda: watch.last_step(4) >= kill_after)
         kill_tree(agents[1])
         agents[1] = start(1, rejoin)   # booted while the job shrinks; joins once told
         seconds["shrink"] = watch.wait("a step at world 2", lambda: watch.count(2) > 0)
         watch.wait(f"{AT_WORLD_2} steps at world 2", lambda: watch.count(2) >= AT_WORLD_2)
+        held = worker_pids(agents[0].pid)          # the dp 2 workers: no further step
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
         rejoin.touch()
-        seconds["grow"] = watch.wait("a step at world 4 after the shrink",
-                                     lambda: watch.last_step(4) > watch.last_step(2))
+        t_join = time.time()
+        watch.wait("the dp 2 workers stopped for the rejoined node",
+                   lambda: _told_to_stop(held) or time.time() - t_join > HELD_AT_MOST_S)
+        told = _told_to_stop(held)               # read while they are still held
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)     # they end on the SIGTERM that waits
+        if not told:
+            raise TimeoutError(f"trial: the rejoined node was not let in within {HELD_AT_MOST_S} s")
+        watch.wait("a step at world 4 after the shrink",
+                   lambda: watch.last_step(4) > watch.last_step(2))
+        seconds["grow"] = time.time() - t_join
         codes = [a.wait(timeout=max(1.0, watch.deadline - time.time())) for a in agents]
         seconds["total"] = time.time() - t0
     except (TimeoutError, RuntimeError, subprocess.TimeoutExpired) as exc:

@@ -24,8 +24,9 @@ from helpers import (
 from safetensors.torch import load_file
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_LOSS_ABS
 
-from trainmesh.checkpoint.sharded import CheckpointError, _Reader, latest
+from trainmesh.checkpoint.sharded import MANIFEST, CheckpointError, _Reader, latest
 from trainmesh.cli import main
+from trainmesh.testing import worker_pids
 
 
 @pytest.fixture(scope="module")
@@ -148,13 +149,9 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
         reader.get(key)                                          # every piece verifies
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
-
-
-def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str]:
+def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str, float]:
     """The reference's 20 steps at dp=2; SIGKILL one worker once step `kill_at` is logged;
-    --max-restarts 1."""
+    --max-restarts 1. Returns the exit code, the records, stderr and the time of the kill."""
     metrics = tmp / "e.jsonl"
     args = [*SMALL, "--optimizer", "adamw", "--dp", "2", "--save-dir", str(tmp / "ck"),
             "--save-every", "5", "--max-restarts", "1", "--timeout", "30", "--metrics-out", str(metrics)]
@@ -167,15 +164,17 @@ def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str
             if metrics.exists() and f'"step": {kill_at},' in metrics.read_text():
                 break
             time.sleep(0.02)
-        workers = _children(proc.pid)
+        workers = worker_pids(proc.pid)   # the workers, not their fork server (which a
+        assert len(workers) == 2, workers  # restart would have to start again)
         os.kill(workers[-1], signal.SIGKILL)
+        killed_at = time.time()
         _, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
     import json
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return proc.returncode, records, err
+    return proc.returncode, records, err, killed_at
 
 
 @pytest.mark.slow
@@ -186,7 +185,10 @@ def test_elastic_restart_resumes_exactly(reference, tmp_path):
     for trial in range(int(os.environ.get("TRAINMESH_ELASTIC_TRIALS", "1"))):
         tmp = tmp_path / f"t{trial}"
         tmp.mkdir()
-        code, records, err = elastic_trial(tmp)
+        code, records, err, killed_at = elastic_trial(tmp)
         assert code == 0, err[-3000:]
+        for step in (5, 10):   # resumed from a checkpoint, not from the start: none rewritten
+            saved = tmp / "ck" / f"step-{step:08d}" / MANIFEST
+            assert saved.stat().st_mtime < killed_at, f"step {step} was saved again after the kill"
         assert abs(summary(records)["final_loss"] - summary(ref)["final_loss"]) <= LOSS_ABS
         assert_equivalent(ref, records)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, steps
+from helpers import SMALL, steps, trainmesh_process
 from safetensors.torch import load_file
 from tolerances import LOSS_ABS, MOMENT_REL
 
@@ -44,12 +44,16 @@ def _seeds_ordering_differently() -> tuple[int, int]:
     raise AssertionError("no two hash seeds order the state keys differently")
 
 
-def _train(args: list[str], metrics: Path, *, torchrun: Path | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "trainmesh", "train"]
-    if torchrun is not None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(torchrun)]
-    return subprocess.run([*cmd, *args, "--metrics-out", str(metrics)], capture_output=True,
+def _train(args: list[str], metrics: Path, name: str, *,
+           torchrun: Path | None = None) -> subprocess.CompletedProcess:
+    """``trainmesh train ARGS`` from the test zygote (its launcher's workers forked from one
+    server: one hash seed for all ranks, as from any launcher), or under torchrun through
+    ``torchrun``'s wrapper (a fresh interpreter per rank)."""
+    args = [*args, "--metrics-out", str(metrics)]
+    if torchrun is None:
+        return trainmesh_process(["train", *args], metrics.parent, env=_env(), timeout=240, name=name)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(torchrun), *args], capture_output=True,
                           text=True, timeout=240, env=_env())
 
 
@@ -77,14 +81,14 @@ def _moments(ck: Path, step: int) -> dict[str, object]:
 def test_chain_of_resumes_keeps_every_state(tmp_path):
     run = [*SMALL, "--save-every", "1"]
     ref_ck, ck = tmp_path / "ref", tmp_path / "ck"
-    proc = _train([*run, "--save-dir", str(ref_ck), "--exit-after", str(LAST)], tmp_path / "ref.jsonl")
+    proc = _train([*run, "--save-dir", str(ref_ck), "--exit-after", str(LAST)], tmp_path / "ref.jsonl", "ref")
     assert proc.returncode == 0, proc.stderr[-3000:]
     wrapper = _wrapper(tmp_path, _seeds_ordering_differently())
     per_stage = LAST // len(CHAIN)
     for i, layout in enumerate(CHAIN):
         resume = ["--resume"] if i else []
         proc = _train([*run, *layout, "--save-dir", str(ck), *resume, "--exit-after", str((i + 1) * per_stage)],
-                      tmp_path / "chain.jsonl", torchrun=wrapper if i == TORCHRUN_STAGE else None)
+                      tmp_path / "chain.jsonl", f"stage{i}", torchrun=wrapper if i == TORCHRUN_STAGE else None)
         assert proc.returncode == 0, (layout, proc.stderr[-3000:])
     import json
     ref = steps([json.loads(x) for x in (tmp_path / "ref.jsonl").read_text().splitlines()])

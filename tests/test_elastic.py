@@ -1,9 +1,10 @@
 """Elastic resize: a job that loses a node keeps training at a smaller dp and grows back when the
 node returns, on the uninterrupted loss curve.
 
-The layout choice is a pure function, checked without processes; one real trial (two torchrun
-agents of 2 ranks each, the multi-node test's set-up) shrinks dp 4 -> 2 -> 4; one torchrun run
-with too few processes checks the runtime error. The soak: benchmarks/soak_elastic.py.
+The layout choice is a pure function, checked without processes; one real trial (two of
+torchrun's elastic agents of 2 ranks each, configured from torchrun's flags, their workers forked
+from a preloaded server: tests/elastic_run.py) shrinks dp 4 -> 2 -> 4; one torchrun run with too
+few processes checks the runtime error. The soak: benchmarks/soak_elastic.py.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 from elastic_run import ARGS, STEPS, last_per_step, run_trial
-from helpers import SMALL, run_train, steps
+from helpers import SMALL, steps
 from tolerances import LOSS_ABS, NORM_REL
 
 from trainmesh.config.train import build_train_config
@@ -111,13 +112,11 @@ def test_no_layout_left_ends_the_job_with_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_lose_a_node_then_get_it_back(tmp_path):
-    """dp 4 over two agents; one is killed after step 10 (dp 2 goes on), started again (dp 4
+def test_lose_a_node_then_get_it_back(reference_run, tmp_path):
+    """dp 4 over two agents; one is killed after step 5 (dp 2 goes on), started again (dp 4
     again): every record of every step, recomputed ones included, on the single-process curve."""
-    proc, ref = run_train(ARGS, tmp_path, name="ref")
-    assert proc.returncode == 0, proc.stderr
-    ref_at = last_per_step(ref)
-    trial = run_trial(tmp_path, kill_after=10, deadline_s=300)
+    ref_at = last_per_step(reference_run(ARGS))
+    trial = run_trial(tmp_path, deadline_s=300)
     assert trial.codes == [0, 0] and "error" not in trial.seconds, (trial.seconds, trial.errors)
     done = last_per_step(trial.records)
     assert sorted(done) == list(range(1, STEPS + 1))

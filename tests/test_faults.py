@@ -1,7 +1,8 @@
 """Never hang, never save garbage: stalled ranks, divergence, signals, a busy --save-dir.
 
-Each end-to-end check launches `trainmesh train` as a user would; launches that only wait run
-in parallel threads to keep the file cheap.
+Each end-to-end check launches `trainmesh train` as a user would: a fresh launcher where the test
+signals it or its workers (launches that only wait run in parallel threads), else forked from
+the test zygote (tests/launcher_zygote.py), which skips the interpreter's start-up.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import trainmesh_process
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.engine.precision import Precision
@@ -33,6 +35,13 @@ def start(args: list[str], metrics: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "trainmesh", "train", "--dp", "2", *T, *args,
                              "--metrics-out", str(metrics)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+
+
+def run_to_end(args: list[str], metrics: Path, name: str) -> subprocess.CompletedProcess:
+    """`trainmesh train --dp 2 ARGS` to its end, forked from the test zygote (tests/helpers.py
+    ``trainmesh_process``: no interpreter start-up of its own), for runs that end by themselves."""
+    return trainmesh_process(["train", "--dp", "2", *T, *args, "--metrics-out", str(metrics)],
+                             metrics.parent, env=ENV, timeout=120, name=name)
 
 
 def kill_all(proc: subprocess.Popen, pids: list[int]) -> None:
@@ -181,8 +190,9 @@ def _diverge_and_stop(tmp: Path) -> None:
     """--lr 1e6: exit 1 naming the step and value; the newest checkpoint is the last finite one."""
     from trainmesh.checkpoint.sharded import _Reader, latest
     ck = tmp / "ck"
-    proc = start(["--steps", "40", "--lr", "1e6", "--save-dir", str(ck), "--save-every", "1"], tmp / "nan.jsonl")
-    err = finish(proc, 120)
+    proc = run_to_end(["--steps", "40", "--lr", "1e6", "--save-dir", str(ck), "--save-every", "1"],
+                      tmp / "nan.jsonl", "nan")
+    err = proc.stderr
     assert proc.returncode == 1, err[-3000:]
     line = headline(err)
     match = re.search(r"step (\d+): non-finite (loss|grad_norm) (nan|inf|-inf)", line)
@@ -200,9 +210,9 @@ def _diverge_and_stop(tmp: Path) -> None:
 
 def _fp16_skip_is_bounded(tmp: Path) -> None:
     """fp16 --on-nonfinite skip: skipped steps, then a stop after the bound, exit 1."""
-    proc = start(["--steps", "200", "--lr", "1e4", "--precision", "fp16", "--on-nonfinite", "skip"],
-                 tmp / "fp16.jsonl")
-    err = finish(proc, 120)
+    proc = run_to_end(["--steps", "200", "--lr", "1e4", "--precision", "fp16", "--on-nonfinite", "skip"],
+                      tmp / "fp16.jsonl", "fp16")
+    err = proc.stderr
     assert proc.returncode == 1, err[-3000:]
     from trainmesh.run.trainer import MAX_NONFINITE_SKIPS
     line = headline(err)
@@ -215,7 +225,8 @@ def _fp16_skip_is_bounded(tmp: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_divergence_stops_the_run_and_is_never_saved(tmp_path):
-    in_threads(lambda: _diverge_and_stop(tmp_path), lambda: _fp16_skip_is_bounded(tmp_path))
+    _diverge_and_stop(tmp_path)
+    _fp16_skip_is_bounded(tmp_path)
 
 
 def test_fp16_overflow_at_the_minimum_scale_is_nonfinite():
@@ -246,9 +257,8 @@ def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path):
         for pid in pids:              # hold the first run mid-way, however fast this machine is
             os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        second = subprocess.run([sys.executable, "-m", "trainmesh", "train", *T, "--steps", "40",
-                                 "--save-dir", str(ck)], capture_output=True, text=True, env=ENV,
-                                timeout=60)
+        second = trainmesh_process(["train", *T, "--steps", "40", "--save-dir", str(ck)],
+                                   tmp_path, env=ENV, timeout=60, name="second")
         took = time.monotonic() - t0
         for pid in pids:
             os.kill(pid, signal.SIGCONT)

@@ -70,12 +70,14 @@ def test_async_with_one_trainer_is_the_single_process(reference, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_async_learns_within_staleness(tmp_path):
-    """The default model, 2 trainers, 2 servers, at most 1 step ahead of the slowest."""
+    """The default model, 2 trainers, 2 servers, at most 1 step ahead of the slowest. 30 steps:
+    the loss falls below 0.8 of the first once the warm-up (20 steps) is nearly over (to about
+    0.65 of it by step 30)."""
     proc, run = run_train(["--strategy", "ps", "--dp", "2", "--ps-servers", "2", "--ps-mode", "async",
-                           "--ps-staleness", "1", "--steps", "50"], tmp_path, timeout=240)
+                           "--ps-staleness", "1", "--steps", "30"], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     losses = [r["loss"] for r in steps(run)]
-    assert len(losses) == 50 and min(losses) < 0.8 * losses[0], losses
+    assert len(losses) == 30 and min(losses) < 0.8 * losses[0], losses
     assert all(0 <= r["staleness"] <= 1 for r in steps(run))
     assert 0 <= summary(run)["max_staleness"] <= 1
     _ps_bytes_ok(run)
