@@ -110,7 +110,8 @@ def test_rendezvous_events_are_named_as_torch_names_them(monkeypatch):
     """The frame-based name is the one torch's inspect.stack() gives (the method that called
     ``_record``), and it replaces torch's own in the rendezvous module."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-    original = dynamic_rendezvous.get_method_name
+    current = dynamic_rendezvous.get_method_name       # an earlier launch in this process may
+    original = getattr(current, "__wrapped__", current)  # have replaced it already
     monkeypatch.setattr(dynamic_rendezvous, "get_method_name", original)
 
     class Handler:

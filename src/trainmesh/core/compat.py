@@ -103,6 +103,7 @@ def cheap_rendezvous_event_names() -> None:
             return "no_method_name"
 
     get_method_name.trainmesh_frame_name = True  # type: ignore[attr-defined]
+    get_method_name.__wrapped__ = dynamic_rendezvous.get_method_name  # type: ignore[attr-defined]
     dynamic_rendezvous.get_method_name = get_method_name
 
 
