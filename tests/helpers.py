@@ -66,17 +66,19 @@ def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "
 
 
 def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeout: float,
-                      name: str = "m", cwd: Path | None = None) -> subprocess.CompletedProcess:
+                      name: str = "m", cwd: Path | None = None,
+                      umask: int | None = None) -> subprocess.CompletedProcess:
     """``trainmesh ARGV`` run to its end as a launcher process of its own, forked from this
     test process's zygote (tests/launcher_zygote.py: the interpreter's start-up shared), or
     started afresh where the zygote is busy; its output captured. It runs in ``cwd`` (default:
-    this process's)."""
+    this process's), with file mode creation mask ``umask`` where one is given."""
     stdout, stderr = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
     cwd = cwd or Path.cwd()
-    code = zygote().run(argv, env, cwd, stdout, stderr, timeout)
+    code = zygote().run(argv, env, cwd, stdout, stderr, timeout, umask=umask)
     if code is None:
         return subprocess.run([sys.executable, "-m", "trainmesh", *argv], capture_output=True,
-                              text=True, timeout=timeout, env=env, cwd=cwd)
+                              text=True, timeout=timeout, env=env, cwd=cwd,
+                              preexec_fn=None if umask is None else lambda: os.umask(umask))
     return subprocess.CompletedProcess(["trainmesh", *argv], code, stdout.read_text(),
                                        stderr.read_text())
 

@@ -52,22 +52,25 @@ def serve() -> None:
         importlib.import_module(module)
     multiprocessing.set_forkserver_preload([WORKER_IMAGE, *hub])   # workers: see worker_start_method
     forkserver.ensure_running()            # the workers' fork server, shared by the children
+    umask = os.umask(0o022)                # the fork server's (it keeps what it started with)
+    os.umask(umask)
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _share_fork_server(request["argv"])
+            _share_fork_server(request["argv"], request.get("umask") not in (None, umask))
             _child(request, main, run_exit_handlers)
         answers.write(json.dumps({"pid": pid}) + "\n")
         _, status = os.waitpid(pid, 0)
         answers.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
 
 
-def _share_fork_server(argv: list[str]) -> None:
+def _share_fork_server(argv: list[str], other_umask: bool) -> None:
     """A child's launcher forks its workers from the zygote's fork server (already running:
     not its own child, so not to be waited for), except a fault-tolerant run's, whose replicas'
-    agents each start theirs as in any launch."""
-    if "--fault-tolerant" in argv:
+    agents each start theirs as in any launch, and a run with another file mode creation mask
+    than the fork server's, which starts its own (its workers inherit the launcher's mask)."""
+    if "--fault-tolerant" in argv or other_umask:
         server = forkserver._forkserver
         server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
     else:
@@ -79,6 +82,8 @@ def _child(request: dict, main, run_exit_handlers) -> None:
     try:
         os.setpgrp()                                 # its group: a timeout ends all it started
         os.chdir(request["cwd"])
+        if request.get("umask") is not None:
+            os.umask(request["umask"])
         os.environ.clear()
         os.environ.update(request["env"])
         with open(os.devnull) as null:
@@ -114,14 +119,16 @@ class Zygote:
         self.pending = b""
 
     def run(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path,
-            timeout: float) -> int | None:
-        """The exit code of ``trainmesh ARGV``; None where the zygote is busy or gone."""
+            timeout: float, umask: int | None = None) -> int | None:
+        """The exit code of ``trainmesh ARGV`` (with file mode creation mask ``umask`` where one
+        is given); None where the zygote is busy or gone."""
         if (os.environ.get("TRAINMESH_TEST_ZYGOTE") == "0" or self.proc.poll() is not None
                 or not self.lock.acquire(blocking=False)):
             return None
         try:
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd),
-                                              "stdout": str(stdout), "stderr": str(stderr)}) + "\n")
+                                              "stdout": str(stdout), "stderr": str(stderr),
+                                              "umask": umask}) + "\n")
             pid = self._answer(30)["pid"]
             try:
                 return self._answer(timeout)["code"]

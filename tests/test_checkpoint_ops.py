@@ -9,11 +9,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, steps
+from helpers import SMALL, steps, trainmesh_process
 from tolerances import LOSS_ABS
 
 from trainmesh.checkpoint.sharded import MANIFEST, newest_intact
@@ -26,9 +25,8 @@ UMASK = 0o022
 def _train(args: list[str], tmp: Path, name: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     out = tmp / f"{name}.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "trainmesh", "train", *args, "--metrics-out", str(out)],
-                          capture_output=True, text=True, timeout=240, env=env,
-                          preexec_fn=lambda: os.umask(UMASK))
+    proc = trainmesh_process(["train", *args, "--metrics-out", str(out)], tmp, env=env, timeout=240,
+                             name=name, umask=UMASK)
     return proc, _records(out) if proc.returncode == 0 else []
 
 

@@ -16,30 +16,47 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import SMALL, run_train, steps
-from test_zero import CFG, PSI, SMALL_BUCKET, _train, loss_fn, no_decay, optimizer
+from test_zero import (
+    CFG,
+    PSI,
+    SHORT,
+    SMALL_BUCKET,
+    STEPS,
+    _references,
+    _train,
+    loss_fn,
+    no_decay,
+    optimizer,
+)
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_ABS
 
-from trainmesh import Engine, ParallelConfig, ParallelMesh
+from trainmesh import Engine, ParallelConfig
 from trainmesh.checkpoint.sharded import latest
 from trainmesh.cli import main
 from trainmesh.models.gpt import GPT
 from trainmesh.testing import run_distributed
 
-# (name, optimizer, param groups?, ParallelConfig kwargs); offload_dir "TMP": a directory the
-# test names (its files are listed while the run is alive), else the store's own temp directory.
+# (name, optimizer, param groups?, ParallelConfig kwargs, steps); offload_dir "TMP": a directory
+# the test names (its files are listed while the run is alive), else the store's own temp
+# directory. Each offload target keeps 20-step runs with AdamW and with SGD; the variants (ZeRO-3,
+# parameters on the host, bf16) take SHORT steps: a shard, a state or a master copy that is not
+# written back, or written to the wrong place, moves the loss from the second step on. fp16
+# starts at the default loss scale and needs more steps than its search's ~7 skips.
+FP16_STEPS = 13
 CONFIGS = [
-    ("zero1-cpu-adamw", "adamw", False, {"zero": 1, "offload": "cpu"}),
-    ("zero2-cpu-sgd", "sgd", False, {"zero": 2, "offload": "cpu"}),
-    ("zero3-cpu-adamw-m2", "adamw", False, {"zero": 3, "offload": "cpu", "microbatches": 2}),
-    ("zero3-cpu-sgd-params", "sgd", False, {"zero": 3, "offload": "cpu", "offload_params": True}),
-    ("zero2-nvme-adamw-groups", "adamw", True, {"zero": 2, "offload": "nvme", "offload_dir": "TMP"}),
-    ("zero2-nvme-sgd", "sgd", False, {"zero": 2, "offload": "nvme"}),
-    ("zero1-nvme-bf16-adamw", "adamw", False, {"zero": 1, "offload": "nvme", "precision": "bf16"}),
+    ("zero1-cpu-adamw", "adamw", False, {"zero": 1, "offload": "cpu"}, STEPS),
+    ("zero2-cpu-sgd", "sgd", False, {"zero": 2, "offload": "cpu"}, STEPS),
+    ("zero3-cpu-adamw-m2", "adamw", False, {"zero": 3, "offload": "cpu", "microbatches": 2}, SHORT),
+    ("zero3-cpu-sgd-params", "sgd", False, {"zero": 3, "offload": "cpu", "offload_params": True}, SHORT),
+    ("zero2-nvme-adamw-groups", "adamw", True, {"zero": 2, "offload": "nvme", "offload_dir": "TMP"},
+     STEPS),
+    ("zero2-nvme-sgd", "sgd", False, {"zero": 2, "offload": "nvme"}, STEPS),
+    ("zero1-nvme-bf16-adamw", "adamw", False, {"zero": 1, "offload": "nvme", "precision": "bf16"}, SHORT),
     ("zero2-cpu-bf16-adamw-m2", "adamw", False,
-     {"zero": 2, "offload": "cpu", "precision": "bf16", "microbatches": 2}),
+     {"zero": 2, "offload": "cpu", "precision": "bf16", "microbatches": 2}, SHORT),
     # fp16 from the default loss scale: the first steps overflow and are skipped (copies dropped)
     ("zero2-cpu-fp16-sgd-m2", "sgd", False,
-     {"zero": 2, "offload": "cpu", "precision": "fp16", "microbatches": 2}),
+     {"zero": 2, "offload": "cpu", "precision": "fp16", "microbatches": 2}, FP16_STEPS),
 ]
 
 
@@ -60,23 +77,24 @@ def _nvme_files(engine: Engine, rank: int) -> dict:
 
 
 def _run(configs: list, tmp: str) -> dict:
+    """Each config against the one-process run (fp32; computed once, on one rank: test_zero's
+    _references) or the same layout without offload (mixed precision), of as many steps."""
     rank, dp = dist.get_rank(), dist.get_world_size()
-    refs: dict[tuple, tuple] = {}
+    refs = _references({(opt, groups, n) for _, opt, groups, kw, n in configs
+                        if kw.get("precision", "fp32") == "fp32"})
     out = {}
-    for name, opt, groups, kwargs in configs:
+    for name, opt, groups, kwargs, n in configs:
         precision = kwargs.get("precision", "fp32")
-        key = (opt, groups, precision, kwargs["zero"] if precision != "fp32" else None)
-        if key not in refs:   # fp32: one process; mixed precision: the same layout, no offload
+        if precision == "fp32":
+            ref_rows, ref_weights = refs[opt, groups, n]
+        else:   # the same layout, resident
             resident = {k: v for k, v in kwargs.items() if k != "offload"}
-            ref = (_engine(opt, groups, ParallelConfig(), mesh=ParallelMesh(local=True)) if precision == "fp32"
-                   else _engine(opt, groups, ParallelConfig(dp=dp, bucket_mb=SMALL_BUCKET, **resident)))
-            refs[key] = (_train(ref, 0 if precision == "fp32" else rank, 1 if precision == "fp32" else dp),
-                         ref.full_state_dict())
-        ref_rows, ref_weights = refs[key]
+            ref = _engine(opt, groups, ParallelConfig(dp=dp, bucket_mb=SMALL_BUCKET, **resident))
+            ref_rows, ref_weights = _train(ref, rank, dp, n), ref.full_state_dict()
         if kwargs.get("offload_dir") == "TMP":
             kwargs = {**kwargs, "offload_dir": str(Path(tmp) / name)}
         engine = _engine(opt, groups, ParallelConfig(dp=dp, bucket_mb=SMALL_BUCKET, **kwargs))
-        rows = _train(engine, rank, dp)
+        rows = _train(engine, rank, dp, n)
         weights = engine.full_state_dict()
         out[name] = {
             "loss_err": max(abs(a[0] - b[0]) for a, b in zip(ref_rows, rows)),
