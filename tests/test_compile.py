@@ -96,12 +96,14 @@ def test_a_compiler_driver_that_cannot_compile_is_refused(tmp_path, monkeypatch,
     """A ``g++`` on PATH whose compiler proper is missing (no ``cc1plus``) passes a PATH lookup
     but fails inside inductor: the check runs it."""
     broken = tmp_path / "g++"
-    broken.write_text("#!/bin/sh\necho \"g++: fatal error: cannot execute 'cc1plus'\" >&2\nexit 1\n")
+    broken.write_text("#!/bin/sh\necho \"g++: fatal error: cannot execute 'cc1plus'\" >&2\n"
+                      "echo 'compilation terminated.' >&2\nexit 1\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CXX", str(broken))
     assert main(["train", "--compile", *SMALL, "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--compile" in err[0] and str(broken) in err[0], err
+    assert "cannot execute 'cc1plus'" in err[0], err     # the cause, not gcc's last line
 
 
 def test_compile_on_cuda_needs_triton(monkeypatch):

@@ -75,8 +75,12 @@ def _compiler_fault(cxx: str) -> str:
         return "did not answer within 60 s"
     except OSError as exc:
         return f"cannot run ({exc.strerror})"
+    if done.returncode == 0:
+        return ""
     said = done.stderr.decode(errors="replace").strip().splitlines()
-    return "" if done.returncode == 0 else f"cannot compile ({said[-1] if said else f'exit {done.returncode}'})"
+    # the line naming the cause, not gcc's closing "compilation terminated."
+    why = next((line for line in reversed(said) if "error" in line), said[-1] if said else "")
+    return f"cannot compile ({why or f'exit {done.returncode}'})"
 
 
 def compile_layers(model: nn.Module, device_type: str) -> list[nn.Module]:
