@@ -31,6 +31,11 @@ def _join_own_group(name: str) -> Path | None:
     base = V1 if V1.is_dir() else V2 if (V2 / "cgroup.controllers").exists() else None
     if base is None:
         return None
+    for stale in base.glob("trainmesh-tests-*"):   # earlier runs' (their zygotes outlived
+        try:                                        # the unconfigure hook); rmdir only empties
+            stale.rmdir()
+        except OSError:
+            pass
     group = base / name
     try:
         group.mkdir(exist_ok=True)
