@@ -126,3 +126,17 @@ def test_rendezvous_events_are_named_as_torch_names_them(monkeypatch):
     assert dynamic_rendezvous.get_method_name is not original
     assert Handler().next_rendezvous() == want == "next_rendezvous"
     assert Handler()._record(10_000) == original(10_000) == "no_method_name"
+
+
+def test_materialize_empty_makes_cpu_tensors_of_the_meta_shapes():
+    """Parameters and buffers of a meta module become CPU tensors of the same shapes, dtypes
+    and parameter-ness, as ``to_empty`` makes them."""
+    with torch.device("meta"):
+        module = torch.nn.BatchNorm1d(3)
+        module.half()
+    compat.materialize_empty(module)
+    want = torch.nn.BatchNorm1d(3).half()
+    for (name, t), (_, w) in zip([*module.named_parameters(), *module.named_buffers()],
+                                 [*want.named_parameters(), *want.named_buffers()]):
+        assert (t.device.type, t.shape, t.dtype) == ("cpu", w.shape, w.dtype), name
+    assert all(isinstance(p, torch.nn.Parameter) for p in module.parameters())

@@ -91,9 +91,8 @@ def cheap_rendezvous_event_names() -> None:
     process (the launcher); where torch has no such function, nothing changes.
     """
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-    if getattr(dynamic_rendezvous.get_method_name, "trainmesh_frame_name", False):
-        return
-    if not callable(getattr(dynamic_rendezvous, "get_method_name", None)):
+    current = getattr(dynamic_rendezvous, "get_method_name", None)
+    if not callable(current) or getattr(current, "trainmesh_frame_name", False):
         return
 
     def get_method_name(depth: int = 2) -> str:
@@ -103,8 +102,17 @@ def cheap_rendezvous_event_names() -> None:
             return "no_method_name"
 
     get_method_name.trainmesh_frame_name = True  # type: ignore[attr-defined]
-    get_method_name.__wrapped__ = dynamic_rendezvous.get_method_name  # type: ignore[attr-defined]
+    get_method_name.__wrapped__ = current  # type: ignore[attr-defined]
     dynamic_rendezvous.get_method_name = get_method_name
+
+
+def materialize_empty(module: torch.nn.Module) -> None:
+    """Replace every tensor of ``module`` (meta or not) by an uninitialised CPU tensor of its
+    shape and dtype, as ``module.to_empty(device="cpu")`` does, without its ``empty_like``: on
+    meta tensors that runs torch's Python meta kernels, most of a small model's build time.
+    ``Module._apply`` is what ``to_empty`` itself calls; there is no public way to pass it
+    another function."""
+    module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype), recurse=True)
 
 
 DEFERRED_IMPORT_BYTES = 72 * 2**20

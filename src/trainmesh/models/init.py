@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from trainmesh.core.compat import materialize_empty
+
 
 def _seed(seed: int, name: str, row: int) -> int:
     """The seed of row ``row`` of parameter ``name``."""
@@ -62,7 +64,6 @@ def init_value(name: str, shape: tuple[int, ...], *, seed: int, n_layers: int, s
 def init_module(module: nn.Module, *, seed: int, n_layers: int, prefix: str = "") -> None:
     """Materialise (if on meta) and initialise every parameter of ``module`` by its full name."""
     if any(p.is_meta for p in module.parameters()):
-        # torch.empty from the shape: to_empty's empty_like runs the meta kernels, far slower
-        module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype), recurse=True)
+        materialize_empty(module)
     for name, p in module.named_parameters(prefix=prefix.rstrip(".")):
         p.copy_(init_value(name, tuple(p.shape), seed=seed, n_layers=n_layers).to(p.dtype))
