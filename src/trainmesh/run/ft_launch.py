@@ -33,11 +33,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from trainmesh.run.launch import (
-    FAILURE_GRACE_S,
     MONITOR_INTERVAL_S,
     SHUTDOWN_GRACE_S,
     _headline,
-    _quiet_agent,
+    _prepare_agent,
     apply_env,
     die_with_parent,
     end_process,
@@ -70,16 +69,10 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainmesh.core.compat import (
-        bound_worker_shutdown,
-        cheap_rendezvous_event_names,
-        close_fork_server,
-    )
+    from trainmesh.core.compat import close_fork_server
 
     p = cfg.parallel
-    _quiet_agent()
-    bound_worker_shutdown(FAILURE_GRACE_S)
-    cheap_rendezvous_event_names()
+    _prepare_agent()
     grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}
              if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
     ranks = p.replica_ranks

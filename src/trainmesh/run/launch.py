@@ -57,10 +57,15 @@ RDZV_BACKEND = "trainmesh-loopback"
 """The elastic agent's rendezvous: torch's dynamic rendezvous over the launcher's own store."""
 
 
-def _quiet_agent() -> None:
-    """The launcher prints one headline per failure; workers print their own tracebacks."""
+def _prepare_agent() -> None:
+    """This process as torch's elastic agent runs in it: quiet (the launcher prints one headline
+    per failure; workers print their own tracebacks), the remaining workers killed
+    FAILURE_GRACE_S after one fails, and rendezvous events named without walking the stack."""
+    from trainmesh.core.compat import bound_worker_shutdown, cheap_rendezvous_event_names
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    bound_worker_shutdown(FAILURE_GRACE_S)
+    cheap_rendezvous_event_names()
 
 
 HF_PRELOAD = "transformers.modeling_utils"
@@ -118,15 +123,9 @@ def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int,
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from trainmesh.checkpoint.savedir import SaveDirLock
-    from trainmesh.core.compat import (
-        bound_worker_shutdown,
-        cheap_rendezvous_event_names,
-    )
 
     with SaveDirLock(cfg.save_dir) if cfg.save_dir else contextlib.nullcontext():
-        _quiet_agent()
-        bound_worker_shutdown(FAILURE_GRACE_S)
-        cheap_rendezvous_event_names()
+        _prepare_agent()
         grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}   # where torch has it; else 30 s on signals
                  if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
         with local_rendezvous() as rendezvous:
