@@ -76,6 +76,9 @@ class CheckpointView:
                 self.sources.setdefault(target, []).append((pattern, key))
         else:
             self.sources = {key: [(None, key)] for key in keys}
+        for alias, canonical in _tied_aliases(model).items():   # a pipeline stage holding the
+            if alias not in self.sources and canonical in self.sources:   # head alone names a
+                self.sources[alias] = self.sources[canonical]      # tied weight by its alias
 
     def _slice(self, key: str) -> Any:
         return self.handle_of[key].get_slice(key)
@@ -152,3 +155,16 @@ def to_file_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
     except ImportError:     # a transformers without conversions stores what it holds
         return state
     return revert_weight_conversion(model, state)
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Every other name of a parameter the model shares under several (tied embeddings:
+    ``lm_head.weight``) -> its first name (the one ``save_pretrained`` writes)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
