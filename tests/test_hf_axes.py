@@ -271,7 +271,7 @@ def test_selective_recompute_checkpoints_the_attention_call():
 def refused_dirs(tmp_path_factory) -> dict[str, str]:
     """Families whose plans cannot be honoured on some axis, a Mistral whose window covers
     the sequence (exact under cp), a Llama with tied embeddings (the head's weight is the input
-    module's: summed over the pipeline stages, with --dp 1)."""
+    module's: summed over the pipeline stages before the DP reduction, under ZeRO 0-1)."""
     root = tmp_path_factory.mktemp("hfrefused")
     models = {
         "gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -299,7 +299,8 @@ def test_plans_that_cannot_be_honoured_exit_2_naming_family_and_axis(refused_dir
              ("mamba", ["--recompute", "selective"], "--recompute", "mamba family"),
              ("mamba", ["--cp", "2"], "--cp", "mamba family"),
              ("mamba", ["--pp", "2"], "--pp", "mamba family"),
-             ("llama-tied", ["--pp", "2", "--dp", "2"], "--dp", "ties weights across pipeline")]
+             ("llama-tied", ["--pp", "2", "--dp", "2", "--zero", "2"], "--zero",
+              "ties weights across pipeline")]
     for name, flags, flag, words in cases:
         code = main([*base, "--model-dir", refused_dirs[name], *flags])
         err = capsys.readouterr().err.strip().splitlines()
@@ -307,6 +308,7 @@ def test_plans_that_cannot_be_honoured_exit_2_naming_family_and_axis(refused_dir
         assert f"error: {flag}:" in err[0] and words in err[0] and "Traceback" not in err[0], err
     assert not no_launch
     for name, flags in (("mistral-window16", ["--cp", "2"]), ("gemma2", ["--pp", "2"]),
+                        ("llama-tied", ["--pp", "2", "--dp", "2", "--zero", "1"]),
                         ("gemma2", ["--tp", "2", "--sequence-parallel"])):
         assert main([*base, "--model-dir", refused_dirs[name], *flags]) == LAUNCHED, \
             (name, flags, capsys.readouterr().err)

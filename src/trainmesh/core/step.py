@@ -60,9 +60,14 @@ class StepHooks:
     before_backward: Callable[..., None]
     """Gradient accumulation: ``before_backward(is_last=...)`` before each microbatch's
     backward; the gradients are reduced during the last one."""
-    expect_backwards: Callable[[int], None]
-    """Pipelines: called once at the start of a step with the number of backward passes that
-    run through every parameter (in any interleaving); each gradient is reduced after its last."""
+    expect_backwards: Callable[..., None]
+    """Pipelines: ``expect_backwards(m, held)`` once at the start of a step, with the number of
+    backward passes that run through every parameter (in any interleaving); each gradient is
+    reduced after its last, except those of ``held`` (weights tied across pipeline stages),
+    which wait for :attr:`release`."""
+    release: Callable[[nn.Parameter], None] = lambda p: None
+    """Pipelines: a gradient held back by ``expect_backwards`` is final now (summed over the
+    pipeline ranks sharing its weight): the strategy reduces it as after its last backward."""
     backward_from: Callable[[torch.Tensor, "list[nn.Parameter] | None"], None] = lambda root, params: None
     """Called with the tensor each backward pass starts from and the parameters the pass goes
     through (None: all of this rank's; a pipeline pass: its chunk's), just before it: the

@@ -201,13 +201,26 @@ class GradSync(ABC):
     def before_backward(self, *, is_last: bool) -> None:
         """Called before each microbatch's backward; reduce only when ``is_last`` (or per stage)."""
 
-    def expect_backwards(self, n: int) -> None:
+    def expect_backwards(self, n: int, held: Sequence[nn.Parameter] = ()) -> None:
         """Pipeline mode: this step runs ``n`` backward passes through every parameter (in any
-        interleaving of stages); reduce each gradient once it has been through all ``n``.
+        interleaving of stages); reduce each gradient once it has been through all ``n``, and
+        those of ``held`` (weights tied across stages) once :meth:`release` is called for them.
         Replaces the per-microbatch ``before_backward`` calls. Strategies without a pipeline
         mode override it with :meth:`_no_pipeline`."""
         self.before_backward(is_last=True)
-        self.readiness.expect(n)
+        self.readiness.expect(n, held)
+
+    def release(self, p: nn.Parameter) -> None:
+        """A gradient held back by :meth:`expect_backwards` is final now: reduce it as after
+        its last backward (the pipeline summed it over the stages sharing the weight first)."""
+        if self.readiness.holds(p):
+            self._on_grad_ready(p)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """The post-accumulate-grad hook of strategies that reduce whole gradients after their
+        last backward (DDP, ZeRO-1); others never hold a gradient back."""
+        raise ConfigError("pp", f"{type(self).__name__} cannot hold back the gradient of a weight "
+                                "tied across pipeline stages (--zero 0 or 1)")
 
     def _no_pipeline(self) -> None:
         raise ConfigError("pp", f"{type(self).__name__} cannot run under a pipeline (--pp > 1)")

@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch import nn
 
 from .base import CountedFn, GradSync, OptimizerFactory
 
@@ -60,9 +61,13 @@ class CompositeSync(GradSync):
         for part in self.parts:
             part.before_backward(is_last=is_last)
 
-    def expect_backwards(self, n: int) -> None:
+    def expect_backwards(self, n: int, held: Sequence[nn.Parameter] = ()) -> None:
         for part in self.parts:
-            part.expect_backwards(n)
+            part.expect_backwards(n, held)
+
+    def release(self, p: nn.Parameter) -> None:
+        for part in self.parts:
+            part.release(p)
 
     def local_unused(self) -> int:
         return sum(part.local_unused() for part in self.parts)

@@ -2,7 +2,8 @@
 
 A gradient is final after the backward that produced it, except in a pipeline, where a stage
 runs ``m`` backward passes through every parameter in any interleaving of stages: there it is
-final only after its last (``m``-th) backward of the step (:meth:`Readiness.expect`). The
+final only after its last (``m``-th) backward of the step (:meth:`Readiness.expect`), and a
+weight tied across pipeline stages only once the pipeline has summed it over those stages. The
 same object remembers which parameters received a gradient in any backward of the step, for
 DDP's ``find_unused_parameters`` semantics: the unused ones are named (an error) or, when asked,
 agreed on over the strategy's group so that a parameter no rank used gets no update.
@@ -16,7 +17,7 @@ same order.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -58,10 +59,16 @@ class Readiness:
         """A backward begins (one per microbatch): every gradient is final after it."""
         self.ready, self._remaining = set(), None
 
-    def expect(self, n: int) -> None:
-        """Pipeline mode: this step runs ``n`` backward passes through every parameter."""
+    def expect(self, n: int, held: Sequence[nn.Parameter] = ()) -> None:
+        """Pipeline mode: this step runs ``n`` backward passes through every parameter; those of
+        ``held`` wait for one more (:meth:`final` once more, when the pipeline releases them)."""
         self.ready = set()
-        self._remaining = {id(p): n for _, p in self.named}
+        extra = {id(p) for p in held}
+        self._remaining = {id(p): n + (id(p) in extra) for _, p in self.named}
+
+    def holds(self, p: nn.Parameter) -> bool:
+        """Whether ``p`` is one of this strategy's parameters."""
+        return any(q is p for _, q in self.named)
 
     @property
     def pipelined(self) -> bool:

@@ -28,10 +28,13 @@ before the all-gather, which so moves 16-bit values: 2Ψ + 2Ψ + 12Ψ/N bytes at
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from trainmesh.core.errors import ConfigError
 
 from ..comm import Comm
 from .base import SyncOptions
@@ -117,10 +120,13 @@ class FlatZero(ShardedSync):
         self._last = is_last
         self.bucketer.arm()
 
-    def expect_backwards(self, n: int) -> None:
+    def expect_backwards(self, n: int, held: Sequence[nn.Parameter] = ()) -> None:
         if not self.grads.every_backward:   # ZeRO-1: reduce after a gradient's last backward
-            super().expect_backwards(n)
+            super().expect_backwards(n, held)
             return
+        if held:
+            raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
+                              "(ZeRO-2 reduces every backward's gradient before the stages' sum)")
         self.readiness.start()              # ZeRO-2: every gradient goes out, round by round
         self._sync, self._last = True, False   # (buckets reduce several times: copied at the step)
         self.bucketer.arm()

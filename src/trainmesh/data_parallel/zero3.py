@@ -21,7 +21,7 @@ with m microbatches: all_gather 2m·Ψ·(compute bytes), reduce_scatter m·Ψ·(
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -255,7 +255,7 @@ class Zero3(ShardedSync):
         for unit in self.units:
             unit.done = False
 
-    def expect_backwards(self, n: int) -> None:
+    def expect_backwards(self, n: int, held: Sequence[nn.Parameter] = ()) -> None:
         self._no_pipeline()
 
     def finish(self, scale: float) -> None:

@@ -16,7 +16,7 @@ is split keeps its parameters from ``I`` until its ``W`` (some weight gradients 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -66,7 +66,10 @@ class PipelineZero3(Zero3):
         self._open = {id(u): 0 for u in self.units}
 
     # ---------------------------------------------------------------- the seam
-    def expect_backwards(self, n: int) -> None:
+    def expect_backwards(self, n: int, held: Sequence[nn.Parameter] = ()) -> None:
+        if held:
+            raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
+                              "(ZeRO-3 reduces each layer's gradients as its backward ends)")
         self.readiness.start()
         self.bucketer.arm()
         for unit in self.units:

@@ -114,6 +114,7 @@ class Engine:
         self.hooks = StepHooks(autocast=self.precision.autocast, scale_loss=self.precision.scale_loss,
                                before_backward=self.grad_sync.before_backward,
                                expect_backwards=self.grad_sync.expect_backwards,
+                               release=self.grad_sync.release,
                                **({"backward_from": self._pass_unreached}
                                   if cfg.find_unused_parameters else {}))
         self.optimizer = self.grad_sync.build_optimizer(optimizer, param_groups)

@@ -122,18 +122,14 @@ def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | Non
 
 def _check_ties_across_stages(model: nn.Module, planned: list[str], layout: ParallelConfig) -> None:
     """A weight two pipeline layers share (tied embeddings: the input module's and the head's)
-    has its gradient summed over their stages, which the pipeline does with --dp 1 and
-    --zero 0/1 (as the engine checks in the workers)."""
+    has its gradient summed over their stages before the DP reduction, which holds whole
+    gradients back for it under --zero 0/1 only (as the engine checks in the workers)."""
     owners: dict[int, set[str]] = {}
     for name in planned:
         for p in model.get_submodule(name).parameters():
             owners.setdefault(id(p), set()).add(name)
     if not any(len(names) > 1 for names in owners.values()):
         return
-    if layout.dp > 1:
-        raise ConfigError("--dp", f"the {family(model)} model ties weights across pipeline "
-                          "stages (tie_word_embeddings), supported with --dp 1 under --pp; valid: "
-                          "--dp 1, or --pp 1")
     if layout.zero >= 2:
         raise ConfigError("--zero", f"the {family(model)} model ties weights across pipeline "
                           "stages (tie_word_embeddings): --zero 0 or 1 under --pp")

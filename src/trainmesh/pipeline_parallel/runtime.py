@@ -23,7 +23,8 @@ action of this rank, in order:
 Sends and receives come from :mod:`.p2p` (deadlock-free for any schedule that simulates). The
 runtime knows nothing of data parallelism: it tells the step's hooks once that every parameter
 sees ``m`` backward passes (``hooks.expect_backwards``), and the engine's strategy reduces each
-gradient after its last. Every action's start and end (``perf_counter``) go into
+gradient after its last; a weight tied across stages is summed over its stages first, then
+released to the strategy (``hooks.release``). Every action's start and end (``perf_counter``) go into
 ``last_timeline`` (this rank's row); :func:`.timeline.gather_timeline` assembles the pipeline's.
 """
 from __future__ import annotations
@@ -128,7 +129,10 @@ class PipelineExecutor:
 
     # ---------------------------------------------------------------- tied weights
     def _setup_ties(self, stages: list, mine: list[int]) -> list[tuple[nn.Parameter, Any]]:
-        """Parameters shared by stages on different ranks: gradients summed over those ranks.
+        """Parameters shared by stages on different ranks: gradients summed over those ranks
+        (the same dp, cp and tp coordinates), before the DP reduction, which holds them back
+        until then (``hooks.expect_backwards``). Sums commute, so the result is the sum over
+        every rank holding a copy, as one process's gradient of the shared weight.
 
         Every rank of the world creates the same groups in the same order (through the mesh:
         group creation is collective). The copies on all but the lowest such rank go into
@@ -147,29 +151,29 @@ class PipelineExecutor:
             if len(ranks) < len(ss):
                 raise ConfigError("pp", f"a parameter of shape {tuple(p.shape)} is shared by stages "
                                         f"{ss}, some on the same rank; not supported")
-        if self.mesh.size("dp") > 1:
-            raise ConfigError("dp", "tied weights across pipeline stages with dp > 1 are not "
-                                    "supported yet (the tie reduction must follow the DP one); "
-                                    "untie them or use dp=1")
         rank_sets = sorted({tuple(sorted({self.schedule.stage_to_rank(s) for s in ss}))
                             for _, ss in shared})
         mesh = self.mesh
-        groups = mesh.subgroups([[mesh.rank_of(dp=d, pp=k, tp=t) for k in rs]
-                                 for rs in rank_sets for d in range(mesh.dp) for t in range(mesh.tp)])
+        groups = mesh.subgroups([[mesh.rank_of(dp=d, pp=k, cp=c, tp=t) for k in rs]
+                                 for rs in rank_sets for d in range(mesh.dp)
+                                 for c in range(mesh.cp) for t in range(mesh.tp)])
+        here = {"dp": mesh.index("dp"), "cp": mesh.index("cp"), "tp": mesh.index("tp")}
         out = []
         for p, ss in shared:
             rs = tuple(sorted({self.schedule.stage_to_rank(s) for s in ss}))
             if self.rank in rs:
                 if self.rank != rs[0]:
                     self.duplicate_parameters.append(p)
-                members = tuple(mesh.rank_of(dp=mesh.index("dp"), pp=k, tp=mesh.index("tp")) for k in rs)
-                out.append((p, groups[members]))
+                out.append((p, groups[tuple(mesh.rank_of(pp=k, **here) for k in rs)]))
         return out
 
-    def _reduce_ties(self) -> None:
+    def _reduce_ties(self, hooks: StepHooks) -> None:
+        """After this rank's last backward: each tied gradient summed over the ranks sharing
+        it, in the order of the model's parameters, then handed to the DP strategy."""
         for p, group in self._ties:
             if p.grad is not None:
                 self.comm.all_reduce(p.grad, "pp", group=group)
+            hooks.release(p)
 
     # ---------------------------------------------------------------- one step
     @property
@@ -182,7 +186,7 @@ class PipelineExecutor:
         if len(microbatches) != self.schedule.microbatches:
             raise ConfigError("microbatches", f"the pipeline schedule expects "
                                               f"{self.schedule.microbatches}; got {len(microbatches)}")
-        hooks.expect_backwards(len(microbatches))
+        hooks.expect_backwards(len(microbatches), self.tied_parameters)
         if self.track_memory:
             self.tracker.reset(list(self.module.parameters()))
         self.p2p.begin(batch_key(microbatches[0]))
@@ -202,7 +206,7 @@ class PipelineExecutor:
         if self._kept or self._weights:
             raise RuntimeError(f"pipeline rank {self.rank}: activations never freed: "
                                f"{list(self._kept) + list(self._weights)}")
-        self._reduce_ties()
+        self._reduce_ties(hooks)
         rows: list[list[TimedAction]] = [[] for _ in self.peers]
         rows[self.rank] = row
         self.last_timeline = Timeline(rows, self.schedule.virtual_stages, "s", self.schedule.name)
