@@ -6,16 +6,12 @@ coordinates) before the DP strategy reduces it, which holds that gradient back u
 with dp 2 under ZeRO 0 and 1, and with cp 2, the curve is one process's, and the two stages'
 copies of the weight stay bitwise equal. ZeRO-2 and 3, which reduce gradients before the
 stages' sum could be taken, are refused naming ``zero``.
-
-Through ``trainmesh train --model-dir``: a Llama with tied embeddings (``tie_word_embeddings``)
-at ``--pp 2 --dp 2`` against the one-process engine the same command builds.
+A Hugging Face model with tied embeddings through ``trainmesh train``: tests/test_hub_compose.py.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_train, step_differences, train_config
-from helpers import steps as step_records
 from tolerances import LOSS_ABS, NORM_REL
 
 from trainmesh.core.errors import ConfigError
@@ -115,35 +111,3 @@ def test_tied_weights_compose_with_dp_zero1_and_cp(world4, reference) -> None:
 def test_zero2_with_tied_stages_is_refused_naming_zero(world4) -> None:
     assert {res["zero2"] for res in world4.values()} == {"zero"}
 
-
-HUB_BASE = ["--seq-len", "16", "--global-batch", "4", "--steps", "4", "--warmup-steps", "1",
-            "--lr", "0.01", "--seed", "3"]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_hub_model_with_tied_embeddings_at_pp2_dp2_trains_like_one_process(tmp_path) -> None:
-    transformers = pytest.importorskip("transformers")
-    from trainmesh.core.mesh import ParallelMesh
-    from trainmesh.data.corpus import make_datasets
-    from trainmesh.run.trainer import build_engine
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True))
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    model.save_pretrained(str(tmp_path / "llama-tied"))
-    args = ["--model-dir", str(tmp_path / "llama-tied"), *HUB_BASE]
-    cfg = train_config(args)
-    engine = build_engine(cfg, torch.device("cpu"), ParallelMesh(local=True))
-    data, _ = make_datasets(cfg.data, vocab_size=cfg.vocab_size, seq_len=16, held_out=False)
-    reference = [(engine.train_step(data.batch(cfg.seed, step, 4)), engine.last["grad_norm"])
-                 for step in range(1, cfg.steps + 1)]
-    proc, records = run_train([*args, "--pp", "2", "--dp", "2", "--microbatches", "2"], tmp_path,
-                              timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    curve = [(r["loss"], r["grad_norm"]) for r in step_records(records)]
-    assert len(curve) == cfg.steps
-    failures = step_differences(reference, curve, "tied Llama --pp 2 --dp 2")
-    assert not failures, "\n".join(failures)
