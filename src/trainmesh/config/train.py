@@ -154,9 +154,7 @@ class TrainConfig:
                     raise ConfigError(flag, "runs a replica of a fault-tolerant run across hosts; "
                                       "needs --fault-tolerant")
             return
-        why = {"--model-dir": self.model_dir is not None and "fault-tolerant runs train the "
-                              "built-in GPT",
-               "--on-nonfinite": self.on_nonfinite != "stop" and "a skipped step is not "
+        why = {"--on-nonfinite": self.on_nonfinite != "stop" and "a skipped step is not "
                                  "supported by fault-tolerant runs (valid: stop)"}
         for flag, reason in why.items():
             if reason:
