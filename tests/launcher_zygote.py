@@ -117,6 +117,8 @@ class Zygote:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
         self.lock = threading.Lock()
         self.pending = b""
+        self.served = False
+        """Whether it answered once (its first answer waits for its imports and fork server)."""
 
     def run(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path,
             timeout: float, umask: int | None = None) -> int | None:
@@ -129,7 +131,12 @@ class Zygote:
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd),
                                               "stdout": str(stdout), "stderr": str(stderr),
                                               "umask": umask}) + "\n")
-            pid = self._answer(30)["pid"]
+            try:
+                pid = self._answer(30 if self.served else 300)["pid"]
+            except TimeoutError:
+                self.proc.kill()   # hung: its late answers would be taken for a later run's
+                raise
+            self.served = True
             try:
                 return self._answer(timeout)["code"]
             except TimeoutError:

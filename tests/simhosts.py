@@ -19,10 +19,15 @@ own addresses and loopback are used.
 """
 from __future__ import annotations
 
+import ctypes
+import ipaddress
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -47,6 +52,53 @@ def can_make_hosts() -> str | None:
     return None
 
 
+SOCK_DIAG_BY_FAMILY, NLMSG_ERROR, NLMSG_DONE, TCP_LISTEN = 20, 2, 3, 10
+
+
+def _diag_socket(ns: str) -> socket.socket | bool:
+    """A sock_diag netlink socket inside namespace ``ns`` (made by a thread that entered it: a
+    socket keeps the namespace it was made in); False where none can be made."""
+    made: list = []
+
+    def enter_and_make() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0x40000000) == 0:   # CLONE_NEWNET: this thread only
+                made.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4))   # SOCK_DIAG
+        finally:
+            os.close(fd)
+    thread = threading.Thread(target=enter_and_make)
+    thread.start()
+    thread.join()
+    return made[0] if made else False
+
+
+def _listening(diag: socket.socket) -> list[tuple[str, int]]:
+    """(address, port) of the listening TCP sockets of ``diag``'s namespace (IPv4 and IPv6)."""
+    found = []
+    for family in (socket.AF_INET, socket.AF_INET6):
+        request = struct.pack("=BBBxI48x", family, socket.IPPROTO_TCP, 0, 1 << TCP_LISTEN)
+        diag.send(struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY, 0x301, 1, 0) + request)
+        done = False
+        while not done:
+            data = diag.recv(65536)
+            at = 0
+            while at + 16 <= len(data):
+                size, kind = struct.unpack_from("=IH", data, at)
+                if kind == NLMSG_DONE:
+                    done = True
+                    break
+                if kind == NLMSG_ERROR:
+                    raise OSError(f"sock_diag: error {struct.unpack_from('=i', data, at + 16)[0]}")
+                msg = at + 16   # inet_diag_msg: family, state, timer, retrans, then the id
+                port = struct.unpack_from("!H", data, msg + 4)[0]
+                raw = data[msg + 8:msg + 8 + (4 if data[msg] == socket.AF_INET else 16)]
+                found.append((str(ipaddress.ip_address(raw)), port))
+                at += (size + 3) & ~3
+    return found
+
+
 @dataclass
 class SimHost:
     """One simulated host: a namespace ``ns`` with hostname ``name`` at ``addr``."""
@@ -58,6 +110,8 @@ class SimHost:
     port: str
     """The veth end on the switch's bridge (set down for a partition)."""
     procs: list[subprocess.Popen] = field(default_factory=list)
+    diag: socket.socket | bool | None = field(default=None, repr=False)
+    """The netlink socket :meth:`listening` asks (made on first use; False: none could be)."""
 
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` as run on this host (its namespace and hostname)."""
@@ -84,7 +138,16 @@ class SimHost:
         _ip("-n", self.switch, "link", "set", self.port, "up")
 
     def listening(self) -> list[tuple[str, int]]:
-        """(address, port) of every TCP socket listening in this host's namespace."""
+        """(address, port) of every TCP socket listening in this host's namespace: asked of the
+        kernel over a sock_diag netlink socket made inside it (a test polls this several times a
+        second: no process started each time), else from ``ss`` run in it."""
+        if self.diag is None:
+            self.diag = _diag_socket(self.ns)
+        if self.diag:
+            try:
+                return _listening(self.diag)
+            except OSError:
+                pass
         out = subprocess.run(["ip", "netns", "exec", self.ns, "ss", "-Hltn"], capture_output=True,
                              text=True, timeout=30).stdout
         found = []
@@ -176,6 +239,8 @@ class SimHosts:
                 except subprocess.TimeoutExpired:
                     pass
             host.kill_all()   # what escaped the process groups (daemons' children), in its namespace
+            if host.diag:
+                host.diag.close()
         for ns in reversed(self._made):     # deleting a namespace deletes its veth ends
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)

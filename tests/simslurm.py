@@ -27,6 +27,10 @@ from pathlib import Path
 import pytest
 from simhosts import SimHost
 
+SLURM_PORTS = frozenset({6817, 6818, *range(61000, 61201)})
+"""Every port Slurm listens on here (slurmctld's, slurmd's and srun's range, as configured
+below): apart from the kernel's ephemeral ports (32768-60999) and trainmesh's derived ones
+(20000-29999), so what listens elsewhere is not Slurm's."""
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo")
 CGROUP = ("mount -t tmpfs cgfs /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/systemd && "
           "mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd")
@@ -59,6 +63,9 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
 MinJobAge=4
+SlurmctldPort=6817
+SlurmdPort=6818
+SrunPortRange=61000-61200
 {nodes}
 PartitionName=sim Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """

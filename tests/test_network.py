@@ -46,11 +46,15 @@ def listening_sockets(pids: list[int]) -> set[tuple[str, int, int]]:
             continue   # the process ended meanwhile
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == LISTEN and cols[9] in owner:
-                addr, port = cols[1].rsplit(":", 1)
-                found.add((_address(addr), int(port, 16), owner[cols[9]]))
+        with open(table) as lines:   # the kernel lists the listening sockets first: the rest
+            next(lines)              # (every connection of the machine) is neither generated
+            for line in lines:       # nor read, several times a second
+                cols = line.split()
+                if cols[3] != LISTEN:
+                    break
+                if cols[9] in owner:
+                    addr, port = cols[1].rsplit(":", 1)
+                    found.add((_address(addr), int(port, 16), owner[cols[9]]))
     return found
 
 
