@@ -129,7 +129,7 @@ class Zygote:
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd),
                                               "stdout": str(stdout), "stderr": str(stderr),
                                               "umask": umask}) + "\n")
-            pid = self._answer(30)["pid"]
+            pid = self._answer(max(timeout, 30))["pid"]   # the first waits for its imports
             try:
                 return self._answer(timeout)["code"]
             except TimeoutError:
