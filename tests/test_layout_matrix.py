@@ -4,10 +4,10 @@ norm within NORM_REL, 20 steps; tests/helpers.py ``assert_equivalent``).
 
 The rows: :data:`PINNED` (the layouts refusals used to hide: MoE under cp, under sequence
 parallelism and with ep over dp x cp; HSDP with tp, pp, cp and ep; offload with sequence
-parallelism), then rows picked greedily from every valid layout of the table's
-:data:`~trainmesh.core.axes.FEATURES` (at most :data:`MAX_WORLD` processes) until every pair of
-features of two axes is in some row — a covering array. The 16-process layout of
-``test_the_whole_mesh_in_one_run`` (ZeRO-3 x tp + SP x pp x cp x ep) counts too.
+parallelism), then rows picked greedily (most new pairs per process) from every valid layout
+of the table's :data:`~trainmesh.core.axes.FEATURES` (at most :data:`MAX_WORLD` processes)
+until every pair of features of two axes is in some row — a covering array. The 16-process
+layout of ``test_the_whole_mesh_in_one_run`` (ZeRO-3 x tp + SP x pp x cp x ep) counts too.
 ``test_every_pair_is_run_or_refused`` holds the table to it: a feature added to FEATURES fails
 it until each of its pairs is in a row or refused by a rule, and each of the table's RULES is a
 refusal case here (exit 2 before any worker, one line naming its flag).
@@ -57,6 +57,10 @@ WHOLE_MESH = {"experts": 4, "dp": 2, "zero": 3, "tp": 2, "sequence_parallel": Tr
 """ZeRO-3 x tp + SP x pp x cp x ep: 16 processes."""
 
 
+LAUNCH_WEIGHT = 6
+"""The greedy cover's cost of a launch beside its processes' (each process steps 20 times, a
+launch adds its launcher and start-up): cheap rows, but not many rows of one pair each."""
+
 DEFAULTS = {**{f.name: f.default for f in fields(ParallelConfig)}, "experts": 0}
 
 
@@ -99,7 +103,8 @@ def refused_pairs() -> set[tuple[str, str]]:
 
 def candidates() -> list[dict]:
     """Every layout of one choice per axis (its default or one of its features) on at most
-    MAX_WORLD processes, in a fixed order (not yet checked against the rules)."""
+    MAX_WORLD processes, ZeRO only where dp x cp has ranks to shard over, in a fixed order (not
+    yet checked against the rules)."""
     by_axis: dict[str, list[dict]] = {}
     for f in axes.FEATURES:
         by_axis.setdefault(f.axis, [{}]).append(f.settings)
@@ -109,6 +114,9 @@ def candidates() -> list[dict]:
         for part in choice:
             settings.update({k: max(v, settings.get(k, v)) if k == "dp" else v
                              for k, v in part.items()})
+        facts = _facts(settings)
+        if facts.zero and facts.dp * facts.cp == 1:
+            continue                     # ZeRO with no group to shard over: pairs in name only
         if world_of(settings) <= MAX_WORLD:
             out.append(settings)
     return out
@@ -116,14 +124,16 @@ def candidates() -> list[dict]:
 
 def generated_rows() -> dict[str, dict]:
     """:data:`PINNED`, then greedy rows until every pair no rule refuses is covered: each the
-    valid layout with the most uncovered pairs, then the fewest processes."""
+    valid layout with the most uncovered pairs per process (a launch weighing as
+    :data:`LAUNCH_WEIGHT` processes), then the fewest processes."""
     rows = dict(PINNED)
     covered = set().union(*(pairs_of(features_of(s)) for s in [*rows.values(), WHOLE_MESH]))
     todo = every_pair() - refused_pairs() - covered
     pool = [(s, pairs_of(features_of(s))) for s in candidates()]
     invalid: set[int] = set()
     while todo:
-        ranked = sorted(range(len(pool)), key=lambda i: (-len(pool[i][1] & todo), world_of(pool[i][0]), i))
+        ranked = sorted(range(len(pool)), key=lambda i: (
+            -len(pool[i][1] & todo) / (world_of(pool[i][0]) + LAUNCH_WEIGHT), world_of(pool[i][0]), i))
         best = next((i for i in ranked if pool[i][1] & todo and i not in invalid
                      and (valid(pool[i][0]) or invalid.add(i))), None)
         if best is None:

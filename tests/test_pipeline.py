@@ -18,7 +18,12 @@ from tolerances import LOSS_ABS, NORM_REL, SHORT_RUN_REL, loss_one_step_atol
 from trainmesh.core.errors import ConfigError
 from trainmesh.testing import run_distributed
 
-GPT_KW = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=8, n_heads=4)
+GPT_KW = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=4)
+"""The equivalence runs' GPT: 4 blocks, so each stage holds one or two (pp 4 or 2) besides the
+embedding or head; a step costs about half an 8-block one's."""
+PARTITION_KW = dict(GPT_KW, n_layers=8)
+BUCKET_MB = 0.005
+"""ZeRO-2's bucket inside the pipeline: 8 buckets stay below half a stage's gradient."""
 SMALL_KW = dict(vocab_size=32, seq_len=8, d_model=16, n_layers=6, n_heads=2)     # deadlock runs
 ACT_KW = dict(vocab_size=32, seq_len=64, d_model=32, n_layers=4, n_heads=4)      # activation-heavy
 STEPS, GLOBAL_BATCH = 20, 8
@@ -47,7 +52,7 @@ WORLD4 = [("pp4-1f1b-m8", dict(pp=4, microbatches=8, schedule="1f1b"), ("adamw",
           ("pp4-zb1p-m8", dict(pp=4, microbatches=8, schedule="zb1p"), BOTH, SHORT),
           # ZeRO inside the pipeline; small buckets show that no full gradient accumulates;
           # zb1p: the reductions fire from the W passes
-          ("dp2-pp2-zero2-m2", dict(dp=2, pp=2, zero=2, microbatches=2, bucket_mb=0.01,
+          ("dp2-pp2-zero2-m2", dict(dp=2, pp=2, zero=2, microbatches=2, bucket_mb=BUCKET_MB,
                                     schedule="zb1p"), BOTH, SHORT),
           ("dp2-pp2-zero3-step-m2", dict(dp=2, pp=2, zero=3, microbatches=2, schedule="zb1p"), ("adamw",)),
           ("dp2-pp2-zero3-step-m2", dict(dp=2, pp=2, zero=3, microbatches=2, schedule="zb1p"), ("sgd",),
@@ -58,7 +63,7 @@ WORLD4 = [("pp4-1f1b-m8", dict(pp=4, microbatches=8, schedule="1f1b"), ("adamw",
           # after its last backward of the step; ZeRO-2: buckets reduce twice, copied at finish)
           ("dp2-pp2-zero3-step-m2-offload", dict(dp=2, pp=2, zero=3, microbatches=2, schedule="zb1p",
                                                  offload="cpu"), ("adamw",), SHORT),
-          ("dp2-pp2-zero2-m2-offload", dict(dp=2, pp=2, zero=2, microbatches=2, bucket_mb=0.01,
+          ("dp2-pp2-zero2-m2-offload", dict(dp=2, pp=2, zero=2, microbatches=2, bucket_mb=BUCKET_MB,
                                             offload="cpu"), ("adamw",), SHORT),
           # composition with tensor (+ sequence) parallelism: a shorter check, to keep the suite fast
           ("tp2-pp2-sp-1f1b-m4", dict(tp=2, pp=2, microbatches=4, sequence_parallel=True), ("adamw",), SHORT)]
@@ -324,7 +329,7 @@ def test_pp_traffic_per_stage(world2, world4) -> None:
                 assert abs(got - expected) <= 0.03 * expected, (name, rank, op, got, expected)
 
 
-ZERO_IN_PIPELINE = {"dp2-pp2-zero2-m2": dict(zero=2, bucket_mb=0.01, schedule="zb1p"),
+ZERO_IN_PIPELINE = {"dp2-pp2-zero2-m2": dict(zero=2, bucket_mb=BUCKET_MB, schedule="zb1p"),
                     "dp2-pp2-zero3-step-m2": dict(zero=3, zero3_reshard="step", schedule="zb1p"),
                     "dp2-pp2-zero3-microbatch-m2": dict(zero=3, zero3_reshard="microbatch")}
 
@@ -356,7 +361,7 @@ def test_zero_inside_pipeline_memory_and_traffic(world4) -> None:
                 want = zero3_gathered_bytes(held, layout, gpt)
                 assert abs(r["gathered_peak"] - want) <= 0.05 * want, (name, r["gathered_peak"], want)
             else:
-                bucket = 4 * (int(0.01 * 2**20) // 4)
+                bucket = 4 * (int(BUCKET_MB * 2**20) // 4)
                 assert r["comm_peak"] <= 8 * bucket < 0.5 * full_grads, (name, r["comm_peak"], bucket)
 
 
@@ -442,7 +447,7 @@ def test_partition_balances_parameters_and_checks_cuts() -> None:
         named_pipeline_layers,
         partition,
     )
-    model = _gpt(GPT_KW)
+    model = _gpt(PARTITION_KW)
     layers = named_pipeline_layers(model)
     assert [n for n, _ in layers] == ["embed", *(f"blocks.{i}" for i in range(8)), "head"]
     stages = partition(layers, 4)
