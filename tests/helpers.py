@@ -118,7 +118,7 @@ class Launched:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def communicate(self, timeout: float) -> tuple[str, str]:
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Wait for the end (TimeoutExpired after ``timeout`` s); its stdout and stderr."""
         self.proc.wait(timeout)
         return self.out.read_text(), self.err.read_text()

@@ -199,7 +199,8 @@ _ZYGOTE: dict[int, Zygote] = {}
 
 
 def zygote() -> Zygote:
-    """This process's zygote (started on first use)."""
+    """This process's zygote (started on first use; from the main thread: the zygote dies with
+    the thread that started it, by the parent-death signal)."""
     if os.getpid() not in _ZYGOTE:
         _ZYGOTE[os.getpid()] = Zygote()
     return _ZYGOTE[os.getpid()]

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import Launched, trainmesh_process
+from launcher_zygote import zygote
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.engine.precision import Precision
@@ -59,7 +60,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for_steps(proc: Launched, metrics: Path, n: int, deadline_s: float = 90) -> list[int]:
+def wait_for_steps(proc: Launched, metrics: Path, n: int, deadline_s: float = 180) -> list[int]:
     """Block until the run logged ``n`` steps; returns its worker pids."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -130,10 +131,12 @@ def _stall(victim: int, tmp: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     """Both in parallel (each waits out --timeout): one forked from the zygote, the other a
-    fresh process (the zygote serves one at a time)."""
+    fresh process (the zygote serves one at a time). The zygote is started here if it is not
+    yet: it dies with the thread that started it (the parent-death signal)."""
+    zygote()
     in_threads(lambda: _stall(0, tmp_path), lambda: _stall(1, tmp_path))
 
 
@@ -228,7 +231,7 @@ def _fp16_skip_is_bounded(tmp: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_divergence_stops_the_run_and_is_never_saved(tmp_path):
     _diverge_and_stop(tmp_path)
     _fp16_skip_is_bounded(tmp_path)
@@ -248,7 +251,7 @@ def test_fp16_overflow_at_the_minimum_scale_is_nonfinite():
 
 # ---------------------------------------------------------------- a busy --save-dir
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path, capsys):
     """A second run (one process, in this test's process: its launcher is the worker that would
     take the lock) is refused while the first one holds the lock; the first one ends unharmed."""
