@@ -91,9 +91,12 @@ class Launched:
     that signal it or its workers; the subset of ``subprocess.Popen`` they use, its output in
     files (``communicate`` returns their text)."""
 
-    def __init__(self, argv: list[str], tmp: Path, *, env: dict[str, str], name: str) -> None:
+    def __init__(self, argv: list[str], tmp: Path, *, env: dict[str, str], name: str,
+                 fresh: bool = False) -> None:
+        """``fresh``: a fresh process, not from the zygote."""
         self.out, self.err = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
-        self.proc = zygote().start(argv, env, Path.cwd(), self.out, self.err, own_fork_server=True)
+        self.proc = None if fresh else zygote().start(argv, env, Path.cwd(), self.out, self.err,
+                                                      own_fork_server=True)
         if self.proc is None:
             with open(self.out, "w") as out, open(self.err, "w") as err:
                 self.proc = subprocess.Popen([sys.executable, "-m", "trainmesh", *argv], env=env,

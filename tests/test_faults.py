@@ -3,7 +3,8 @@
 Each end-to-end check launches `trainmesh train` as a user would, forked from the test zygote
 (tests/launcher_zygote.py), which skips the interpreter's start-up: where the test signals the
 launcher or its workers, a launcher with a fork server of its own (its process tree a fresh
-launcher's: tests/helpers.py ``Launched``).
+launcher's: tests/helpers.py ``Launched``); the two stalled runs, which wait in parallel, are
+fresh processes.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import Launched, trainmesh_process
-from launcher_zygote import zygote
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.engine.precision import Precision
@@ -31,11 +31,11 @@ T = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--v
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
-def start(args: list[str], metrics: Path) -> Launched:
+def start(args: list[str], metrics: Path, fresh: bool = False) -> Launched:
     """`trainmesh train --dp 2 ARGS` as a launcher of its own in its own process group (so a
-    Ctrl-C can be sent to its group); a fresh process where the zygote is busy."""
+    Ctrl-C can be sent to its group); a fresh process where the zygote is busy or ``fresh``."""
     return Launched(["train", "--dp", "2", *T, *args, "--metrics-out", str(metrics)],
-                    metrics.parent, env=ENV, name=metrics.stem)
+                    metrics.parent, env=ENV, name=metrics.stem, fresh=fresh)
 
 
 def run_to_end(args: list[str], metrics: Path, name: str) -> subprocess.CompletedProcess:
@@ -112,7 +112,8 @@ STALL_TIMEOUT_S = 10
 
 def _stall(victim: int, tmp: Path) -> None:
     """SIGSTOP rank ``victim``: exit 1 within --timeout + 5 s naming it, no worker left."""
-    proc = start(["--steps", "100000", "--timeout", str(STALL_TIMEOUT_S)], tmp / f"stall{victim}.jsonl")
+    proc = start(["--steps", "100000", "--timeout", str(STALL_TIMEOUT_S)], tmp / f"stall{victim}.jsonl",
+                 fresh=True)
     pids: list[int] = []
     try:
         pids = wait_for_steps(proc, tmp / f"stall{victim}.jsonl", 2)
@@ -133,10 +134,8 @@ def _stall(victim: int, tmp: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stalled_rank_ends_the_job_naming_it(tmp_path):
-    """Both in parallel (each waits out --timeout): one forked from the zygote, the other a
-    fresh process (the zygote serves one at a time). The zygote is started here if it is not
-    yet: it dies with the thread that started it (the parent-death signal)."""
-    zygote()
+    """Both in parallel, fresh processes (each waits out --timeout; the zygote serves one at a
+    time)."""
     in_threads(lambda: _stall(0, tmp_path), lambda: _stall(1, tmp_path))
 
 
