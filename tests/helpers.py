@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,55 @@ def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeou
                               preexec_fn=None if umask is None else lambda: os.umask(umask))
     return subprocess.CompletedProcess(["trainmesh", *argv], code, stdout.read_text(),
                                        stderr.read_text())
+
+
+class Launched:
+    """``trainmesh ARGV`` running as a launcher of its own, its process tree a fresh launcher's
+    (its own process group, fork server and workers): forked from this test process's zygote
+    (the interpreter's start-up shared), or started afresh where the zygote is busy. For tests
+    that signal it or its workers; the subset of ``subprocess.Popen`` they use, its output in
+    files (``communicate`` returns their text)."""
+
+    def __init__(self, argv: list[str], tmp: Path, *, env: dict[str, str], name: str,
+                 fresh: bool = False) -> None:
+        """``fresh``: a fresh process, not from the zygote."""
+        self.out, self.err = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
+        self.proc = None if fresh else zygote().start(argv, env, Path.cwd(), self.out, self.err,
+                                                      own_fork_server=True)
+        if self.proc is None:
+            with open(self.out, "w") as out, open(self.err, "w") as err:
+                self.proc = subprocess.Popen([sys.executable, "-m", "trainmesh", *argv], env=env,
+                                             stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                             start_new_session=True)
+        self.pid = self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the end (TimeoutExpired after ``timeout`` s); its stdout and stderr."""
+        self.proc.wait(timeout)
+        return self.out.read_text(), self.err.read_text()
+
+    def end(self) -> None:
+        """Clean-up: SIGKILL its process group if it still runs, and wait for it."""
+        if self.proc.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.proc.wait(30)
 
 
 def train_config(args: list[str]):

@@ -58,19 +58,22 @@ def serve() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _share_fork_server(request["argv"], request.get("umask") not in (None, umask))
+            _share_fork_server(request["argv"], request.get("umask") not in (None, umask)
+                               or request.get("own_fork_server", False))
             _child(request, main, run_exit_handlers)
         answers.write(json.dumps({"pid": pid}) + "\n")
         _, status = os.waitpid(pid, 0)
         answers.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
 
 
-def _share_fork_server(argv: list[str], other_umask: bool) -> None:
+def _share_fork_server(argv: list[str], own: bool) -> None:
     """A child's launcher forks its workers from the zygote's fork server (already running:
     not its own child, so not to be waited for), except a fault-tolerant run's, whose replicas'
-    agents each start theirs as in any launch, and a run with another file mode creation mask
-    than the fork server's, which starts its own (its workers inherit the launcher's mask)."""
-    if "--fault-tolerant" in argv or other_umask:
+    agents each start theirs as in any launch, and where ``own`` (a run with another file mode
+    creation mask than the fork server's, whose workers inherit the launcher's mask; a run whose
+    process tree must be a fresh launcher's, signalled or killed by a test), which starts its own
+    as any launcher does."""
+    if "--fault-tolerant" in argv or own:
         server = forkserver._forkserver
         server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
     else:
@@ -124,27 +127,39 @@ class Zygote:
             timeout: float, umask: int | None = None) -> int | None:
         """The exit code of ``trainmesh ARGV`` (with file mode creation mask ``umask`` where one
         is given); None where the zygote is busy or gone."""
+        child = self.start(argv, env, cwd, stdout, stderr, umask=umask)
+        if child is None:
+            return None
+        try:
+            return child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(30)
+            raise
+
+    def start(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path,
+              umask: int | None = None, own_fork_server: bool = False) -> Child | None:
+        """``trainmesh ARGV`` started (``own_fork_server``: its workers forked by a fork server
+        of its own, its process tree a fresh launcher's); None where the zygote is busy or gone.
+        The zygote serves no one else until the child's exit code was read (``Child.wait``)."""
         if (os.environ.get("TRAINMESH_TEST_ZYGOTE") == "0" or self.proc.poll() is not None
                 or not self.lock.acquire(blocking=False)):
             return None
         try:
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd),
                                               "stdout": str(stdout), "stderr": str(stderr),
-                                              "umask": umask}) + "\n")
+                                              "umask": umask, "own_fork_server": own_fork_server})
+                                  + "\n")
             try:
-                pid = self._answer(30 if self.served else 300)["pid"]
+                pid = self._answer(30 if self.served else 300)["pid"]   # the first: it starts too
             except TimeoutError:
                 self.proc.kill()   # hung: its late answers would be taken for a later run's
                 raise
             self.served = True
-            try:
-                return self._answer(timeout)["code"]
-            except TimeoutError:
-                os.killpg(pid, signal.SIGKILL)
-                self._answer(30)
-                raise subprocess.TimeoutExpired(["trainmesh", *argv], timeout) from None
-        finally:
+            return Child(self, pid, argv)
+        except BaseException:
             self.lock.release()
+            raise
 
     def _answer(self, timeout: float) -> dict:
         """The next line of answer (read from the pipe unbuffered, so select sees all of it)."""
@@ -161,11 +176,39 @@ class Zygote:
         return json.loads(line)
 
 
+class Child:
+    """A ``trainmesh`` process the zygote forked (its own process group: ``pid``)."""
+
+    def __init__(self, zygote: Zygote, pid: int, argv: list[str]) -> None:
+        self.zygote, self.pid, self.argv = zygote, pid, argv
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit code, None while it runs."""
+        if self.returncode is None:
+            try:
+                self.wait(0)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        """Its exit code, once it ended within ``timeout`` seconds (else TimeoutExpired)."""
+        if self.returncode is None:
+            try:
+                self.returncode = self.zygote._answer(timeout)["code"]
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(["trainmesh", *self.argv], timeout) from None
+            self.zygote.lock.release()
+        return self.returncode
+
+
 _ZYGOTE: dict[int, Zygote] = {}
 
 
 def zygote() -> Zygote:
-    """This process's zygote (started on first use)."""
+    """This process's zygote (started on first use; from the main thread: the zygote dies with
+    the thread that started it, by the parent-death signal)."""
     if os.getpid() not in _ZYGOTE:
         _ZYGOTE[os.getpid()] = Zygote()
     return _ZYGOTE[os.getpid()]

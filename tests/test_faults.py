@@ -1,8 +1,10 @@
 """Never hang, never save garbage: stalled ranks, divergence, signals, a busy --save-dir.
 
-Each end-to-end check launches `trainmesh train` as a user would: a fresh launcher where the test
-signals it or its workers (launches that only wait run in parallel threads), else forked from
-the test zygote (tests/launcher_zygote.py), which skips the interpreter's start-up.
+Each end-to-end check launches `trainmesh train` as a user would, forked from the test zygote
+(tests/launcher_zygote.py), which skips the interpreter's start-up: where the test signals the
+launcher or its workers, a launcher with a fork server of its own (its process tree a fresh
+launcher's: tests/helpers.py ``Launched``); the two stalled runs, which wait in parallel, are
+fresh processes.
 """
 from __future__ import annotations
 
@@ -12,14 +14,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import trainmesh_process
+from helpers import Launched, trainmesh_process
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.engine.precision import Precision
@@ -30,11 +31,11 @@ T = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--v
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
-def start(args: list[str], metrics: Path) -> subprocess.Popen:
-    """`trainmesh train --dp 2 ARGS` in its own session (so a Ctrl-C can be sent to its group)."""
-    return subprocess.Popen([sys.executable, "-m", "trainmesh", "train", "--dp", "2", *T, *args,
-                             "--metrics-out", str(metrics)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+def start(args: list[str], metrics: Path, fresh: bool = False) -> Launched:
+    """`trainmesh train --dp 2 ARGS` as a launcher of its own in its own process group (so a
+    Ctrl-C can be sent to its group); a fresh process where the zygote is busy or ``fresh``."""
+    return Launched(["train", "--dp", "2", *T, *args, "--metrics-out", str(metrics)],
+                    metrics.parent, env=ENV, name=metrics.stem, fresh=fresh)
 
 
 def run_to_end(args: list[str], metrics: Path, name: str) -> subprocess.CompletedProcess:
@@ -44,13 +45,12 @@ def run_to_end(args: list[str], metrics: Path, name: str) -> subprocess.Complete
                              metrics.parent, env=ENV, timeout=120, name=name)
 
 
-def kill_all(proc: subprocess.Popen, pids: list[int]) -> None:
+def kill_all(proc: Launched, pids: list[int]) -> None:
     """Clean-up after a failed check: the launcher's group and its workers, stopped or not."""
     for pid in pids:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    proc.end()
 
 
 def alive(pid: int) -> bool:
@@ -60,7 +60,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for_steps(proc: subprocess.Popen, metrics: Path, n: int, deadline_s: float = 90) -> list[int]:
+def wait_for_steps(proc: Launched, metrics: Path, n: int, deadline_s: float = 180) -> list[int]:
     """Block until the run logged ``n`` steps; returns its worker pids."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -73,12 +73,12 @@ def wait_for_steps(proc: subprocess.Popen, metrics: Path, n: int, deadline_s: fl
     raise AssertionError(f"no {n} steps within {deadline_s}s")
 
 
-def finish(proc: subprocess.Popen, within_s: float) -> str:
+def finish(proc: Launched, within_s: float) -> str:
     """Wait for the run to end; its stderr. Not ending in time is a failed assertion."""
     try:
         return proc.communicate(timeout=within_s)[1]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.end()
         raise AssertionError(f"the run did not end within {within_s}s") from None
 
 
@@ -112,7 +112,8 @@ STALL_TIMEOUT_S = 10
 
 def _stall(victim: int, tmp: Path) -> None:
     """SIGSTOP rank ``victim``: exit 1 within --timeout + 5 s naming it, no worker left."""
-    proc = start(["--steps", "100000", "--timeout", str(STALL_TIMEOUT_S)], tmp / f"stall{victim}.jsonl")
+    proc = start(["--steps", "100000", "--timeout", str(STALL_TIMEOUT_S)], tmp / f"stall{victim}.jsonl",
+                 fresh=True)
     pids: list[int] = []
     try:
         pids = wait_for_steps(proc, tmp / f"stall{victim}.jsonl", 2)
@@ -131,17 +132,22 @@ def _stall(victim: int, tmp: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_stalled_rank_ends_the_job_naming_it(tmp_path):
+    """Both in parallel, fresh processes (each waits out --timeout; the zygote serves one at a
+    time)."""
     in_threads(lambda: _stall(0, tmp_path), lambda: _stall(1, tmp_path))
 
 
 # ---------------------------------------------------------------- signals, a killed launcher
 def _launcher_killed(tmp: Path) -> None:
     proc = start(["--steps", "100000"], tmp / "kill.jsonl")
-    pids = wait_for_steps(proc, tmp / "kill.jsonl", 2)
-    proc.kill()
-    proc.wait(timeout=30)
+    try:
+        pids = wait_for_steps(proc, tmp / "kill.jsonl", 2)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.end()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.2)
@@ -174,11 +180,12 @@ def _signalled(sig: signal.Signals, tmp: Path, *flags: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_workers_end_with_their_launcher(tmp_path):
-    in_threads(lambda: _launcher_killed(tmp_path), lambda: _signalled(signal.SIGINT, tmp_path),
-               lambda: _signalled(signal.SIGTERM, tmp_path),
-               lambda: _signalled(signal.SIGTERM, tmp_path, "--fault-tolerant"))
+    _launcher_killed(tmp_path)
+    _signalled(signal.SIGINT, tmp_path)
+    _signalled(signal.SIGTERM, tmp_path)
+    _signalled(signal.SIGTERM, tmp_path, "--fault-tolerant")
 
 
 # ---------------------------------------------------------------- divergence
@@ -223,7 +230,7 @@ def _fp16_skip_is_bounded(tmp: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_divergence_stops_the_run_and_is_never_saved(tmp_path):
     _diverge_and_stop(tmp_path)
     _fp16_skip_is_bounded(tmp_path)
@@ -243,8 +250,11 @@ def test_fp16_overflow_at_the_minimum_scale_is_nonfinite():
 
 # ---------------------------------------------------------------- a busy --save-dir
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path):
+@pytest.mark.timeout(300)
+def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path, capsys):
+    """A second run (one process, in this test's process: its launcher is the worker that would
+    take the lock) is refused while the first one holds the lock; the first one ends unharmed."""
+    from trainmesh.cli import main
     ck = tmp_path / "ck"
     ck.mkdir()
     (ck / ".lock").write_text("999999999\n")                  # a dead run's lock: taken over
@@ -257,20 +267,19 @@ def test_busy_save_dir_is_refused_and_the_first_run_is_unharmed(tmp_path):
         for pid in pids:              # hold the first run mid-way, however fast this machine is
             os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        second = trainmesh_process(["train", *T, "--steps", "40", "--save-dir", str(ck)],
-                                   tmp_path, env=ENV, timeout=60, name="second")
+        second = main(["train", *T, "--steps", "40", "--save-dir", str(ck)])
         took = time.monotonic() - t0
+        said = capsys.readouterr().err
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
         err = finish(first, 120)
     finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    assert second.returncode == 2, second.stderr[-2000:]
+        first.end()
+    assert second == 2, said[-2000:]
     assert took < 10, took
-    assert second.stderr.strip().splitlines() == [
+    assert said.strip().splitlines() == [
         f"trainmesh train: error: save-dir: {str(ck)!r} is in use by another run (pid {first.pid}); "
-        "wait for it to end or choose another directory"], second.stderr
+        "wait for it to end or choose another directory"], said
     assert first.returncode == 0, err[-3000:]
     assert not stale_left, "an interrupted save's temporary directory was left in place"
     assert sorted(p.name for p in ck.glob("step-*")) == [f"step-{s:08d}" for s in (10, 20, 30, 40)]

@@ -4,14 +4,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from helpers import (
     SMALL,
+    Launched,
     assert_equivalent,
     check_prediction,
     one_process,
@@ -143,13 +142,14 @@ def test_toml_config_and_flags_win(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_killed_worker_fails_the_run_naming_the_rank(metrics_path):
+    """A launcher of its own (its process tree a fresh launcher's, forked from the test zygote:
+    tests/helpers.py ``Launched``) whose worker is SIGKILLed."""
     metrics = metrics_path
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *SMALL[:-4], "--steps", "100000",
-                             "--dp", "2", "--metrics-out", str(metrics), "--timeout", "30"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = Launched(["train", *SMALL[:-4], "--steps", "100000", "--dp", "2", "--metrics-out",
+                     str(metrics), "--timeout", "30"], metrics.parent, env=env, name="killed")
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 180
         while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
             time.sleep(0.2)
         workers = worker_pids(proc.pid)
@@ -158,8 +158,7 @@ def test_killed_worker_fails_the_run_naming_the_rank(metrics_path):
         os.kill(victim, signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.end()
     assert proc.returncode == 1
     assert re.search(r"rank \d failed", err), err[-2000:]
     assert "SIGKILL" in err
