@@ -56,25 +56,26 @@ def serve() -> None:
     os.umask(umask)
     for line in sys.stdin:
         request = json.loads(line)
-        pid = os.fork()
+        forkserver.ensure_running()        # again if a child killed it (a stopped --fault-tolerant
+        pid = os.fork()                    # launcher kills its fork server: core.compat)
         if pid == 0:
-            _share_fork_server(request["argv"], request.get("umask") not in (None, umask))
+            _share_fork_server(request.get("umask") not in (None, umask))
             _child(request, main, run_exit_handlers)
         answers.write(json.dumps({"pid": pid}) + "\n")
         _, status = os.waitpid(pid, 0)
         answers.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
 
 
-def _share_fork_server(argv: list[str], other_umask: bool) -> None:
+def _share_fork_server(other_umask: bool) -> None:
     """A child's launcher forks its workers from the zygote's fork server (already running:
-    not its own child, so not to be waited for), except a fault-tolerant run's, whose replicas'
-    agents each start theirs as in any launch, and a run with another file mode creation mask
-    than the fork server's, which starts its own (its workers inherit the launcher's mask)."""
-    if "--fault-tolerant" in argv or other_umask:
+    not its own child, so not to be waited for), a fault-tolerant run's replicas' agents too,
+    except a run with another file mode creation mask than the fork server's, which starts its
+    own (its workers inherit the launcher's mask)."""
+    if other_umask:
         server = forkserver._forkserver
         server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
     else:
-        forkserver._forkserver.ensure_running = lambda: None
+        forkserver._forkserver.ensure_running = forkserver.ensure_running = lambda: None
 
 
 def _child(request: dict, main, run_exit_handlers) -> None:
@@ -106,6 +107,12 @@ def _child(request: dict, main, run_exit_handlers) -> None:
         os._exit(code if isinstance(code, int) else 1)
 
 
+STARTUP_S = 300.0
+"""How long the answer to a request may take to come: the first one comes once the zygote has
+imported torch and trainmesh and started its fork server (over 30 s on a loaded 2-core machine);
+later ones at once."""
+
+
 class Zygote:
     """The client side, one per pytest process."""
 
@@ -129,7 +136,7 @@ class Zygote:
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd),
                                               "stdout": str(stdout), "stderr": str(stderr),
                                               "umask": umask}) + "\n")
-            pid = self._answer(30)["pid"]
+            pid = self._answer(STARTUP_S)["pid"]   # the first one waits for the zygote's imports
             try:
                 return self._answer(timeout)["code"]
             except TimeoutError:
