@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,25 @@ def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "
                              timeout=timeout, name=name)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return proc, records
+
+
+def train_in_background(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "m"
+                        ) -> tuple[Future, Callable[[], list[int]]]:
+    """:func:`run_train` on a thread of its own, for a test that signals the run's workers:
+    (its future ``(process, records)``, a function giving the pids of the run's workers). The
+    launcher forks from this process's zygote, and the workers from the zygote's fork server
+    (or, where it started afresh, from the launcher's): the workers of this process's children
+    (one run at a time)."""
+    from trainmesh.testing import worker_pids
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(run_train, args, tmp, timeout=timeout, name=name)
+    pool.shutdown(wait=False)
+
+    def workers() -> list[int]:
+        children = [int(child) for task in Path(f"/proc/{os.getpid()}/task").iterdir()
+                    for child in (task / "children").read_text().split()]
+        return sorted(pid for child in children for pid in worker_pids(child))
+    return future, workers
 
 
 def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeout: float,
