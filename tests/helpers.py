@@ -75,6 +75,7 @@ def train_in_background(args: list[str], tmp: Path, *, timeout: float = 180, nam
     (or, where it started afresh, from the launcher's): the workers of this process's children
     (one run at a time)."""
     from trainmesh.testing import worker_pids
+    zygote()   # started from this thread: it dies with the thread that started it
     pool = ThreadPoolExecutor(1)
     future = pool.submit(run_train, args, tmp, timeout=timeout, name=name)
     pool.shutdown(wait=False)
