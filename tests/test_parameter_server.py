@@ -115,19 +115,18 @@ def test_bad_input(args, field, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_killed_server_ends_the_job(tmp_path):
     """The second server is SIGKILLed mid-run: the job ends with exit 1 naming its rank. (The
     launcher forks from the test zygote: no interpreter or fork server started for it.)"""
     out = tmp_path / "ps.jsonl"
     run, workers = train_in_background([*SMALL, "--steps", "100000", "--strategy", "ps", "--dp", "2",
                                         "--ps-servers", "2", "--timeout", "60"], tmp_path,
-                                       timeout=240, name="ps")
+                                       timeout=180, name="ps")
     try:
-        deadline = time.monotonic() + 240   # the zygote's start-up included, where it is the first
-        while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
-            assert not run.done(), run.result()[0].stderr[-2000:]
-            time.sleep(0.5)
+        while not out.exists() or len(out.read_text().splitlines()) < 3:   # bounded by the run's
+            assert not run.done(), run.result()[0].stderr[-2000:]       # timeout (after the
+            time.sleep(0.5)                                              # zygote's start-up)
         pids = workers()
         assert len(pids) == 4, pids
         os.kill(pids[3], signal.SIGKILL)   # RANK 3: the second server
