@@ -2,7 +2,6 @@
 save that dies midway, and elastic restarts that resume where they left off."""
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -155,7 +154,7 @@ def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str
     metrics = tmp / "e.jsonl"
     args = [*SMALL, "--optimizer", "adamw", "--dp", "2", "--save-dir", str(tmp / "ck"),
             "--save-every", "5", "--max-restarts", "1", "--timeout", "30"]
-    run, workers = train_in_background(args, tmp, timeout=300, name="e")
+    run, workers, stop = train_in_background(args, tmp, timeout=300, name="e")
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not run.done():
@@ -167,10 +166,9 @@ def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str
         os.kill(pids[-1], signal.SIGKILL)
         killed_at = time.time()
         proc, records = run.result(timeout=180)
-    finally:   # a failed test ends the run: its workers killed, the launcher ends
-        for pid in [] if run.done() else workers():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    finally:   # a failed test ends the run
+        if not run.done():
+            stop()
     return proc.returncode, records, proc.stderr, killed_at
 
 

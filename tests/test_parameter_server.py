@@ -2,7 +2,6 @@
 bound, traffic is pull + push of the parameters, bad input and a dead server end cleanly."""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -120,7 +119,7 @@ def test_killed_server_ends_the_job(tmp_path):
     """The second server is SIGKILLed mid-run: the job ends with exit 1 naming its rank. (The
     launcher forks from the test zygote: no interpreter or fork server started for it.)"""
     out = tmp_path / "ps.jsonl"
-    run, workers = train_in_background([*SMALL, "--steps", "100000", "--strategy", "ps", "--dp", "2",
+    run, workers, stop = train_in_background([*SMALL, "--steps", "100000", "--strategy", "ps", "--dp", "2",
                                         "--ps-servers", "2", "--timeout", "60"], tmp_path,
                                        timeout=180, name="ps")
     try:
@@ -131,10 +130,9 @@ def test_killed_server_ends_the_job(tmp_path):
         assert len(pids) == 4, pids
         os.kill(pids[3], signal.SIGKILL)   # RANK 3: the second server
         proc, _ = run.result(timeout=120)
-    finally:   # a failed test ends the run: its workers killed, the launcher ends
-        for pid in [] if run.done() else workers():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    finally:   # a failed test ends the run
+        if not run.done():
+            stop()
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "rank 3" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
 
