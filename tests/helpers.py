@@ -82,16 +82,23 @@ def train_in_background(args: list[str], tmp: Path, *, timeout: float = 180, nam
     future = pool.submit(run_train, args, tmp, timeout=timeout, name=name)
     pool.shutdown(wait=False)
 
-    def children(pid: int) -> list[int]:
-        return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-                for child in (task / "children").read_text().split()]
+    def children(pid: int) -> list[int]:   # (a thread or process may end while read)
+        found = []
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    found.extend(int(child) for child in (task / "children").read_text().split())
+        return found
 
     def workers() -> list[int]:
         return sorted(pid for child in children(os.getpid()) for pid in worker_pids(child))
 
     def stop() -> None:   # the zygote's child leading a group of its own, or a fresh launcher
         for child in children(os.getpid()):
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
             if b"launcher_zygote" in cmdline:
                 for pid in children(child):
                     with contextlib.suppress(ProcessLookupError):
