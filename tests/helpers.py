@@ -1,11 +1,14 @@
 """Shared test helpers: run `trainmesh train` end to end and compare runs by the README's promise."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,6 +67,47 @@ def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "
                              timeout=timeout, name=name)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return proc, records
+
+
+def train_in_background(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "m"
+                        ) -> tuple[Future, Callable[[], list[int]], Callable[[], None]]:
+    """:func:`run_train` on a thread of its own, for a test that signals the run's workers:
+    (its future ``(process, records)``, a function giving the pids of the run's workers, one
+    that ends the run). The launcher forks from this process's zygote (the leader of a process
+    group of its own), and the workers from the zygote's fork server (or, where it started
+    afresh, from the launcher's): the workers of this process's children (one run at a time)."""
+    from trainmesh.testing import worker_pids
+    zygote()   # started from this thread: it dies with the thread that started it
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(run_train, args, tmp, timeout=timeout, name=name)
+    pool.shutdown(wait=False)
+
+    def children(pid: int) -> list[int]:   # (a thread or process may end while read)
+        found = []
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    found.extend(int(child) for child in (task / "children").read_text().split())
+        return found
+
+    def workers() -> list[int]:
+        return sorted(pid for child in children(os.getpid()) for pid in worker_pids(child))
+
+    def stop() -> None:   # the zygote's child leading a group of its own, or a fresh launcher
+        for child in children(os.getpid()):
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"launcher_zygote" in cmdline:
+                for pid in children(child):
+                    with contextlib.suppress(ProcessLookupError):
+                        if os.getpgid(pid) == pid:
+                            os.killpg(pid, signal.SIGKILL)
+            elif b"-m\0trainmesh" in cmdline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+    return future, workers, stop
 
 
 def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeout: float,

@@ -56,9 +56,10 @@ def serve() -> None:
     os.umask(umask)
     for line in sys.stdin:
         request = json.loads(line)
-        pid = os.fork()
+        forkserver.ensure_running()        # again if a child killed it (a stopped --fault-tolerant
+        pid = os.fork()                    # launcher kills its fork server: core.compat)
         if pid == 0:
-            _share_fork_server(request["argv"], request.get("umask") not in (None, umask)
+            _share_fork_server(request.get("umask") not in (None, umask)
                                or request.get("own_fork_server", False))
             _child(request, main, run_exit_handlers)
         answers.write(json.dumps({"pid": pid}) + "\n")
@@ -66,18 +67,17 @@ def serve() -> None:
         answers.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
 
 
-def _share_fork_server(argv: list[str], own: bool) -> None:
+def _share_fork_server(own: bool) -> None:
     """A child's launcher forks its workers from the zygote's fork server (already running:
-    not its own child, so not to be waited for), except a fault-tolerant run's, whose replicas'
-    agents each start theirs as in any launch, and where ``own`` (a run with another file mode
-    creation mask than the fork server's, whose workers inherit the launcher's mask; a run whose
-    process tree must be a fresh launcher's, signalled or killed by a test), which starts its own
-    as any launcher does."""
-    if "--fault-tolerant" in argv or own:
+    not its own child, so not to be waited for), a fault-tolerant run's replicas' agents too,
+    except where ``own`` (a run with another file mode creation mask than the fork server's,
+    whose workers inherit the launcher's mask; a run whose process tree must be a fresh
+    launcher's, signalled or killed by a test), which starts its own as any launcher does."""
+    if own:
         server = forkserver._forkserver
         server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
     else:
-        forkserver._forkserver.ensure_running = lambda: None
+        forkserver._forkserver.ensure_running = forkserver.ensure_running = lambda: None
 
 
 def _child(request: dict, main, run_exit_handlers) -> None:
@@ -107,6 +107,12 @@ def _child(request: dict, main, run_exit_handlers) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)
+
+
+STARTUP_S = 300.0
+"""How long the answer to a request may take to come: the first one comes once the zygote has
+imported torch and trainmesh and started its fork server (over 30 s on a loaded 2-core machine);
+later ones at once."""
 
 
 class Zygote:
@@ -151,7 +157,7 @@ class Zygote:
                                               "umask": umask, "own_fork_server": own_fork_server})
                                   + "\n")
             try:
-                pid = self._answer(30 if self.served else 300)["pid"]   # the first: it starts too
+                pid = self._answer(30 if self.served else STARTUP_S)["pid"]   # the first: it starts too
             except TimeoutError:
                 self.proc.kill()   # hung: its late answers would be taken for a later run's
                 raise

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,13 +18,13 @@ from helpers import (
     run_train,
     steps,
     summary,
+    train_in_background,
 )
 from safetensors.torch import load_file
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_LOSS_ABS
 
 from trainmesh.checkpoint.sharded import MANIFEST, CheckpointError, _Reader, latest
 from trainmesh.cli import main
-from trainmesh.testing import worker_pids
 
 
 @pytest.fixture(scope="module")
@@ -151,30 +149,27 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
 
 def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str, float]:
     """The reference's 20 steps at dp=2; SIGKILL one worker once step `kill_at` is logged;
-    --max-restarts 1. Returns the exit code, the records, stderr and the time of the kill."""
+    --max-restarts 1. Returns the exit code, the records, stderr and the time of the kill.
+    (The launcher forks from the test zygote: no interpreter or fork server started for it.)"""
     metrics = tmp / "e.jsonl"
     args = [*SMALL, "--optimizer", "adamw", "--dp", "2", "--save-dir", str(tmp / "ck"),
-            "--save-every", "5", "--max-restarts", "1", "--timeout", "30", "--metrics-out", str(metrics)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            "--save-every", "5", "--max-restarts", "1", "--timeout", "30"]
+    run, workers, stop = train_in_background(args, tmp, timeout=300, name="e")
     try:
         deadline = time.time() + 120
-        while time.time() < deadline:
+        while time.time() < deadline and not run.done():
             if metrics.exists() and f'"step": {kill_at},' in metrics.read_text():
                 break
             time.sleep(0.02)
-        workers = worker_pids(proc.pid)   # the workers, not their fork server (which a
-        assert len(workers) == 2, workers  # restart would have to start again)
-        os.kill(workers[-1], signal.SIGKILL)
+        pids = workers()     # the workers, not their fork server (which a
+        assert len(pids) == 2, pids  # restart would have to start again)
+        os.kill(pids[-1], signal.SIGKILL)
         killed_at = time.time()
-        _, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    import json
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return proc.returncode, records, err, killed_at
+        proc, records = run.result(timeout=180)
+    finally:   # a failed test ends the run
+        if not run.done():
+            stop()
+    return proc.returncode, records, proc.stderr, killed_at
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -16,11 +15,11 @@ from helpers import (
     run_train,
     steps,
     summary,
+    train_in_background,
 )
 
 from trainmesh.cli import main
 from trainmesh.parameter_server import shard_by_bytes
-from trainmesh.testing import worker_pids
 
 
 def _ps_bytes_ok(run: list[dict]) -> None:
@@ -115,29 +114,27 @@ def test_bad_input(args, field, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
-@pytest.mark.timeout(300)
-def test_killed_server_ends_the_job(metrics_path):
-    out = metrics_path
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *SMALL, "--steps", "100000",
-                             "--strategy", "ps", "--dp", "2", "--ps-servers", "2", "--timeout", "60",
-                             "--metrics-out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+@pytest.mark.timeout(600)
+def test_killed_server_ends_the_job(tmp_path):
+    """The second server is SIGKILLed mid-run: the job ends with exit 1 naming its rank. (The
+    launcher forks from the test zygote: no interpreter or fork server started for it.)"""
+    out = tmp_path / "ps.jsonl"
+    run, workers, stop = train_in_background([*SMALL, "--steps", "100000", "--strategy", "ps", "--dp", "2",
+                                        "--ps-servers", "2", "--timeout", "60"], tmp_path,
+                                       timeout=180, name="ps")
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            time.sleep(0.5)
-        pids = worker_pids(proc.pid)
+        while not out.exists() or len(out.read_text().splitlines()) < 3:   # bounded by the run's
+            assert not run.done(), run.result()[0].stderr[-2000:]       # timeout (after the
+            time.sleep(0.5)                                              # zygote's start-up)
+        pids = workers()
         assert len(pids) == 4, pids
-        pid = pids[3]   # RANK 3: the second server
-        os.kill(pid, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, stderr[-2000:]
-    assert "rank 3" in stderr.splitlines()[-1], stderr[-2000:]
+        os.kill(pids[3], signal.SIGKILL)   # RANK 3: the second server
+        proc, _ = run.result(timeout=120)
+    finally:   # a failed test ends the run
+        if not run.done():
+            stop()
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "rank 3" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
 
 
 def _api_check() -> dict | None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from trainmesh.run.launch import (
     MONITOR_INTERVAL_S,
     SHUTDOWN_GRACE_S,
+    Stdio,
     _headline,
     _prepare_agent,
     apply_env,
@@ -100,7 +101,7 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
                     start_method=start_method, **rendezvous, **grace)
                 try:
                     elastic_launch(config, ft_worker_entry)(cfg, os.getpid(), worker_setup, replica,
-                                                            address, launcher_id, env)
+                                                            address, launcher_id, env, Stdio())
                 except ChildFailedError as exc:
                     failures[replica] = (_headline(exc).replace("rank 0", f"replica {replica}", 1)
                                          if ranks == 1 else f"replica {replica}: {_headline(exc)}")
@@ -233,9 +234,13 @@ def _signals_raise() -> None:
 
 
 def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], None] | None,
-                    replica: int, address: str, launcher_id: str, env: dict[str, str]) -> int:
-    """What each replica's worker runs (see :func:`~trainmesh.run.launch.worker_entry`)."""
+                    replica: int, address: str, launcher_id: str, env: dict[str, str],
+                    stdio: Stdio | None = None) -> int:
+    """What each replica's worker runs (see :func:`~trainmesh.run.launch.worker_entry`: the
+    launcher's environment and output, whichever fork server forked it)."""
     die_with_parent(launcher_pid)
+    if stdio is not None:
+        stdio.apply()
     apply_env(env)
     if setup is not None:
         setup()
