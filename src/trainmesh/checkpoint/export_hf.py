@@ -42,14 +42,9 @@ GPT_MOE = re.compile(r"blocks\.\d+\.mlp\.(router|experts)\.")
 def model_record(module: nn.Module) -> dict[str, Any]:
     """What a checkpoint keeps about the model for consolidation and export: ``tied`` (alias ->
     the name the weight is saved under) and, for a Hugging Face model, ``hf_config``."""
+    from trainmesh.models.hf_weights import tied_aliases
     out: dict[str, Any] = {}
-    first: dict[int, str] = {}
-    tied = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            tied[name] = first[id(p)]
-        else:
-            first[id(p)] = name
+    tied = tied_aliases(module)
     if tied:
         out["tied"] = tied
     config = getattr(module, "config", None)

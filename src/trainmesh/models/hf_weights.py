@@ -76,7 +76,7 @@ class CheckpointView:
                 self.sources.setdefault(target, []).append((pattern, key))
         else:
             self.sources = {key: [(None, key)] for key in keys}
-        for alias, canonical in _tied_aliases(model).items():   # a pipeline stage holding the
+        for alias, canonical in tied_aliases(model).items():   # a pipeline stage holding the
             if alias not in self.sources and canonical in self.sources:   # head alone names a
                 self.sources[alias] = self.sources[canonical]      # tied weight by its alias
 
@@ -157,7 +157,7 @@ def to_file_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
     return revert_weight_conversion(model, state)
 
 
-def _tied_aliases(model: nn.Module) -> dict[str, str]:
+def tied_aliases(model: nn.Module) -> dict[str, str]:
     """Every other name of a parameter the model shares under several (tied embeddings:
     ``lm_head.weight``) -> its first name (the one ``save_pretrained`` writes)."""
     first: dict[int, str] = {}
