@@ -68,6 +68,12 @@ class Handle:
         self.done = True
 
 
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "scatter",
+               "gather", "all_to_all", "all_to_all_v", "barrier", "all_gather_object", "send",
+               "recv", "isend", "irecv", "batch_p2p")
+"""The :class:`Comm` methods that talk to other ranks."""
+
+
 class Comm:
     """The communication layer of one mesh: ops by axis name, each recorded in ``ledger``."""
 

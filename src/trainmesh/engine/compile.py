@@ -9,10 +9,14 @@ keeps running eagerly around the compiled code (docs/COMPILE.md):
   forward: compute inside the graph, collectives outside;
 * the data-parallel strategies' post-accumulate-grad hooks fire per parameter, after the
   compiled backward returns each gradient to autograd's ``AccumulateGrad`` node;
-* tensor-parallel collectives (:mod:`trainmesh.tensor_parallel.mappings`) go through the Comm
-  (ledger, timeouts), which dynamo does not put in a graph: each is a graph break inside a block
-  (they are not marked with ``torch.compiler.disable``, which would import dynamo into every
-  worker, compiled or not: ~74 MiB of RSS);
+* tensor-parallel and expert-parallel collectives (:mod:`trainmesh.tensor_parallel.mappings`)
+  go through the Comm (ledger, timeouts), which stays out of the graphs: when compiling, the
+  Comm's collectives are disabled for dynamo (:func:`keep_collectives_eager`), so each is one
+  graph break at its call. Traced into, the Comm's bookkeeping made dynamo specialise on each
+  collective's name: a recompile per kind of collective, and its resumption frames compiled
+  each time (a tp 2 + SP GPT: 8 recompiles and 70 graph breaks per rank). They are not marked
+  with ``torch.compiler.disable`` in the Comm itself, which would import dynamo into every
+  worker, compiled or not (~74 MiB of RSS);
 * a module whose forward loops over collectives (context parallelism's ring attention: its
   autograd Function sends and receives K/V blocks rank to rank) declares
   ``runs_collectives = True`` and is disabled for dynamo here, when compiling: one graph break at
@@ -36,6 +40,8 @@ import sys
 import torch
 from torch import nn
 
+from trainmesh.comm import Comm
+from trainmesh.comm.ops import COLLECTIVES
 from trainmesh.core.errors import ConfigError
 from trainmesh.engine.recompute import LAYER_LIST_NAMES
 
@@ -83,12 +89,15 @@ def _compiler_fault(cxx: str) -> str:
     return f"cannot compile ({why or f'exit {done.returncode}'})"
 
 
-def compile_layers(model: nn.Module, device_type: str) -> list[nn.Module]:
+def compile_layers(model: nn.Module, device_type: str, comm: Comm | None = None) -> list[nn.Module]:
     """Compile each layer of ``model`` (on ``device_type``) in place; returns the layers.
     Modules that exchange data with other ranks inside their ``forward`` and say so
     (``runs_collectives = True``: context parallelism's attention) run eagerly between the
-    layer's graphs (``torch.compiler.disable``, applied only here, when compiling)."""
+    layer's graphs (``torch.compiler.disable``, applied only here, when compiling), and so do
+    the collectives of ``comm``, the layers' communication layer."""
     check_compile(device_type)
+    if comm is not None:
+        keep_collectives_eager(comm)
     layers = find_layers(model)
     for module in model.modules():
         if getattr(module, "runs_collectives", False):
@@ -98,6 +107,13 @@ def compile_layers(model: nn.Module, device_type: str) -> list[nn.Module]:
         # module's hooks (ZeRO-3's gather and free) eagerly around it.
         layer.forward = torch.compile(layer.forward)
     return layers
+
+
+def keep_collectives_eager(comm: Comm) -> None:
+    """Each collective of ``comm`` disabled for dynamo, on this instance (as a compiled layer's
+    ``forward`` shadows its class's): one graph break at each call from a compiled layer."""
+    for name in COLLECTIVES:
+        setattr(comm, name, torch.compiler.disable(getattr(comm, name), recursive=True))
 
 
 def find_layers(model: nn.Module) -> list[nn.Module]:
