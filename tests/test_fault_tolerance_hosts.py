@@ -80,11 +80,12 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
     connections open (a partition as its peers see it): it is dropped, step 5 redone without
     it; back, it finds its step abandoned and rejoins by step 9 (replica 0 holds that quorum
     until everyone asked in) by copying the live state. The coordinator dies once it committed
-    step 12 and replica 0 asked into the next quorum (replica 0 applied step 12); replica 1
-    reads that commit only once the coordinator is gone (it did not apply step 12). The
-    coordinator is started again on the same address: it rebuilds the committed step (12) from
-    the replicas, replica 1 copies the live state again, nothing is applied twice, and the run
-    ends with the three replicas."""
+    step 12 and replica 0 asked into the next quorum (replica 0 applied step 12); replicas 1
+    and 2 read that commit only once the coordinator is gone (they did not apply step 12; so
+    replica 0 is the one that asks: a faster replica 2 once asked first, and replica 0 copied
+    the state instead). The coordinator is started again on the same address: it rebuilds the
+    committed step (12) from the replicas, replicas 1 and 2 copy the live state again, nothing
+    is applied twice, and the run ends with the three replicas."""
     ref = reference_run(one_process())
     log = open(tmp_path / "stderr.log", "w")   # noqa: SIM115 - a pipe nobody reads fills up
     coordinator = subprocess.Popen(coordinator_argv("127.0.0.1:0", 3), stdout=subprocess.PIPE,
@@ -102,7 +103,7 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
         _wait("replica 2 at step 3", lambda: _step_of(out[2]) >= 3)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-        procs[2] = start(2)
+        procs[2] = start(2, "2@12:late")   # so replica 0 is the one that asks into step 13
         coordinator.wait(timeout=240)
         assert coordinator.returncode == -signal.SIGKILL, _tail(tmp_path)
         coordinator = subprocess.Popen(coordinator_argv(address, 3), stdout=subprocess.PIPE,
@@ -125,6 +126,8 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
             assert taken == list(range(1, 21)), taken           # never restarted, never left out
         if i == 1:   # left out from step 5 (back by step 9); it copied step 12's state
             assert taken[:4] == [1, 2, 3, 4] and 5 not in taken and 9 in taken, taken
+            assert 12 not in taken and taken[-1] == 20, taken
+        if i == 2:   # back after its kill; it copied step 12's state too
             assert 12 not in taken and taken[-1] == 20, taken
     restarted = [[r["step"] for r in f if r.get("event") == "coordinator"] for f in files]
     assert restarted == [[13], [13], [13]], restarted
