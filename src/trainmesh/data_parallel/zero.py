@@ -34,8 +34,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainmesh.core.errors import ConfigError
-
 from ..comm import Comm
 from .base import SyncOptions
 from .buckets import Bucketer
@@ -124,9 +122,6 @@ class FlatZero(ShardedSync):
         if not self.grads.every_backward:   # ZeRO-1: reduce after a gradient's last backward
             super().expect_backwards(n, held)
             return
-        if held:
-            raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
-                              "(ZeRO-2 reduces every backward's gradient before the stages' sum)")
         self.readiness.start()              # ZeRO-2: every gradient goes out, round by round
         self._sync, self._last = True, False   # (buckets reduce several times: copied at the step)
         self.bucketer.arm()

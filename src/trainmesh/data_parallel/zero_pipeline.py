@@ -67,9 +67,6 @@ class PipelineZero3(Zero3):
 
     # ---------------------------------------------------------------- the seam
     def expect_backwards(self, n: int, held: Sequence[nn.Parameter] = ()) -> None:
-        if held:
-            raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
-                              "(ZeRO-3 reduces each layer's gradients as its backward ends)")
         self.readiness.start()
         self.bucketer.arm()
         for unit in self.units:
