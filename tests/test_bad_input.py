@@ -77,6 +77,7 @@ ROWS = [
     row("train --save-dir {notjson}", 2, "--save-dir"),
     row("train --tensorboard {notjson}", 2, "--tensorboard"),
     row("train --offload-dir {notjson} --zero 1 --offload nvme", 2, "--offload-dir"),
+    row("train --compile-backend aot_eager", 2, "--compile-backend"),
     row("train --resume --save-dir {ckpt_corrupt}", 2, "--resume"),
     row("train --resume --save-dir {ckpt_dense} " + " ".join(T), LAUNCHED),
     row("train --resume --save-dir {ckpt_dense} " + " ".join(T[:2]) + " --d-model 48 --heads 4", 2,

@@ -106,6 +106,15 @@ def test_a_compiler_driver_that_cannot_compile_is_refused(tmp_path, monkeypatch,
     assert "cannot execute 'cc1plus'" in err[0], err     # the cause, not gcc's last line
 
 
+def test_only_inductor_needs_a_compiler(monkeypatch):
+    """aot_eager and eager generate no code: no C++ compiler is asked for."""
+    monkeypatch.setenv("CXX", "/no/such/c++")
+    for backend in ("aot_eager", "eager"):
+        check_compile("cpu", backend)
+    with pytest.raises(ConfigError, match="C\\+\\+ compiler"):
+        check_compile("cpu", "inductor")
+
+
 def test_compile_on_cuda_needs_triton(monkeypatch):
     import importlib.util
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
@@ -139,15 +148,12 @@ def _compiled_frames() -> dict:
     rank 0 also runs the same steps eagerly in one process. The layers compile with the
     aot_eager backend: dynamo's capture (what recompiles) is the same as inductor's, without
     inductor's C++ build (minutes on a loaded CPU)."""
-    import functools
-
     import torch
     from torch._dynamo.utils import counters
 
     from trainmesh import Engine, ParallelConfig, ParallelMesh
     from trainmesh.data.corpus import SyntheticCorpus
     from trainmesh.models.gpt import GPT, GPTConfig
-    torch.compile = functools.partial(torch.compile, backend="aot_eager")
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
     corpus = SyntheticCorpus(64, 16)
 
@@ -156,7 +162,7 @@ def _compiled_frames() -> dict:
                       config, mesh=mesh)
     out = {}
     for name, layout in LAYOUTS.items():
-        compiled, before = engine(ParallelConfig(compile=True, **layout)), counters["frames"]["total"]
+        compiled, before = engine(ParallelConfig(compile=True, compile_backend="aot_eager", **layout)), counters["frames"]["total"]
         out[name] = {"losses": [], "frames": []}
         for k in range(CP_STEPS):
             out[name]["losses"].append(compiled.train_step(corpus.batch(5, k, 4)))

@@ -133,7 +133,7 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     Precision(p, torch.device(device))
     if p.compile:
         from trainmesh.engine.compile import check_compile
-        check_compile(device)
+        check_compile(device, p.compile_backend)
     if launching and not cfg.force:
         check_processes(local_ranks)
     if not cfg.force:

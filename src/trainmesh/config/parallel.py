@@ -28,6 +28,7 @@ ZERO3_RESHARD = ("step", "microbatch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full", "selective")
 OFFLOAD = ("none", "cpu", "nvme")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest collective timeout accepted: a week (torch's timedelta-based timeouts overflow far
 beyond; no collective legitimately waits longer)."""
@@ -94,6 +95,11 @@ class ParallelConfig:
                                gt=0, le=MAX_TIMEOUT_S, group="launch")
     compile: bool = setting(False, "torch.compile each transformer block / pipeline layer "
                                    "(collectives stay outside the graphs)", group="precision & memory")
+    compile_backend: str = setting("inductor", "--compile's backend: inductor (generates kernels; "
+                                               "a C++ compiler on CPU, triton on CUDA), aot_eager "
+                                               "(captures forward and backward graphs and runs them "
+                                               "eagerly: no code generated) or eager (capture only)",
+                                   choices=COMPILE_BACKENDS, group="precision & memory")
     find_unused_parameters: bool = setting(False)
     """Parameters that received no gradient in a step are allowed instead of raising an error:
     one no DP rank used gets no update that step (its gradient is None, as DDP's
@@ -143,6 +149,8 @@ class ParallelConfig:
                               f"--min-dp the smallest it may shrink to); got {self.min_dp}")
         axes.check(self)   # the degrees and the rules between the axes (the model's: TrainConfig)
         self._check_offload()
+        if self.compile_backend != "inductor" and not self.compile:
+            raise ConfigError("--compile-backend", "chooses --compile's backend; needs --compile")
         if self.zero3_units is not None and self.zero != 3:
             raise ConfigError("zero3_units", f"chooses ZeRO-3's units; needs zero=3 (got zero={self.zero})")
         self._check_ps()

@@ -42,6 +42,7 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.comm.ops import COLLECTIVES
+from trainmesh.core.distributed import worker_threads
 from trainmesh.core.errors import ConfigError
 from trainmesh.engine.recompute import LAYER_LIST_NAMES
 
@@ -52,9 +53,12 @@ def inductor_cxx() -> str:
     return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
 
 
-def check_compile(device_type: str) -> None:
+def check_compile(device_type: str, backend: str = "inductor") -> None:
     """ConfigError naming ``--compile`` when inductor cannot generate code for ``device_type``:
-    on CPU it needs a C++ compiler, on CUDA the ``triton`` package."""
+    on CPU it needs a C++ compiler, on CUDA the ``triton`` package (the other backends generate
+    none)."""
+    if backend != "inductor":
+        return
     if device_type == "cuda":
         if importlib.util.find_spec("triton") is None:
             raise ConfigError("--compile", "needs the triton package on CUDA (inductor generates "
@@ -89,13 +93,16 @@ def _compiler_fault(cxx: str) -> str:
     return f"cannot compile ({why or f'exit {done.returncode}'})"
 
 
-def compile_layers(model: nn.Module, device_type: str, comm: Comm | None = None) -> list[nn.Module]:
-    """Compile each layer of ``model`` (on ``device_type``) in place; returns the layers.
+def compile_layers(model: nn.Module, device_type: str, comm: Comm | None = None, *,
+                   backend: str = "inductor") -> list[nn.Module]:
+    """Compile each layer of ``model`` (on ``device_type``, with torch.compile's ``backend``) in
+    place; returns the layers.
     Modules that exchange data with other ranks inside their ``forward`` and say so
     (``runs_collectives = True``: context parallelism's attention) run eagerly between the
     layer's graphs (``torch.compiler.disable``, applied only here, when compiling), and so do
     the collectives of ``comm``, the layers' communication layer."""
-    check_compile(device_type)
+    check_compile(device_type, backend)
+    share_compile_threads()
     if comm is not None:
         keep_collectives_eager(comm)
     layers = find_layers(model)
@@ -105,8 +112,19 @@ def compile_layers(model: nn.Module, device_type: str, comm: Comm | None = None)
     for layer in layers:
         # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the
         # module's hooks (ZeRO-3's gather and free) eagerly around it.
-        layer.forward = torch.compile(layer.forward)
+        layer.forward = torch.compile(layer.forward, backend=backend)
     return layers
+
+
+def share_compile_threads() -> None:
+    """Inductor compiles with this rank's share of the host's CPUs, its intra-op threads
+    (:func:`~trainmesh.core.distributed.worker_threads`), unless ``TORCHINDUCTOR_COMPILE_THREADS``
+    says otherwise. Its default, one compile process per CPU of the host, is right for one
+    process; with N ranks on a host it starts N pools of that size, and at one thread per rank
+    none at all (a rank compiles in its own process)."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        from torch._inductor import config
+        config.compile_threads = worker_threads()
 
 
 def keep_collectives_eager(comm: Comm) -> None:

@@ -157,7 +157,7 @@ class Engine:
             apply_recompute(model, cfg.recompute, segment=cfg.recompute_segment)
         if cfg.compile:   # last: compiles the layers as TP and recomputation left them
             from trainmesh.engine.compile import compile_layers
-            compile_layers(model, self.device.type, self.comm)
+            compile_layers(model, self.device.type, self.comm, backend=cfg.compile_backend)
         return model
 
     def _make_grad_sync(self, named: list[tuple[str, nn.Parameter]],
