@@ -115,6 +115,19 @@ def test_only_inductor_needs_a_compiler(monkeypatch):
         check_compile("cpu", "inductor")
 
 
+def test_the_engine_compiles_each_layer_with_the_configured_backend(monkeypatch):
+    import torch
+
+    from trainmesh import Engine, ParallelConfig, ParallelMesh
+    from trainmesh.models.gpt import GPT, GPTConfig
+    backends = []
+    monkeypatch.setattr(torch, "compile", lambda fn, backend: backends.append(backend) or fn)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4), seed=0)
+    Engine(model, lambda ps: torch.optim.SGD(ps, lr=0.1), lambda m, b: m(**b),
+           ParallelConfig(compile=True, compile_backend="aot_eager"), mesh=ParallelMesh(local=True))
+    assert backends == ["aot_eager"] * len(list(model.pipeline_layers())), backends
+
+
 def test_compile_on_cuda_needs_triton(monkeypatch):
     import importlib.util
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
