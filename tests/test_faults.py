@@ -140,21 +140,46 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
 
 
 # ---------------------------------------------------------------- signals, a killed launcher
+PR_SET_CHILD_SUBREAPER = 36
+
+
 def _launcher_killed(tmp: Path) -> None:
+    """The workers are stopped (SIGSTOP) before the launcher is SIGKILLed, so only the kernel's
+    parent-death signal can end them: running, they would also have ended on noticing that the
+    launcher's store is gone, which hid a missing parent-death signal. Meanwhile this process is
+    the subreaper of what it started: the orphaned workers become its children (in another
+    process group of the session: theirs is not orphaned, so the kernel sends no SIGHUP), and
+    how each ended is read, not guessed."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
     proc = start(["--steps", "100000"], tmp / "kill.jsonl")
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     try:
         pids = wait_for_steps(proc, tmp / "kill.jsonl", 2)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
         proc.kill()
         proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+            time.sleep(0.2)
+        left = [pid for pid in pids if alive(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        ended = {pid: _reaped(pid) for pid in pids}
     finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         proc.end()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
-        time.sleep(0.2)
-    left = [pid for pid in pids if alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived their SIGKILLed launcher"
+    assert all(status == "SIGKILL" for status in ended.values()), f"the workers ended by {ended}"
+
+
+def _reaped(pid: int) -> str:
+    """How an orphaned worker (this process's child now) ended: the signal's name, or its exit."""
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return signal.Signals(os.WTERMSIG(status)).name
+    return f"exit {os.waitstatus_to_exitcode(status)}"
 
 
 def _signalled(sig: signal.Signals, tmp: Path, *flags: str) -> None:
