@@ -42,9 +42,24 @@ def skip_if_the_compiler_failed(proc: subprocess.CompletedProcess) -> None:
     before any worker, or failing inside inductor): the machine's fault, named in the skip."""
     said = proc.stderr.strip().splitlines()
     if proc.returncode == 2 and said and "needs a working C++ compiler" in said[-1]:
-        pytest.skip(said[-1])
+        pytest.skip(f"{said[-1]} {_compiler_now()}")
     if proc.returncode != 0 and "CppCompileError" in proc.stderr and "cannot execute" in proc.stderr:
-        pytest.skip(next(line for line in said if "cannot execute" in line).strip())
+        pytest.skip(f"{next(line for line in said if 'cannot execute' in line).strip()} {_compiler_now()}")
+
+
+def _compiler_now() -> str:
+    """The same check again from the test's process, at once, and where the compiler looks for
+    its compiler proper: whether the fault lasts (for a report of an intermittent one)."""
+    from trainmesh.engine.compile import inductor_cxx
+    cxx = inductor_cxx()
+    try:
+        again = subprocess.run([cxx, "-x", "c++", "-E", "-"], input=b"", capture_output=True, timeout=60)
+        where = subprocess.run([cxx, "-print-prog-name=cc1plus"], capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(checked again from the test: {exc})"
+    return (f"(checked again from the test: exit {again.returncode}; {cxx} finds cc1plus at "
+            f"{where!r}, which {'exists' if Path(where).exists() else 'does not exist'})")
 
 # A small but real GPT for end-to-end runs (fast on 2 cores).
 SMALL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
