@@ -237,7 +237,7 @@ def test_model_dir_bad_input_exits_2_naming_the_flag(references, no_launch, tmp_
     cases = [(["--model-dir", str(tmp_path / "absent")], "--model-dir", "no such directory"),
              (["--model-dir", str(tmp_path / "empty")], "--model-dir", "no config.json"),
              (["--model-dir", str(no_weights)], "--model-dir", "model.safetensors"),
-             (["--model-dir", llama, "--strategy", "ps"], "--strategy", "not supported"),
+             (["--model-dir", llama, "--strategy", "ps"], "--strategy", "trains the built-in GPT"),
              (["--model-dir", llama, "--tp", "4"], "--tp", "2 key/value heads"),
              (["--model-dir", llama, "--seq-len", "32"], "--seq-len", "16 positions"),
              (["--model-dir", llama, "--layers", "2"], "--layers", "set by --model-dir")]

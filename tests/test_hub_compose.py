@@ -7,7 +7,9 @@ builds (in this process):
   alias; its gradient is summed over the two stages before the DP reduction;
 - ``--dp 2 --fault-tolerant``: replica 1 is SIGKILLed inside step 3's all-reduce and rejoins at
   step 6 with the live state (tied weight included) sent by replica 0; the curve is one
-  process's throughout.
+  process's throughout;
+- ``--dp 2 --strategy diloco`` with one inner SGD step and the plain outer step: data
+  parallelism, so one process's curve.
 """
 from __future__ import annotations
 
@@ -38,12 +40,16 @@ def tied_llama(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tied_llama) -> list[tuple[float, float]]:
-    """[(loss, grad norm)] per step of the engine ``trainmesh train --model-dir`` builds, in one
+    return _one_process(["--model-dir", tied_llama, *BASE])
+
+
+def _one_process(args: list[str]) -> list[tuple[float, float]]:
+    """[(loss, grad norm)] per step of the engine ``trainmesh train ARGS`` builds, in one
     process (this one)."""
     from trainmesh.core.mesh import ParallelMesh
     from trainmesh.data.corpus import make_datasets
     from trainmesh.run.trainer import build_engine
-    cfg = train_config(["--model-dir", tied_llama, *BASE])
+    cfg = train_config(args)
     engine = build_engine(cfg, torch.device("cpu"), ParallelMesh(local=True))
     data, _ = make_datasets(cfg.data, vocab_size=cfg.vocab_size, seq_len=16, held_out=False)
     return [(engine.train_step(data.batch(cfg.seed, step, 4)), engine.last["grad_norm"])
@@ -78,4 +84,23 @@ def test_a_replica_lost_and_rejoined(tied_llama, reference, tmp_path, monkeypatc
     assert quorums == [(3, 1, [1], []), (6, 2, [], [1])], quorums
     assert [r["replicas"] for r in steps(records)] == [2, 2, 1, 1, 1, 2, 2, 2]
     failures = step_differences(reference, _curve(records), "tied Llama --fault-tolerant")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_diloco_with_one_inner_sgd_step_is_data_parallel(tied_llama, tmp_path) -> None:
+    """Each replica's one SGD step, averaged by the plain outer step (lr 1, no momentum), is the
+    step on the averaged gradient: the curve is one process's (losses: DiLoCo reports no global
+    gradient norm)."""
+    sgd = ["--model-dir", tied_llama, *BASE, "--optimizer", "sgd", "--grad-clip", "0"]
+    reference = _one_process(sgd)
+    proc, records = run_train([*sgd, "--dp", "2", "--strategy", "diloco", "--inner-steps", "1",
+                               "--outer-lr", "1", "--outer-momentum", "0", "--exit-after", "4"],
+                              tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [r["loss"] for r in steps(records)]
+    assert len(losses) == 4 and all(r["outer"] for r in steps(records)), steps(records)
+    failures = step_differences(reference, [(loss, want[1]) for loss, want in zip(losses, reference)],
+                                "tied Llama --strategy diloco --inner-steps 1")
     assert not failures, "\n".join(failures)

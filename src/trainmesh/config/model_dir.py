@@ -34,9 +34,9 @@ def check_model_config(cfg: Any) -> int:
                         ("--init-from", cfg.init_from)):
         if given is not None:
             raise ConfigError(flag, f"is set by --model-dir ({cfg.model_dir}); valid: leave it out")
-    if p.strategy != "mesh":
-        raise ConfigError("--strategy", "is not supported for --model-dir models; valid: "
-                          "--strategy mesh (dp, ZeRO, tp, pp, cp, ep)")
+    if p.strategy == "ps":   # its loop holds whole replicas of the built-in GPT
+        raise ConfigError("--strategy", "ps trains the built-in GPT, not --model-dir models; "
+                          "valid: --strategy mesh (dp, ZeRO, tp, pp, cp, ep) or diloco")
     check_expert_count(config, p.ep)
     heads = {"attention heads": config.get("n_head") or config.get("num_attention_heads"),
              "key/value heads": config.get("num_key_value_heads")}
