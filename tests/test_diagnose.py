@@ -1,6 +1,8 @@
 """A rank that skips a collective: the job ends within the timeout naming that rank and op."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,28 +42,51 @@ def test_verdict_names_minority_and_silent_ranks():
     assert "rank 2 diverged at op #2: rank 2 ran broadcast@dp(6,) while ranks 0, 1 ran all_reduce@dp(6,)" in text
 
 
-@pytest.mark.slow
-def test_exchange_is_bounded_when_the_store_stops_answering(monkeypatch):
-    """A store whose host is stalled (it accepts connections, never answers): the exchange
-    gives up within its bounds and reports only this rank, so the peers are the suspects."""
+def _exchange_with_a_stalled_store(results) -> None:
+    """In a forked child: a store whose host accepts connections and never answers; the
+    exchange's outcome and how long it took are sent on ``results``. The store client the exchange
+    abandons stays blocked on the stalled socket and ends with this process: in the test's own
+    process it would outlive the test and, once the socket closed, print c10d's error and C++
+    stack to the suite's output."""
     import socket
     import threading
     import time
 
-    from trainmesh.comm.diagnose import CALL_TIMEOUT_S, exchange, silent_ranks
+    from trainmesh.comm.diagnose import CALL_TIMEOUT_S, exchange
     from trainmesh.core.stores import STORE_ENV
     mine = [(1, "all_reduce", "dp", (6,))]
     with socket.socket() as stalled:
         stalled.bind(("127.0.0.1", 0))
         stalled.listen()
-        monkeypatch.setenv(STORE_ENV, f"127.0.0.1:{stalled.getsockname()[1]}")
+        os.environ[STORE_ENV] = f"127.0.0.1:{stalled.getsockname()[1]}"
         result: dict = {}
         t0 = time.monotonic()
         worker = threading.Thread(target=lambda: result.update(exchange(1, 3, mine, wait_s=2.0)), daemon=True)
         worker.start()
         worker.join(timeout=2.0 + 3 * CALL_TIMEOUT_S + 5)
-        took = time.monotonic() - t0
-    assert not worker.is_alive(), f"the exchange still waits after {took:.0f}s"
+        results.send((worker.is_alive(), time.monotonic() - t0, result, mine))
+        os._exit(0)   # the abandoned client ends here, the stalled socket still open
+
+
+@pytest.mark.slow
+def test_exchange_is_bounded_when_the_store_stops_answering():
+    """A store whose host is stalled (it accepts connections, never answers): the exchange
+    gives up within its bounds and reports only this rank, so the peers are the suspects."""
+    import multiprocessing
+
+    from trainmesh.comm.diagnose import silent_ranks
+    context = multiprocessing.get_context("fork")
+    results, sent = context.Pipe(duplex=False)
+    child = context.Process(target=_exchange_with_a_stalled_store, args=(sent,))
+    child.start()
+    try:
+        assert results.poll(60), "the child sent nothing within 60 s"
+        waits, took, result, mine = results.recv()
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert not waits, f"the exchange still waits after {took:.0f}s"
     assert result == {1: mine}
     assert silent_ranks(result, 3) == [0, 2]
 
