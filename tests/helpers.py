@@ -1,14 +1,11 @@
 """Shared test helpers: run `trainmesh train` end to end and compare runs by the README's promise."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,47 +81,6 @@ def run_train(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "
     return proc, records
 
 
-def train_in_background(args: list[str], tmp: Path, *, timeout: float = 180, name: str = "m"
-                        ) -> tuple[Future, Callable[[], list[int]], Callable[[], None]]:
-    """:func:`run_train` on a thread of its own, for a test that signals the run's workers:
-    (its future ``(process, records)``, a function giving the pids of the run's workers, one
-    that ends the run). The launcher forks from this process's zygote (the leader of a process
-    group of its own), and the workers from the zygote's fork server (or, where it started
-    afresh, from the launcher's): the workers of this process's children (one run at a time)."""
-    from trainmesh.testing import worker_pids
-    zygote()   # started from this thread: it dies with the thread that started it
-    pool = ThreadPoolExecutor(1)
-    future = pool.submit(run_train, args, tmp, timeout=timeout, name=name)
-    pool.shutdown(wait=False)
-
-    def children(pid: int) -> list[int]:   # (a thread or process may end while read)
-        found = []
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                with contextlib.suppress(OSError):
-                    found.extend(int(child) for child in (task / "children").read_text().split())
-        return found
-
-    def workers() -> list[int]:
-        return sorted(pid for child in children(os.getpid()) for pid in worker_pids(child))
-
-    def stop() -> None:   # the zygote's child leading a group of its own, or a fresh launcher
-        for child in children(os.getpid()):
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"launcher_zygote" in cmdline:
-                for pid in children(child):
-                    with contextlib.suppress(ProcessLookupError):
-                        if os.getpgid(pid) == pid:
-                            os.killpg(pid, signal.SIGKILL)
-            elif b"-m\0trainmesh" in cmdline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child, signal.SIGKILL)
-    return future, workers, stop
-
-
 def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeout: float,
                       name: str = "m", cwd: Path | None = None,
                       umask: int | None = None) -> subprocess.CompletedProcess:
@@ -144,24 +100,29 @@ def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeou
 
 
 class Launched:
-    """``trainmesh ARGV`` running as a launcher of its own, its process tree a fresh launcher's
-    (its own process group, fork server and workers): forked from this test process's zygote
-    (the interpreter's start-up shared), or started afresh where the zygote is busy. For tests
-    that signal it or its workers; the subset of ``subprocess.Popen`` they use, its output in
-    files (``communicate`` returns their text)."""
+    """``trainmesh ARGV`` running in the background as a launcher of its own: forked from this
+    test process's zygote (the interpreter's start-up shared), or started afresh where the
+    zygote is busy. The subset of ``subprocess.Popen`` tests use, its output in files
+    (``communicate`` returns their text), and its workers (:meth:`workers`). With
+    ``own_fork_server`` (tests that signal the launcher or end its process tree) its workers
+    fork from a fork server of its own, as a fresh launcher's do; without (tests that kill a
+    worker), from the zygote's shared one, so no interpreter starts for the run."""
 
     def __init__(self, argv: list[str], tmp: Path, *, env: dict[str, str], name: str,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, own_fork_server: bool = True) -> None:
         """``fresh``: a fresh process, not from the zygote."""
         self.out, self.err = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
-        self.proc = None if fresh else zygote().start(argv, env, Path.cwd(), self.out, self.err,
-                                                      own_fork_server=True)
+        self.zygote = None if fresh else zygote()
+        self.proc = self.zygote and self.zygote.start(argv, env, Path.cwd(), self.out, self.err,
+                                                      own_fork_server=own_fork_server)
         if self.proc is None:
+            self.zygote = None
             with open(self.out, "w") as out, open(self.err, "w") as err:
                 self.proc = subprocess.Popen([sys.executable, "-m", "trainmesh", *argv], env=env,
                                              stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                              start_new_session=True)
         self.pid = self.proc.pid
+        self.shared = self.zygote is not None and not own_fork_server
 
     @property
     def returncode(self) -> int | None:
@@ -184,6 +145,12 @@ class Launched:
         """Wait for the end (TimeoutExpired after ``timeout`` s); its stdout and stderr."""
         self.proc.wait(timeout)
         return self.out.read_text(), self.err.read_text()
+
+    def workers(self) -> list[int]:
+        """Its worker processes, by pid (rank order): the children of its own fork server, or
+        of the zygote's shared one (this test's only run)."""
+        from trainmesh.testing import worker_pids
+        return worker_pids(self.zygote.proc.pid if self.shared else self.pid)
 
     def end(self) -> None:
         """Clean-up: SIGKILL its process group if it still runs, and wait for it."""

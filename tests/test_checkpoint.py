@@ -2,6 +2,7 @@
 save that dies midway, and elastic restarts that resume where they left off."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,13 +13,13 @@ import pytest
 import torch
 from helpers import (
     SMALL,
+    Launched,
     assert_equivalent,
     check_prediction,
     one_process,
     run_train,
     steps,
     summary,
-    train_in_background,
 )
 from safetensors.torch import load_file
 from tolerances import LOSS_ABS, NORM_REL, TRAINED_WEIGHTS_LOSS_ABS
@@ -150,26 +151,28 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
 def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str, float]:
     """The reference's 20 steps at dp=2; SIGKILL one worker once step `kill_at` is logged;
     --max-restarts 1. Returns the exit code, the records, stderr and the time of the kill.
-    (The launcher forks from the test zygote: no interpreter or fork server started for it.)"""
+    (The launcher forks from the test zygote, its workers from the zygote's fork server: no
+    interpreter started for it.)"""
     metrics = tmp / "e.jsonl"
-    args = [*SMALL, "--optimizer", "adamw", "--dp", "2", "--save-dir", str(tmp / "ck"),
-            "--save-every", "5", "--max-restarts", "1", "--timeout", "30"]
-    run, workers, stop = train_in_background(args, tmp, timeout=300, name="e")
+    args = ["train", *SMALL, "--optimizer", "adamw", "--dp", "2", "--save-dir", str(tmp / "ck"),
+            "--save-every", "5", "--max-restarts", "1", "--timeout", "30", "--metrics-out", str(metrics)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run = Launched(args, tmp, env=env, name="e", own_fork_server=False)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not run.done():
+        while time.time() < deadline and run.poll() is None:
             if metrics.exists() and f'"step": {kill_at},' in metrics.read_text():
                 break
             time.sleep(0.02)
-        pids = workers()     # the workers, not their fork server (which a
+        pids = run.workers()     # the workers, not their fork server (which a
         assert len(pids) == 2, pids  # restart would have to start again)
         os.kill(pids[-1], signal.SIGKILL)
         killed_at = time.time()
-        proc, records = run.result(timeout=180)
+        _, err = run.communicate(timeout=180)
     finally:   # a failed test ends the run
-        if not run.done():
-            stop()
-    return proc.returncode, records, proc.stderr, killed_at
+        run.end()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return run.returncode, records, err, killed_at
 
 
 @pytest.mark.slow

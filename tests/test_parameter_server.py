@@ -10,12 +10,12 @@ import time
 import pytest
 from helpers import (
     SMALL,
+    Launched,
     assert_equivalent,
     one_process,
     run_train,
     steps,
     summary,
-    train_in_background,
 )
 
 from trainmesh.cli import main
@@ -119,22 +119,22 @@ def test_killed_server_ends_the_job(tmp_path):
     """The second server is SIGKILLed mid-run: the job ends with exit 1 naming its rank. (The
     launcher forks from the test zygote: no interpreter or fork server started for it.)"""
     out = tmp_path / "ps.jsonl"
-    run, workers, stop = train_in_background([*SMALL, "--steps", "100000", "--strategy", "ps", "--dp", "2",
-                                        "--ps-servers", "2", "--timeout", "60"], tmp_path,
-                                       timeout=180, name="ps")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run = Launched(["train", *SMALL, "--steps", "100000", "--strategy", "ps", "--dp", "2",
+                    "--ps-servers", "2", "--timeout", "60", "--metrics-out", str(out)], tmp_path,
+                   env=env, name="ps", own_fork_server=False)
     try:
-        while not out.exists() or len(out.read_text().splitlines()) < 3:   # bounded by the run's
-            assert not run.done(), run.result()[0].stderr[-2000:]       # timeout (after the
+        while not out.exists() or len(out.read_text().splitlines()) < 3:   # bounded by the test's
+            assert run.poll() is None, run.communicate()[1][-2000:]     # timeout (after the
             time.sleep(0.5)                                              # zygote's start-up)
-        pids = workers()
+        pids = run.workers()
         assert len(pids) == 4, pids
         os.kill(pids[3], signal.SIGKILL)   # RANK 3: the second server
-        proc, _ = run.result(timeout=120)
+        _, err = run.communicate(timeout=120)
     finally:   # a failed test ends the run
-        if not run.done():
-            stop()
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "rank 3" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+        run.end()
+    assert run.returncode == 1, err[-2000:]
+    assert "rank 3" in err.splitlines()[-1], err[-2000:]
 
 
 def _api_check() -> dict | None:
