@@ -86,7 +86,7 @@ def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeou
                       umask: int | None = None) -> subprocess.CompletedProcess:
     """``trainmesh ARGV`` run to its end as a launcher process of its own, forked from this
     test process's zygote (tests/launcher_zygote.py: the interpreter's start-up shared), or
-    started afresh where the zygote is busy; its output captured. It runs in ``cwd`` (default:
+    started afresh where the zygote is off; its output captured. It runs in ``cwd`` (default:
     this process's), with file mode creation mask ``umask`` where one is given."""
     stdout, stderr = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
     cwd = cwd or Path.cwd()
@@ -102,18 +102,17 @@ def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeou
 class Launched:
     """``trainmesh ARGV`` running in the background as a launcher of its own: forked from this
     test process's zygote (the interpreter's start-up shared), or started afresh where the
-    zygote is busy. The subset of ``subprocess.Popen`` tests use, its output in files
+    zygote is off (``TRAINMESH_TEST_ZYGOTE=0``). The subset of ``subprocess.Popen`` tests use, its output in files
     (``communicate`` returns their text), and its workers (:meth:`workers`). With
     ``own_fork_server`` (tests that signal the launcher or end its process tree) its workers
     fork from a fork server of its own, as a fresh launcher's do; without (tests that kill a
     worker), from the zygote's shared one, so no interpreter starts for the run."""
 
     def __init__(self, argv: list[str], tmp: Path, *, env: dict[str, str], name: str,
-                 fresh: bool = False, own_fork_server: bool = True) -> None:
-        """``fresh``: a fresh process, not from the zygote."""
+                 own_fork_server: bool = True) -> None:
         self.out, self.err = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
-        self.zygote = None if fresh else zygote()
-        self.proc = self.zygote and self.zygote.start(argv, env, Path.cwd(), self.out, self.err,
+        self.zygote = zygote()
+        self.proc = self.zygote.start(argv, env, Path.cwd(), self.out, self.err,
                                                       own_fork_server=own_fork_server)
         if self.proc is None:
             self.zygote = None

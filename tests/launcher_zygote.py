@@ -12,11 +12,15 @@ the zygote holds no threads, sockets or process groups when it forks.
 
 ``TRAINMESH_TEST_ZYGOTE=0`` starts every run as a fresh process instead.
 
-Protocol (one run at a time; a second caller while one runs starts a plain process instead):
-the client writes one JSON line ``{"argv", "env", "cwd", "stdout", "stderr"}``; the zygote
-answers ``{"pid"}`` once forked and ``{"code"}`` once the child ended."""
+Protocol (runs may overlap): the client writes one JSON line per run, ``{"argv", "env", "cwd",
+"stdout", "stderr", "umask", "own_fork_server"}``; the zygote answers ``{"pid"}`` once forked
+(requests are answered in order) and ``{"pid", "code"}`` once that child ended. It waits on
+its children without a thread: SIGCHLD wakes its loop (``signal.set_wakeup_fd``). Overlapping
+runs share the fork server unless they ask for their own; a test that stops a fault-tolerant
+launcher by a signal (which kills its fork server) gives it its own."""
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -40,11 +44,10 @@ def serve() -> None:
     import importlib.util
 
     from trainmesh.cli import main
-    from trainmesh.run.launch import kill_with_parent, run_exit_handlers
+    from trainmesh.run.launch import run_exit_handlers
     from trainmesh.run.launch import HF_PRELOAD, WORKER_IMAGE
     for module in PRELOADED:                   # what the children run, imported once here
         importlib.import_module(module)
-    kill_with_parent()                     # ends with the pytest process that started it
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                          # nothing but answers on the pipe
     hub = [HF_PRELOAD] if importlib.util.find_spec("transformers") is not None else []
@@ -54,17 +57,45 @@ def serve() -> None:
     forkserver.ensure_running()            # the workers' fork server, shared by the children
     umask = os.umask(0o022)                # the fork server's (it keeps what it started with)
     os.umask(umask)
-    for line in sys.stdin:
-        request = json.loads(line)
-        forkserver.ensure_running()        # again if a child killed it (a stopped --fault-tolerant
-        pid = os.fork()                    # launcher kills its fork server: core.compat)
-        if pid == 0:
-            _share_fork_server(request.get("umask") not in (None, umask)
-                               or request.get("own_fork_server", False))
-            _child(request, main, run_exit_handlers)
-        answers.write(json.dumps({"pid": pid}) + "\n")
-        _, status = os.waitpid(pid, 0)
-        answers.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+    woken, wake = os.pipe()                # SIGCHLD wakes the loop (no thread waits on children)
+    for fd in (woken, wake):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    running: list[int] = []
+    pending = b""
+    while True:
+        ready, _, _ = select.select([0, woken], [], [])
+        if woken in ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(woken, 4096):
+                    pass
+        for pid in list(running):          # the children that ended, in the order they started
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.remove(pid)
+                answers.write(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+        if 0 not in ready:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:                      # the pytest process that started it is gone
+            return
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            forkserver.ensure_running()    # again if a child killed it (a stopped --fault-tolerant
+            pid = os.fork()                # launcher kills its fork server: core.compat)
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(woken)
+                os.close(wake)
+                _share_fork_server(request.get("umask") not in (None, umask)
+                                   or request.get("own_fork_server", False))
+                _child(request, main, run_exit_handlers)
+            running.append(pid)
+            answers.write(json.dumps({"pid": pid}) + "\n")
 
 
 def _share_fork_server(own: bool) -> None:
@@ -116,7 +147,7 @@ later ones at once."""
 
 
 class Zygote:
-    """The client side, one per pytest process."""
+    """The client side, one per pytest process; its runs may overlap (one thread each)."""
 
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -124,15 +155,33 @@ class Zygote:
             [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(TESTS)!r}); "
              "import launcher_zygote; launcher_zygote.serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
-        self.lock = threading.Lock()
-        self.pending = b""
+        self.starting = threading.Lock()      # one request at a time: its answer is the next pid
+        self.answered = threading.Condition()
+        self.forked: list[int | None] = []    # pids answered, not yet taken by their request
+        self.codes: dict[int, int] = {}       # exit codes of children that ended
+        self.ended = False
         self.served = False
         """Whether it answered once (its first answer waits for its imports and fork server)."""
+        threading.Thread(target=self._read, daemon=True, name="launcher-zygote-answers").start()
+
+    def _read(self) -> None:
+        """Every answer, as it comes: a pid (forked) for the request waiting, or a child's code."""
+        for line in self.proc.stdout:
+            answer = json.loads(line)
+            with self.answered:
+                if "code" in answer:
+                    self.codes[answer["pid"]] = answer["code"]
+                else:
+                    self.forked.append(answer["pid"])
+                self.answered.notify_all()
+        with self.answered:
+            self.ended = True
+            self.answered.notify_all()
 
     def run(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path,
             timeout: float, umask: int | None = None) -> int | None:
         """The exit code of ``trainmesh ARGV`` (with file mode creation mask ``umask`` where one
-        is given); None where the zygote is busy or gone."""
+        is given); None where the zygote is off or gone."""
         child = self.start(argv, env, cwd, stdout, stderr, umask=umask)
         if child is None:
             return None
@@ -146,40 +195,34 @@ class Zygote:
     def start(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path,
               umask: int | None = None, own_fork_server: bool = False) -> Child | None:
         """``trainmesh ARGV`` started (``own_fork_server``: its workers forked by a fork server
-        of its own, its process tree a fresh launcher's); None where the zygote is busy or gone.
-        The zygote serves no one else until the child's exit code was read (``Child.wait``)."""
-        if (os.environ.get("TRAINMESH_TEST_ZYGOTE") == "0" or self.proc.poll() is not None
-                or not self.lock.acquire(blocking=False)):
+        of its own, its process tree a fresh launcher's); None where the zygote is off or gone."""
+        if os.environ.get("TRAINMESH_TEST_ZYGOTE") == "0" or self.proc.poll() is not None:
             return None
-        try:
+        with self.starting:
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd),
                                               "stdout": str(stdout), "stderr": str(stderr),
                                               "umask": umask, "own_fork_server": own_fork_server})
                                   + "\n")
-            try:
-                pid = self._answer(30 if self.served else STARTUP_S)["pid"]   # the first: it starts too
-            except TimeoutError:
-                self.proc.kill()   # hung: its late answers would be taken for a later run's
-                raise
+            self.proc.stdin.flush()
+            with self.answered:   # the first answer comes once the zygote has started too
+                if not self.answered.wait_for(lambda: self.forked or self.ended,
+                                              30 if self.served else STARTUP_S):
+                    self.proc.kill()   # hung: its late answers would be taken for a later run's
+                    raise TimeoutError("the launcher zygote did not answer")
+                if not self.forked:
+                    raise RuntimeError("the launcher zygote ended")
+                pid = self.forked.pop(0)
             self.served = True
             return Child(self, pid, argv)
-        except BaseException:
-            self.lock.release()
-            raise
 
-    def _answer(self, timeout: float) -> dict:
-        """The next line of answer (read from the pipe unbuffered, so select sees all of it)."""
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.pending:
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
+    def _code(self, pid: int, timeout: float) -> int:
+        """Child ``pid``'s exit code, once it ended within ``timeout`` s (else TimeoutError)."""
+        with self.answered:
+            if not self.answered.wait_for(lambda: pid in self.codes or self.ended, timeout):
                 raise TimeoutError
-            chunk = os.read(fd, 4096)
-            if not chunk:
+            if pid not in self.codes:
                 raise RuntimeError("the launcher zygote ended")
-            self.pending += chunk
-        line, self.pending = self.pending.split(b"\n", 1)
-        return json.loads(line)
+            return self.codes.pop(pid)
 
 
 class Child:
@@ -202,10 +245,9 @@ class Child:
         """Its exit code, once it ended within ``timeout`` seconds (else TimeoutExpired)."""
         if self.returncode is None:
             try:
-                self.returncode = self.zygote._answer(timeout)["code"]
+                self.returncode = self.zygote._code(self.pid, timeout)
             except TimeoutError:
                 raise subprocess.TimeoutExpired(["trainmesh", *self.argv], timeout) from None
-            self.zygote.lock.release()
         return self.returncode
 
 
@@ -213,8 +255,9 @@ _ZYGOTE: dict[int, Zygote] = {}
 
 
 def zygote() -> Zygote:
-    """This process's zygote (started on first use; from the main thread: the zygote dies with
-    the thread that started it, by the parent-death signal)."""
+    """This process's zygote (started on first use, from any thread: it ends when this process
+    does, its requests' pipe closed; not by a parent-death signal, which would end it with the
+    thread that started it)."""
     if os.getpid() not in _ZYGOTE:
         _ZYGOTE[os.getpid()] = Zygote()
     return _ZYGOTE[os.getpid()]

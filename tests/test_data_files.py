@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -15,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import Launched
 
 import trainmesh.data.token_cache as token_cache
 import trainmesh.data.tokenizer as tokenizer
@@ -214,21 +213,20 @@ def test_token_file_truncated_mid_run_exits_1_naming_data(tmp_path):
     np.save(path, (np.arange(400_000, dtype=np.int64) * 31) % 64)
     out = tmp_path / "m.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainmesh", "train", "--layers", "1", "--d-model", "16", "--heads", "2",
-         "--seq-len", "16", "--vocab-size", "64", "--global-batch", "4", "--steps", "100000",
-         "--dp", "2", "--data", str(path), "--metrics-out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = Launched(["train", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16",
+                     "--vocab-size", "64", "--global-batch", "4", "--steps", "100000", "--dp", "2",
+                     "--data", str(path), "--metrics-out", str(out)], tmp_path, env=env, name="m",
+                    own_fork_server=False)
     try:
         deadline = time.monotonic() + 300     # start-up on a loaded machine
         while not (out.exists() and '"step"' in out.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            assert proc.poll() is None and time.monotonic() < deadline, proc.err.read_text()[-2000:]
             time.sleep(0.2)
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size // 10)
         _, err = proc.communicate(timeout=90)
     finally:
-        proc.kill()
+        proc.end()
     steps = [json.loads(line) for line in out.read_text().splitlines()]
     assert proc.returncode == 1, (proc.returncode, err[-2000:])
     lines = [line for line in err.splitlines() if line.startswith("trainmesh train:")]

@@ -31,11 +31,11 @@ T = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16", "--v
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
-def start(args: list[str], metrics: Path, fresh: bool = False) -> Launched:
+def start(args: list[str], metrics: Path) -> Launched:
     """`trainmesh train --dp 2 ARGS` as a launcher of its own in its own process group (so a
-    Ctrl-C can be sent to its group); a fresh process where the zygote is busy or ``fresh``."""
+    Ctrl-C can be sent to its group)."""
     return Launched(["train", "--dp", "2", *T, *args, "--metrics-out", str(metrics)],
-                    metrics.parent, env=ENV, name=metrics.stem, fresh=fresh)
+                    metrics.parent, env=ENV, name=metrics.stem)
 
 
 def run_to_end(args: list[str], metrics: Path, name: str) -> subprocess.CompletedProcess:
@@ -112,8 +112,7 @@ STALL_TIMEOUT_S = 10
 
 def _stall(victim: int, tmp: Path) -> None:
     """SIGSTOP rank ``victim``: exit 1 within --timeout + 5 s naming it, no worker left."""
-    proc = start(["--steps", "100000", "--timeout", str(STALL_TIMEOUT_S)], tmp / f"stall{victim}.jsonl",
-                 fresh=True)
+    proc = start(["--steps", "100000", "--timeout", str(STALL_TIMEOUT_S)], tmp / f"stall{victim}.jsonl")
     pids: list[int] = []
     try:
         pids = wait_for_steps(proc, tmp / f"stall{victim}.jsonl", 2)
@@ -134,8 +133,7 @@ def _stall(victim: int, tmp: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stalled_rank_ends_the_job_naming_it(tmp_path):
-    """Both in parallel, fresh processes (each waits out --timeout; the zygote serves one at a
-    time)."""
+    """Both in parallel (each waits out --timeout), forked from the zygote together."""
     in_threads(lambda: _stall(0, tmp_path), lambda: _stall(1, tmp_path))
 
 

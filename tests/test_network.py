@@ -6,15 +6,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-
-from trainmesh.testing import worker_pids
+from helpers import Launched
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -64,22 +62,24 @@ def _is_loopback(addr: str) -> bool:
 
 
 def _run_and_watch(args: list[str], env: dict[str, str], tmp: Path, name: str, seen: dict) -> None:
-    """Run `trainmesh train ARGS`; while it runs, record every listening socket of its processes."""
+    """Run `trainmesh train ARGS` (forked from the test zygote, its workers from the zygote's
+    fork server, which the runs started together share); while it runs, record every listening
+    socket of its launcher and of the workers of the shared fork server (every run's)."""
     metrics = tmp / f"{name}.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", *T, *args, "--metrics-out",
-                             str(metrics)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**ENV, **env}, start_new_session=True)
+    proc = Launched(["train", *T, *args, "--metrics-out", str(metrics)], tmp, env={**ENV, **env},
+                    name=name, own_fork_server=False)
     sockets: set = set()
     deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            sockets |= listening_sockets([proc.pid, *worker_pids(proc.pid)])
-        except OSError:
-            pass
-        time.sleep(0.3)
-    if proc.poll() is None:
-        os.killpg(proc.pid, 9)
-    seen[name] = (proc.wait(), proc.stderr.read()[-3000:], sockets,
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                sockets |= listening_sockets([proc.pid, *proc.workers()])
+            except OSError:
+                pass
+            time.sleep(0.3)
+    finally:
+        proc.end()
+    seen[name] = (proc.wait(30), proc.err.read_text()[-3000:], sockets,
                   metrics.read_text().count('"event": "step"') if metrics.exists() else 0)
 
 
@@ -87,7 +87,8 @@ def _run_and_watch(args: list[str], env: dict[str, str], tmp: Path, name: str, s
 @pytest.mark.timeout(300)
 def test_local_runs_listen_on_loopback_only_and_never_collide(tmp_path):
     """Three runs started at once (dp 2, pp 2 and a parameter server): each ends well, and every
-    socket their launchers and workers listen on is a loopback address. The pipeline run also
+    socket their launchers and workers listen on is a loopback address (each run's launcher
+    watched on its own, the three runs' workers together: they share the zygote's fork server). The pipeline run also
     has the collective-order check on: a real layout passes it (no false alarm)."""
     from trainmesh.comm.check import CHECK_ENV
     runs = {"dp": (["--dp", "2", "--steps", "6"], {}),
@@ -105,8 +106,8 @@ def test_local_runs_listen_on_loopback_only_and_never_collide(tmp_path):
         assert code == 0, f"{name}: exit {code}: {err}"
         assert steps == 6, f"{name}: {steps} steps logged"
         assert sockets, f"{name}: no listening socket seen"
-        exposed = sorted((a, p) for a, p, _ in sockets if not _is_loopback(a))
-        assert not exposed, f"{name} listens beyond loopback: {exposed}"
+        exposed = sorted((a, p, pid) for a, p, pid in sockets if not _is_loopback(a))
+        assert not exposed, f"{name} or a worker listens beyond loopback (address, port, pid): {exposed}"
 
 
 def _all_reduce_ones() -> list[float]:
