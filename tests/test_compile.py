@@ -128,6 +128,23 @@ def test_the_engine_compiles_each_layer_with_the_configured_backend(monkeypatch)
     assert backends == ["aot_eager"] * len(list(model.pipeline_layers())), backends
 
 
+def test_each_rank_compiles_with_its_share_of_the_cpus(monkeypatch):
+    """Inductor's compile workers: the rank's intra-op threads (the launcher's share of the
+    host's CPUs), unless TORCHINDUCTOR_COMPILE_THREADS chooses."""
+    from torch._inductor import config
+
+    from trainmesh.engine.compile import share_compile_threads
+    monkeypatch.setattr(config, "compile_threads", None)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    share_compile_threads()
+    assert config.compile_threads == 1
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    monkeypatch.setattr(config, "compile_threads", None)
+    share_compile_threads()
+    assert config.compile_threads is None   # inductor decides: the variable's 3
+
+
 def test_compile_on_cuda_needs_triton(monkeypatch):
     import importlib.util
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)

@@ -102,7 +102,8 @@ def compile_layers(model: nn.Module, device_type: str, comm: Comm | None = None,
     layer's graphs (``torch.compiler.disable``, applied only here, when compiling), and so do
     the collectives of ``comm``, the layers' communication layer."""
     check_compile(device_type, backend)
-    share_compile_threads()
+    if backend == "inductor":
+        share_compile_threads()
     if comm is not None:
         keep_collectives_eager(comm)
     layers = find_layers(model)
@@ -118,13 +119,13 @@ def compile_layers(model: nn.Module, device_type: str, comm: Comm | None = None,
 
 def share_compile_threads() -> None:
     """Inductor compiles with this rank's share of the host's CPUs, its intra-op threads
-    (:func:`~trainmesh.core.distributed.worker_threads`), unless ``TORCHINDUCTOR_COMPILE_THREADS``
-    says otherwise. Its default, one compile process per CPU of the host, is right for one
-    process; with N ranks on a host it starts N pools of that size, and at one thread per rank
-    none at all (a rank compiles in its own process)."""
+    (:func:`~trainmesh.core.distributed.worker_threads`), within inductor's own bound, unless
+    ``TORCHINDUCTOR_COMPILE_THREADS`` says otherwise. Its default, one compile process per CPU
+    of the host (up to 32), is right for one process; with N ranks on a host it starts N pools
+    of that size, and at one thread per rank none at all (a rank compiles in its own process)."""
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         from torch._inductor import config
-        config.compile_threads = worker_threads()
+        config.compile_threads = min(config.decide_compile_threads(), worker_threads())
 
 
 def keep_collectives_eager(comm: Comm) -> None:
