@@ -45,18 +45,18 @@ def skip_if_the_compiler_failed(proc: subprocess.CompletedProcess) -> None:
 
 
 def _compiler_now() -> str:
-    """The same check again from the test's process, at once, and where the compiler looks for
-    its compiler proper: whether the fault lasts (for a report of an intermittent one)."""
-    from trainmesh.engine.compile import inductor_cxx
+    """The launcher's check again from the test's process, at once, and where the compiler
+    looks for its compiler proper: whether the fault lasts (for a report of an intermittent one)."""
+    from trainmesh.engine.compile import _compiler_fault, inductor_cxx
     cxx = inductor_cxx()
+    fault = _compiler_fault.__wrapped__(cxx) or "passes"   # not the launcher's cached answer
     try:
-        again = subprocess.run([cxx, "-x", "c++", "-E", "-"], input=b"", capture_output=True, timeout=60)
         where = subprocess.run([cxx, "-print-prog-name=cc1plus"], capture_output=True, text=True,
                                timeout=60).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"(checked again from the test: {exc})"
-    return (f"(checked again from the test: exit {again.returncode}; {cxx} finds cc1plus at "
-            f"{where!r}, which {'exists' if Path(where).exists() else 'does not exist'})")
+        return f"(checked again from the test: {fault}; {exc})"
+    return (f"(checked again from the test: {fault}; {cxx} finds cc1plus at {where!r}, which "
+            f"{'exists' if Path(where).exists() else 'does not exist'})")
 
 # A small but real GPT for end-to-end runs (fast on 2 cores).
 SMALL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
@@ -102,8 +102,8 @@ def trainmesh_process(argv: list[str], tmp: Path, *, env: dict[str, str], timeou
 class Launched:
     """``trainmesh ARGV`` running in the background as a launcher of its own: forked from this
     test process's zygote (the interpreter's start-up shared), or started afresh where the
-    zygote is off (``TRAINMESH_TEST_ZYGOTE=0``). The subset of ``subprocess.Popen`` tests use, its output in files
-    (``communicate`` returns their text), and its workers (:meth:`workers`). With
+    zygote is off (``TRAINMESH_TEST_ZYGOTE=0``). The subset of ``subprocess.Popen`` tests use,
+    its output in files (``communicate`` returns their text), and its workers (:meth:`workers`). With
     ``own_fork_server`` (tests that signal the launcher or end its process tree) its workers
     fork from a fork server of its own, as a fresh launcher's do; without (tests that kill a
     worker), from the zygote's shared one, so no interpreter starts for the run."""
@@ -113,7 +113,7 @@ class Launched:
         self.out, self.err = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
         self.zygote = zygote()
         self.proc = self.zygote.start(argv, env, Path.cwd(), self.out, self.err,
-                                                      own_fork_server=own_fork_server)
+                                      own_fork_server=own_fork_server)
         if self.proc is None:
             self.zygote = None
             with open(self.out, "w") as out, open(self.err, "w") as err:

@@ -157,7 +157,7 @@ class Zygote:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
         self.starting = threading.Lock()      # one request at a time: its answer is the next pid
         self.answered = threading.Condition()
-        self.forked: list[int | None] = []    # pids answered, not yet taken by their request
+        self.forked: list[int] = []           # pids answered, not yet taken by their request
         self.codes: dict[int, int] = {}       # exit codes of children that ended
         self.ended = False
         self.served = False
