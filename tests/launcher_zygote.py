@@ -17,7 +17,10 @@ Protocol (runs may overlap): the client writes one JSON line per run, ``{"argv",
 (requests are answered in order) and ``{"pid", "code"}`` once that child ended. It waits on
 its children without a thread: SIGCHLD wakes its loop (``signal.set_wakeup_fd``). Overlapping
 runs share the fork server unless they ask for their own; a test that stops a fault-tolerant
-launcher by a signal (which kills its fork server) gives it its own."""
+launcher by a signal (which kills its fork server) gives it its own. An own fork server is the
+launcher's child as a fresh launcher's is, forked from the run's process just before it becomes
+the launcher (a fraction of a CPU-second, against about 5 for an interpreter importing the
+worker image)."""
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +38,8 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 PRELOADED = ("torch.distributed.launcher.api", "torch.distributed.elastic.multiprocessing.errors",
              "trainmesh.cli.train", "trainmesh.cli.report", "trainmesh.cli.checkpoint",
-             "trainmesh.cli.plan", "trainmesh.run.launch", "trainmesh.run.trainer")
+             "trainmesh.cli.plan", "trainmesh.run.launch", "trainmesh.run.trainer", "trainmesh.testing")
+"""What the children run, and what the worker image imports (own fork servers fork from here)."""
 
 
 def serve() -> None:
@@ -44,10 +48,11 @@ def serve() -> None:
     import importlib.util
 
     from trainmesh.cli import main
-    from trainmesh.run.launch import run_exit_handlers
-    from trainmesh.run.launch import HF_PRELOAD, WORKER_IMAGE
+    from trainmesh.core.compat import load_lazy_imports
+    from trainmesh.run.launch import HF_PRELOAD, WORKER_IMAGE, run_exit_handlers
     for module in PRELOADED:                   # what the children run, imported once here
         importlib.import_module(module)
+    load_lazy_imports()                        # as the worker image does (no thread starts)
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                          # nothing but answers on the pipe
     hub = [HF_PRELOAD] if importlib.util.find_spec("transformers") is not None else []
@@ -91,9 +96,9 @@ def serve() -> None:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.close(woken)
                 os.close(wake)
-                _share_fork_server(request.get("umask") not in (None, umask)
-                                   or request.get("own_fork_server", False))
-                _child(request, main, run_exit_handlers)
+                own = request.get("umask") not in (None, umask) or request.get("own_fork_server", False)
+                _share_fork_server(own)
+                _child(request, main, run_exit_handlers, own)
             running.append(pid)
             answers.write(json.dumps({"pid": pid}) + "\n")
 
@@ -103,7 +108,7 @@ def _share_fork_server(own: bool) -> None:
     not its own child, so not to be waited for), a fault-tolerant run's replicas' agents too,
     except where ``own`` (a run with another file mode creation mask than the fork server's,
     whose workers inherit the launcher's mask; a run whose process tree must be a fresh
-    launcher's, signalled or killed by a test), which starts its own as any launcher does."""
+    launcher's, signalled or killed by a test), which gets its own (:func:`_fork_own_fork_server`)."""
     if own:
         server = forkserver._forkserver
         server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
@@ -111,7 +116,44 @@ def _share_fork_server(own: bool) -> None:
         forkserver._forkserver.ensure_running = forkserver.ensure_running = lambda: None
 
 
-def _child(request: dict, main, run_exit_handlers) -> None:
+def _fork_own_fork_server() -> None:
+    """Start this run's own fork server now, as its launcher would (its child, in its process
+    group, with its environment, file mask and output, importing the same modules, dying with
+    it), but forked from this process instead of started as a fresh interpreter: torch and
+    trainmesh are imported here already, and this process has no threads yet (it is not yet
+    the launcher). The launcher then finds the server running and forks its workers from it."""
+    from multiprocessing import util
+
+    def fork_instead(path: str, args: list[str], passfds: tuple[int, ...]) -> int:
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:                  # what spawnv_passfds' exec would leave: stdio and the passed fds
+            keep = {0, 1, 2, *passfds}
+            for fd in sorted(int(name) for name in os.listdir("/proc/self/fd")):
+                if fd not in keep:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            Path("/proc/self/comm").write_text("forkserver")   # as trainmesh.testing finds it
+            exec(args[-1], {"__name__": "__mp_forkserver__"})   # python -c CMD's command
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0
+        except BaseException:   # noqa: BLE001 - as the interpreter would print it
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+
+    spawn, util.spawnv_passfds = util.spawnv_passfds, fork_instead
+    try:
+        forkserver.ensure_running()
+    finally:
+        util.spawnv_passfds = spawn
+
+
+def _child(request: dict, main, run_exit_handlers, own_fork_server: bool) -> None:
     code = 1
     try:
         os.setpgrp()                                 # its group: a timeout ends all it started
@@ -125,6 +167,8 @@ def _child(request: dict, main, run_exit_handlers) -> None:
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             with open(path, "w") as out:
                 os.dup2(out.fileno(), fd)
+        if own_fork_server:
+            _fork_own_fork_server()
         sys.argv = ["trainmesh", *request["argv"]]
         try:
             code = main(request["argv"])

@@ -65,12 +65,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
 def worker_pids(launcher: int) -> list[int]:
     """The worker processes of the local launcher ``launcher`` (``trainmesh train``), by pid
-    (started in rank order): the children of its fork server, or its spawned children. Linux
+    (started in rank order): the children of its fork server (named by its command line, or by
+    its process name where it was forked rather than started), or its spawned children. Linux
     (/proc) only; for tests and benchmarks that signal or measure workers."""
     pids = []
     for child in _children(launcher):
         cmdline = _cmdline(child)
-        if b"forkserver" in cmdline:
+        if b"forkserver" in cmdline or _name(child) == "forkserver":
             pids.extend(_children(child))
         elif b"spawn_main" in cmdline:
             pids.append(child)
@@ -83,6 +84,13 @@ def _children(pid: int) -> list[int]:
                 for child in (task / "children").read_text().split()]
     except OSError:
         return []
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: int) -> bytes:
