@@ -1,6 +1,7 @@
 """Shared test helpers: run `trainmesh train` end to end and compare runs by the README's promise."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -154,7 +155,11 @@ class Launched:
     def end(self) -> None:
         """Clean-up: SIGKILL its process group if it still runs, and wait for it."""
         if self.proc.poll() is None:
-            os.killpg(self.pid, signal.SIGKILL)
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:   # no group yet (just forked) or no longer
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
             self.proc.wait(30)
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, one_process, steps
+from helpers import SMALL, Launched, one_process, steps
 from tolerances import LOSS_ABS, NORM_REL
 
 from trainmesh.testing import (
@@ -51,6 +51,25 @@ def _wait(what: str, condition, timeout: float = 240.0) -> None:
 
 def _tail(tmp: Path) -> str:
     return (tmp / "stderr.log").read_text()[-3000:]
+
+
+def _logs(runs: list[Launched]) -> str:
+    """The end of each run's stderr."""
+    return "\n".join(f"{run.err.name}: {run.err.read_text()[-1500:]}" for run in runs)
+
+
+def _served(coordinator: Launched, timeout_s: float = 120.0) -> str:
+    """The address a ``trainmesh coordinator`` says it serves (on its stdout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = coordinator.out.read_text() if coordinator.out.exists() else ""
+        for line in text.splitlines():
+            if "serving" in line:
+                return line.split("serving", 1)[1].split()[0]
+        if coordinator.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"trainmesh coordinator did not start: {coordinator.err.read_text()[-2000:]}")
 
 
 def _step_of(path: Path) -> int:
@@ -87,38 +106,40 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
     committed step (12) from the replicas, replicas 1 and 2 copy the live state again, nothing
     is applied twice, and the run ends with the three replicas."""
     ref = reference_run(one_process())
-    log = open(tmp_path / "stderr.log", "w")   # noqa: SIM115 - a pipe nobody reads fills up
-    coordinator = subprocess.Popen(coordinator_argv("127.0.0.1:0", 3), stdout=subprocess.PIPE,
-                                   stderr=log, text=True, env=_env("coordinator@12"))
-    address = served_address(coordinator)
+    launched: list[Launched] = []
+
+    def launch(argv: list[str], name: str, inject: str = "") -> Launched:
+        """``argv`` (python -m trainmesh ...) forked from the test zygote in a process group of
+        its own; a replica's process tree is a fresh launcher's (its own fork server)."""
+        launched.append(Launched(argv[3:], tmp_path, env=_env(inject), name=name,
+                                 own_fork_server="--replica-id" in argv))
+        return launched[-1]
+
     out = [tmp_path / f"r{i}.jsonl" for i in range(3)]
-    procs = {}
     try:
-        def start(i: int, inject: str = "") -> subprocess.Popen:
-            return subprocess.Popen(replica_argv(TRAIN, address, i, 3, out[i]),
-                                    stdout=subprocess.DEVNULL, stderr=log, text=True,
-                                    env=_env(inject), start_new_session=True)
+        coordinator = launch(coordinator_argv("127.0.0.1:0", 3), "coordinator", "coordinator@12")
+        address = _served(coordinator)
+
+        def start(i: int, inject: str = "") -> Launched:
+            return launch(replica_argv(TRAIN, address, i, 3, out[i]), f"r{i}-{len(launched)}", inject)
         procs = {0: start(0, "0@9:hold"), 1: start(1, "1@5:pause,1@12:late"), 2: start(2)}
         first = procs[2]
         _wait("replica 2 at step 3", lambda: _step_of(out[2]) >= 3)
         os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
+        first.wait(30)
         procs[2] = start(2, "2@12:late")   # so replica 0 is the one that asks into step 13
         coordinator.wait(timeout=240)
-        assert coordinator.returncode == -signal.SIGKILL, _tail(tmp_path)
-        coordinator = subprocess.Popen(coordinator_argv(address, 3), stdout=subprocess.PIPE,
-                                       stderr=log, text=True, env=_env())
-        assert served_address(coordinator) == address
+        assert coordinator.returncode == -signal.SIGKILL, _logs(launched)
+        coordinator = launch(coordinator_argv(address, 3), "coordinator-again")
+        assert _served(coordinator) == address
         for i, p in procs.items():
             p.wait(timeout=240)
-            assert p.returncode == 0, (i, _tail(tmp_path))
+            assert p.returncode == 0, (i, _logs(launched))
         coordinator.wait(timeout=120)
-        assert coordinator.returncode == 0, _tail(tmp_path)
+        assert coordinator.returncode == 0, _logs(launched)
     finally:
-        for p in [coordinator, *procs.values()]:
-            if p.poll() is None:
-                p.kill()
-        log.close()
+        for run in launched:
+            run.end()
     files = [metrics_records(path) for path in out]
     for i in range(3):
         taken = check_replica_file(ref, files[i])
