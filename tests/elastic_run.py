@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers import one_process
+from launcher_zygote import Child, zygote
 
 from trainmesh.testing import worker_pids
 
@@ -67,6 +68,22 @@ launcher does) instead of each starting an interpreter: the same agent, rendezvo
 and worker environment, without a fresh import of torch per worker and restart. Imported
 ahead (then the file argv[1] + ".ready" exists), it joins the job once the file argv[1]
 exists (a machine that boots while the job shrinks, and joins when the trial says)."""
+
+
+def agent(argv: list[str]) -> int:
+    """:data:`AGENT` in a process forked from the test zygote (``argv``: the go file, then
+    torchrun's flags), its workers forked from a server of its own that the zygote's child forked
+    after importing this module; 0 once the job ended (a failed one raises)."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+    go = Path(argv[0])
+    Path(f"{go}.ready").touch()
+    while not go.exists():
+        time.sleep(0.02)
+    config, _, args = torchrun.config_from_args(torchrun.parse_args(argv[1:]))
+    config.start_method = "forkserver"
+    elastic_launch(config, worker)(*args)
+    return 0
 
 
 def worker(*argv: str) -> None:
@@ -202,9 +219,14 @@ def run_trial(tmp: Path, *, kill_after: int = KILL_AFTER, deadline_s: float = 24
            "-m", "trainmesh", "train", *ARGS, "--dp", "4", "--min-dp", "2", "--timeout", "30",
            "--save-dir", str(tmp / "ck"), "--save-every", "1", "--metrics-out", str(metrics)]
 
-    def start(i: int, go: Path) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", AGENT, str(go), *cmd], env=env, text=True,
-                                stdout=subprocess.DEVNULL, stderr=(tmp / f"agent{i}.err").open("a"))
+    def start(i: int, go: Path) -> subprocess.Popen | Child:
+        """Agent ``i``, forked from the test zygote (:func:`agent`) or, where it is off, a fresh
+        interpreter (:data:`AGENT`)."""
+        err = tmp / f"agent{i}-{go.name}.err"
+        child = zygote().start([str(go), *cmd], env, tmp, tmp / f"agent{i}-{go.name}.out", err,
+                               own_fork_server=True, call="elastic_run:agent")
+        return child or subprocess.Popen([sys.executable, "-c", AGENT, str(go), *cmd], env=env,
+                                         text=True, stdout=subprocess.DEVNULL, stderr=err.open("w"))
 
     go, rejoin = [tmp / "go0", tmp / "go1"], tmp / "rejoin"
     agents = [start(0, go[0]), start(1, go[1])]
@@ -252,5 +274,4 @@ def run_trial(tmp: Path, *, kill_after: int = KILL_AFTER, deadline_s: float = 24
 
 
 def _errors(tmp: Path) -> str:
-    return "\n".join(f"--- agent{i}\n" + (tmp / f"agent{i}.err").read_text()[-3000:]
-                     for i in range(2) if (tmp / f"agent{i}.err").exists())
+    return "\n".join(f"--- {err.stem}\n" + err.read_text()[-3000:] for err in sorted(tmp.glob("agent*.err")))

@@ -13,7 +13,8 @@ the zygote holds no threads, sockets or process groups when it forks.
 ``TRAINMESH_TEST_ZYGOTE=0`` starts every run as a fresh process instead.
 
 Protocol (runs may overlap): the client writes one JSON line per run, ``{"argv", "env", "cwd",
-"stdout", "stderr", "umask", "own_fork_server"}``; the zygote answers ``{"pid"}`` once forked
+"stdout", "stderr", "umask", "own_fork_server", "call"}`` (``call``: a test's function to run
+in place of ``trainmesh``, tests/elastic_run.py's agents); the zygote answers ``{"pid"}`` once forked
 (requests are answered in order) and ``{"pid", "code"}`` once that child ended. It waits on
 its children without a thread: SIGCHLD wakes its loop (``signal.set_wakeup_fd``). Overlapping
 runs share the fork server unless they ask for their own; a test that stops a fault-tolerant
@@ -24,6 +25,7 @@ worker image)."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import multiprocessing
 import os
@@ -44,7 +46,6 @@ PRELOADED = ("torch.distributed.launcher.api", "torch.distributed.elastic.multip
 
 def serve() -> None:
     """The zygote's loop (its stdin: requests, its stdout: answers)."""
-    import importlib
     import importlib.util
 
     from trainmesh.cli import main
@@ -167,6 +168,9 @@ def _child(request: dict, main, run_exit_handlers, own_fork_server: bool) -> Non
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             with open(path, "w") as out:
                 os.dup2(out.fileno(), fd)
+        if request.get("call"):                      # a test's function, "module:name"
+            module, name = request["call"].split(":")
+            main = getattr(importlib.import_module(module), name)   # imported before the fork server
         if own_fork_server:
             _fork_own_fork_server()
         sys.argv = ["trainmesh", *request["argv"]]
@@ -237,15 +241,19 @@ class Zygote:
             raise
 
     def start(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path,
-              umask: int | None = None, own_fork_server: bool = False) -> Child | None:
+              umask: int | None = None, own_fork_server: bool = False,
+              call: str | None = None) -> Child | None:
         """``trainmesh ARGV`` started (``own_fork_server``: its workers forked by a fork server
-        of its own, its process tree a fresh launcher's); None where the zygote is off or gone."""
+        of its own, its process tree a fresh launcher's); with ``call`` ("module:function", a
+        module of tests/), that function run with ARGV (its exit code: what it returns) in
+        place of trainmesh's command line. None where the zygote is off or gone."""
         if os.environ.get("TRAINMESH_TEST_ZYGOTE") == "0" or self.proc.poll() is not None:
             return None
         with self.starting:
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd),
                                               "stdout": str(stdout), "stderr": str(stderr),
-                                              "umask": umask, "own_fork_server": own_fork_server})
+                                              "umask": umask, "own_fork_server": own_fork_server,
+                                              "call": call})
                                   + "\n")
             self.proc.stdin.flush()
             with self.answered:   # the first answer comes once the zygote has started too
