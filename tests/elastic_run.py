@@ -86,6 +86,17 @@ def agent(argv: list[str]) -> int:
     return 0
 
 
+def start_agent(torchrun: list[str], go: Path, name: Path, env: dict[str, str]) -> subprocess.Popen | Child:
+    """An agent started with torchrun's flags ``torchrun`` that joins once the file ``go``
+    exists, forked from the test zygote (:func:`agent`) or, where it is off, a fresh interpreter
+    (:data:`AGENT`); its output in ``name``.out and ``name``.err."""
+    out, err = name.with_suffix(".out"), name.with_suffix(".err")
+    child = zygote().start([str(go), *torchrun], env, name.parent, out, err,
+                           own_fork_server=True, call="elastic_run:agent")
+    return child or subprocess.Popen([sys.executable, "-c", AGENT, str(go), *torchrun], env=env,
+                                     text=True, stdout=out.open("w"), stderr=err.open("w"))
+
+
 def worker(*argv: str) -> None:
     """A worker: ``python -u -m trainmesh ARGV`` as torchrun would exec it, run in the forked
     process (its environment already the agent's: RANK, WORLD_SIZE, the restart count ...)."""
@@ -220,13 +231,7 @@ def run_trial(tmp: Path, *, kill_after: int = KILL_AFTER, deadline_s: float = 24
            "--save-dir", str(tmp / "ck"), "--save-every", "1", "--metrics-out", str(metrics)]
 
     def start(i: int, go: Path) -> subprocess.Popen | Child:
-        """Agent ``i``, forked from the test zygote (:func:`agent`) or, where it is off, a fresh
-        interpreter (:data:`AGENT`)."""
-        err = tmp / f"agent{i}-{go.name}.err"
-        child = zygote().start([str(go), *cmd], env, tmp, tmp / f"agent{i}-{go.name}.out", err,
-                               own_fork_server=True, call="elastic_run:agent")
-        return child or subprocess.Popen([sys.executable, "-c", AGENT, str(go), *cmd], env=env,
-                                         text=True, stdout=subprocess.DEVNULL, stderr=err.open("w"))
+        return start_agent(cmd, go, tmp / f"agent{i}-{go.name}", env)
 
     go, rejoin = [tmp / "go0", tmp / "go1"], tmp / "rejoin"
     agents = [start(0, go[0]), start(1, go[1])]
