@@ -16,6 +16,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the script would run")
 def test_without_cuda_one_line_and_exit_2():
     proc = _run("--only", "cp")

@@ -69,6 +69,7 @@ def _what_the_worker_sees() -> tuple[bool, str | None]:
     return WORKER_IMAGE in sys.modules, os.environ.get("TRAINMESH_TEST_ONLY")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_workers_fork_from_the_worker_image_and_see_the_current_environment(monkeypatch):
     """Workers start from the fork server's imports (where the platform has one), and see the
@@ -96,6 +97,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hub_workers_start_with_transformers_imported(tmp_path):
     """A --model-dir run's fork server (and run_distributed's, where its caller imported
