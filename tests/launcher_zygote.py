@@ -34,7 +34,7 @@ import signal
 import subprocess
 import sys
 import threading
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -113,6 +113,10 @@ def _share_fork_server(own: bool) -> None:
     if own:
         server = forkserver._forkserver
         server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        tracker = resource_tracker._resource_tracker   # and a resource tracker of its own: what
+        if tracker._fd is not None:                     # its processes leave is cleaned up (and
+            os.close(tracker._fd)                       # said) on its stderr, not the zygote's
+        tracker._fd = tracker._pid = None
     else:
         forkserver._forkserver.ensure_running = forkserver.ensure_running = lambda: None
 
