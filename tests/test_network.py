@@ -62,12 +62,12 @@ def _is_loopback(addr: str) -> bool:
 
 
 def _run_and_watch(args: list[str], env: dict[str, str], tmp: Path, name: str, seen: dict) -> None:
-    """Run `trainmesh train ARGS` (forked from the test zygote, its workers from the zygote's
-    fork server, which the runs started together share); while it runs, record every listening
-    socket of its launcher and of the workers of the shared fork server (every run's)."""
+    """Run `trainmesh train ARGS` (forked from the test zygote, its workers from a fork server
+    of its own, as a fresh launcher's); while it runs, record every listening socket of its
+    launcher and of its workers."""
     metrics = tmp / f"{name}.jsonl"
     proc = Launched(["train", *T, *args, "--metrics-out", str(metrics)], tmp, env={**ENV, **env},
-                    name=name, own_fork_server=False)
+                    name=name)
     sockets: set = set()
     deadline = time.monotonic() + 240
     try:
@@ -87,9 +87,9 @@ def _run_and_watch(args: list[str], env: dict[str, str], tmp: Path, name: str, s
 @pytest.mark.timeout(300)
 def test_local_runs_listen_on_loopback_only_and_never_collide(tmp_path):
     """Three runs started at once (dp 2, pp 2 and a parameter server): each ends well, and every
-    socket their launchers and workers listen on is a loopback address (each run's launcher
-    watched on its own, the three runs' workers together: they share the zygote's fork server). The pipeline run also
-    has the collective-order check on: a real layout passes it (no false alarm)."""
+    socket their launchers and workers listen on is a loopback address (each run watched on its
+    own). The pipeline run also has the collective-order check on: a real layout passes it (no
+    false alarm)."""
     from trainmesh.comm.check import CHECK_ENV
     runs = {"dp": (["--dp", "2", "--steps", "6"], {}),
             "pp": (["--pp", "2", "--microbatches", "2", "--steps", "6"], {CHECK_ENV: "1"}),
