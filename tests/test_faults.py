@@ -244,7 +244,7 @@ def _fp16_skip_is_bounded(tmp: Path) -> None:
                       tmp / "fp16.jsonl", "fp16")
     err = proc.stderr
     assert proc.returncode == 1, err[-3000:]
-    from trainmesh.run.trainer import MAX_NONFINITE_SKIPS
+    from trainmesh.run.steps import MAX_NONFINITE_SKIPS
     line = headline(err)
     assert re.search(rf"step \d+: non-finite .*--on-nonfinite skip, {MAX_NONFINITE_SKIPS} in a row", line), line
     steps = [r for r in _records(tmp / "fp16.jsonl") if r["event"] == "step"]

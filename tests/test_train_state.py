@@ -53,10 +53,11 @@ def test_a_checkpoint_of_the_old_format_resumes_the_run(tmp_path):
 
 
 def test_the_state_round_trips_with_its_generators():
-    """Bug: the RNG (or the scaler) left out of the record a rejoining replica copies."""
+    """Bug: the RNG (or the scaler, or the count of non-finite steps in a row) left out of the
+    record a rejoining replica copies."""
     _, a = _engine()
     a.precision.scaler.scale, a.precision.scaler.good_steps = 2.0**9, 5
-    a.state.step = 7
+    a.state.step, a.state.nonfinite_run = 7, 3
     record = a.state.state_dict()
     expected = torch.rand(4)
     _, b = _engine()
@@ -64,3 +65,4 @@ def test_the_state_round_trips_with_its_generators():
     b.state.load_state_dict(record)
     assert torch.equal(torch.rand(4), expected)
     assert b.state.step == 7 and (b.precision.scaler.scale, b.precision.scaler.good_steps) == (2.0**9, 5)
+    assert b.state.nonfinite_run == 3

@@ -154,11 +154,6 @@ class TrainConfig:
                     raise ConfigError(flag, "runs a replica of a fault-tolerant run across hosts; "
                                       "needs --fault-tolerant")
             return
-        why = {"--on-nonfinite": self.on_nonfinite != "stop" and "a skipped step is not "
-                                 "supported by fault-tolerant runs (valid: stop)"}
-        for flag, reason in why.items():
-            if reason:
-                raise ConfigError(flag, f"is not supported with --fault-tolerant: {reason}")
         if any(v is not None for v in across.values()):
             missing = [flag for flag, value in across.items() if value is None]
             if missing:

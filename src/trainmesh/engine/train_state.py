@@ -1,11 +1,12 @@
 """The training state beside the tensors: the step count, each parameter group's learning rate,
-the LR schedule's position, the fp16 loss scaler and the random number generators.
+the LR schedule's position, the fp16 loss scaler, the random number generators and the count of
+non-finite steps in a row (``--on-nonfinite skip``).
 
 One piece, saved and restored together: a checkpoint stores :meth:`TrainState.state_dict` as
 its ``trainer`` record (JSON), and a fault-tolerant replica that rejoins takes the same record
 from a peer with the live parameters (docs/FAULT_TOLERANCE.md). Records written before the
 generators were part of it (no ``rng`` key) still load; the generators are then left as they
-are.
+are. So do records without the non-finite count: it is then 0.
 """
 from __future__ import annotations
 
@@ -31,10 +32,13 @@ class TrainState:
     device: torch.device
     step: int = 0
     """Optimizer steps taken (a skipped fp16 step counts: the data moved on)."""
+    nonfinite_run: int = 0
+    """Non-finite steps in a row, each skipped (``--on-nonfinite skip``); 0 after a finite one.
+    Part of the state, so that a replica that rejoins mid-run stops where its peers do."""
 
     def state_dict(self) -> dict[str, Any]:
         """A JSON-able record of the whole state."""
-        state: dict[str, Any] = {"step": self.step,
+        state: dict[str, Any] = {"step": self.step, "nonfinite_run": self.nonfinite_run,
                                  "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
                                  "precision": self.precision.state_dict(),
                                  "rng": _rng_state(self.device)}
@@ -47,6 +51,7 @@ class TrainState:
         """Take a record of :meth:`state_dict` (or of a checkpoint written before the
         generators were saved)."""
         self.step = int(state["step"])
+        self.nonfinite_run = int(state.get("nonfinite_run", 0))
         for group, lr in zip(self.optimizer.param_groups, state["group_lrs"]):
             group["lr"] = lr
         if self.lr_scheduler is not None and "lr_scheduler" in state:

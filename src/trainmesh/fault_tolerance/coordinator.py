@@ -183,17 +183,21 @@ class Coordinator:
             ok = len(outcomes) == len(decision.members) and all(o.ok for o in outcomes)
             if ok and not _same_step(outcomes):   # a bug, not a fault: never applied
                 store.set(key("commit", q), "0")
+                ends = any("nonfinite_ends" in o.row for o in outcomes)
                 self.error = (f"internal: the members of step {decision.step} computed different "
                               "steps: " + "; ".join(f"replica {o.replica}: loss {o.row.get('loss')}"
-                                                    f" overflow {o.row.get('overflow')}" for o in outcomes))
+                                                    f" overflow {o.row.get('overflow')}"
+                                                    + (f" run ends: {o.row.get('nonfinite_ends', 'no')}"
+                                                       if ends else "") for o in outcomes))
                 break
             nonfinite = outcomes[0].row.get("nonfinite") if ok else None
-            store.set(key("commit", q), "1" if ok and not nonfinite else "0")
+            ends = outcomes[0].row.get("nonfinite_ends") if nonfinite else None   # else skipped
+            store.set(key("commit", q), "1" if ok and not ends else "0")
             if ok and self._inject.maybe_wait_until(decision.step, "commit", lambda: any(
                     store.check([key("req", q + 1, r)]) for r in range(self.replicas))):
                 os.kill(os.getpid(), signal.SIGKILL)   # tests: a replica applied the step
-            if nonfinite:   # the same on every member (the sums are reduced): never applied
-                self.error = (f"step {decision.step}: non-finite {nonfinite} (--on-nonfinite stop); "
+            if ends:   # the same on every member (the sums are reduced): never applied
+                self.error = (f"step {decision.step}: non-finite {nonfinite} (--on-nonfinite {ends}); "
                               "the run stops, nothing of the step was applied")
                 break
             if ok:
@@ -367,12 +371,14 @@ class Coordinator:
 
 
 def _same_step(outcomes: list[Outcome]) -> bool:
-    """Whether every member reports the step alike: the loss (summed across them) and fp16's
-    overflow, on which each member decides alone whether it steps."""
+    """Whether every member reports the step alike: the loss (summed across them), fp16's
+    overflow, on which each member decides alone whether it steps, and whether a non-finite
+    step ends the run (from the count in the training state each holds)."""
     def same(a: float, b: float) -> bool:
         return a == b or (a != a and b != b) or abs(a - b) <= 1e-9 * max(1.0, abs(b))
     first = outcomes[0].row
     return all(o.row.get("overflow") == first.get("overflow")
+               and o.row.get("nonfinite_ends") == first.get("nonfinite_ends")
                and same(o.row.get("loss", 0.0), first.get("loss", 0.0)) for o in outcomes)
 
 

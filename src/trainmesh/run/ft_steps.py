@@ -40,7 +40,7 @@ from trainmesh.observe.layout import layout_record
 from trainmesh.observe.metrics import MetricsWriter
 from trainmesh.observe.progress import Progress
 from trainmesh.observe.tensorboard import TensorBoardLog
-from trainmesh.run.steps import Records, StepDone
+from trainmesh.run.steps import Records, StepDone, nonfinite_ends_run
 
 
 class ReplicaRankLost(RuntimeError):
@@ -262,8 +262,10 @@ class QuorumSteps:
         if error:
             return result, row, error
         self.inject.maybe_die(d.step, "report")
-        row.update(loss=result.loss, grad_norm=result.grad_norm, overflow=result.overflow,
-                   **({"nonfinite": result.nonfinite} if result.nonfinite else {}))
+        row.update(loss=result.loss, grad_norm=result.grad_norm, overflow=result.overflow)
+        if result.nonfinite:   # and whether --on-nonfinite ends the run at it (else: skipped)
+            ends = nonfinite_ends_run(self.cfg.on_nonfinite, self.engine.state.nonfinite_run + 1)
+            row.update(nonfinite=result.nonfinite, **({"nonfinite_ends": ends} if ends else {}))
         return result, row, ""
 
     def _across(self, d: Decision) -> Callable[[torch.Tensor], None]:

@@ -26,6 +26,18 @@ from trainmesh.engine.engine import Engine
 from trainmesh.observe.progress import timed_steps
 from trainmesh.observe.tensorboard import TensorBoardLog
 
+MAX_NONFINITE_SKIPS = 10
+"""--on-nonfinite skip: this many non-finite steps in a row end the run as with stop."""
+
+
+def nonfinite_ends_run(on_nonfinite: str, in_a_row: int) -> str | None:
+    """Whether a non-finite step that makes ``in_a_row`` in a row ends the run: the policy as
+    the headline names it (``stop``; ``skip, 10 in a row``), or None where the step is skipped.
+    The same on every replica of a fault-tolerant run: the count is part of the training state."""
+    if on_nonfinite == "skip":
+        return None if in_a_row < MAX_NONFINITE_SKIPS else f"skip, {in_a_row} in a row"
+    return on_nonfinite
+
 
 @dataclass
 class StepDone:

@@ -46,12 +46,10 @@ from trainmesh.run import elastic
 from trainmesh.run.evaluation import make_evaluator
 from trainmesh.run.optimizers import no_decay, optimizer_factory
 from trainmesh.run.schedule_lr import warmup_cosine
-from trainmesh.run.steps import LocalSteps, Records, StepPolicy
+from trainmesh.run.steps import LocalSteps, Records, StepPolicy, nonfinite_ends_run
 from trainmesh.run.trace import make_tracer
 
 log = logging.getLogger("trainmesh")
-MAX_NONFINITE_SKIPS = 10
-"""--on-nonfinite skip: this many non-finite steps in a row end the run as with stop."""
 
 
 class NonFiniteError(RuntimeError):
@@ -178,7 +176,6 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
     peak = device_peak_tflops(device, p.precision, cfg.peak_tflops, cfg.gpu)
     first_loss = loss = eval_loss = float("nan")
     first_step = start
-    nonfinite_run = 0   # non-finite steps in a row
     saver = engine.async_saver() if cfg.async_save else None
     timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
     for done in policy.run(start, last, enabled=rank0 and policy.summary,
@@ -199,7 +196,7 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
             row.update(world_size=mesh.world_size, dp=p.dp)
         eval_loss = _publish(row, engine, device, metrics, board,
                              evaluator if done.lead else None) or eval_loss
-        nonfinite_run = _check_finite(cfg, engine, step, nonfinite_run)
+        _check_finite(cfg, engine, step)
         if done.lead and cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0)
                                            or step == last):
             _save(cfg, engine, step, saver, metrics, ft=policy_of is not None)
@@ -269,19 +266,20 @@ def _draw(cfg: TrainConfig, engine: Engine, tracer: Any) -> None:
         engine.write_timeline(cfg.timeline_out)
 
 
-def _check_finite(cfg: TrainConfig, engine: Engine, step: int, run: int) -> int:
-    """Apply --on-nonfinite to this step (the engine did not apply a non-finite one); returns
-    the count of non-finite steps in a row. Raises NonFiniteError to stop."""
-    what = engine.last.get("nonfinite")
+def _check_finite(cfg: TrainConfig, engine: Engine, step: int) -> None:
+    """Apply --on-nonfinite to this step (the engine did not apply a non-finite one), counting
+    non-finite steps in a row in the training state. Raises NonFiniteError to stop."""
+    what, state = engine.last.get("nonfinite"), engine.state
     if what is None:
-        return 0
-    run += 1
-    if cfg.on_nonfinite == "skip" and run < MAX_NONFINITE_SKIPS:
+        state.nonfinite_run = 0
+        return
+    state.nonfinite_run += 1
+    ends = nonfinite_ends_run(cfg.on_nonfinite, state.nonfinite_run)
+    if ends is None:
         log.warning("trainmesh: step %d skipped: non-finite %s (--on-nonfinite skip, %d in a row)",
-                    step, what, run)
-        return run
-    bound = f", {run} in a row" if cfg.on_nonfinite == "skip" else ""
-    raise NonFiniteError(f"step {step}: non-finite {what} (--on-nonfinite {cfg.on_nonfinite}{bound}); "
+                    step, what, state.nonfinite_run)
+        return
+    raise NonFiniteError(f"step {step}: non-finite {what} (--on-nonfinite {ends}); "
                          "the run stops, the newest checkpoint is from before it")
 
 
