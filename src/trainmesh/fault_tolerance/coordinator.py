@@ -271,9 +271,8 @@ class Coordinator:
         members = [[r, requests[r].incarnation] for r in sorted(requests)]
         now = time.monotonic()
         for r, inc in members:   # its request is a sign of life: its beats may not be here yet
-            seen = self._beats.get(r)
-            if seen is None or seen[0].rsplit(":", 1)[0] != inc:
-                self._beats[r] = (f"{inc}:asked", now)
+            self._beats[r] = (f"{inc}:asked", now)   # (a new incarnation's, or one back from a
+                                                      # partition whose last beat is stale)
         lost = [r for r, inc in previous if [r, inc] not in members]
         joined = [r for r, inc in members if [r, inc] not in previous] if previous else []
         lasts = {req.last for req in requests.values()}
