@@ -21,10 +21,13 @@ from helpers import SMALL, Launched, one_process, steps
 from tolerances import LOSS_ABS, NORM_REL
 
 from trainmesh.testing import (
+    coordinator_args,
     coordinator_argv,
     metrics_records,
+    replica_args,
     replica_argv,
     served_address,
+    serving_address,
 )
 
 TRAIN = [*SMALL, "--optimizer", "adamw", "--timeout", "30"]
@@ -62,10 +65,9 @@ def _served(coordinator: Launched, timeout_s: float = 120.0) -> str:
     """The address a ``trainmesh coordinator`` says it serves (on its stdout)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = coordinator.out.read_text() if coordinator.out.exists() else ""
-        for line in text.splitlines():
-            if "serving" in line:
-                return line.split("serving", 1)[1].split()[0]
+        address = serving_address(coordinator.out.read_text() if coordinator.out.exists() else "")
+        if address is not None:
+            return address
         if coordinator.poll() is not None:
             break
         time.sleep(0.05)
@@ -108,20 +110,20 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
     ref = reference_run(one_process())
     launched: list[Launched] = []
 
-    def launch(argv: list[str], name: str, inject: str = "") -> Launched:
-        """``argv`` (python -m trainmesh ...) forked from the test zygote in a process group of
-        its own; a replica's process tree is a fresh launcher's (its own fork server)."""
-        launched.append(Launched(argv[3:], tmp_path, env=_env(inject), name=name,
-                                 own_fork_server="--replica-id" in argv))
+    def launch(args: list[str], name: str, inject: str = "") -> Launched:
+        """``trainmesh ARGS`` forked from the test zygote in a process group of its own; a
+        replica's process tree is a fresh launcher's (its own fork server)."""
+        launched.append(Launched(args, tmp_path, env=_env(inject), name=name,
+                                 own_fork_server=args[0] == "train"))
         return launched[-1]
 
     out = [tmp_path / f"r{i}.jsonl" for i in range(3)]
     try:
-        coordinator = launch(coordinator_argv("127.0.0.1:0", 3), "coordinator", "coordinator@12")
+        coordinator = launch(coordinator_args("127.0.0.1:0", 3), "coordinator", "coordinator@12")
         address = _served(coordinator)
 
         def start(i: int, inject: str = "") -> Launched:
-            return launch(replica_argv(TRAIN, address, i, 3, out[i]), f"r{i}-{len(launched)}", inject)
+            return launch(replica_args(TRAIN, address, i, 3, out[i]), f"r{i}-{len(launched)}", inject)
         procs = {0: start(0, "0@9:hold"), 1: start(1, "1@5:pause,1@12:late"), 2: start(2)}
         first = procs[2]
         _wait("replica 2 at step 3", lambda: _step_of(out[2]) >= 3)
@@ -130,7 +132,7 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
         procs[2] = start(2, "2@12:late")   # so replica 0 is the one that asks into step 13
         coordinator.wait(timeout=240)
         assert coordinator.returncode == -signal.SIGKILL, _logs(launched)
-        coordinator = launch(coordinator_argv(address, 3), "coordinator-again")
+        coordinator = launch(coordinator_args(address, 3), "coordinator-again")
         assert _served(coordinator) == address
         for i, p in procs.items():
             p.wait(timeout=240)

@@ -101,19 +101,37 @@ def _cmdline(pid: int) -> bytes:
 
 
 # ---------------------------------------------------------------- fault tolerance across hosts
+def coordinator_args(bind: str, replicas: int) -> list[str]:
+    """``trainmesh``'s arguments for a coordinator (``bind``: HOST:PORT, port 0 for one the
+    kernel picks)."""
+    return ["coordinator", "--bind", bind, "--replicas", str(replicas)]
+
+
+def replica_args(train: list[str], coordinator: str, replica: int, replicas: int,
+                 metrics: str | os.PathLike) -> list[str]:
+    """``trainmesh``'s arguments for replica ``replica`` of a run across hosts (``train TRAIN
+    --fault-tolerant ...``)."""
+    return ["train", *train, "--fault-tolerant", "--coordinator", coordinator,
+            "--replica-id", str(replica), "--replicas", str(replicas), "--metrics-out", str(metrics)]
+
+
 def coordinator_argv(bind: str, replicas: int) -> list[str]:
-    """``trainmesh coordinator`` (``bind``: HOST:PORT, port 0 for one the kernel picks)."""
-    import sys
-    return [sys.executable, "-m", "trainmesh", "coordinator", "--bind", bind, "--replicas", str(replicas)]
+    """``python -m trainmesh coordinator ...`` (:func:`coordinator_args`)."""
+    return [sys.executable, "-m", "trainmesh", *coordinator_args(bind, replicas)]
 
 
 def replica_argv(train: list[str], coordinator: str, replica: int, replicas: int,
                  metrics: str | os.PathLike) -> list[str]:
-    """``trainmesh train TRAIN --fault-tolerant`` as replica ``replica`` of a run across hosts."""
-    import sys
-    return [sys.executable, "-m", "trainmesh", "train", *train, "--fault-tolerant",
-            "--coordinator", coordinator, "--replica-id", str(replica), "--replicas", str(replicas),
-            "--metrics-out", str(metrics)]
+    """``python -m trainmesh train ... --fault-tolerant ...`` (:func:`replica_args`)."""
+    return [sys.executable, "-m", "trainmesh", *replica_args(train, coordinator, replica, replicas, metrics)]
+
+
+def serving_address(output: str) -> str | None:
+    """The address a ``trainmesh coordinator``'s output says it serves, if it says so yet."""
+    for line in output.splitlines():
+        if "serving" in line:
+            return line.split("serving", 1)[1].split()[0]
+    return None
 
 
 def served_address(proc: Any, timeout_s: float = 120.0) -> str:
@@ -129,9 +147,9 @@ def served_address(proc: Any, timeout_s: float = 120.0) -> str:
     threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for line in lines:
-            if "serving" in line:
-                return line.split("serving", 1)[1].split()[0]
+        address = serving_address("".join(lines))
+        if address is not None:
+            return address
         if proc.poll() is not None and not lines:
             break
         time.sleep(0.05)

@@ -183,12 +183,12 @@ class Coordinator:
             ok = len(outcomes) == len(decision.members) and all(o.ok for o in outcomes)
             if ok and not _same_step(outcomes):   # a bug, not a fault: never applied
                 store.set(key("commit", q), "0")
-                ends = any("nonfinite_ends" in o.row for o in outcomes)
+                said_ends = any("nonfinite_ends" in o.row for o in outcomes)
                 self.error = (f"internal: the members of step {decision.step} computed different "
                               "steps: " + "; ".join(f"replica {o.replica}: loss {o.row.get('loss')}"
                                                     f" overflow {o.row.get('overflow')}"
                                                     + (f" run ends: {o.row.get('nonfinite_ends', 'no')}"
-                                                       if ends else "") for o in outcomes))
+                                                       if said_ends else "") for o in outcomes))
                 break
             nonfinite = outcomes[0].row.get("nonfinite") if ok else None
             ends = outcomes[0].row.get("nonfinite_ends") if nonfinite else None   # else skipped
