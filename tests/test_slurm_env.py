@@ -49,6 +49,19 @@ def test_an_srun_task_is_a_rank_of_the_step_meeting_on_its_first_host():
     assert not is_local(job)
 
 
+def test_a_step_on_part_of_the_allocation_meets_on_the_steps_first_node():
+    """``srun -w`` or ``--relative``: the step runs on gpu08 and cpu1 of a four-node job; its
+    tasks meet on gpu08 (the step's first node), not on gpu07 where no task of the step runs."""
+    part = {**TASK, "SLURM_JOB_NODELIST": "gpu[07-08],cpu[1,3]", "SLURM_NODELIST": "gpu[07-08],cpu[1,3]",
+            "SLURM_STEP_NODELIST": "gpu08,cpu1", "SLURM_STEP_TASKS_PER_NODE": "2,1",
+            "SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "3", "SLURM_PROCID": "2", "SLURM_NODEID": "1",
+            "SLURM_LOCALID": "0"}
+    task = slurm_task(part)
+    assert task.nodes == ("gpu08", "cpu1")
+    assert (task.rank, task.world, task.local_rank, task.local_world) == (2, 3, 0, 1)
+    assert launcher_job(part).master == ("gpu08", derived_port(4242, 3))
+
+
 def test_ports_differ_between_steps_and_jobs_and_avoid_the_ephemeral_range():
     ports = {derived_port(job, step) for job in range(1000, 1200) for step in range(4)}
     assert len(ports) == 800
