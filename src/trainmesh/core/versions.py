@@ -2,10 +2,12 @@
 
 The floors are those ``pyproject.toml`` declares and ``benchmarks/version_matrix.sh`` tests
 (docs/COMPATIBILITY.md); a version below one is refused with one line naming the installed
-and the required version (the command line: exit 2).
+and the required version (the command line: exit 2). A transformers newer than the newest one
+tested gets one warning: its model plans may have changed in ways trainmesh does not know yet.
 """
 from __future__ import annotations
 
+import logging
 import re
 
 from trainmesh.core.errors import ConfigError
@@ -15,6 +17,9 @@ TORCH_MIN = "2.6"
 TRANSFORMERS_MIN = "5.0"
 """transformers 5's weight conversions and model plans are what trainmesh reads; it needs torch
 >= 2.6 itself (below it, it disables its PyTorch models)."""
+TRANSFORMERS_TESTED = "5.25.0"
+"""The newest transformers the suite passed with: the extras' upper bound in ``pyproject.toml``
+and the pin of ``constraints.txt`` (a test keeps the three equal)."""
 
 
 def parse(version: str) -> tuple[int, ...]:
@@ -37,5 +42,16 @@ def check_torch() -> None:
     require("torch", torch.__version__, TORCH_MIN)
 
 
+def newer_than_tested(installed: str, tested: str) -> bool:
+    """True when ``installed`` is a later release than ``tested`` (local labels ignored)."""
+    have, ref = parse(installed), parse(tested)
+    width = max(len(have), len(ref))
+    return have + (0,) * (width - len(have)) > ref + (0,) * (width - len(ref))
+
+
 def check_transformers(transformers) -> None:
     require("transformers", transformers.__version__, TRANSFORMERS_MIN)
+    if newer_than_tested(transformers.__version__, TRANSFORMERS_TESTED):
+        logging.getLogger("trainmesh").warning(
+            "transformers %s is newer than the newest release trainmesh was tested with (%s): "
+            "a model's declared plans may have changed (docs/COMPATIBILITY.md)", transformers.__version__, TRANSFORMERS_TESTED)
