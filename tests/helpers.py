@@ -107,18 +107,21 @@ class Launched:
     its output in files (``communicate`` returns their text), and its workers (:meth:`workers`). With
     ``own_fork_server`` (tests that signal the launcher or end its process tree) its workers
     fork from a fork server of its own, as a fresh launcher's do; without (tests that kill a
-    worker), from the zygote's shared one, so no interpreter starts for the run."""
+    worker), from the zygote's shared one, so no interpreter starts for the run. With
+    ``hostname``, it and its workers run under that hostname (a UTS namespace: root only)."""
 
     def __init__(self, argv: list[str], tmp: Path, *, env: dict[str, str], name: str,
-                 own_fork_server: bool = True) -> None:
+                 own_fork_server: bool = True, hostname: str | None = None) -> None:
         self.out, self.err = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
         self.zygote = zygote()
         self.proc = self.zygote.start(argv, env, Path.cwd(), self.out, self.err,
-                                      own_fork_server=own_fork_server)
+                                      own_fork_server=own_fork_server, hostname=hostname)
         if self.proc is None:
             self.zygote = None
+            renamed = (["unshare", "--uts", "sh", "-c", f'hostname {hostname} && exec "$@"', "sh"]
+                       if hostname else [])
             with open(self.out, "w") as out, open(self.err, "w") as err:
-                self.proc = subprocess.Popen([sys.executable, "-m", "trainmesh", *argv], env=env,
+                self.proc = subprocess.Popen([*renamed, sys.executable, "-m", "trainmesh", *argv], env=env,
                                              stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                              start_new_session=True)
         self.pid = self.proc.pid

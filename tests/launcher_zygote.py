@@ -13,8 +13,10 @@ the zygote holds no threads, sockets or process groups when it forks.
 ``TRAINMESH_TEST_ZYGOTE=0`` starts every run as a fresh process instead.
 
 Protocol (runs may overlap): the client writes one JSON line per run, ``{"argv", "env", "cwd",
-"stdout", "stderr", "umask", "own_fork_server", "call"}`` (``call``: a test's function to run
-in place of ``trainmesh``, tests/elastic_run.py's agents); the zygote answers ``{"pid"}`` once forked
+"stdout", "stderr", "umask", "own_fork_server", "call", "hostname"}`` (``call``: a test's function
+to run in place of ``trainmesh``, tests/elastic_run.py's agents; ``hostname``: the run, its fork
+server and workers in a UTS namespace of their own under that name, tests/test_network.py's host
+whose name resolves to a network address); the zygote answers ``{"pid"}`` once forked
 (requests are answered in order) and ``{"pid", "code"}`` once that child ended. It waits on
 its children without a thread: SIGCHLD wakes its loop (``signal.set_wakeup_fd``). Overlapping
 runs share the fork server unless they ask for their own; a test that stops a fault-tolerant
@@ -158,10 +160,21 @@ def _fork_own_fork_server() -> None:
         util.spawnv_passfds = spawn
 
 
+def _rename_host(name: str) -> None:
+    """This process (and all it starts) in a UTS namespace of its own, its hostname ``name``."""
+    import ctypes
+    import socket
+    if ctypes.CDLL(None, use_errno=True).unshare(0x04000000) != 0:   # CLONE_NEWUTS
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) failed")
+    socket.sethostname(name)
+
+
 def _child(request: dict, main, run_exit_handlers, own_fork_server: bool) -> None:
     code = 1
     try:
         os.setpgrp()                                 # its group: a timeout ends all it started
+        if request.get("hostname"):                  # before its fork server: workers share it
+            _rename_host(request["hostname"])
         os.chdir(request["cwd"])
         if request.get("umask") is not None:
             os.umask(request["umask"])
@@ -246,18 +259,19 @@ class Zygote:
 
     def start(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path,
               umask: int | None = None, own_fork_server: bool = False,
-              call: str | None = None) -> Child | None:
+              call: str | None = None, hostname: str | None = None) -> Child | None:
         """``trainmesh ARGV`` started (``own_fork_server``: its workers forked by a fork server
         of its own, its process tree a fresh launcher's); with ``call`` ("module:function", a
         module of tests/), that function run with ARGV (its exit code: what it returns) in
-        place of trainmesh's command line. None where the zygote is off or gone."""
+        place of trainmesh's command line; with ``hostname``, run under that hostname (its UTS
+        namespace: root only). None where the zygote is off or gone."""
         if os.environ.get("TRAINMESH_TEST_ZYGOTE") == "0" or self.proc.poll() is not None:
             return None
         with self.starting:
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd),
                                               "stdout": str(stdout), "stderr": str(stderr),
                                               "umask": umask, "own_fork_server": own_fork_server,
-                                              "call": call})
+                                              "call": call, "hostname": hostname})
                                   + "\n")
             self.proc.stdin.flush()
             with self.answered:   # the first answer comes once the zygote has started too

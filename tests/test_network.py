@@ -3,9 +3,12 @@ are bound where they are picked (two runs started together never collide). Linux
 (reads /proc)."""
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import socket
+import struct
+import subprocess
 import sys
 import threading
 import time
@@ -61,13 +64,41 @@ def _is_loopback(addr: str) -> bool:
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
-def _run_and_watch(args: list[str], env: dict[str, str], tmp: Path, name: str, seen: dict) -> None:
+def lan_address() -> str | None:
+    """An IPv4 address of this machine beyond loopback (None: it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:   # SIOCGIFADDR: the interface's address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue   # no IPv4 address
+            addr = socket.inet_ntoa(raw[20:24])
+            if not ipaddress.ip_address(addr).is_loopback:
+                return addr
+    return None
+
+
+def lan_hostname() -> str | None:
+    """A hostname that resolves to a network address of this machine, for runs in a UTS
+    namespace of their own (a cluster node's hostname resolves to its LAN address, where a
+    backend left to pick its own device listens): the address itself. None where no such
+    namespace can be made (not root) or the machine has no address beyond loopback."""
+    addr = lan_address()
+    try:
+        made = subprocess.run(["unshare", "--uts", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return addr if addr and made.returncode == 0 else None
+
+
+def _run_and_watch(args: list[str], env: dict[str, str], tmp: Path, name: str, seen: dict,
+                   hostname: str | None = None) -> None:
     """Run `trainmesh train ARGS` (forked from the test zygote, its workers from a fork server
-    of its own, as a fresh launcher's); while it runs, record every listening socket of its
-    launcher and of its workers."""
+    of its own, as a fresh launcher's; under ``hostname`` where given); while it runs, record
+    every listening socket of its launcher and of its workers."""
     metrics = tmp / f"{name}.jsonl"
     proc = Launched(["train", *T, *args, "--metrics-out", str(metrics)], tmp, env={**ENV, **env},
-                    name=name)
+                    name=name, hostname=hostname)
     sockets: set = set()
     deadline = time.monotonic() + 240
     try:
@@ -86,16 +117,20 @@ def _run_and_watch(args: list[str], env: dict[str, str], tmp: Path, name: str, s
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_local_runs_listen_on_loopback_only_and_never_collide(tmp_path):
-    """Three runs started at once (dp 2, pp 2 and a parameter server): each ends well, and every
-    socket their launchers and workers listen on is a loopback address (each run watched on its
-    own). The pipeline run also has the collective-order check on: a real layout passes it (no
-    false alarm)."""
+    """Four runs started at once (dp 2, pp 2, a parameter server, and a fault-tolerant run of
+    two replicas of tp 2: the coordinator, each replica's own group and the groups across
+    replicas), on a host whose name resolves to a network address (where one can be made): each
+    ends well, and every socket their launchers and workers listen on is a loopback address
+    (each run watched on its own). The pipeline run also has the collective-order check on: a
+    real layout passes it (no false alarm)."""
     from trainmesh.comm.check import CHECK_ENV
     runs = {"dp": (["--dp", "2", "--steps", "6"], {}),
             "pp": (["--pp", "2", "--microbatches", "2", "--steps", "6"], {CHECK_ENV: "1"}),
-            "ps": (["--strategy", "ps", "--dp", "2", "--ps-servers", "1", "--steps", "6"], {})}
+            "ps": (["--strategy", "ps", "--dp", "2", "--ps-servers", "1", "--steps", "6"], {}),
+            "ft": (["--fault-tolerant", "--dp", "2", "--tp", "2", "--steps", "6"], {})}
     seen: dict = {}
-    threads = [threading.Thread(target=_run_and_watch, args=(args, env, tmp_path, name, seen))
+    hostname = lan_hostname()
+    threads = [threading.Thread(target=_run_and_watch, args=(args, env, tmp_path, name, seen, hostname))
                for name, (args, env) in runs.items()]
     for t in threads:
         t.start()
@@ -107,7 +142,8 @@ def test_local_runs_listen_on_loopback_only_and_never_collide(tmp_path):
         assert steps == 6, f"{name}: {steps} steps logged"
         assert sockets, f"{name}: no listening socket seen"
         exposed = sorted((a, p, pid) for a, p, pid in sockets if not _is_loopback(a))
-        assert not exposed, f"{name} or a worker listens beyond loopback (address, port, pid): {exposed}"
+        assert not exposed, (f"{name} or a worker listens beyond loopback (address, port, pid) on "
+                             f"host {hostname or socket.gethostname()}: {exposed}")
 
 
 def _all_reduce_ones() -> list[float]:
