@@ -167,6 +167,8 @@ def _advise(args: argparse.Namespace) -> int:
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError("--global-batch", f"must be a positive integer; got {args.global_batch}")
     kernels = _kernels(args.kernels)
+    if args.model_dir is not None and args.kernels is None:   # trainmesh runs transformers' modules
+        kernels = replace(kernels, rmsnorm="eager")
     source = None
     if args.calibrate is not None:
         from ..planner.calibrate import calibrate

@@ -10,6 +10,12 @@ unless marked fp32, a layer with no recompute keeps::
     norm outputs       2 T h          the column-parallel layers' inputs, whole on every rank
                                       (a MoE block's MLP norm output: T h/t with SP)
     norm statistics    2 T n (fp32)   n = 2 (LayerNorm: mean, rstd) or 1 (RMSNorm: rstd); /t with SP
+    norm fp32 copies   2 T h (fp32)   transformers' RMSNorm, written out in PyTorch ops
+                                      (:attr:`Kernels.rmsnorm` ``eager``): it also keeps its input
+                                      cast to fp32 and the normalised value before the weight, 4
+                                      bytes a value more than a fused kernel whatever the dtype
+                                      (fp32: the normalised copy; 16-bit: the fp32 input in place
+                                      of the 16-bit one, plus the 16-bit normalised copy); /t with SP
     q, k, v            T (q + 2 kv)/t
     attention output   T q/t          (the output projection's input)
     log-sum-exp        T a/t (fp32)   flash/efficient kernels: all they keep besides q, k, v, out
@@ -69,9 +75,13 @@ class Kernels:
     Megatron) or ``op`` (torchtitan: all but every other matmul's output and the attention's)."""
     dropout: bool = False
     """Dropout after the attention and the MLP (1-byte masks; the math kernel's dropped copy)."""
+    rmsnorm: str = "fused"
+    """``fused`` (a kernel keeping its input and rstd: PyTorch's, Megatron's) or ``eager``
+    (transformers' RMSNorm, PyTorch ops that keep an fp32 input and the normalised value too)."""
 
     def __post_init__(self) -> None:
         assert self.attention in ATTENTION and self.selective in SELECTIVE
+        assert self.rmsnorm in ("fused", "eager")
 
 
 TRAINMESH = Kernels()
@@ -101,6 +111,8 @@ def layer_parts(model: ModelShape, kernels: Kernels = TRAINMESH, *, seq: int, ba
              # tokens, so its MLP norm's output stays split
              "norm outputs": tokens * h * e * (1 + (1 / sp if moe else 1)),
              "norm statistics": 2 * tokens / sp * NORM_STATS[model.norm] * 4,
+             **({"norm fp32 copies": 2 * tokens * h / sp * 4}
+                if kernels.rmsnorm == "eager" and model.norm == "rmsnorm" else {}),
              "q, k, v": tokens * (q + 2 * kv) / t * e,
              "attention output": tokens * q / t * e}
     if recompute != "selective":
