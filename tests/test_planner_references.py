@@ -183,6 +183,26 @@ def test_calibrate_takes_efficiency_and_memory_from_a_run(tmp_path, capsys):
     assert code == 0 and str(path) in out.replace("\n", "")
 
 
+def test_calibrated_memory_scale_is_the_measured_over_the_predicted_dynamic_memory(tmp_path):
+    """The run's peak less its model states, over the dynamic memory the planner predicts for the
+    run's own layout (activations and buffers: the overhead less the fixed part, allocator
+    fragmentation 1), exactly; with that scale the calibrated planner gives the run's own peak
+    back (the fixed part aside: a measured peak is the allocator's, without the CUDA context)."""
+    ref = REFERENCES[1]
+    layout, model, cluster = reference_setup(ref)
+    run_model = replace(model, micro_batch=round(16 * 8192 / model.seq_len / (layout.dp * layout.microbatches)))
+    base = replace(cluster, gpus=layout.world_size, efficiency=0.5, memory_scale=1.0, fragmentation=1.0)
+    mem = evaluate(layout, run_model, base, ref.kernels).memory
+    dynamic = mem.activations + mem.overhead - cluster.framework_overhead_bytes
+    peak = int(mem.model_states + 1.37 * dynamic)
+    path = _run_file(tmp_path, params=model.params, step_s=3.0, peak=peak,
+                     layout={**layout.layout(), "dp_shard": 8})
+    cal = calibrate(str(path), model, cluster, ref.kernels)
+    assert cal.memory_scale == pytest.approx((peak - mem.model_states) / dynamic, rel=1e-9)
+    again = evaluate(layout, run_model, replace(base, memory_scale=cal.memory_scale), ref.kernels).memory
+    assert again.total - cluster.framework_overhead_bytes == pytest.approx(peak, rel=1e-9)
+
+
 def _mixtral_dir(tmp_path) -> Path:
     d = tmp_path / "mixtral"
     d.mkdir()
