@@ -114,6 +114,26 @@ def test_model_tokens_are_autotokenizer_per_document(fmt, model_dir, tmp_path):
     assert len(cached) == 1 and np.array_equal(np.load(cached[0]), want)
 
 
+def test_a_vocabulary_past_uint16_is_cached_whole(tmp_path):
+    """A model tokenizer of 70,000 ids (a word-level one: id i is word ``w{i}``): the token cache
+    holds ids up to 69,999 as they are (a cache of uint16 would wrap 65,536 and above)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 70_000)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    d = tmp_path / "wide"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(d)
+    docs = ["w3 w65535 w65536 w69999", "w70 w66000 w4"]
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n\n".join(docs) + "\n")
+    got = np.asarray(tokens_of(str(path), "model", model_dir=str(d)), dtype=np.int64)
+    assert got.tolist() == [1, 3, 65535, 65536, 69999, 2, 1, 70, 66000, 4, 2]
+    cached = np.load(next(tmp_path.glob("*.tok-*.npy")))
+    assert np.iinfo(cached.dtype).max >= 69_999 and cached.max() == 69_999
+
+
 def test_the_cache_is_keyed_by_source_field_and_tokenizer(model_dir, tmp_path):
     docs = _docs(20)
     path, field = write_sources(tmp_path, docs)["jsonl"]
