@@ -91,3 +91,245 @@ def native_step(module: torch.nn.Module, opt: torch.optim.Optimizer, world: int,
         dist.all_reduce(total)
         return total.item() / world
     return step
+
+
+# ---------------------------------------------------------------- PyTorch's side, measured alike
+def _storage(t) -> int:
+    """Where ``t``'s storage lives: a functional collective's output and its views alike."""
+    return t.untyped_storage().data_ptr()
+
+
+def _payload(t) -> int:
+    return t.numel() * t.element_size() if t is not None else 0
+
+
+# name -> (op as trainmesh's ledger names it, payload bytes of the call's arguments): the
+# nccl-tests convention trainmesh's ledger follows (all_gather counts the gathered output,
+# reduce_scatter the unreduced input, the others their tensor).
+_DIST_OPS = {
+    "all_reduce": ("all_reduce", lambda a, k: _payload(a[0] if a else k.get("tensor"))),
+    "broadcast": ("broadcast", lambda a, k: _payload(a[0] if a else k.get("tensor"))),
+    "all_gather_single": ("all_gather", lambda a, k: _payload(a[0] if a else k.get("output_tensor"))),
+    "all_gather_into_tensor": ("all_gather", lambda a, k: _payload(a[0] if a else k.get("output_tensor"))),
+    "reduce_scatter_single": ("reduce_scatter", lambda a, k: _payload(a[1] if len(a) > 1 else k["input"])),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _payload(a[1] if len(a) > 1 else k["input"])),
+    "all_to_all_single": ("all_to_all", lambda a, k: _payload(a[1] if len(a) > 1 else k.get("input"))),
+    "send": ("send", lambda a, k: _payload(a[0])), "recv": ("recv", lambda a, k: _payload(a[0])),
+    "batch_isend_irecv": ("batch_p2p", lambda a, k: sum(_payload(op.tensor) for op in a[0])),
+    "barrier": ("barrier", lambda a, k: 0),
+}
+_FUNCOL_OPS = {   # torch.distributed._functional_collectives (DTensor's redistributions)
+    "all_reduce": ("all_reduce", lambda a, k: _payload(a[0])),
+    "all_gather_single": ("all_gather", None), "all_gather_tensor": ("all_gather", None),
+    "reduce_scatter_single": ("reduce_scatter", lambda a, k: _payload(a[0])),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _payload(a[0])),
+    "all_to_all_single": ("all_to_all", lambda a, k: _payload(a[0])),
+}
+
+
+class TorchCommMeter:
+    """Payload bytes and the seconds the calling thread spends blocked in PyTorch's collectives,
+    by mesh axis, counted by wrapping ``torch.distributed``'s collectives and the functional
+    collectives DTensor uses (``_functional_collectives``; their ``wait_tensor``): a blocking
+    call counts whole, an async one its issue plus its ``wait()``, a functional one its issue
+    plus its ``wait_tensor``. The same two quantities trainmesh's ledger books per op. Calls
+    made inside a counted call are not counted again. ``axes`` maps a group's ranks to the axis
+    name reported (a group not in it is reported as ``other``). Active only between
+    ``start()`` and ``stop()``; the wrappers stay installed (one meter per process)."""
+
+    def __init__(self, axes: dict[frozenset, str]) -> None:
+        import threading
+        self.axes = axes
+        self.active = False
+        self.bytes: dict[str, dict[str, int]] = {}
+        self.seconds: dict[str, float] = {}
+        self._local = threading.local()
+        self._installed = False
+        self._pending: dict[int, tuple[str, str]] = {}
+        """Storage of a functional collective's output -> its (axis, op), until waited on."""
+
+    def reset(self) -> None:
+        self.bytes, self.seconds, self._pending = {}, {}, {}
+
+    def start(self) -> "TorchCommMeter":
+        if not self._installed:
+            self._install()
+        self.active = True
+        return self
+
+    def stop(self) -> None:
+        self.active = False
+
+    # ------------------------------------------------------------ accounting
+    def _axis(self, group) -> str:
+        import torch.distributed as dist
+        if group is None:
+            group = dist.group.WORLD
+        if isinstance(group, tuple):                       # (DeviceMesh, dim)
+            mesh, dim = group
+            group = mesh.get_group(dim)
+        if isinstance(group, str):
+            from torch.distributed._functional_collectives import _resolve_group_name
+            import torch._C._distributed_c10d as c10d
+            group = c10d._resolve_process_group(_resolve_group_name(group))
+        try:
+            ranks = frozenset(dist.get_process_group_ranks(group))
+        except Exception:                                   # noqa: BLE001 (unknown kind of group)
+            return "other"
+        return self.axes.get(ranks, "other")
+
+    def _book(self, axis: str, op: str, nbytes: int, seconds: float) -> None:
+        ops = self.bytes.setdefault(axis, {})
+        ops[op] = ops.get(op, 0) + nbytes
+        self.seconds[axis] = self.seconds.get(axis, 0.0) + seconds
+
+    def _counting(self) -> bool:
+        return self.active and not getattr(self._local, "inside", False)
+
+    def _wrap(self, fn, op: str, size, group_of):
+        meter = self
+
+        def wrapped(*args, **kwargs):
+            if not meter._counting():
+                return fn(*args, **kwargs)
+            meter._local.inside = True
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                meter._local.inside = False
+            axis = group_of(args, kwargs)
+            nbytes = size(args, kwargs) if size else _payload(out)
+            meter._book(axis, op, nbytes, time.perf_counter() - t0)
+            if isinstance(out, torch.Tensor):      # a functional collective's: its wait books here
+                meter._pending[_storage(getattr(out, "elem", out))] = (axis, op)
+            if isinstance(out, list):
+                return [meter._timed_work(w, axis, op) for w in out]
+            return meter._timed_work(out, axis, op)
+        return wrapped
+
+    def _timed_work(self, work, axis: str, op: str):
+        import torch.distributed as dist
+        if not isinstance(work, dist.Work):
+            return work
+        meter = self
+
+        class TimedWork(dist.Work):      # still a Work: FSDP2 tests isinstance before waiting
+            def wait(self, timeout=None):
+                t0 = time.perf_counter()
+                ok = work.wait() if timeout is None else work.wait(timeout)
+                if meter.active:
+                    meter._book(axis, op, 0, time.perf_counter() - t0)
+                return ok
+
+            def is_completed(self):
+                return work.is_completed()
+
+            def is_success(self):
+                return work.is_success()
+
+            def exception(self):
+                return work.exception()
+
+            def source_rank(self):
+                return work.source_rank()
+
+            def result(self):
+                return work.result()
+
+            def get_future(self):
+                return work.get_future()
+        return TimedWork()
+
+    def _install(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        def dist_group(args, kwargs, name=None):
+            if "group" in kwargs:
+                return self._axis(kwargs["group"])
+            if name == "batch_isend_irecv":
+                return self._axis(args[0][0].group) if args[0] else "other"
+            positional = {"all_reduce": 2, "broadcast": 2, "all_gather_single": 2,
+                          "all_gather_into_tensor": 2, "reduce_scatter_single": 3,
+                          "reduce_scatter_tensor": 3, "all_to_all_single": 4, "send": 2,
+                          "recv": 2, "isend": 2, "irecv": 2, "barrier": 0}.get(name)
+            return self._axis(args[positional] if positional is not None and len(args) > positional else None)
+
+        for name, (op, size) in _DIST_OPS.items():
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(getattr(dist, name), op, size,
+                                               lambda a, k, n=name: dist_group(a, k, n)))
+        group_pos = {"all_reduce": 2, "all_gather_single": 2, "all_gather_tensor": 2,
+                     "reduce_scatter_single": 3, "reduce_scatter_tensor": 3, "all_to_all_single": 3}
+        for name, (op, size) in _FUNCOL_OPS.items():
+            if hasattr(funcol, name):
+                pos = group_pos[name]
+                setattr(funcol, name, self._wrap(
+                    getattr(funcol, name), op, size,
+                    lambda a, k, p=pos: self._axis(k.get("group", a[p] if len(a) > p else None))))
+        wait = funcol.wait_tensor
+        meter = self
+
+        def wait_tensor(tensor):
+            if not meter.active or getattr(meter._local, "inside", False):
+                return wait(tensor)         # not waiting, or inside a call counted whole
+            t0 = time.perf_counter()
+            out = wait(tensor)
+            axis, op = meter._pending.pop(_storage(tensor), ("other", "wait_tensor"))
+            meter._book(axis, op, 0, time.perf_counter() - t0)
+            return out
+        funcol.wait_tensor = wait_tensor
+        self._installed = True
+
+
+def mesh_axes(mesh, names: dict[str, str] | None = None) -> dict[frozenset, str]:
+    """{ranks of each of ``mesh``'s dimension groups: axis name} for :class:`TorchCommMeter`
+    (``names`` renames PyTorch's dimension names to trainmesh's), the world as ``world``."""
+    import torch.distributed as dist
+    out = {frozenset(range(dist.get_world_size())): "world"}
+    for dim in mesh.mesh_dim_names:
+        group = mesh[dim].get_group() if mesh.ndim > 1 else mesh.get_group()
+        out.setdefault(frozenset(dist.get_process_group_ranks(group)), (names or {}).get(dim, dim))
+    return out
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (a DTensor counts its local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = getattr(t, "_local_tensor", t)
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def step_alloc_peak(fn: Callable[[], object]) -> int:
+    """Peak bytes of one call of ``fn``'s own allocations still live, from the PyTorch
+    profiler's CPU memory events (the allocator's records of this thread, in order). Blocks
+    allocated before the call and freed in it are not seen (the profiler does not know their
+    size), so this is an upper bound of the call's peak above its start."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(2)
+    os.dup2(quiet, 2)           # the profiler's start/stop lines and its warning on blocks
+    try:                        # allocated before it started
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(quiet)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    level = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        peak = max(peak, level)
+    return peak

@@ -1,0 +1,37 @@
+"""benchmarks/bench_composed.py's flags, in process: the plan a dry run prints, and bad input
+refused with exit 2 and one line naming the flag, before anything is launched."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_composed  # noqa: E402
+
+
+def test_dry_run_prints_the_plan_and_launches_nothing(capsys, monkeypatch):
+    import trainmesh.testing
+    monkeypatch.setattr(trainmesh.testing, "run_distributed", lambda *a, **k: pytest.fail("launched"))
+    bench_composed.main(["--dry-run", "--layouts", "zero3-tp,hsdp-tp", "--steps", "4"])
+    out = capsys.readouterr().out
+    assert "zero3-tp (4 processes), hsdp-tp (8 processes)" in out and "3 runs x 4 timed steps" in out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--layouts", "zero3-tp,tp-ep"], "--layouts"),
+    (["--layouts", ","], "--layouts"),
+    (["--runs", "0"], "--runs"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--layouts", "hsdp-tp", "--batch", "6"], "--batch"),                     # dp 4
+    (["--layouts", "zero3-tp-pp", "--batch", "2", "--microbatches", "2"], "--batch"),   # dp 2 x 2
+    (["--heads", "3", "--d-model", "96"], "--heads"),
+    (["--d-model", "90"], "--d-model"),
+    (["--seq", "30"], "--seq"),
+])
+def test_bad_flags_exit_2_naming_them(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_composed.main([*argv, "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith(flag), err
