@@ -10,10 +10,10 @@ aux loss (``output_router_logits``, ``router_aux_loss_coef``), are trained by re
 
 - Mixtral and Qwen3-MoE at ``--dp 2 --ep 2``, ``--dp 2 --zero 3 --ep 2`` (experts spread over ep
   from ``base_model_ep_plan``, tokens dispatched by all-to-all) and ``--tp 2`` (the stacked
-  experts split by ``base_model_tp_plan``'s ``packed_colwise``/``rowwise``/``moe_tp_experts``),
-  ``--cp 2`` (each sequence's slot counts summed over cp), ``--tp 2 --sequence-parallel`` (the
-  router on the rank's chunk of the tokens, its counts summed over tp) and ``--pp 2
-  --microbatches 2`` (each stage's routing carried to the last with the hidden states);
+  experts split by the ``moe_tp_experts`` styles transformers 5.24 declares, whole on every TP
+  rank under 5.25's plans), ``--cp 2`` (each sequence's slot counts summed over cp), ``--tp 2
+  --sequence-parallel`` (router and whole experts on the rank's chunk, counts summed over tp)
+  and ``--pp 2 --microbatches 2`` (each stage's routing carried to the last with the hidden states);
 - Qwen2-MoE (a gated shared expert, dense) at ``--dp 2 --tp 2 --ep 2 --zero 2 --microbatches 2``
   (the experts spread over ep and whole on every TP rank, the attention split over tp).
 

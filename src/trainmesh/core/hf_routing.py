@@ -1,4 +1,5 @@
-"""What a Hugging Face mixture of experts declares about its router, and its routing per sequence.
+"""What a Hugging Face mixture of experts declares about its router and holds as its experts, and
+its routing per sequence.
 
 transformers records a mixture of experts' ``router_logits`` from one module class per MoE
 layer (the model's ``_can_record_outputs``) and adds its router's load-balancing loss when the
@@ -6,7 +7,9 @@ config sets ``output_router_logits`` with a ``router_aux_loss_coef``. trainmesh 
 per sequence (:mod:`trainmesh.models.hf_router`); the per-sequence routing it needs
 (:class:`Routing`) is pooled over layers by adding, which is how the parallel packages carry it
 across ranks (a pipeline stage adds its layers' to what the earlier stages sent,
-:mod:`trainmesh.pipeline_parallel.hf_routing`). Imports core only.
+:mod:`trainmesh.pipeline_parallel.hf_routing`). Its experts are recognised by what they hold
+(:func:`stacked_experts`), not by their class or by the styles a plan gives them: the plans
+name them differently from one transformers release to the next. Imports core only.
 """
 from __future__ import annotations
 
@@ -33,6 +36,36 @@ def router_logits_of(model: nn.Module) -> tuple[type, int]:
     in its output)."""
     recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
     return getattr(recorder, "target_class", recorder), int(getattr(recorder, "index", 0) or 0)
+
+
+def expert_count(model: nn.Module) -> int:
+    """Experts per mixture-of-experts layer the model's config declares (0: none declared)."""
+    config = getattr(model, "config", None)
+    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def stacked_experts(model: nn.Module) -> list[str]:
+    """Names of the modules holding a mixture of experts' stacked experts, in model order: a
+    module (not a convolution) each of whose own parameters stacks one slice per expert along
+    dimension 0 — as many as its ``num_experts``, else as its config declares — and one of them
+    a matrix per expert, ``(E, out, in)`` (biases ``(E, out)`` may stand beside them). Such a
+    module runs each token through the experts its routing chose, so it is per token."""
+    declared = expert_count(model)
+    names = []
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own or isinstance(module, nn.modules.conv._ConvNd):    # (C, C_in, k): no experts
+            continue
+        n = getattr(module, "num_experts", None)
+        n = n if isinstance(n, int) and not isinstance(n, bool) else declared
+        if n > 1 and all(p.dim() >= 2 and p.shape[0] == n for p in own) \
+                and any(p.dim() == 3 for p in own):
+            names.append(name)
+    return names
 
 
 def router_modules(model: nn.Module) -> list[str]:

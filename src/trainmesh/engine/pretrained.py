@@ -86,7 +86,7 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
         try:
             hf_tp_plan(model)              # a declared style trainmesh cannot map: ConfigError
         except ConfigError as exc:
-            raise ConfigError("--tp", f"{hf_model_type(model)}: {exc.message}") from None
+            raise ConfigError("--tp", exc.message) from None     # it names the family
     if layout is not None:
         check_hf_layout(model, layout, seq_len)
 

@@ -17,10 +17,20 @@ Hugging Face style              trainmesh
 ``replicated_with_grad_allreduce``  ``partial_grad`` (Qwen3's per-head q/k norms)
 ``embedding_rowwise``           ``vocab_embedding``
 ``packed_colwise`` (a Linear)   ``colwise_parts:2`` (gate and up, each split)
+``mla_kv_a_proj``               ``partial_grad``, its attention entered once (below)
 styles on stacked experts and   applied by :mod:`.hf_experts` (``packed_colwise``, ``colwise``,
 ``moe_tp_experts``              ``rowwise`` on 3-D parameters; the experts module's hooks)
-anything else                   ConfigError naming it
+anything else                   ConfigError naming it and the family
 ==============================  =====================================================
+
+``mla_kv_a_proj`` is multi-head latent attention's shared projection (DeepSeek-V2/V3): its output
+is the key/value latent, normed and expanded per head by the column layer ``kv_b_proj``, and a
+rotary key every head reads unsplit. Whole on every rank, its output's gradient comes from this
+rank's heads only, which transformers completes by an all-reduce in backward (of the rotary part;
+its column layers all-reduce their inputs' gradients). trainmesh enters such an attention's
+region once (``parallel_input``), so everything the plan leaves whole inside it — this
+projection and the others before the column layers (``q_a_proj`` and the latents' norms) —
+gets a gradient summed over tp (``partial_grad``): the same sums.
 
 A declared pattern that matches nothing in this model (a dense MLP's in a config whose every
 layer is a mixture of experts) is left out; a parent style is given only to the modules that
@@ -46,7 +56,7 @@ from trainmesh.core.errors import ConfigError
 STYLE_MAP = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab_embedding",
              "replicated_with_grad_allreduce": "partial_grad",
              "colwise_gather_output": "colwise_gather", "rowwise_split_input": "rowwise_split_input",
-             "packed_colwise": "colwise_parts:2"}
+             "packed_colwise": "colwise_parts:2", "mla_kv_a_proj": "partial_grad"}
 """Hugging Face tensor-parallel style -> trainmesh style (fused pairs refined by :func:`_fuse`)."""
 
 
@@ -90,19 +100,24 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str | tuple[str, ...]]:
         if not any(n and fnmatchcase(n, prefix + pattern) for n in names):
             continue                     # a kind of layer this model does not have
         if style not in STYLE_MAP:
-            raise ConfigError("tp_plan", f"the model's declared style {style!r} (for {pattern!r}, "
-                              f"config.base_model_tp_plan) has no trainmesh counterpart; mapped: "
-                              f"{', '.join(STYLE_MAP)}. Pass a plan of your own (tp_plan=...)")
+            raise ConfigError("tp_plan", f"the {hf_model_type(model)} family's declared style "
+                              f"{style!r} (for {pattern!r}, config.base_model_tp_plan) has no "
+                              f"trainmesh counterpart; mapped: {', '.join(STYLE_MAP)}. Pass a "
+                              "plan of your own (tp_plan=...)")
         plan[prefix + pattern] = STYLE_MAP[style]
-    return _fuse(model, plan)
+    latent = [prefix + p for p, style in declared.items() if style == "mla_kv_a_proj"
+              and prefix + p in plan]
+    return _latent_attention(model, _fuse(model, plan, latent), latent)
 
 
 def _parent(pattern: str) -> str:
     return pattern.rpartition(".")[0]
 
 
-def _fuse(model: nn.Module, plan: dict[str, str | tuple[str, ...]]) -> dict[str, str | tuple[str, ...]]:
-    """Fused projections split per part (so no output is gathered), attention parents."""
+def _fuse(model: nn.Module, plan: dict[str, str | tuple[str, ...]], latent: list[str]
+          ) -> dict[str, str | tuple[str, ...]]:
+    """Fused projections split per part (so no output is gathered), attention parents (one
+    holding a ``latent`` projection entered once, whatever its column layers)."""
     from fnmatch import fnmatchcase
     modules = dict(model.named_modules())
 
@@ -130,12 +145,38 @@ def _fuse(model: nn.Module, plan: dict[str, str | tuple[str, ...]]) -> dict[str,
         found = first(parent_pattern)
         if found is None:
             continue
-        styles: tuple[str, ...] = ("parallel_input",) if n > 1 else ()
+        once = n > 1 or parent_pattern in {_parent(p) for p in latent}
+        styles: tuple[str, ...] = ("parallel_input",) if once else ()
         if _is_attention(*found):
             styles += ("local_heads",)
         if styles:
             for parent in _holding(modules, parent_pattern, out):
                 out[parent] = styles
+    return out
+
+
+def _latent_attention(model: nn.Module, plan: dict[str, str | tuple[str, ...]], latent: list[str]
+                      ) -> dict[str, str | tuple[str, ...]]:
+    """``partial_grad`` for every module with parameters the plan leaves whole inside an
+    attention holding a ``latent`` (``mla_kv_a_proj``) projection (module docstring); the
+    attention must be entered once (a region with a column layer), else ConfigError naming
+    ``tp_plan`` and the family."""
+    from fnmatch import fnmatchcase
+    out = dict(plan)
+    for pattern in latent:
+        parent_pattern = _parent(pattern)
+        for parent, module in model.named_modules():
+            if not fnmatchcase(parent, parent_pattern):
+                continue
+            if not any("parallel_input" in styles and fnmatchcase(parent, p) for p, styles in plan.items()):
+                raise ConfigError("tp_plan", f"the {hf_model_type(model)} family's declared style "
+                                  f"'mla_kv_a_proj' (for {pattern!r}) needs {parent}'s heads split "
+                                  "by a column layer; its plan splits none")  # else sums double
+            for local, child in module.named_modules():
+                name = f"{parent}.{local}" if local else parent
+                whole = not any(fnmatchcase(name, p) for p in plan if p != parent_pattern)
+                if local and whole and any(True for _ in child.parameters(recurse=False)):
+                    out[f"{parent_pattern}.{local}"] = "partial_grad"   # replicated, in the region
     return out
 
 

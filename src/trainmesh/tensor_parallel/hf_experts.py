@@ -1,7 +1,8 @@
 """Tensor parallelism of Hugging Face stacked experts, from the styles the model declares.
 
-transformers 5's ``base_model_tp_plan`` of a mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE,
-DeepSeek-V3, ...) names the stacked expert *parameters* and the experts *module*::
+Up to transformers 5.24, the ``base_model_tp_plan`` of a mixture of experts (Mixtral,
+Qwen2/3-MoE, OLMoE, DeepSeek-V3, ...) names the stacked expert *parameters* and the experts
+*module*::
 
     "layers.*.mlp.experts.gate_up_proj": "packed_colwise",   # (E, 2h, d)
     "layers.*.mlp.experts.down_proj":    "rowwise",          # (E, d, h)
@@ -31,6 +32,12 @@ rank's chunk of the tokens, between the tensor-parallel regions, and the experts
 gathers its rows over tp (the hook's docstring). Under expert parallelism (ep > 1)
 the experts are spread over ep instead (:mod:`trainmesh.expert_parallel.hf`) and stay whole on
 every TP rank, as the built-in GPT's: these styles are then not applied.
+
+From transformers 5.25 the plans leave the experts out (their parallelism is the expert plan's):
+the experts, recognised by their stacked parameters
+(:func:`~trainmesh.core.hf_routing.stacked_experts`), then stay whole on every TP rank and run
+on the tokens the rank holds, as transformers runs them. A ``moe_tp_experts`` module that holds
+no stacked experts is refused, naming ``--tp`` and the family.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ from typing import Any
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hf_routing import stacked_experts
 from trainmesh.core.placement import Placements
 
 from .layers import TPState
@@ -92,13 +100,14 @@ def check_expert_tp(model: nn.Module, tp: int, *, ep: int = 1, sequence_parallel
     ``--sequence-parallel`` and the family). Under ep > 1 only that sequence parallelism is
     off (the experts are whole there, run on no TP region)."""
     params, modules = expert_entries(model)
-    if not (params or modules):
+    if not (params or modules or stacked_experts(model)):
         return
     family = _family(model)
-    if ep > 1 and sequence_parallel:
+    if ep > 1 and sequence_parallel:      # dispatched over ep from each TP rank's chunk: not done
         raise ConfigError("--sequence-parallel", f"{family}: its experts, spread over ep, would "
-                          "run on the sequence chunks whole on every TP rank; valid: "
-                          "--sequence-parallel with --ep 1 (the experts split over tp)")
+                          "get each TP rank's chunk of the tokens to dispatch; valid: "
+                          "--sequence-parallel with --ep 1 (the experts split over tp where its "
+                          "plan splits them, else whole on every TP rank)")
     if ep > 1:
         return
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -120,7 +129,13 @@ def check_expert_tp(model: nn.Module, tp: int, *, ep: int = 1, sequence_parallel
         if shapes[name][dim] % (parts * tp):
             raise ConfigError("--tp", f"{family}: {name} {shapes[name]}: dimension {dim} in "
                               f"{parts} part(s) is not divisible by --tp {tp}")
+    stacked = stacked_experts(model)
     for owner in modules:
+        if owner not in stacked:         # its hooks sum outputs a whole module computes per rank
+            raise ConfigError("--tp", f"{family}: its base_model_tp_plan gives {owner} "
+                              f"({type(model.get_submodule(owner)).__name__}) the style "
+                              f"{MODULE_STYLE!r}, but it holds no stacked experts (one slice "
+                              "per expert along dimension 0 of each parameter)")
         for local, _ in model.get_submodule(owner).named_parameters():
             if f"{owner}.{local}" not in params:
                 raise ConfigError("--tp", f"{family}: {owner}.{local} is left whole by its "

@@ -15,12 +15,16 @@ parameters that runs on sequence chunks: inside the layers, those outside every 
 layer norms), and the final norm.
 
 The plan allows SP when everything that runs on chunks is per token: a module with parameters
-outside every region must hold 1-D parameters only (a norm) or be a mixture of experts' router
-(the module transformers records ``router_logits`` from: it scores each token alone, its
-gradient summed over tp like a norm's; the stacked experts split over tp are a region of their
-own, :mod:`.hf_experts`); one holding another matrix (an attention or MLP the plan leaves
-whole, a convolution over the sequence) is a ConfigError naming ``--sequence-parallel`` and
-the family, as is a family without a pipeline plan.
+outside every region must hold 1-D parameters only (a norm), be a mixture of experts' router
+(the module transformers records ``router_logits`` from: it scores each token alone) or hold
+its stacked experts (recognised by their parameters,
+:func:`~trainmesh.core.hf_routing.stacked_experts`: each token through the experts chosen for
+it) — each gets its gradient summed over tp like a norm's. Stacked experts the plan splits over
+tp are a region of their own (:mod:`.hf_experts`); those it leaves whole (transformers 5.25
+declares no tensor-parallel style for them) run on the rank's chunk. A module holding another
+matrix (an attention or MLP the plan leaves whole, a convolution over the sequence) is a
+ConfigError naming ``--sequence-parallel`` and the family, as is a family without a pipeline
+plan.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_plan import hf_structure
-from trainmesh.core.hf_routing import router_logits_of
+from trainmesh.core.hf_routing import router_logits_of, stacked_experts
 
 from .hf_experts import expert_entries
 from .plan import Plan, is_layer_style, resolve
@@ -46,9 +50,10 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan) -> dict[str, tuple[str,
                if any(is_layer_style(s) or s in REGION_STYLES for s in styles)]
     regions += expert_entries(model)[1]           # stacked experts split over tp: their region
     router, _ = router_logits_of(model)           # a mixture of experts' router: per token
+    experts = stacked_experts(model)               # whole on every rank: per token too
 
-    def in_region(name: str) -> bool:
-        return any(name == r or name.startswith(r + ".") for r in regions)
+    def within(name: str, names: list[str]) -> bool:
+        return any(name == r or name.startswith(r + ".") for r in names)
 
     layers = structure.layer_names(model)
     out: dict[str, tuple[str, ...]] = {layers[0]: ("sequence_scatter_input",)}
@@ -56,9 +61,9 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan) -> dict[str, tuple[str,
         for sub, module in model.get_submodule(layer).named_modules():
             name = f"{layer}.{sub}" if sub else layer
             own = list(module.parameters(recurse=False))
-            if not own or in_region(name):
+            if not own or within(name, regions):
                 continue
-            per_token = isinstance(router, type) and isinstance(module, router)
+            per_token = isinstance(router, type) and isinstance(module, router) or within(name, experts)
             if any(p.dim() != 1 for p in own) and not per_token:
                 raise ConfigError(FLAG, f"the {structure.family} family's {name} "
                                   f"({type(module).__name__}) runs on the whole sequence outside "
