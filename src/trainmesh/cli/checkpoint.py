@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainmesh.core.errors import ConfigError
 
-from .paths import check_output_file
+from .paths import check_output_dir, check_output_file
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,6 +63,7 @@ def _export_hf(args: argparse.Namespace) -> int:
                           "outside the checkpoint directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("OUTDIR", f"{args.out!r} exists and is not an empty directory")
+    check_output_dir("OUTDIR", args.out)
     from trainmesh.checkpoint.export_hf import export_hf
     print(f"wrote {export_hf(args.dir, out)}")
     return 0

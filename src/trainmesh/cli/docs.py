@@ -20,8 +20,9 @@ trainmesh train --help
 
 Generated from the parsers by `python -m trainmesh.cli.docs > docs/CLI.md`; do not edit by hand.
 Every `trainmesh train` flag is also a key of a `--config` TOML file (the flag name without
-`--`; flags win over the file). Bad values exit 2 with one line naming the flag, before any
-worker starts.
+`--`; flags win over the file). Tables (`[train]`, `[parallel]`, any name) only group keys, one
+level deep; a key set twice in the file exits 2 naming both places. Bad values exit 2 with one
+line naming the flag, before any worker starts.
 """
 
 

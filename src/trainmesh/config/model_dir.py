@@ -20,6 +20,27 @@ def check_expert_count(config: dict[str, Any], ep: int) -> None:
         raise ConfigError("--ep", f"must divide the model's {experts} experts; got {ep}")
 
 
+def check_causal_lm(config: dict[str, Any], path: str, field: str = "--model-dir") -> None:
+    """The model is a causal LM: an encoder (BERT, RoBERTa, ...: a masked LM attending both
+    ways) trains as a causal LM only with a decoder config (``is_decoder: true``), and a type
+    with no causal LM class never (ConfigError naming ``field``). Where transformers is not
+    installed, nothing is checked here (building the model needs it and says so)."""
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
+        )
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED,
+        )
+    except ImportError:
+        return
+    kind = config.get("model_type")
+    if kind in MASKED and (kind not in CAUSAL or not config.get("is_decoder")):
+        unless = ", or this config.json with is_decoder: true" if kind in CAUSAL else ""
+        raise ConfigError(field, f"{path!r} is an encoder ({kind}: a masked LM, attention both "
+                          f"ways); valid: a causal (decoder-only) LM's directory{unless}")
+
+
 def check_model_config(cfg: Any) -> int:
     """``trainmesh train --model-dir``'s rules, before any worker starts: the directory and its
     config.json (:func:`read_model_config`), no flag that the config sets or the model cannot
@@ -29,6 +50,7 @@ def check_model_config(cfg: Any) -> int:
     the model (:func:`trainmesh.engine.pretrained.check_model_dir`). Returns the vocabulary of
     the data: --vocab-size, or the model's."""
     config = read_model_config(cfg.model_dir)
+    check_causal_lm(config, cfg.model_dir)
     p = cfg.parallel
     for flag, given in (("--layers", cfg.layers), ("--d-model", cfg.d_model), ("--heads", cfg.heads),
                         ("--init-from", cfg.init_from)):

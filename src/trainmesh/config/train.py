@@ -300,7 +300,9 @@ def field_of_key(key: str) -> str | None:
 
 
 def read_toml(path: str) -> dict[str, Any]:
-    """A config file flattened to {field: value}; tables only group keys."""
+    """A config file flattened to {field: value}. Tables (``[train]``, ``[parallel]``, any name)
+    only group keys, one level deep; a key set twice (in two tables, or in one and at the top)
+    is refused naming both places, so no table silently overrides another."""
     try:
         raw = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -308,14 +310,23 @@ def read_toml(path: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError("--config", f"cannot read {path!r}: {exc}") from None
     flat: dict[str, Any] = {}
+    where: dict[str, str] = {}
     for key, value in raw.items():
         items = value.items() if isinstance(value, dict) else [(key, value)]
+        place = f"table [{key}]" if isinstance(value, dict) else "the top level"
         for k, v in items:
+            if isinstance(v, dict):
+                raise ConfigError("--config", f"table [{key}.{k}] in {path}: tables group keys one "
+                                  f"level deep; valid: the flag names as keys at the top level or "
+                                  f"in a table such as [{key}] (e.g. steps = 3)")
             name = field_of_key(k)
             if name is None:
-                raise ConfigError("--config", f"unknown key {k!r} in {path}; keys are the flag "
-                                  "names without '--' (e.g. global-batch, timeout)")
-            flat[name] = v
+                raise ConfigError("--config", f"unknown key {k!r} in {place} of {path}; keys are "
+                                  "the flag names without '--' (e.g. global-batch, timeout)")
+            if name in where:
+                raise ConfigError("--config", f"{k!r} is set twice in {path}: in {where[name]} and "
+                                  f"in {place}; valid: each flag once")
+            flat[name], where[name] = v, place
     return flat
 
 

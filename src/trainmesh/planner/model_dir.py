@@ -119,6 +119,8 @@ def declared_axes(config: dict[str, Any]) -> frozenset[str]:
 
 def read(path: str) -> tuple[ModelShape, frozenset[str], dict[str, Any]]:
     """(shape, declared axes, config.json) of a model directory."""
+    from trainmesh.config.model_dir import check_causal_lm
     from trainmesh.models.hf import read_model_config
     config = read_model_config(path, FLAG)
+    check_causal_lm(config, path, FLAG)   # what trainmesh train refuses, plan refuses too
     return shape_from_config(config, path=path), declared_axes(config), config

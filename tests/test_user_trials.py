@@ -1,0 +1,89 @@
+"""Odd inputs a new user gives, each refused before any worker starts (exit 2, one line naming
+the field and what is valid): output paths that cannot be made, an encoder's model directory,
+and a TOML config whose keys sit in a table."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainmesh.cli import main
+
+T = ["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--steps", "1"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["train", *T, "--metrics-out", "{f}/sub/m.jsonl"], "--metrics-out"),
+    (["train", *T, "--trace-out", "{f}/t.json"], "--trace-out"),
+    (["train", *T, "--pp", "2", "--layers", "2", "--timeline-out", "{f}/x/t.svg"], "--timeline-out"),
+    (["train", *T, "--save-dir", "{f}/ck"], "--save-dir"),
+    (["train", *T, "--fault-tolerant", "--dp", "2", "--metrics-out", "{f}/m.jsonl"], "--metrics-out"),
+    (["report", "{run}", "-o", "{f}/r/r.html"], "--out"),
+    (["schedule", "--pp", "2", "--microbatches", "2", "--out", "{f}/s.svg"], "--out"),
+    (["checkpoint", "export-hf", "{tmp}", "{f}/hf"], "OUTDIR"),
+])
+def test_an_output_path_under_a_regular_file_is_refused(argv, flag, tmp_path, refused, no_launch):
+    """A directory that cannot be made (its parent is a file): one line naming the flag, not a
+    traceback from inside a worker."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    run = tmp_path / "run.jsonl"
+    run.write_text(json.dumps({"event": "step", "step": 1, "loss": 1.0}) + "\n")
+    line = refused([a.format(f=afile, run=run, tmp=tmp_path / "ck") for a in argv], flag)
+    assert "afile" in line and "not a directory" in line, line
+    assert not no_launch
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory) -> Path:
+    """A tiny BERT's config.json (an encoder; what is refused is read from the config alone)."""
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("bert")
+    transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=64,
+                            architectures=["BertForMaskedLM"]).to_json_file(d / "config.json")
+    return d
+
+
+def test_an_encoder_is_refused_by_train_and_plan_alike(bert_dir, refused, no_launch):
+    """BERT attends both ways: trained as a causal LM it would see the tokens it predicts, and
+    planned it is a model trainmesh will not run; both commands give the same line."""
+    train = refused(["train", "--model-dir", str(bert_dir), "--steps", "1"], "--model-dir")
+    plan = refused(["plan", "--model-dir", str(bert_dir), "--gpus", "8"], "--model-dir")
+    assert "encoder" in train and "is_decoder" in train
+    assert train.split("error: ", 1)[1] == plan.split("error: ", 1)[1]
+    assert not no_launch
+
+
+def test_an_encoder_with_a_decoder_config_is_planned(bert_dir, tmp_path, capsys):
+    """``is_decoder: true`` makes BERT a causal LM (transformers' BertLMHeadModel): planned."""
+    config = json.loads((bert_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "is_decoder": True}))
+    assert main(["plan", "--model-dir", str(tmp_path), "--gpus", "8"]) == 0, capsys.readouterr().err
+
+
+def test_toml_tables_group_keys(tmp_path, no_launch):
+    """``[train]`` then ``steps = 3``: the table groups the key, the run takes it (not the demo's
+    layout and steps)."""
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nsteps = 3\n")
+    main(["train", "--config", str(path)])
+    (cfg,) = no_launch
+    assert cfg.steps == 3 and cfg.parallel.world_size == 1
+
+
+@pytest.mark.parametrize("toml, words", [
+    ("steps = 3\n[train]\nsteps = 4\n", ["'steps' is set twice", "the top level", "table [train]"]),
+    ("[train]\nsteps = 3\n[run]\nsteps = 4\n", ["'steps' is set twice", "table [train]", "table [run]"]),
+    ("[train]\nglobal-batch = 8\n[parallel]\nglobal_batch = 4\n", ["set twice"]),
+    ("[train.schedule]\nsteps = 3\n", ["[train.schedule]", "one level deep"]),
+])
+def test_toml_keys_set_twice_or_nested_tables_are_refused(toml, words, tmp_path, refused, no_launch):
+    path = tmp_path / "run.toml"
+    path.write_text(toml)
+    for command in (["train", "--config", str(path)],
+                    ["launch", "slurm", "--nodes", "1", "--", "--config", str(path)]):
+        line = refused(command, "--config")
+        assert all(w in line for w in words), line
+    assert not no_launch
