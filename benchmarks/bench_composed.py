@@ -47,6 +47,9 @@ LAYOUTS = {   # name: (processes, trainmesh's ParallelConfig fields)
     "zero3-tp-pp": (8, {"dp": 2, "tp": 2, "pp": 2, "zero": 3, "schedule": "1f1b"}),
     "cp-zero3": (2, {"cp": 2, "zero": 3}),
 }
+LOSS_TOLERANCE = 1e-3
+"""Largest loss difference between the sides: trainmesh's promise for any layout against one
+process (same weights, same batches; fp32 sums in other orders differ by far less)."""
 TORCH_AXES = {"replicate": "dp_replicate", "shard": "dp_shard"}
 """PyTorch's mesh dimension names -> trainmesh's axis names (the others are the same)."""
 
@@ -338,8 +341,9 @@ def _print(s: dict, a: dict) -> None:
     print(f"- trainmesh's transient communication buffers (gathered units, buckets): peak "
           f"{s['trainmesh_comm_buffer_peak_mib']:.2f} MiB (largest rank)")
     if "ratio" in s:
+        verdict = "within" if s["max_abs_dloss"] <= LOSS_TOLERANCE else "ABOVE"
         print(f"- max |loss difference| over {len(s['ratios']) * a['steps'] + a['warmup']} steps: "
-              f"{s['max_abs_dloss']:.1e}; ratio of each run: "
+              f"{s['max_abs_dloss']:.1e} ({verdict} {LOSS_TOLERANCE:g}); ratio of each run: "
               + ", ".join(f"{r:.2f}" for r in s["ratios"]))
         print(f"{s['layout']}: trainmesh {tps['trainmesh']:,.0f} tokens/s, PyTorch "
               f"{tps['torch']:,.0f} tokens/s, ratio {s['ratio']:.2f}x")
