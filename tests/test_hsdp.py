@@ -58,6 +58,17 @@ def test_hsdp_zero2_matches_one_process_with_its_memory_and_traffic(reference, t
     assert summ["layout"]["dp_shard"] == S
     _check_accounting(summ, zero=2)
     check_prediction(args, summ)                  # the planner models HSDP the same way
+    _check_rank_table(summ)
+
+
+def _check_rank_table(summ: dict) -> None:
+    """The summary's rank table: rank r (dp index r) sits at shard index r % S of replica r // S
+    (docs/HSDP.md: dp = replicate x dp_shard + shard)."""
+    from trainmesh.observe.progress import rank_table
+    headers, rows = rank_table(summ)
+    cells = [(row[headers.index("dp")], row[headers.index("dp-shard")], row[headers.index("dp-replicate")])
+             for row in rows]
+    assert cells == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")], (headers, rows)
 
 
 @pytest.mark.slow
