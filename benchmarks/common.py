@@ -129,8 +129,9 @@ _FUNCOL_OPS = {   # torch.distributed._functional_collectives (DTensor's redistr
 
 class TorchCommMeter:
     """Payload bytes and the seconds the calling thread spends blocked in PyTorch's collectives,
-    by mesh axis, counted by wrapping ``torch.distributed``'s collectives and the functional
-    collectives DTensor uses (``_functional_collectives``; their ``wait_tensor``): a blocking
+    by mesh axis, counted by wrapping ``torch.distributed``'s collectives, the functional
+    collectives DTensor uses (``_functional_collectives``; their ``wait_tensor``) and the batches
+    of sends and receives of ``torch.distributed.pipelining``: a blocking
     call counts whole, an async one its issue plus its ``wait()``, a functional one its issue
     plus its ``wait_tensor``. The same two quantities trainmesh's ledger books per op. Calls
     made inside a counted call are not counted again. ``axes`` maps a group's ranks to the axis
@@ -180,7 +181,8 @@ class TorchCommMeter:
 
     def _book(self, axis: str, op: str, nbytes: int, seconds: float) -> None:
         ops = self.bytes.setdefault(axis, {})
-        ops[op] = ops.get(op, 0) + nbytes
+        if nbytes:
+            ops[op] = ops.get(op, 0) + nbytes
         self.seconds[axis] = self.seconds.get(axis, 0.0) + seconds
 
     def _counting(self) -> bool:
@@ -268,6 +270,7 @@ class TorchCommMeter:
                 setattr(funcol, name, self._wrap(
                     getattr(funcol, name), op, size,
                     lambda a, k, p=pos: self._axis(k.get("group", a[p] if len(a) > p else None))))
+        self._install_pipelining()
         wait = funcol.wait_tensor
         meter = self
 
@@ -281,6 +284,37 @@ class TorchCommMeter:
             return out
         funcol.wait_tensor = wait_tensor
         self._installed = True
+
+
+    def _install_pipelining(self) -> None:
+        """``torch.distributed.pipelining`` issues a batch of sends only (or receives only) with
+        ``isend``/``irecv`` themselves, not through ``batch_isend_irecv``: its batching helper
+        is wrapped (each op booked as send or recv; the batch's issue and each ``wait()``)."""
+        import torch.distributed as dist
+        try:
+            from torch.distributed.pipelining import schedules
+        except ImportError:
+            return
+        batch = getattr(schedules, "_batch_p2p", None)
+        if batch is None:
+            return
+        meter = self
+
+        def batch_p2p(p2p_ops, desc=None):
+            if not meter._counting() or not p2p_ops:
+                return batch(p2p_ops, desc)
+            meter._local.inside = True
+            t0 = time.perf_counter()
+            try:
+                works = batch(p2p_ops, desc)
+            finally:
+                meter._local.inside = False
+            axis = meter._axis(p2p_ops[0].group)
+            for op in p2p_ops:
+                meter._book(axis, "send" if op.op is dist.isend else "recv", _payload(op.tensor), 0.0)
+            meter._book(axis, "send", 0, time.perf_counter() - t0)
+            return [meter._timed_work(w, axis, "p2p") for w in works]
+        schedules._batch_p2p = batch_p2p
 
 
 def mesh_axes(mesh, names: dict[str, str] | None = None) -> dict[frozenset, str]:
