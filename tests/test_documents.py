@@ -134,6 +134,28 @@ def test_a_vocabulary_past_uint16_is_cached_whole(tmp_path):
     assert np.iinfo(cached.dtype).max >= 69_999 and cached.max() == 69_999
 
 
+def test_encoding_with_a_model_tokenizer_tells_its_progress(model_dir, tmp_path):
+    """The token cache of --tokenizer model is built under one announced piece of work, naming
+    the model's tokenizer and the cache file, and told every document's bytes."""
+    import contextlib
+    told: list = []
+
+    @contextlib.contextmanager
+    def begin(what, *, total=None, cache=None):
+        told.append((what, total, cache))
+        yield type("Work", (), {"advance": lambda self, n: told.append(n),
+                                "phase": lambda self, text: told.append(text)})()
+    docs = _docs(30)
+    path, field = write_sources(tmp_path, docs)["jsonl"]
+    tokens_of(str(path), "model", text_field=field, model_dir=str(model_dir), progress=begin)
+    (cache,) = tmp_path.glob("*.tok-*.npy")
+    assert told[0] == (f"encoding {path} with the tokenizer of {model_dir}", None, cache)
+    assert sum(n for n in told[1:] if isinstance(n, int)) == sum(len(d.encode()) for d in docs)
+    told.clear()
+    tokens_of(str(path), "model", text_field=field, model_dir=str(model_dir), progress=begin)
+    assert told == []      # cached: nothing to do, nothing told
+
+
 def test_the_cache_is_keyed_by_source_field_and_tokenizer(model_dir, tmp_path):
     docs = _docs(20)
     path, field = write_sources(tmp_path, docs)["jsonl"]

@@ -87,3 +87,44 @@ def test_toml_keys_set_twice_or_nested_tables_are_refused(toml, words, tmp_path,
         line = refused(command, "--config")
         assert all(w in line for w in words), line
     assert not no_launch
+
+
+# ---------------------------------------------------------------- long preparation is shown
+def _corpus(path: Path, words: int = 12_000) -> Path:
+    import random
+    rng = random.Random(0)
+    vocab = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7))) for _ in range(400)]
+    path.write_text(" ".join(rng.choice(vocab) for _ in range(words)) + "\n")
+    return path
+
+
+def test_tokenising_text_says_what_where_and_how_far(tmp_path, capsys, monkeypatch, no_launch):
+    """trainmesh train --data TEXT --tokenizer bpe:N before any worker starts: one line for the
+    tokenizer's training and one for the encoding, each naming its cache file, then lines of
+    progress (every advance here: the thresholds at 0), the merges, and the end of each."""
+    import trainmesh.observe.progress as progress
+    monkeypatch.setattr(progress, "PREPARE_AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "PREPARE_EVERY_S", 0.0)
+    monkeypatch.setattr("trainmesh.data.tokenizer.PIECE_BYTES", 4096)   # several pieces
+    data = _corpus(tmp_path / "corpus.txt")
+    main(["train", *T, "--seq-len", "16", "--data", str(data), "--tokenizer", "bpe:300"])
+    assert no_launch, capsys.readouterr().err
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trainmesh: ")]
+    train = f"trainmesh: training a byte-level BPE of 300 tokens on {data}"
+    encode = f"trainmesh: encoding {data} with its BPE of 300 tokens"
+    (tok,) = tmp_path.glob("corpus.txt.bpe300-*.json")
+    (ids,) = tmp_path.glob("corpus.txt.bpe300-*.npy")
+    assert f"{train}; cache: {tok}" in lines and f"{encode}; cache: {ids}" in lines, lines
+    for what in (train, encode):
+        steps = [ln for ln in lines if ln.startswith(f"{what}: ") and "% (" in ln]
+        assert len(steps) >= 3 and steps[-1].split(": ", 2)[2].startswith("100% ("), steps
+        assert any(ln.startswith(f"{what}: done, ") for ln in lines), lines
+    assert any(ln.endswith("; computing the merges") for ln in lines), lines
+
+
+def test_short_preparation_shows_nothing(capsys):
+    from trainmesh.observe.progress import Preparing
+    with Preparing("encoding x", total=100, cache="c", after_s=60.0) as work:
+        work.advance(100)
+        work.phase("almost")
+    assert capsys.readouterr().err == ""

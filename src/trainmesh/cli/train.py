@@ -168,9 +168,15 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         check_model_dir(cfg.model_dir, layout=cfg.parallel, seq_len=cfg.gpt_config().seq_len)
     if cfg.data != "synthetic":
         from trainmesh.data.corpus import make_datasets
+        from trainmesh.data.prepare import quiet
+        from trainmesh.observe.progress import preparing
         gpt = cfg.gpt_config()
+        # tokenising a large text takes a while before any step: the launcher (or rank 0 of a
+        # torchrun/srun job, whose ranks all prepare the same cache) says what and how far
+        shown = launching or int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
         make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
-                      held_out=cfg.eval_every is not None, **cfg.data_options())
+                      held_out=cfg.eval_every is not None, progress=preparing if shown else quiet,
+                      **cfg.data_options())
 
 
 def _check_nvme_space(cfg, local_ranks: int) -> None:

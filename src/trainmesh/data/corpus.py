@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from trainmesh.core.errors import ConfigError
+from trainmesh.data.prepare import Begin, quiet
 from trainmesh.data.token_cache import SCAN_TOKENS, TokenView, id_range
 
 Batch = dict[str, torch.Tensor]
@@ -83,13 +84,13 @@ class TokenStream:
 
 
 def load_tokens(path: str, tokenizer: str = "bytes", *, text_field: str = "text",
-                model_dir: str | None = None) -> TokenView:
+                model_dir: str | None = None, progress: Begin = quiet) -> TokenView:
     """A token file (.npy, or .bin as uint16 like nanoGPT), or text — a text file read as bytes
     (vocab 256), or text and documents (JSON-lines, Parquet, a saved ``datasets`` directory)
     tokenised by ``tokenizer`` (:func:`trainmesh.data.tokenizer.tokens_of`, cached): opened,
     never loaded."""
     from trainmesh.data.tokenizer import tokens_of
-    return tokens_of(path, tokenizer, text_field=text_field, model_dir=model_dir)
+    return tokens_of(path, tokenizer, text_field=text_field, model_dir=model_dir, progress=progress)
 
 
 def check_tokens(tokens: TokenView, path: str, *, vocab_size: int, seq_len: int) -> None:
@@ -125,14 +126,17 @@ def split_tokens(tokens: TokenView, path: str, seq_len: int) -> tuple[TokenView,
 
 
 def make_datasets(data: str, *, vocab_size: int, seq_len: int, held_out: bool,
-                  tokenizer: str = "bytes", text_field: str = "text", model_dir: str | None = None):
+                  tokenizer: str = "bytes", text_field: str = "text", model_dir: str | None = None,
+                  progress: Begin = quiet):
     """(training set, evaluation set or None): with ``held_out``, a deterministic split that
     every rank and layout computes alike (see :func:`split_tokens`). ``tokenizer``,
-    ``text_field`` and ``model_dir``: how text data becomes tokens (:func:`load_tokens`)."""
+    ``text_field`` and ``model_dir``: how text data becomes tokens (:func:`load_tokens`);
+    ``progress``: who is told of a tokenisation under way (:mod:`trainmesh.data.prepare`)."""
     if data == "synthetic":
         train = SyntheticCorpus(vocab_size, seq_len)
         return train, (SyntheticCorpus(vocab_size, seq_len, stream=_EVAL_STREAM) if held_out else None)
-    tokens = load_tokens(data, tokenizer, text_field=text_field, model_dir=model_dir)
+    tokens = load_tokens(data, tokenizer, text_field=text_field, model_dir=model_dir,
+                         progress=progress)
     check_tokens(tokens, data, vocab_size=vocab_size, seq_len=seq_len)
     if not held_out:
         return TokenStream(tokens, seq_len), None

@@ -13,6 +13,7 @@ atomically (the launcher's preflight writes it before any worker starts).
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.data.documents import documents, source_fingerprint
+from trainmesh.data.prepare import Begin, Counted, quiet
 from trainmesh.data.token_cache import TokenView, cache_dir, open_tokens, write_token_cache
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -94,15 +96,20 @@ def encode_documents(tok, docs: Iterable[str]) -> Iterator[np.ndarray]:
         yield flush()
 
 
-def model_tokens(data: str, fmt: str, *, model_dir: str, text_field: str = "text") -> TokenView:
+def model_tokens(data: str, fmt: str, *, model_dir: str, text_field: str = "text",
+                 progress: Begin = quiet) -> TokenView:
     """The token ids of ``data`` under ``model_dir``'s tokenizer (encoded once into the cache,
-    then opened, never loaded)."""
+    then opened, never loaded; the work told to ``progress``)."""
     path = cache_path(data, fmt, text_field, model_dir)
     if not path.exists():
         tok = load_tokenizer(model_dir)
         dtype = np.dtype(np.uint16 if len(tok) <= 2**16 else np.int32)
+        total = os.path.getsize(data) if fmt == "text" else None
         try:
-            write_token_cache(path, dtype, encode_documents(tok, documents(data, fmt, text_field)))
+            with progress(f"encoding {data} with the tokenizer of {model_dir}", total=total,
+                          cache=path) as work:
+                docs = Counted(documents(data, fmt, text_field), work)
+                write_token_cache(path, dtype, encode_documents(tok, docs))
         except OSError as exc:
             raise ConfigError("--data", f"cannot write the token cache of {data!r}: {exc}") from None
     return open_tokens(str(path))

@@ -19,6 +19,7 @@ encodes every source document by document. :func:`tokens_of` picks the path.
 from __future__ import annotations
 
 import codecs
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.data.documents import data_format, documents, source_fingerprint
+from trainmesh.data.prepare import Begin, Counted, quiet
 from trainmesh.data.token_cache import (
     TokenView,
     cache_dir,
@@ -58,9 +60,10 @@ def bpe_vocab(spec: str) -> int | None:
 
 
 def tokens_of(data: str, tokenizer: str = "bytes", *, text_field: str = "text",
-              model_dir: str | None = None) -> TokenView:
+              model_dir: str | None = None, progress: Begin = quiet) -> TokenView:
     """The token ids of ``--data`` under ``--tokenizer``: a token file as it is, text and
-    documents tokenised (cached). ConfigError naming the flag for what cannot be."""
+    documents tokenised (cached; the work told to ``progress``, :mod:`trainmesh.data.prepare`).
+    ConfigError naming the flag for what cannot be."""
     fmt = data_format(data)
     if fmt == "tokens":
         if tokenizer != "bytes":
@@ -71,11 +74,17 @@ def tokens_of(data: str, tokenizer: str = "bytes", *, text_field: str = "text",
             raise ConfigError("--tokenizer", "model tokenises with the --model-dir's tokenizer; "
                               "needs --model-dir (valid without it: bytes or bpe:VOCAB)")
         from trainmesh.data.model_tokenizer import model_tokens
-        return model_tokens(data, fmt, model_dir=model_dir, text_field=text_field)
+        return model_tokens(data, fmt, model_dir=model_dir, text_field=text_field, progress=progress)
     vocab = bpe_vocab(tokenizer)
     if vocab is not None:
-        return bpe_tokens(data, vocab, fmt=fmt, text_field=text_field)
-    return open_tokens(data) if fmt == "text" else _bytes_tokens(data, fmt, text_field)
+        return bpe_tokens(data, vocab, fmt=fmt, text_field=text_field, progress=progress)
+    return open_tokens(data) if fmt == "text" else _bytes_tokens(data, fmt, text_field, progress)
+
+
+def text_size(data: str, fmt: str) -> int | None:
+    """Bytes of text a pass over ``data`` reads: a text file's size (None for documents, whose
+    text is known only once read)."""
+    return os.path.getsize(data) if fmt == "text" else None
 
 
 def _pieces(data: str, fmt: str, text_field: str) -> Callable[[], Iterator[str]]:
@@ -100,25 +109,28 @@ def cache_paths(data: str, vocab: int, *, fmt: str = "text", text_field: str = "
     return where / (stem + ".json"), where / (stem + ".npy")
 
 
-def bpe_tokens(data: str, vocab: int, *, fmt: str = "text", text_field: str = "text") -> TokenView:
+def bpe_tokens(data: str, vocab: int, *, fmt: str = "text", text_field: str = "text",
+               progress: Begin = quiet) -> TokenView:
     """The token ids of ``data`` under its ``vocab``-token BPE (trained and encoded once into
     the cache, then opened, never loaded)."""
     try:
         tok_path, ids_path = cache_paths(data, vocab, fmt=fmt, text_field=text_field)
         if not ids_path.exists():
-            _train(_pieces(data, fmt, text_field), vocab, tok_path, ids_path)
+            _train(_pieces(data, fmt, text_field), vocab, tok_path, ids_path, progress=progress,
+                   data=data, total=text_size(data, fmt))
     except (OSError, ValueError) as exc:
         raise ConfigError("--tokenizer", f"cannot tokenise {data!r}: {exc}") from None
     return open_tokens(str(ids_path))
 
 
-def _bytes_tokens(data: str, fmt: str, text_field: str) -> TokenView:
+def _bytes_tokens(data: str, fmt: str, text_field: str, progress: Begin = quiet) -> TokenView:
     """The UTF-8 bytes of a source's documents, each followed by a blank line (cached)."""
     path = cache_dir(data) / (_stem(data, fmt, text_field, "bytes") + ".npy")
     if not path.exists():
-        pieces = _pieces(data, fmt, text_field)()
-        write_token_cache(path, np.dtype(np.uint8),
-                          (np.frombuffer(p.encode(), dtype=np.uint8) for p in pieces))
+        with progress(f"writing the text of {data} as bytes", total=None, cache=path) as work:
+            pieces = Counted(_pieces(data, fmt, text_field)(), work)
+            write_token_cache(path, np.dtype(np.uint8),
+                              (np.frombuffer(p.encode(), dtype=np.uint8) for p in pieces))
     return open_tokens(str(path))
 
 
@@ -155,16 +167,23 @@ def _cut(text: str) -> int:
     return at
 
 
-def _train(pieces: Callable[[], Iterator[str]], vocab: int, tok_path: Path, ids_path: Path) -> None:
+def _train(pieces: Callable[[], Iterator[str]], vocab: int, tok_path: Path, ids_path: Path, *,
+           progress: Begin = quiet, data: str = "the text", total: int | None = None) -> None:
+    """Train the BPE on one pass over ``pieces()``, then encode a second pass into the cache
+    (each pass told to ``progress``; the second knows its total from the first)."""
     try:
         from tokenizers import ByteLevelBPETokenizer
     except ImportError:
         raise ConfigError("--tokenizer", "bpe needs the tokenizers package "
                           "(pip install tokenizers)") from None
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(pieces(), vocab_size=vocab, min_frequency=2,
-                            show_progress=False)
+    with progress(f"training a byte-level BPE of {vocab} tokens on {data}", total=total,
+                  cache=tok_path) as work:
+        read = Counted(pieces(), work, then="computing the merges")
+        tok.train_from_iterator(iter(read), vocab_size=vocab, min_frequency=2, show_progress=False)
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.int32)
-    write_token_cache(ids_path, dtype, (np.asarray(tok.encode(piece).ids, dtype=dtype)
-                                        for piece in pieces()))
+    with progress(f"encoding {data} with its BPE of {vocab} tokens", total=read.bytes,
+                  cache=ids_path) as work:
+        write_token_cache(ids_path, dtype, (np.asarray(tok.encode(piece).ids, dtype=dtype)
+                                            for piece in Counted(pieces(), work)))
     write_atomic(tok_path, lambda f: f.write(tok._tokenizer.to_str().encode()))

@@ -75,6 +75,90 @@ class Progress:
             self._bar.stop()
 
 
+PREPARE_AFTER_S = 2.0
+"""Preparation shorter than this shows nothing; longer, a line saying what and where, then its
+progress (:class:`Preparing`)."""
+PREPARE_EVERY_S = 5.0
+"""Off a terminal, a progress line at most this often."""
+MIB = 2**20
+
+
+class Preparing:
+    """``with Preparing(what, total=bytes, cache=path) as work: work.advance(n)``: the progress
+    of a data preparation (a :data:`trainmesh.data.prepare.Begin`), on stderr. Once it has taken
+    ``after_s``: one line saying what is done and where the cache goes, then a bar on a terminal,
+    else a line every ``every_s`` (done, of what total where known, rate, phase); at the end the
+    time it took."""
+
+    def __init__(self, what: str, *, total: int | None = None, cache: Any = None,
+                 after_s: float | None = None, every_s: float | None = None) -> None:
+        self.what, self.total, self.cache = what, total, cache
+        self.after_s = PREPARE_AFTER_S if after_s is None else after_s
+        self.every_s = PREPARE_EVERY_S if every_s is None else every_s
+        self.done, self.info, self.shown, self._bar = 0, "", False, None
+        self.t0 = self.last = time.monotonic()
+
+    def __enter__(self) -> Preparing:
+        self.t0 = self.last = time.monotonic()
+        return self
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self._show()
+
+    def phase(self, text: str) -> None:
+        self.info = text
+        self._show(now=True)
+
+    def _show(self, *, now: bool = False) -> None:
+        elapsed = time.monotonic() - self.t0
+        if not self.shown:
+            if elapsed < self.after_s:
+                return
+            self._start()
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, info=self.info)
+        elif now or time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            _say(f"{self.what}: {self._amount(elapsed)}{f'; {self.info}' if self.info else ''}")
+
+    def _amount(self, elapsed: float) -> str:
+        done = f"{self.done / MIB:,.1f}"
+        rate = f"{self.done / MIB / elapsed:,.1f} MiB/s" if elapsed > 0 else ""
+        if self.total:
+            pct = min(100, 100 * self.done // self.total)
+            return f"{pct}% ({done} of {self.total / MIB:,.1f} MiB), {rate}"
+        return f"{done} MiB, {rate}"
+
+    def _start(self) -> None:
+        self.shown = True
+        _say(f"{self.what}{f'; cache: {self.cache}' if self.cache else ''}")
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+            self._bar = RichProgress(TextColumn("preparing"), BarColumn(), DownloadColumn(binary_units=True),
+                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                     console=console(sys.stderr))
+            self._bar.start()
+            self._task = self._bar.add_task("preparing", total=self.total, info="")
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        if self.shown and exc_type is None:
+            _say(f"{self.what}: done, {self.done / MIB:,.1f} MiB in {time.monotonic() - self.t0:.1f} s")
+
+
+def preparing(what: str, *, total: int | None = None, cache: Any = None) -> Preparing:
+    """A :data:`trainmesh.data.prepare.Begin` that shows the work (:class:`Preparing`)."""
+    return Preparing(what, total=total, cache=cache)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"trainmesh: {line}\n")
+    sys.stderr.flush()
+
+
 WIDE = 200
 """Columns of a table written to a pipe or file (no terminal to measure, COLUMNS unset)."""
 
