@@ -136,7 +136,8 @@ class TorchCommMeter:
     plus its ``wait_tensor``. The same two quantities trainmesh's ledger books per op. Calls
     made inside a counted call are not counted again. ``axes`` maps a group's ranks to the axis
     name reported (a group not in it is reported as ``other``). Active only between
-    ``start()`` and ``stop()``; the wrappers stay installed (one meter per process)."""
+    ``start()`` and ``stop()``; the wrappers stay installed until ``uninstall()`` (one meter
+    per process at a time)."""
 
     def __init__(self, axes: dict[frozenset, str]) -> None:
         import threading
@@ -146,6 +147,7 @@ class TorchCommMeter:
         self.seconds: dict[str, float] = {}
         self._local = threading.local()
         self._installed = False
+        self._originals: list[tuple[object, str, object]] = []
         self._pending: dict[int, tuple[str, str]] = {}
         """Storage of a functional collective's output -> its (axis, op), until waited on."""
 
@@ -243,6 +245,17 @@ class TorchCommMeter:
                 return work.get_future()
         return TimedWork()
 
+    def uninstall(self) -> None:
+        """Put back every function the meter wrapped."""
+        self.active = False
+        for module, name, original in reversed(self._originals):
+            setattr(module, name, original)
+        self._originals, self._installed = [], False
+
+    def _replace(self, module, name: str, wrapper) -> None:
+        self._originals.append((module, name, getattr(module, name)))
+        setattr(module, name, wrapper)
+
     def _install(self) -> None:
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
@@ -255,19 +268,19 @@ class TorchCommMeter:
             positional = {"all_reduce": 2, "broadcast": 2, "all_gather_single": 2,
                           "all_gather_into_tensor": 2, "reduce_scatter_single": 3,
                           "reduce_scatter_tensor": 3, "all_to_all_single": 4, "send": 2,
-                          "recv": 2, "isend": 2, "irecv": 2, "barrier": 0}.get(name)
+                          "recv": 2, "barrier": 0}.get(name)
             return self._axis(args[positional] if positional is not None and len(args) > positional else None)
 
         for name, (op, size) in _DIST_OPS.items():
             if hasattr(dist, name):
-                setattr(dist, name, self._wrap(getattr(dist, name), op, size,
-                                               lambda a, k, n=name: dist_group(a, k, n)))
+                self._replace(dist, name, self._wrap(getattr(dist, name), op, size,
+                                                     lambda a, k, n=name: dist_group(a, k, n)))
         group_pos = {"all_reduce": 2, "all_gather_single": 2, "all_gather_tensor": 2,
                      "reduce_scatter_single": 3, "reduce_scatter_tensor": 3, "all_to_all_single": 3}
         for name, (op, size) in _FUNCOL_OPS.items():
             if hasattr(funcol, name):
                 pos = group_pos[name]
-                setattr(funcol, name, self._wrap(
+                self._replace(funcol, name, self._wrap(
                     getattr(funcol, name), op, size,
                     lambda a, k, p=pos: self._axis(k.get("group", a[p] if len(a) > p else None))))
         self._install_pipelining()
@@ -282,19 +295,19 @@ class TorchCommMeter:
             axis, op = meter._pending.pop(_storage(tensor), ("other", "wait_tensor"))
             meter._book(axis, op, 0, time.perf_counter() - t0)
             return out
-        funcol.wait_tensor = wait_tensor
+        self._replace(funcol, "wait_tensor", wait_tensor)
         self._installed = True
 
 
     def _install_pipelining(self) -> None:
         """``torch.distributed.pipelining`` issues a batch of sends only (or receives only) with
         ``isend``/``irecv`` themselves, not through ``batch_isend_irecv``: its batching helper
-        is wrapped (each op booked as send or recv; the batch's issue and each ``wait()``)."""
+        is wrapped (each op booked as send or recv; the batch's issue and each ``wait()``) where
+        ``pipelining`` is imported (start the meter after building the schedule)."""
+        import sys
+
         import torch.distributed as dist
-        try:
-            from torch.distributed.pipelining import schedules
-        except ImportError:
-            return
+        schedules = sys.modules.get("torch.distributed.pipelining.schedules")   # only if in use
         batch = getattr(schedules, "_batch_p2p", None)
         if batch is None:
             return
@@ -314,7 +327,7 @@ class TorchCommMeter:
                 meter._book(axis, "send" if op.op is dist.isend else "recv", _payload(op.tensor), 0.0)
             meter._book(axis, "send", 0, time.perf_counter() - t0)
             return [meter._timed_work(w, axis, "p2p") for w in works]
-        schedules._batch_p2p = batch_p2p
+        self._replace(schedules, "_batch_p2p", batch_p2p)
 
 
 def mesh_axes(mesh, names: dict[str, str] | None = None) -> dict[frozenset, str]:

@@ -35,3 +35,35 @@ def test_bad_flags_exit_2_naming_them(argv, flag, capsys):
         bench_composed.main([*argv, "--dry-run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith(flag), err
+
+
+@pytest.mark.timeout(30)
+def test_torch_comm_meter_books_bytes_and_waits_by_axis():
+    """PyTorch's side of the benchmark is measured by wrapping its collectives: a blocking call
+    and an async one (still a Work, as FSDP2 checks) each book their payload under the group's
+    axis, and their time; nothing while stopped; all put back after. (The functional
+    collectives' path costs 1.4 s of torch._dynamo import here; the benchmark checks it: its tp
+    bytes are the derivation in docs/BENCHMARKS.md exactly.)"""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from common import TorchCommMeter
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # torch < 2.12
+    originals = (dist.all_reduce, gather, funcol.all_reduce, funcol.wait_tensor)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    meter = TorchCommMeter({frozenset({0}): "dp"})
+    try:
+        t, out = torch.ones(10), torch.empty(10)
+        meter.start()
+        dist.all_reduce(t)
+        work = getattr(dist, gather.__name__)(out, t, async_op=True)
+        assert isinstance(work, dist.Work)
+        work.wait()
+        meter.stop()
+        dist.all_reduce(t)                               # stopped: not booked
+        assert meter.bytes == {"dp": {"all_reduce": 40, "all_gather": 40}}, meter.bytes
+        assert set(meter.seconds) == {"dp"}, meter.seconds
+    finally:
+        meter.uninstall()
+        dist.destroy_process_group()
+    assert (dist.all_reduce, getattr(dist, gather.__name__), funcol.all_reduce, funcol.wait_tensor) == originals
