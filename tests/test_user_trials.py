@@ -35,6 +35,28 @@ def test_an_output_path_under_a_regular_file_is_refused(argv, flag, tmp_path, re
     assert not no_launch
 
 
+def test_output_directories_that_do_not_exist_yet_are_made_before_launch(tmp_path, capsys, no_launch):
+    """--trace-out new/dir/t.json: the check lets it through (its directory can be made), so the
+    directory is made before any worker starts (the trace writer, on rank 0 at the end, makes
+    none: without this the run failed there with a traceback, exit 1)."""
+    out = {flag: tmp_path / name.split(".")[0] / "sub" / name
+           for flag, name in (("--metrics-out", "m.jsonl"), ("--trace-out", "t.json"),
+                              ("--timeline-out", "l.svg"))}
+    main(["train", *T, "--pp", "2", "--layers", "2", *(a for f, p in out.items() for a in (f, str(p)))])
+    assert no_launch, capsys.readouterr().err
+    for path in out.values():
+        assert path.parent.is_dir() and not path.exists(), path
+
+
+def test_report_makes_the_directory_of_its_page(tmp_path, capsys):
+    run = tmp_path / "run.jsonl"
+    run.write_text(json.dumps({"event": "step", "step": 1, "loss": 1.0, "grad_norm": 1.0,
+                               "tokens": 8, "step_time_s": 0.1}) + "\n")
+    page = tmp_path / "reports" / "today" / "r.html"
+    assert main(["report", str(run), "-o", str(page)]) == 0, capsys.readouterr().err
+    assert page.read_text().startswith("<!")
+
+
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory) -> Path:
     """A tiny BERT's config.json (an encoder; what is refused is read from the config alone)."""

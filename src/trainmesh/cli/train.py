@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from trainmesh.core.errors import ConfigError
@@ -147,10 +148,11 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
             check_output_dir(flag, path)
     if p.offload == "nvme":
         _check_nvme_space(cfg, local_ranks)
-    for flag, path in (("--metrics-out", cfg.metrics_out), ("--timeline-out", cfg.timeline_out),
-                       ("--trace-out", cfg.trace_out)):
-        if path is not None:
-            check_output_file(flag, path)
+    outputs = [(flag, path) for flag, path in (("--metrics-out", cfg.metrics_out),
+                                                ("--timeline-out", cfg.timeline_out),
+                                                ("--trace-out", cfg.trace_out)) if path is not None]
+    for flag, path in outputs:
+        check_output_file(flag, path)
     if p.strategy == "ps" and (cfg.save_dir or cfg.timeline_out):   # parameter server: no checkpoints yet
         raise ConfigError("--save-dir" if cfg.save_dir else "--timeline-out",
                           "is not supported with --strategy ps")
@@ -177,6 +179,12 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
                       held_out=cfg.eval_every is not None, progress=preparing if shown else quiet,
                       **cfg.data_options())
+    for flag, path in outputs:   # every check passed: the files' directories, as the flags ask
+        try:                         # (so no rank's writer meets a missing one at the end)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(flag, f"cannot create the directory of {path!r}: "
+                              f"{exc.strerror or exc}") from None
 
 
 def _check_nvme_space(cfg, local_ranks: int) -> None:

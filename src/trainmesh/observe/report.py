@@ -375,6 +375,7 @@ def write_report(run: str, out: str) -> Path:
     page = render(read_run(run), Path(run).name)
     path = Path(out)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)   # -o reports/run1.html: made as asked
         path.write_text(page)
     except OSError as exc:
         raise ConfigError("--out", f"cannot write {out!r}: {exc.strerror or exc}") from None
