@@ -131,9 +131,8 @@ class TorchCommMeter:
     """Payload bytes and the seconds the calling thread spends blocked in PyTorch's collectives,
     by mesh axis, counted by wrapping ``torch.distributed``'s collectives, the functional
     collectives DTensor uses (``_functional_collectives``; their ``wait_tensor``) and the batches
-    of sends and receives of ``torch.distributed.pipelining``: a blocking
-    call counts whole, an async one its issue plus its ``wait()``, a functional one its issue
-    plus its ``wait_tensor``. The same two quantities trainmesh's ledger books per op. Calls
+    of sends and receives of ``torch.distributed.pipelining``: a blocking call counts whole, an
+    async one its issue plus its ``wait()``, a functional one its issue plus its ``wait_tensor``. The same two quantities trainmesh's ledger books per op. Calls
     made inside a counted call are not counted again. ``axes`` maps a group's ranks to the axis
     name reported (a group not in it is reported as ``other``). Active only between
     ``start()`` and ``stop()``; the wrappers stay installed until ``uninstall()`` (one meter
