@@ -146,7 +146,8 @@ def test_encoding_with_a_model_tokenizer_tells_its_progress(model_dir, tmp_path)
         yield type("Work", (), {"advance": lambda self, n: told.append(n),
                                 "phase": lambda self, text: told.append(text)})()
     docs = _docs(30)
-    path, field = write_sources(tmp_path, docs)["jsonl"]
+    path, field = tmp_path / "corpus.jsonl", "body"
+    path.write_text("".join(json.dumps({field: d}) + "\n" for d in docs))
     tokens_of(str(path), "model", text_field=field, model_dir=str(model_dir), progress=begin)
     (cache,) = tmp_path.glob("*.tok-*.npy")
     assert told[0] == (f"encoding {path} with the tokenizer of {model_dir}", None, cache)
