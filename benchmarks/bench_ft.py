@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -96,7 +97,8 @@ def run(args: list[str], out: Path, kill_at: int | None) -> tuple[float, list[di
 def run_across(args: list[str], out: Path, kill_at: int | None) -> tuple[float, list[dict], float, float]:
     """(wall seconds, replica 0's records, stall from the new coordinator serving, seconds from
     the kill) of a run across processes (coordinator + 3 replicas on loopback)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+           "TRAINMESH_FT_SECRET": secrets.token_hex(32)}   # the job's, for all four processes
     began = time.perf_counter()
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL, "text": True, "env": env}
     coordinator = subprocess.Popen(coordinator_argv("127.0.0.1:0", 3), **pipe)

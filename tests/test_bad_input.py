@@ -152,12 +152,15 @@ ROWS = [
     row("coordinator --bind x --replicas 3", 2, "--bind"),
     row("coordinator --bind 127.0.0.1:99999 --replicas 3", 2, "--bind"),
     row("coordinator --bind :29400 --replicas 3", 2, "--bind"),
-    row("coordinator --bind 192.0.2.1:0 --replicas 3", 2, "--bind"),   # not this host's
+    row("coordinator --bind 192.0.2.1:0 --replicas 3 --secret-file {secret}", 2, "--bind"),   # not this host's
+    row("coordinator --bind 127.0.0.1:0 --replicas 3 --secret-file {notjson}", 2, "--secret-file"),   # 0644
+    row("coordinator --bind 127.0.0.1:0 --replicas 3 --secret-file {missing}", 2, "--secret-file"),
     row("coordinator --bind 127.0.0.1:0 --replicas 1", 2, "--replicas"),
     row("coordinator --bind 127.0.0.1:0 --replicas -3", 2, "--replicas"),
     row("coordinator --bind 127.0.0.1:0 --replicas x", 2, None),
     # ---- train: a replica of a fault-tolerant run across hosts
     row("train --replica-id 0", 2, "--replica-id"),
+    row("train --dp 3 --fault-tolerant --secret-file {secret}", 2, "--secret-file"),   # one host
     row("train --dp 3 --fault-tolerant --coordinator 127.0.0.1:1", 2, "--replica-id"),
     row("train --dp 3 --fault-tolerant --coordinator 127.0.0.1:1 --replica-id 0 --replicas 2", 2,
         "--replicas"),
@@ -296,6 +299,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     for name, text in writes.items():
         paths[name].write_text(text)
     (tmp / "binary.bin").write_bytes(bytes(range(256)) * 8)
+    (tmp / "secret").write_text("a-secret-of-this-job-0123456789")
+    (tmp / "secret").chmod(0o600)
     (tmp / "truncated.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":")
     (tmp / "existing.safetensors").write_bytes(b"")
     dense, moe = _checkpoint(tmp / "ckpt_dense", []), _checkpoint(tmp / "ckpt_moe", MOE)
@@ -306,6 +311,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         f.write_bytes(f.read_bytes()[:100])
     return {**{k: str(v) for k, v in paths.items()}, "missing": str(tmp / "missing"),
             "dir": str(tmp / "dir"), "empty_dir": str(tmp / "empty_dir"), "out": str(out),
+            "secret": str(tmp / "secret"),
             "binary": str(tmp / "binary.bin"), "truncated_safetensors": str(tmp / "truncated.safetensors"),
             "existing_safetensors": str(tmp / "existing.safetensors"), "ckpt_dense": str(dense),
             "ckpt_moe": str(moe), "ckpt_corrupt": str(corrupt)}

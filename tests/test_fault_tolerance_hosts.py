@@ -10,6 +10,7 @@ replica's own metrics file must show every step it took exactly once and equal t
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,11 +34,17 @@ from trainmesh.testing import (
 TRAIN = [*SMALL, "--optimizer", "adamw", "--timeout", "30"]
 
 
+SECRET = secrets.token_hex(32)
+"""The job's secret, the same for the coordinator and every replica."""
+
+
 def _env(inject: str = "") -> dict[str, str]:
-    """The replicas' and the coordinator's environment: one intra-op thread per worker (several
-    replicas share this machine's cores; idle threads spinning on them cost CPU, not coverage)."""
+    """The replicas' and the coordinator's environment: the job's secret; one intra-op thread
+    per worker (several replicas share this machine's cores; idle threads spinning on them cost
+    CPU, not coverage)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    env["TRAINMESH_FT_SECRET"] = SECRET
     env.pop("TRAINMESH_FT_INJECT", None)
     if inject:
         env["TRAINMESH_FT_INJECT"] = inject

@@ -109,6 +109,9 @@ class TrainConfig:
     replicas: int | None = setting(None, "with --coordinator: the run's replicas (--dp defaults "
                                          "to replicas x the dp indices of one replica)", ge=1,
                                    group="launch")
+    secret_file: str | None = setting(None, "with --coordinator: a file (mode 0600) holding the "
+                                            "job's secret, the coordinator's too (default: "
+                                            "TRAINMESH_FT_SECRET)", group="launch")
     timeline_out: str | None = setting(None, "SVG/PNG of the measured per-rank timeline "
                                              "(pipeline runs)", path=True, group="observability")
     eval_every: int | None = setting(None, "validation loss on the held-out split (the last 5 percent "
@@ -148,6 +151,10 @@ class TrainConfig:
         p = self.parallel
         across = {"--coordinator": self.coordinator, "--replica-id": self.replica_id,
                   "--replicas": self.replicas}
+        if self.secret_file is not None and self.coordinator is None:
+            raise ConfigError("--secret-file", "gives the secret of a fault-tolerant run across "
+                              "hosts; needs --fault-tolerant --coordinator HOST:PORT (a run on "
+                              "one host makes its own)")
         if not p.fault_tolerant:
             for flag, value in across.items():
                 if value is not None:

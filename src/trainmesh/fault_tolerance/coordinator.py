@@ -16,7 +16,7 @@ docs/FAULT_TOLERANCE.md describes the protocol.
 """
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import signal
@@ -31,14 +31,27 @@ from trainmesh.core.stores import LOOPBACK, client_store, server_store
 from trainmesh.observe.metrics import MetricsWriter
 
 from .inject import COORDINATOR, Injector
+from .ledger import Ledger
 from .protocol import (
+    COORDINATOR_ID,
     DONE,
     HEARTBEAT_TIMEOUT_S,
     POLL_S,
+    Codec,
+    Commit,
     Decision,
+    Done,
+    Epoch,
+    Mark,
+    Next,
     Outcome,
+    Posted,
+    Rejected,
     Request,
     key,
+    parse_outcome,
+    parse_posted,
+    parse_request,
 )
 
 log = logging.getLogger("trainmesh")
@@ -70,9 +83,11 @@ class Coordinator:
     ``startup_timeout_s`` bounds the wait for the first quorum (every replica), ``step_timeout_s``
     the wait for a member's outcome (default: the members' collective timeout plus slack).
     ``metrics_out``: write the replicas' records there (a run on one host), each handed to
-    ``also`` too (its TensorBoard)."""
+    ``also`` too (its TensorBoard). ``secret``: the job's (every record is sealed with it, and
+    a record that is not, or is malformed, stale or impossible, is logged once and ignored)."""
 
-    def __init__(self, *, replicas: int, host: str = LOOPBACK, port: int = 0, last: int | None = None,
+    def __init__(self, *, replicas: int, secret: str, host: str = LOOPBACK, port: int = 0,
+                 last: int | None = None,
                  metrics_out: str | None = None, startup_timeout_s: float = 300.0,
                  step_timeout_s: float | None = None,
                  notify: Callable[[str], None] | None = None,
@@ -83,7 +98,10 @@ class Coordinator:
         self.startup_timeout_s, self.step_timeout_s = startup_timeout_s, step_timeout_s
         self._server = server_store(host, port, timeout_s=startup_timeout_s, multi_tenant=True)
         self.address = f"{host}:{self._server.port}" if ":" not in host else f"[{host}]:{self._server.port}"
-        self._server.set("epoch", uuid.uuid4().hex)
+        self.codec = Codec(secret, writer=COORDINATOR_ID, replicas=replicas, epoch=uuid.uuid4().hex,
+                           last=last)
+        self.ledger = Ledger(self.codec, self.notify)
+        self.ledger.set(self._server, "epoch", Epoch(self.codec.epoch))
         self.metrics = MetricsWriter(metrics_out, also=also)
         self.tally = Tally()
         self.error: str | None = None
@@ -91,7 +109,6 @@ class Coordinator:
         self.final_loss = float("nan")
         self.committed = 0
         self._stop = threading.Event()
-        self._beats: dict[int, tuple[str, float]] = {}
         self._suspects: set[int] = set()
         """Members lost during the last attempt: the next quorum does not wait for them (they
         are let in if they ask in time)."""
@@ -115,7 +132,7 @@ class Coordinator:
 
     def serve(self) -> None:
         """Run in this thread until the last step is committed (``trainmesh coordinator``)."""
-        self._run()
+        self._run(tail=False)
 
     def linger(self, bound_s: float = 60.0) -> None:
         """After the last commit: until no replica has beaten for the heartbeat timeout (they
@@ -123,11 +140,12 @@ class Coordinator:
         store = getattr(self, "_store", None)
         deadline = time.monotonic() + bound_s
         while store is not None and time.monotonic() < deadline:
-            if not any(self._alive(store, r) for r in range(self.replicas)):
+            if not any(self.ledger.alive(store, r) for r in range(self.replicas)):
                 return
+            self.ledger.heal(store, every=1)   # done, for a replica still to read it
             time.sleep(POLL_S * 5)
 
-    def _run(self) -> None:
+    def _run(self, tail: bool = True) -> None:
         store = None
         try:
             store = client_store(self.address, timeout_s=self.startup_timeout_s)
@@ -139,24 +157,21 @@ class Coordinator:
             self.error = f"the fault-tolerance coordinator failed: {type(exc).__name__}: {exc}"
         finally:   # whatever ended the loop: replicas still waiting end at once
             if store is not None:
-                store.set(DONE, str(self.committed))
-
-    # ---------------------------------------------------------------- liveness
-    def _alive(self, store: Any, replica: int, incarnation: str | None = None) -> bool:
-        """Whether the heartbeat of ``replica`` (in ``incarnation``, if given) changed recently."""
-        now = time.monotonic()
-        if store.check([key("hb", replica)]):
-            beat = store.get(key("hb", replica)).decode()
-            seen = self._beats.get(replica)
-            if seen is None or seen[0] != beat:
-                self._beats[replica] = (beat, now)
-        seen = self._beats.get(replica)
-        return (seen is not None and now - seen[1] < HEARTBEAT_TIMEOUT_S
-                and (incarnation is None or seen[0].rsplit(":", 1)[0] == incarnation))
+                self.ledger.set(store, DONE, Done(self.committed))
+        while tail and store is not None and not self._stop.wait(POLL_S * 5):
+            with contextlib.suppress(RuntimeError, OSError):   # a run on one host: the records
+                self._drain(store)                              # posted after the last commit,
+                self.ledger.heal(store, every=1)                # until its replicas ended
 
     def _requests(self, store: Any, q: int) -> dict[int, Request]:
-        keys = [key("req", q, r) for r in range(self.replicas)]
-        return {r: Request.decode(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+        """The valid requests for quorum q (of the run's last step, once known)."""
+        got = {}
+        for r in range(self.replicas):
+            req = self.ledger.read(store, key("req", q, r),
+                                   lambda raw, r=r: parse_request(self.codec, raw, q, r))
+            if req is not None:
+                got[r] = req
+        return got
 
     # ---------------------------------------------------------------- the loop
     def _loop(self, store: Any) -> None:
@@ -164,11 +179,11 @@ class Coordinator:
         q, began = 0, time.monotonic()
         failed_at: float | None = None   # start of the first failed attempt since the last commit
         while self.last is None or self.committed < self.last:
-            store.set("next", str(q))
-            store.set("next_step", str(self.committed + 1))
+            self.ledger.forget(q)
+            self.ledger.set(store, "next", Next(q, self.committed + 1))
             requests = self._collect(store, q, members, began)
             decision = self._decide(q, requests, members)
-            store.set(key("dec", q), decision.encode())
+            self.ledger.set(store, key("dec", q), decision, q)
             if decision.abort:
                 self.error = decision.abort
                 return
@@ -182,7 +197,7 @@ class Coordinator:
             outcomes = self._outcomes(store, q, decision)
             ok = len(outcomes) == len(decision.members) and all(o.ok for o in outcomes)
             if ok and not _same_step(outcomes):   # a bug, not a fault: never applied
-                store.set(key("commit", q), "0")
+                self.ledger.set(store, key("commit", q), Commit(q, False), q)
                 said_ends = any("nonfinite_ends" in o.row for o in outcomes)
                 self.error = (f"internal: the members of step {decision.step} computed different "
                               "steps: " + "; ".join(f"replica {o.replica}: loss {o.row.get('loss')}"
@@ -192,7 +207,7 @@ class Coordinator:
                 break
             nonfinite = outcomes[0].row.get("nonfinite") if ok else None
             ends = outcomes[0].row.get("nonfinite_ends") if nonfinite else None   # else skipped
-            store.set(key("commit", q), "1" if ok and not ends else "0")
+            self.ledger.set(store, key("commit", q), Commit(q, bool(ok and not ends)), q)
             if ok and self._inject.maybe_wait_until(decision.step, "commit", lambda: any(
                     store.check([key("req", q + 1, r)]) for r in range(self.replicas))):
                 os.kill(os.getpid(), signal.SIGKILL)   # tests: a replica applied the step
@@ -246,6 +261,7 @@ class Coordinator:
             self._drain(store)
             requests = self._requests(store, q)
             now = time.monotonic()
+            self.ledger.heal(store)
             if q == 0:
                 if len(requests) == self.replicas:
                     return requests
@@ -253,7 +269,7 @@ class Coordinator:
                     resumed_at = now
                 if resumed_at is not None and now - resumed_at > REJOIN_GRACE_S:
                     waiting = [r for r in range(self.replicas)
-                               if r not in requests and self._alive(store, r)]
+                               if r not in requests and self.ledger.alive(store, r)]
                     if not waiting:
                         return requests
                 if now - began > self.startup_timeout_s:
@@ -262,24 +278,22 @@ class Coordinator:
                                        f"{self.startup_timeout_s:.0f} s")
             else:
                 waiting = [r for r, inc in members if r not in requests
-                           and r not in self._suspects and self._alive(store, r, inc)]
+                           and r not in self._suspects and self.ledger.alive(store, r, inc)]
                 if requests and not waiting:
                     return requests
             time.sleep(POLL_S)
 
     def _decide(self, q: int, requests: dict[int, Request], previous: list[list[Any]]) -> Decision:
         members = [[r, requests[r].incarnation] for r in sorted(requests)]
-        now = time.monotonic()
-        for r, inc in members:   # its request is a sign of life: its beats may not be here yet
-            self._beats[r] = (f"{inc}:asked", now)   # (a new incarnation's, or one back from a
-                                                      # partition whose last beat is stale)
+        for r, inc in members:
+            self.ledger.asked(r, inc)
         lost = [r for r, inc in previous if [r, inc] not in members]
         joined = [r for r, inc in members if [r, inc] not in previous] if previous else []
         lasts = {req.last for req in requests.values()}
         if len(lasts) > 1:
             return Decision(q, members, abort=f"the replicas disagree on the last step ({sorted(lasts)}); "
                                               "start them with the same --steps and --exit-after")
-        self.last = self.last or lasts.pop()
+        self.last = self.codec.last = self.last or lasts.pop()
         if self.step_timeout_s is None:
             self.step_timeout_s = max(req.timeout_s for req in requests.values()) + 30.0
         holders = [req for req in requests.values() if not req.needs_state]
@@ -314,21 +328,36 @@ class Coordinator:
                 raise _Stopped
             pending = []
             for r, inc in decision.members:
-                k = key("ok", q, r)
-                if r not in got and store.check([k]):
-                    got[r] = Outcome.decode(store.get(k))
-                if r not in got and self._alive(store, r, inc):
+                if r not in got and (outcome := self._outcome(store, q, r, inc)) is not None:
+                    got[r] = outcome
+                if r not in got and self.ledger.alive(store, r, inc):
                     pending.append(r)
             now = time.monotonic()
             if first_failure is None and (any(not o.ok for o in got.values())
                                           or len(got) + len(pending) < len(decision.members)):
                 first_failure = now
-                store.set(key("abandon", q), "1")   # a member failed or was lost: stop waiting
+                self.ledger.set(store, key("abandon", q), Mark(q), q)   # a member failed or was lost
             if not pending or now > deadline:
                 self._suspects = {r for r, _ in decision.members if r not in got}
                 return [got[r] for r in sorted(got)]
             self._drain(store)
+            self.ledger.heal(store)
             time.sleep(POLL_S)
+
+    def _outcome(self, store: Any, q: int, r: int, incarnation: str) -> Outcome | None:
+        """Member r's outcome of quorum q: None while there is no valid one; one sealed by r but
+        impossible (its fields wrong) is its failure."""
+        k = key("ok", q, r)
+        if not store.check([k]):
+            return None
+        try:
+            outcome = parse_outcome(self.codec, store.get(k), q, r)
+        except Rejected as exc:
+            self.ledger.rejected(k, exc)
+            if not exc.authentic:
+                return None
+            return Outcome(r, incarnation, False, f"an invalid outcome: {exc.reason}"[:300], quorum=q)
+        return outcome if outcome.incarnation == incarnation else None
 
     def _committed(self, decision: Decision, outcomes: list[Outcome], failed_at: float | None) -> None:
         self.committed = decision.step
@@ -348,10 +377,11 @@ class Coordinator:
         save once (every member posts its row; the first one is written)."""
         if self.metrics.path is None:
             return
-        for poster, n in list(self._posters.items()):
-            while store.check([k := key("rec", *poster, n)]):
-                record = json.loads(store.get(k))
-                n += 1
+        for poster, start in list(self._posters.items()):
+            n = start
+            while (record := self.ledger.read(store, key("rec", *poster, n), lambda raw, p=poster, n=n:
+                                        parse_posted(self.codec, raw, *p, n))) is not None:
+                n += 1   # (one not valid: written again by its replica, read then)
                 once = (record.get("event"), record.get("step"))
                 if record.get("event") in ("step", "eval", "save"):
                     if once in self._written:
@@ -361,6 +391,8 @@ class Coordinator:
                     record["state_transfer_s"] = self._transfer[record["step"]]
                 self.metrics.write(record)
             self._posters[poster] = n
+            if n != start:   # the replica keeps writing those not yet drained again
+                self.ledger.set(store, key("drained", *poster), Posted(count=n))
 
     def drain(self) -> None:
         """The records posted since the loop ended (the replicas have ended)."""

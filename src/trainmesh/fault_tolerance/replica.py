@@ -13,8 +13,9 @@ coordinator, and by the collective timeout (``--timeout``) plus the heartbeat ti
 """
 from __future__ import annotations
 
-import json
+import itertools
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,14 +34,35 @@ from .protocol import (
     HEARTBEAT_S,
     HEARTBEAT_TIMEOUT_S,
     POLL_S,
+    Beat,
+    Codec,
     Decision,
+    Mark,
     Outcome,
+    Posted,
+    Rejected,
+    Rejections,
     Request,
+    StateHeader,
+    VersionMismatch,
     key,
+    parse_abandon,
+    parse_arrival,
+    parse_commit,
+    parse_decision,
+    parse_done,
+    parse_drained,
+    parse_epoch,
+    parse_next,
+    parse_state,
 )
+from .transfer import flatten, unflatten
 
 CONNECT_TRY_S = 0.5
 """How long one attempt to reach a coordinator address waits."""
+HEAL_EVERY = 5
+"""Every how many polls a waiting replica writes again the records it waits on an answer to
+(one overwritten or deleted by a writer from outside the job is restored)."""
 
 
 class Abandoned(RuntimeError):
@@ -49,6 +71,10 @@ class Abandoned(RuntimeError):
 
 class CoordinatorRestarted(RuntimeError):
     """The coordinator found after a lost connection is another one: its quorums start afresh."""
+
+
+class ProtocolMismatch(RuntimeError):
+    """The coordinator speaks another protocol version (the message names both)."""
 
 
 def addresses_of(spec: str) -> list[str]:
@@ -62,10 +88,11 @@ def addresses_of(spec: str) -> list[str]:
     return [a.strip() for a in spec.replace("\n", ",").split(",") if a.strip()]
 
 
-def find_coordinator(spec: str, deadline: float, *, timeout_s: float, what: str
+def find_coordinator(spec: str, deadline: float, codec: Codec, *, timeout_s: float, what: str
                      ) -> tuple[Any, str, str]:
     """(client, epoch, address) of the first coordinator of ``spec`` that answers (its epoch
-    set), trying each address in turn until ``deadline``."""
+    set, sealed with the job's secret), trying each address in turn until ``deadline``; one
+    of another protocol version: :class:`ProtocolMismatch`."""
     while True:
         for address in addresses_of(spec):
             if not _listening(address):   # probed first: a failed store connect logs pages
@@ -73,9 +100,14 @@ def find_coordinator(spec: str, deadline: float, *, timeout_s: float, what: str
             try:
                 store = client_store(address, timeout_s=CONNECT_TRY_S)
                 if store.check(["epoch"]):
+                    epoch = parse_epoch(codec, store.get("epoch"))
                     store.set_timeout(timedelta(seconds=timeout_s))
-                    return store, store.get("epoch").decode(), address
-            except (RuntimeError, ValueError, OSError):   # not (yet) there
+                    return store, epoch, address
+            except VersionMismatch as exc:
+                raise ProtocolMismatch(f"{what}: refused by the fault-tolerance coordinator at "
+                                       f"{address}: its records are {exc.reason}; run the same "
+                                       "trainmesh version everywhere") from None
+            except (RuntimeError, ValueError, OSError):   # not (yet) there, or not one of ours
                 pass
         if time.monotonic() > deadline:
             raise CommTimeout(f"{what}: no fault-tolerance coordinator answered at {spec}")
@@ -98,26 +130,41 @@ class QuorumClient:
     (rank 0) beats, asks into quorums and reports; the other ranks use the store for their own
     process groups, the state headers and the abandon marks."""
 
-    def __init__(self, coordinator: str, replica: int, incarnation: str, *, timeout_s: float,
+    def __init__(self, coordinator: str, replica: int, incarnation: str, *, secret: str,
+                 replicas: int, timeout_s: float, last: int | None = None,
                  startup_timeout_s: float = 300.0, rank: int = 0) -> None:
         self.spec, self.replica, self.incarnation, self.rank = coordinator, replica, incarnation, rank
         self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
-        self.epoch = ""
+        self.codec = Codec(secret, writer=replica, replicas=replicas, last=last)
+        self.rejected = Rejections(lambda line: print(line, file=sys.stderr, flush=True),
+                                   who=f"replica {replica}" + (f" rank {rank}" if rank else ""))
         self.address = ""
         self._lock = threading.Lock()
+        self._own: dict[str, tuple[int, bytes]] = {}
+        """The records it wrote that await an answer: key -> (quorum, sealed)."""
+        self._posted: dict[int, tuple[str, bytes]] = {}
+        """Metrics records posted and not yet written by the coordinator: n -> (key, sealed)."""
+        self._polls = 0
+        self._counter = itertools.count(1)   # heartbeats: one counter, whichever thread beats
         self.store = self._find(time.monotonic() + startup_timeout_s)
         self._stop = threading.Event()
         self._silent_until = 0.0
         if rank == 0:
             self._beat_store = self.store_like()
-            self._beat_store.set(key("hb", replica), f"{incarnation}:0")
+            self._beat_codec = Codec(secret, writer=replica, replicas=replicas, epoch=self.epoch)
+            self._beat(self._beat_store, self._beat_codec)
             threading.Thread(target=self._beats, name="trainmesh-ft-heartbeat", daemon=True).start()
+
+    @property
+    def epoch(self) -> str:
+        """The epoch of the coordinator this client reaches now."""
+        return self.codec.epoch
 
     # ---------------------------------------------------------------- connection
     def _find(self, deadline: float) -> Any:
         """A client of a coordinator that answers; records its epoch and address."""
-        store, self.epoch, self.address = find_coordinator(
-            self.spec, deadline, timeout_s=self.timeout_s + self.startup_timeout_s,
+        store, self.codec.epoch, self.address = find_coordinator(
+            self.spec, deadline, self.codec, timeout_s=self.timeout_s + self.startup_timeout_s,
             what=f"replica {self.replica}")
         return store
 
@@ -127,8 +174,11 @@ class QuorumClient:
         with self._lock:
             before = self.epoch
             self.store = self._find(time.monotonic() + self.startup_timeout_s)
-            if self.rank == 0 and self.epoch != before:   # alive, before the beats find it
-                self.store.set(key("hb", self.replica), f"{self.incarnation}:found")
+            if self.epoch != before:   # its records were the old coordinator's
+                self._own.clear()
+                self._posted.clear()
+                if self.rank == 0:   # alive, before the beats find it
+                    self._beat(self.store, self.codec)
             return self.epoch != before
 
     def store_like(self) -> Any:
@@ -152,23 +202,56 @@ class QuorumClient:
     def get(self, k: str) -> bytes:
         return self._call("get", k)
 
-    def set(self, k: str, value: str) -> None:
-        self._call("set", k, value)
+    def set(self, k: str, record: Any, quorum: int) -> None:
+        """Seal ``record`` under ``k`` and write it, again while it awaits an answer (records
+        of quorums before ``quorum - 1`` are forgotten)."""
+        self._own = {k2: v for k2, v in self._own.items() if v[0] >= quorum - 1}
+        sealed = self.codec.seal(k, record)
+        self._own[k] = (quorum, sealed)
+        self._call("set", k, sealed)
+
+    def read(self, k: str, parse: Callable[[bytes], Any]) -> Any:
+        """``parse(value)`` of the record at ``k``; None when there is none or it is rejected
+        (logged once)."""
+        if not self.check([k]):
+            return None
+        try:
+            return parse(self.get(k))
+        except Rejected as exc:
+            self.rejected(k, exc)
+            return None
+
+    def _heal(self) -> None:
+        """Every :data:`HEAL_EVERY` polls: its records that await an answer written again."""
+        self._polls += 1
+        if self._polls % HEAL_EVERY:
+            return
+        if self._posted:
+            k = key("drained", self.replica, self.incarnation)
+            drained = self.read(k, lambda raw: parse_drained(self.codec, raw, self.replica,
+                                                             self.incarnation)) or 0
+            self._posted = {n: v for n, v in self._posted.items() if n >= drained}
+        for k, sealed in [*((k, v[1]) for k, v in self._own.items()), *self._posted.values()]:
+            self._call("set", k, sealed)
+
+    def _beat(self, store: Any, codec: Codec) -> None:
+        k = key("hb", self.replica)
+        store.set(k, codec.seal(k, Beat(self.incarnation, next(self._counter))))
 
     def _beats(self) -> None:
         """Rewrite the heartbeat every :data:`HEARTBEAT_S`; the coordinator lost, beat to the
         one found next (on its own client: the main thread keeps its own)."""
-        n, store = 0, self._beat_store
+        store, codec = self._beat_store, self._beat_codec
         while not self._stop.wait(HEARTBEAT_S):
-            n += 1
             if time.monotonic() < self._silent_until:
                 continue
             try:
-                store.set(key("hb", self.replica), f"{self.incarnation}:{n}")
+                self._beat(store, codec)
             except (RuntimeError, OSError):
                 try:
-                    store = find_coordinator(self.spec, time.monotonic() + self.startup_timeout_s,
-                                             timeout_s=self.timeout_s, what="heartbeat")[0]
+                    store, codec.epoch, _ = find_coordinator(
+                        self.spec, time.monotonic() + self.startup_timeout_s, codec,
+                        timeout_s=self.timeout_s, what="heartbeat")
                 except (RuntimeError, OSError):
                     return   # none within the start-up timeout: the main thread fails too
 
@@ -188,24 +271,28 @@ class QuorumClient:
             return s.getsockname()[0]
 
     # ---------------------------------------------------------------- the quorum
+    def _next(self) -> Any:
+        return self.read("next", lambda raw: parse_next(self.codec, raw))
+
     def next_quorum(self) -> int:
         """The quorum the coordinator is collecting now (where a returning replica asks in)."""
-        self._wait(["next"], self.startup_timeout_s, "the coordinator")
-        return int(self.get("next"))
+        return self._wait({"next": lambda raw: parse_next(self.codec, raw)}, self.startup_timeout_s,
+                          "the coordinator")["next"].quorum
 
     def next_step(self) -> int:
         """The step the quorum being collected now would run (0 before the first quorum)."""
-        return int(self.get("next_step")) if self.check(["next_step"]) else 0
+        n = self._next()
+        return n.step if n is not None else 0
 
     def request(self, q: int, request: Request, *, first: bool) -> Decision | None:
         """Ask for a place in quorum ``q``; the coordinator's decision, or None when the run
         already reached its last step."""
-        self.set(key("req", q, self.replica), request.encode())
+        self.set(key("req", q, self.replica), request, q)
         bound = self.startup_timeout_s if first else self.timeout_s + 2 * HEARTBEAT_TIMEOUT_S
-        self._wait([key("dec", q)], bound, f"the decision of quorum {q}", done_ok=True)
-        if not self.check([key("dec", q)]):
-            return None
-        return Decision.decode(self.get(key("dec", q)))
+        k = key("dec", q)
+        got = self._wait({k: lambda raw: parse_decision(self.codec, raw, q)}, bound,
+                         f"the decision of quorum {q}", done_ok=True)
+        return got.get(k)
 
     def everyone_asked(self, q: int, replicas: int) -> bool:
         """Whether every other replica has asked into quorum ``q``."""
@@ -214,37 +301,59 @@ class QuorumClient:
     def report(self, q: int, outcome: Outcome, posted: Callable[[], None] | None = None) -> bool:
         """Post this replica's outcome of quorum ``q``'s attempt (then ``posted()``); whether
         the step is committed."""
-        self.set(key("ok", q, self.replica), outcome.encode())
+        self.set(key("ok", q, self.replica), outcome, q)
         if posted is not None:
             posted()
-        self._wait([key("commit", q)], self.timeout_s + 2 * HEARTBEAT_TIMEOUT_S,
-                   f"the commit of quorum {q}")
-        return self.get(key("commit", q)) == b"1"
+        k = key("commit", q)
+        return self._wait({k: lambda raw: parse_commit(self.codec, raw, q)},
+                          self.timeout_s + 2 * HEARTBEAT_TIMEOUT_S, f"the commit of quorum {q}")[k]
 
     def abandoned(self, q: int) -> bool:
-        return self.check([key("abandon", q)])
+        k = key("abandon", q)
+        return self.read(k, lambda raw: parse_abandon(self.codec, raw, q)) is not None
 
     def gone(self) -> bool:
         """Whether the coordinator this client reached no longer answers (a fresh connection)."""
         return not _listening(self.address)
 
     def post(self, n: int, record: dict[str, Any]) -> None:
-        """The n-th metrics record of this incarnation, for the coordinator to write."""
-        self.set(key("rec", self.replica, self.incarnation, n), json.dumps(record))
+        """The n-th metrics record of this incarnation, for the coordinator to write (written
+        again while it waits, until the coordinator says it wrote it)."""
+        k = key("rec", self.replica, self.incarnation, n)
+        sealed = self.codec.seal(k, Posted(record=record))
+        self._posted[n] = (k, sealed)
+        self._call("set", k, sealed)
 
-    def _wait(self, keys: list[str], bound: float, what: str, *, done_ok: bool = False,
-              abandon: int | None = None) -> None:
-        """Until ``keys`` exist (or, ``done_ok``, the run is over), at most ``bound`` seconds;
-        raises :class:`Abandoned` once quorum ``abandon`` is given up."""
+    def flush(self, bound_s: float) -> None:
+        """Until the coordinator wrote every record posted (at most ``bound_s``)."""
+        deadline = time.monotonic() + bound_s
+        while self._posted and time.monotonic() < deadline:
+            self._polls = HEAL_EVERY - 1
+            self._heal()
+            time.sleep(POLL_S * 5)
+
+    def _wait(self, reads: dict[str, Callable[[bytes], Any]], bound: float, what: str, *,
+              done_ok: bool = False, abandon: int | None = None) -> dict[str, Any]:
+        """{key: parse(value)} once every key of ``reads`` holds a valid record (or, with
+        ``done_ok``, {} once the run is over), at most ``bound`` seconds; meanwhile its own
+        records awaiting an answer are written again; raises :class:`Abandoned` once quorum
+        ``abandon`` is given up."""
         deadline = time.monotonic() + bound
-        while not self.check(keys):
-            if done_ok and self.check([DONE]):
-                return
+        got: dict[str, Any] = {}
+        while True:
+            for k, parse in reads.items():
+                if k not in got and (value := self.read(k, parse)) is not None:
+                    got[k] = value
+            if len(got) == len(reads):
+                return got
+            if done_ok and self.read(DONE, lambda raw: parse_done(self.codec, raw)) is not None:
+                return {}
             if abandon is not None and self.abandoned(abandon):
                 raise Abandoned(f"quorum {abandon} was given up (a member failed or was lost)")
             if time.monotonic() > deadline:
                 raise CommTimeout(f"replica {self.replica}: no answer from the fault-tolerance "
                                   f"coordinator for {what} within {bound:.0f} s")
+            self._heal()
             time.sleep(POLL_S)
 
     # ---------------------------------------------------------------- group j
@@ -254,9 +363,9 @@ class QuorumClient:
         fresh one per quorum: a failed group is never reused), listening on this host's
         address towards the coordinator only."""
         q, j = decision.quorum, self.rank   # everyone there first: a member lost abandons q at once
-        self.set(key("arrive", q, self.replica, j), "1")
-        self._wait([key("arrive", q, r, j) for r in decision.replicas], self.timeout_s,
-                   f"the members of quorum {q}", abandon=q)
+        self.set(key("arrive", q, self.replica, j), Mark(q, self.replica, j), q)
+        self._wait({key("arrive", q, r, j): lambda raw, r=r: parse_arrival(self.codec, raw, q, r, j)
+                    for r in decision.replicas}, self.timeout_s, f"the members of quorum {q}", abandon=q)
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.local_address())]
         options._timeout = timedelta(seconds=self.timeout_s)
@@ -288,8 +397,10 @@ class QuorumClient:
         polls = 0
         while not done.wait(POLL_S / 4):
             polls += 1
-            if polls % 4 == 0 and self.abandoned(q):
-                raise Abandoned(f"quorum {q} was given up (a member failed or was lost)")
+            if polls % 4 == 0:
+                if self.abandoned(q):
+                    raise Abandoned(f"quorum {q} was given up (a member failed or was lost)")
+                self._heal()
         if failed:
             raise failed[0]
 
@@ -300,8 +411,8 @@ class QuorumClient:
         state, then send the tensors to the same rank of every receiver."""
         layout = [[name, k, list(t.shape), str(t.dtype).removeprefix("torch.")]
                   for name, _ in params for k, t in sorted(optim.get(name, {}).items())]
-        self.set(key("state", decision.quorum, self.rank), json.dumps({"optim": layout, "trainer": trainer}))
-        flat = _flatten([t for _, t in params] + [optim[name][k] for name, k, _, _ in layout])
+        self.set(key("state", decision.quorum, self.rank), StateHeader(layout, trainer), decision.quorum)
+        flat = flatten([t for _, t in params] + [optim[name][k] for name, k, _, _ in layout])
         for r in decision.receivers:
             dst = decision.replicas.index(r)
             for i, buf in enumerate(flat):
@@ -310,19 +421,19 @@ class QuorumClient:
     def recv_state(self, pg: Any, decision: Decision, params: list[tuple[str, torch.Tensor]]
                    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
         """A receiver: the source's (params, optimizer states, training state)."""
-        at = key("state", decision.quorum, self.rank)
-        self._wait([at], self.timeout_s, "the source's state", abandon=decision.quorum)
-        header = json.loads(self.get(at))
+        q, at = decision.quorum, key("state", decision.quorum, self.rank)
+        header = self._wait({at: lambda raw: parse_state(self.codec, raw, q, self.rank, decision.source)},
+                            self.timeout_s, "the source's state", abandon=q)[at]
         shapes = ([(t.shape, t.dtype) for _, t in params]
-                  + [(torch.Size(shape), getattr(torch, dtype)) for _, _, shape, dtype in header["optim"]])
+                  + [(torch.Size(shape), getattr(torch, dtype)) for _, _, shape, dtype in header.optim])
         src = decision.replicas.index(decision.source)
-        tensors = _unflatten(shapes, lambda i, buf: self.wait_work(pg.recv([buf], src, i),
+        tensors = unflatten(shapes, lambda i, buf: self.wait_work(pg.recv([buf], src, i),
                                                                    decision.quorum, pg))
         got_params = {name: t for (name, _), t in zip(params, tensors)}
         optim: dict[str, dict[str, torch.Tensor]] = {}
-        for (name, k, _, _), t in zip(header["optim"], tensors[len(params):]):
+        for (name, k, _, _), t in zip(header.optim, tensors[len(params):]):
             optim.setdefault(name, {})[k] = t
-        return got_params, optim, header["trainer"]
+        return got_params, optim, header.trainer
 
 
 class _Thunk:
@@ -330,27 +441,3 @@ class _Thunk:
 
     def __init__(self, fn: Callable[[], None]) -> None:
         self.wait = fn
-
-
-def _flatten(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One contiguous CPU buffer per dtype, in the order each dtype first appears."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t.detach().reshape(-1).cpu())
-    return [torch.cat(ts) for ts in groups.values()]
-
-
-def _unflatten(shapes: list[tuple[torch.Size, torch.dtype]],
-               recv: Callable[[int, torch.Tensor], None]) -> list[torch.Tensor]:
-    """Receive the buffers of :func:`_flatten` (``recv(index, buffer)``) and cut them up."""
-    order: list[torch.dtype] = []
-    for _, dtype in shapes:
-        if dtype not in order:
-            order.append(dtype)
-    pieces: dict[torch.dtype, list[torch.Tensor]] = {}
-    for i, dtype in enumerate(order):
-        sizes = [s.numel() for s, d in shapes if d == dtype]
-        buf = torch.empty(sum(sizes), dtype=dtype)
-        recv(i, buf)
-        pieces[dtype] = list(torch.split(buf, sizes))
-    return [pieces[dtype].pop(0).reshape(shape) for shape, dtype in shapes]

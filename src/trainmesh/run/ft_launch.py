@@ -59,18 +59,25 @@ STARTUP_TIMEOUT_S = 300.0
 def launch_fault_tolerant(cfg: TrainConfig, *, max_restarts: int,
                           worker_setup: Callable[[], None] | None = None) -> int:
     """Run the replicas and the coordinator until the last step; the exit code (a failure or a
-    signal ends this process right there, as :func:`~trainmesh.run.launch.launch_local`)."""
-    code = _launch(cfg, max_restarts=max_restarts, worker_setup=worker_setup)
+    signal ends this process right there, as :func:`~trainmesh.run.launch.launch_local`).
+    The job's secret: a run on one host makes its own; across hosts it is given
+    (``--secret-file`` or ``TRAINMESH_FT_SECRET``; none: :class:`ConfigError`, exit 2, before
+    anything starts)."""
+    from trainmesh.fault_tolerance.auth import load_secret, new_secret
+    secret = new_secret() if cfg.coordinator is None else load_secret(cfg.secret_file)
+    code = _launch(cfg, secret, max_restarts=max_restarts, worker_setup=worker_setup)
     if code:
         end_process(code)
     return code
 
 
-def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], None] | None) -> int:
+def _launch(cfg: TrainConfig, secret: str, *, max_restarts: int,
+            worker_setup: Callable[[], None] | None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from trainmesh.core.compat import close_fork_server
+    from trainmesh.fault_tolerance.auth import SECRET_ENV
 
     p = cfg.parallel
     _prepare_agent()
@@ -86,10 +93,11 @@ def _launch(cfg: TrainConfig, *, max_restarts: int, worker_setup: Callable[[], N
     _signals_raise()
     lock = _save_dir_lock(cfg)
     try:
-        coordinator, board = _local_coordinator(cfg) if cfg.coordinator is None else (None, None)
+        coordinator, board = _local_coordinator(cfg, secret) if cfg.coordinator is None else (None, None)
         address = coordinator.address if coordinator is not None else cfg.coordinator
         with local_rendezvous() as rendezvous:
             env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // (ranks * len(here))))
+            env[SECRET_ENV] = secret   # the workers' only copy (their environment, not argv)
             start_method = worker_start_method()
             if start_method == "forkserver":   # started here: it dies with this thread, which
                 multiprocessing.forkserver.ensure_running()   # outlives every agent's thread
@@ -148,18 +156,22 @@ def _save_dir_lock(cfg: TrainConfig) -> Any:
     return lock
 
 
-def _local_coordinator(cfg: TrainConfig) -> tuple[Any, Any]:
-    """The coordinator of a run on one host: a thread of this process, on loopback; it writes
-    the metrics file and hands each record to the run's TensorBoard (``board``)."""
+def _local_coordinator(cfg: TrainConfig, secret: str) -> tuple[Any, Any]:
+    """The coordinator of a run on one host: a thread of this process, on loopback (its address
+    printed on stderr); it writes the metrics file and hands each record to the run's
+    TensorBoard (``board``)."""
     from trainmesh.fault_tolerance.coordinator import Coordinator
     from trainmesh.observe.layout import layout_record
     from trainmesh.observe.tensorboard import TensorBoardLog
     board = TensorBoardLog(cfg.tensorboard, layout_record(cfg))
-    coordinator = Coordinator(replicas=cfg.parallel.replicas, last=cfg.exit_after or cfg.steps,
+    coordinator = Coordinator(replicas=cfg.parallel.replicas, secret=secret,
+                              last=cfg.exit_after or cfg.steps,
                               metrics_out=cfg.metrics_out, startup_timeout_s=STARTUP_TIMEOUT_S,
                               step_timeout_s=cfg.parallel.timeout_s + 30,
                               notify=lambda line: print(line, file=sys.stderr, flush=True),
                               also=board.record)
+    print(f"trainmesh: fault-tolerance coordinator serving {coordinator.address} (loopback)",
+          file=sys.stderr, flush=True)
     return coordinator, board
 
 
@@ -246,13 +258,14 @@ def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], Non
         setup()
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from trainmesh.fault_tolerance.replica import ProtocolMismatch
     from trainmesh.run.ft_steps import ReplicaRankLost
     try:
         code = record(ft_worker_main)(cfg, replica, address, launcher_id,
                                       own_records=cfg.coordinator is not None)
         run_exit_handlers()   # a forked worker ends with os._exit
         return code
-    except ReplicaRankLost as exc:
+    except (ReplicaRankLost, ProtocolMismatch) as exc:
         sys.stderr.write(f"trainmesh: {exc}\n")
         end_process(1)
     except Exception:
@@ -274,6 +287,7 @@ def ft_worker_main(cfg: TrainConfig, replica: int, coordinator: str, launcher_id
     from trainmesh.core.distributed import pick_device, worker_threads
     from trainmesh.core.interfaces import bind_backends, loopback_interface
     from trainmesh.core.stores import STORE_ENV, client_store
+    from trainmesh.fault_tolerance.auth import SECRET_ENV
     from trainmesh.fault_tolerance.replica import QuorumClient
     from trainmesh.run.ft_steps import QuorumSteps
     from trainmesh.run.trainer import _train
@@ -284,7 +298,9 @@ def ft_worker_main(cfg: TrainConfig, replica: int, coordinator: str, launcher_id
     ranks, rank = cfg.parallel.replica_ranks, int(os.environ.get("LOCAL_RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     incarnation = f"{launcher_id}.{restart}"
-    client = QuorumClient(coordinator, replica, incarnation, timeout_s=cfg.parallel.timeout_s, rank=rank)
+    client = QuorumClient(coordinator, replica, incarnation, secret=os.environ[SECRET_ENV],
+                          replicas=cfg.parallel.replicas, last=cfg.exit_after or cfg.steps,
+                          timeout_s=cfg.parallel.timeout_s, rank=rank)
     # the replica's own group, in this incarnation, over its launcher's store (one rank: alone):
     # its ranks all sit on this host, so the backends listen on loopback (as a local run's); the
     # groups across replicas listen on the address towards the coordinator (QuorumClient)

@@ -152,10 +152,10 @@ class QuorumSteps:
             dist.broadcast_object_list(msg, src=0, group=self.control)
             if msg[2] and self.rank != 0:   # the coordinator was restarted: find it too
                 self.client.reconnect()
-        raw, q, _ = msg
-        return (Decision.decode(raw) if raw else None), q
+        decision, q, _ = msg   # (among the replica's own ranks)
+        return decision, q
 
-    def _ask(self, q: int | None, first: bool, last: int) -> tuple[str | None, int, bool]:
+    def _ask(self, q: int | None, first: bool, last: int) -> tuple[Decision | None, int, bool]:
         """(the decision, its quorum, whether the coordinator was found restarted meanwhile)."""
         restarted = False
         while True:
@@ -169,9 +169,8 @@ class QuorumSteps:
                                        lambda: self.client.everyone_asked(asked, self.cfg.parallel.replicas))
                 request = Request(self.replica, self.client.incarnation, self.engine.step_count,
                                   self.needs_state, os.getpid(), self.pids,
-                                  last=last, timeout_s=self.cfg.parallel.timeout_s)
-                decision = self.client.request(q, request, first=first)
-                return (decision.encode() if decision is not None else None), q, restarted
+                                  last=last, timeout_s=self.cfg.parallel.timeout_s, quorum=q)
+                return self.client.request(q, request, first=first), q, restarted
             except CoordinatorRestarted:   # its quorums start afresh; it may wait for everyone
                 self._drop_group()
                 q, restarted, first, self._floor = None, True, True, 0
@@ -186,7 +185,7 @@ class QuorumSteps:
         t0 = time.perf_counter()
         result, row, error = self._attempt(d, fresh)
         outcome = Outcome(self.replica, self.client.incarnation, not error, error,
-                          row=row if not error else {})
+                          row=row if not error else {}, quorum=d.quorum)
         committed = self._commit(d.quorum, d.step, outcome, epoch)
         if not committed:
             self.failed += 1
@@ -358,14 +357,20 @@ class QuorumSteps:
 
 class _Posted:
     """A run on one host: the replica's first rank posts its step, eval and save records to the
-    coordinator, which writes each once (every member posts its step rows)."""
+    coordinator, which writes each once (every member posts its step rows); at the run's end
+    (its summary, which the coordinator's launcher writes itself) it waits until the coordinator
+    wrote them all (bounded: :data:`FLUSH_S`)."""
 
     KINDS = ("step", "eval", "save")
+    FLUSH_S = 10.0
 
     def __init__(self, client: QuorumClient) -> None:
         self.client, self.n = client, 0
 
     def write(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "summary":
+            with contextlib.suppress(CoordinatorRestarted):
+                self.client.flush(self.FLUSH_S)
         if record.get("event") in self.KINDS:
             try:
                 self.client.post(self.n, record)
