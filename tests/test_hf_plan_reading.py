@@ -122,6 +122,12 @@ def test_experts_are_recognised_by_what_they_hold():
         _plan(model)
     assert err.value.field == "--sequence-parallel"
 
+    olmoe = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(   # its pp_plan: lm_head alone
+        **COMMON, intermediate_size=16, num_experts=4))
+    with pytest.raises(ConfigError, match="olmoe family declares no pipeline plan .*valid for it: "
+                       "without --sequence-parallel"):
+        _plan(olmoe)
+
     split = mixtral()                                      # 5.24: the experts split over tp
     plan = _plan(split, **EXPERTS_524)
     check_expert_tp(split, 2, sequence_parallel=True)

@@ -67,8 +67,11 @@ def family(model: nn.Module) -> str:
 def declared_pp_plan(model: nn.Module) -> dict[str, tuple] | None:
     """The model's ``pp_plan`` (base entries prefixed, the head's added), or None."""
     plan = getattr(model, "pp_plan", None)
-    if not plan and getattr(getattr(model, "config", None), "base_model_pp_plan", None):
-        plan = dict(model.config.base_model_pp_plan)
+    base = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+    if not plan and base:
+        plan = dict(base)
+    if plan and not base and all("." not in name for name in plan):
+        return None                  # the causal LM's head alone (OLMoE): its base declares none
     return dict(plan) if plan else None
 
 
@@ -77,14 +80,15 @@ def hf_structure(model: nn.Module, flag: str = "--pp") -> HFStructure:
     family when its plan cannot be honoured."""
     kind = family(model)
     plan = declared_pp_plan(model)
+    valid = "without --sequence-parallel" if flag == "--sequence-parallel" else f"{flag} 1"
 
     def refuse(why: str) -> ConfigError:
         return ConfigError(flag, f"the {kind} family's pipeline plan (config.base_model_pp_plan) "
-                           f"cannot be honoured: {why}; valid for it: {flag} 1")
+                           f"cannot be honoured: {why}; valid for it: {valid}")
 
     if plan is None:
         raise ConfigError(flag, f"the {kind} family declares no pipeline plan "
-                          f"(config.base_model_pp_plan); valid for it: {flag} 1")
+                          f"(config.base_model_pp_plan); valid for it: {valid}")
     modules = dict(model.named_modules())
     missing = [name for name in plan if name not in modules]
     if missing:
