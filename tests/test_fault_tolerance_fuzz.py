@@ -19,8 +19,9 @@ from test_fault_tolerance import _same_curve
 from trainmesh.testing import metrics_records, serving_address
 
 WRITES = 1000
-BURST = 75
-"""Writes at each new quorum (13 or more quorums in this run, so the 1,000 land in it)."""
+BURST = 100
+"""Writes at each new quorum (14 quorums in this run: the 1,000 land by the tenth, a trickle
+between quorums making them land sooner)."""
 KEYS = ("req/{q}/{r}", "dec/{q}", "ok/{q}/{r}", "commit/{q}", "abandon/{q}", "arrive/{q}/{r}/0",
         "state/{q}/0", "hb/{r}", "next", "done", "epoch", "rec/{r}/{inc}/{n}", "drained/{r}/{inc}")
 

@@ -105,6 +105,8 @@ BAD_REQUESTS = [
     (_forged(key("req", 5, 1), {**_body(REQ), "extra": 1}, 1), "unknown fields ['extra']"),
     (_forged(key("req", 5, 1), {"replica": 1}, 1), "Request: no incarnation"),
     (_forged(key("req", 5, 1), [1, 2], 1), "Request: not an object"),
+    (auth.authenticator(SECRET, key("req", 5, 1), b"[1, 2").encode() + b".[1, 2", "no JSON object"),
+    (auth.authenticator(SECRET, key("req", 5, 1), b"[1]").encode() + b".[1]", "no JSON object"),
     (_forged(key("req", 5, 1), _body(REQ), 1, v=PROTOCOL_VERSION + 1),
      f"protocol version {PROTOCOL_VERSION + 1}, this one speaks version {PROTOCOL_VERSION}"),
 ]

@@ -132,7 +132,12 @@ class Codec:
                                "under another key)", writer)
         except UnicodeDecodeError:
             raise Rejected("no authenticator", writer) from None
-        head = json.loads(payload)   # authentic: written by json.dumps
+        try:   # authentic: written by a member's json.dumps (else the member's bug)
+            head = json.loads(payload)
+        except (ValueError, RecursionError):
+            head = None
+        if not isinstance(head, dict):
+            raise Rejected("an authentic payload that is no JSON object", writer, authentic=True)
         if head.get("v") != PROTOCOL_VERSION:
             raise VersionMismatch(f"written by protocol version {head.get('v')}, this one speaks "
                                   f"version {PROTOCOL_VERSION}", writer)
