@@ -173,8 +173,6 @@ def _child(request: dict, main, run_exit_handlers, own_fork_server: bool) -> Non
     code = 1
     try:
         os.setpgrp()                                 # its group: a timeout ends all it started
-        if request.get("hostname"):                  # before its fork server: workers share it
-            _rename_host(request["hostname"])
         os.chdir(request["cwd"])
         if request.get("umask") is not None:
             os.umask(request["umask"])
@@ -185,6 +183,8 @@ def _child(request: dict, main, run_exit_handlers, own_fork_server: bool) -> Non
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             with open(path, "w") as out:
                 os.dup2(out.fileno(), fd)
+        if request.get("hostname"):                  # before its fork server: workers share it
+            _rename_host(request["hostname"])
         if request.get("call"):                      # a test's function, "module:name"
             module, name = request["call"].split(":")
             main = getattr(importlib.import_module(module), name)   # imported before the fork server
