@@ -95,6 +95,7 @@ def _run_configs(configs: list[tuple[str, str, bool, dict, int]]) -> dict:
             "norm_err": max(abs(a[1] - b[1]) / a[1] for a, b in zip(ref_rows, rows)),
             "weight_err": max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights),
             "state": engine.state_bytes, "peak": engine.grad_sync.comm_buffer_peak_bytes,
+            "held": engine.measure_state(), "recompute": cfg.recompute != "none",
             "dp": engine.comm.ledger.bytes_per_step()["dp"], "m": cfg.microbatches, "zero": cfg.zero,
             "optimizer": opt, "n_shards": len(engine.grad_sync.shard_params),
             "largest_unit": max((u.nbytes for u in getattr(engine.grad_sync, "units", [])), default=0)}
@@ -152,6 +153,11 @@ def test_zero_stages_match_one_process_at_dp2():
                 assert 0 < r["peak"] < 4 * PSI, (name, r["peak"])
             if r["zero"] == 3:   # at least one gathered unit, far from the whole model twice
                 assert r["largest_unit"] <= r["peak"] < 2 * 4 * PSI, (name, r["peak"])
+                # the gradient shards live from the first reduction to the optimizer step
+                assert r["held"]["grads"] == 0 < r["state"]["grads"], (name, r["held"], r["state"])
+            if r["zero"] == 3 and not r["recompute"]:   # the unit in use, the next one gathered
+                # ahead or one reduce-scatter in flight (never both), the unit being reduced
+                assert r["peak"] <= 3 * r["largest_unit"], (name, r["peak"], r["largest_unit"])
 
 
 @pytest.mark.slow
@@ -164,6 +170,27 @@ def test_zero3_matches_one_process_at_dp4():
     for rank, runs in res.items():
         for name, r in runs.items():
             check_run(f"rank {rank} {name}", r, 4)
+
+
+def _zero3_comm_peak(layers: int) -> dict:
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4)
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    engine = Engine(GPT(cfg, seed=0), optimizer("adamw"), loss_fn, ParallelConfig(dp=dp, zero=3))
+    data = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
+    for k in range(2):
+        engine.train_step(dp_slice(data.batch(0, k, GLOBAL_BATCH), rank, dp))
+    return {"peak": engine.grad_sync.comm_buffer_peak_bytes,
+            "largest": max(u.nbytes for u in engine.grad_sync.units)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_zero3_comm_buffers_stay_within_three_units():
+    """Backward holds the unit in use, the next one gathered ahead or one reduce-scatter in
+    flight (never both), and the unit being reduced: three units' buffers at most (the planner's
+    comm_buffers), on 4 blocks, where more would pile up if nothing bounded them."""
+    for r in run_distributed(_zero3_comm_peak, 2, 4, timeout_s=80).values():
+        assert r["largest"] <= r["peak"] <= 3 * r["largest"], r
 
 
 @pytest.mark.parametrize("zero", [1, 3])
@@ -285,8 +312,13 @@ def test_unused_parameters_are_named(zero):
 def test_zero3_frees_units_and_runs_without_grad():
     engine = Engine(GPT(CFG, seed=0), optimizer("adamw"), loss_fn, ParallelConfig(zero=3),
                     mesh=ParallelMesh(local=True))
-    batch = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, 0, 4)
-    engine.train_step(batch)
+    ref = Engine(GPT(CFG, seed=0), optimizer("adamw"), loss_fn, ParallelConfig(), mesh=ParallelMesh(local=True))
+    data = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    for k in range(3):   # the second step on: the gradients land in per-unit chunks first
+        assert abs(engine.train_step(data.batch(0, k, 4)) - ref.train_step(data.batch(0, k, 4))) <= LOSS_ABS
+        # model_state_bytes (end of backward) counts the gradient shards; between steps: none
+        assert engine.measure_state()["grads"] == 0 < engine.state_bytes["grads"], engine.state_bytes
+    batch = data.batch(0, 0, 4)
     assert all(p.numel() == 0 for p in engine.module.parameters()), "units are freed after the step"
     with torch.no_grad():
         logits = engine.module(batch["input_ids"])          # evaluation: gathered and freed again

@@ -99,10 +99,27 @@ class Reductions:
         self.queue.append(flight)
         while sum(f.transient for f in self.queue) > self.max_inflight:   # bound the memory
             self._complete(self.queue.pop(0))
-        # Eagerly only where completing issues no collective: a replicated shard's all-reduce
-        # (HSDP) must come at the same point of the program on every rank of its group.
-        while self.eager and self.replicate is None and self.queue and self._landed(self.queue[0]):
+        if self.eager:
+            self.settle()
+
+    def settle(self) -> None:
+        """Complete the oldest reductions that have landed (their buffers released now, not
+        when the queue is full), where completing one issues no collective: a replicated
+        shard's all-reduce (HSDP) must come at the same point of the program on every rank of
+        its group, so a landed one keeps only its chunk (the group's buffer and the backend's
+        copy of it released) until then."""
+        while self.replicate is None and self.queue and self._landed(self.queue[0]):
             self._complete(self.queue.pop(0))
+        for f in self.queue:      # HSDP: a landed chunk waits for its all-reduce on its own
+            if f.replicate and f.transient and f.handle is not None and f.out is not f.buf and self._landed(f):
+                f.handle.wait()
+                f.handle, f.buf = None, f.out.clone()
+                self.release(f.out.numel() * (self.world - 1) * f.out.element_size())
+                f.out = f.buf
+
+    def in_flight(self) -> bool:
+        """Some reduction still holds a whole buffer in the backend (not landed)."""
+        return any(f.transient and f.handle is not None and f.out is not f.buf for f in self.queue)
 
     @staticmethod
     def _landed(f: Flight) -> bool:

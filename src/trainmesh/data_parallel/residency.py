@@ -54,7 +54,6 @@ class Unit(Bucket):
     state: State = State.FREE
     handles: list[Handle | None] = field(default_factory=list)
     sends: list[torch.Tensor] = field(default_factory=list)
-    reduce_bufs: list[torch.Tensor] | None = None
     done: bool = True         # its gradients were reduced in this microbatch's backward
 
     @property

@@ -15,6 +15,13 @@ buffer of which this rank keeps a fp32 chunk, inside the group's flat shard — 
   :class:`~.buckets.Bucketer`) the gradients, staged in ``reduce_dtype``, are reduce-scattered
   into this rank's fp32 gradient shard, and the unit is freed.
 
+Gradient shards live from a step's first reduction to its optimizer step, as FSDP2's sharded
+gradients do: ``zero_grad`` frees the flat gradient shards' storage; in backward each unit's
+reductions land in a chunk of its own (allocated as the unit is reduced, so the gradient memory
+grows with backward), and once every reduction has landed (``finish``) the flat shards are
+allocated again and take the chunks (same layout, same tensors: the optimizer's ``.grad``).
+Under ``--offload`` (each final slice streamed to the host as it lands) the flat shards stay.
+
 Gathering and freeing: :mod:`.residency`. Under activation recomputation a unit's forward re-runs
 inside backward: it is then gathered (if not yet) and kept for its backward. Traffic per step
 with m microbatches: all_gather 2m·Ψ·(compute bytes), reduce_scatter m·Ψ·(reduce bytes).
@@ -64,8 +71,6 @@ class Zero3(ShardedSync):
         """Sharded init: gives a unit's meta parameters their values before it is sharded."""
         self.units: list[_Unit] = []
         self.group_shards: list[torch.Tensor] = []
-        self._unit_of: dict[int, _Unit] = {}
-        self._slot_of: dict[int, tuple[int, Slot]] = {}
         self._fwd: list[_Unit] = []          # this forward's pre-forward order
         self._last_fwd: list[_Unit] = []     # the previous forward's (drives forward prefetch)
         self._post: list[_Unit] = []         # this forward's post-forward order
@@ -73,6 +78,9 @@ class Zero3(ShardedSync):
         self._bwd_pos = 0
         self._in_bwd = False
         self._last = False                   # this backward is the step's last (final reductions)
+        self._chunks: dict[tuple[int, int], torch.Tensor] = {}   # (id(unit), piece) -> landed grads
+        self._grads_freed = False            # the flat gradient shards' storage is released
+        self._next: _Unit | None = None      # the unit of backward to prefetch (_prefetch)
 
     # ---------------------------------------------------------------- set-up
     @torch.no_grad()
@@ -111,6 +119,9 @@ class Zero3(ShardedSync):
         # Each unit is a bucket reduced as soon as it is complete (units finish in backward
         # order, the same on every rank: the ranks agree on each unit before gathering it).
         self.bucketer = Bucketer(self.units, lambda unit: self._post_backward(unit), ordered=False)
+        # One unit's reduce-scatter in flight (its buffer and the backend's copy of it): the
+        # next unit's launch waits for it, after a whole unit's backward.
+        self.reductions.max_inflight = 1
         for shard in self.group_shards:
             sp = nn.Parameter(shard)
             grad = torch.zeros(shard.shape, dtype=shard.dtype, device=self.device)
@@ -145,14 +156,14 @@ class Zero3(ShardedSync):
                 self._norm_pieces.append((sp.slot.name, sp.slot.param, grad[sp.lo : sp.hi]))
             for s in pc.layout.slots:
                 unit.views.append((s.param, unit.full[pc.offset + s.start : pc.offset + s.end].view(s.shape)))
-                self._unit_of[id(s.param)] = unit
-                self._slot_of[id(s.param)] = (pi, s)
         unit.arm()
         unit.state = _State.GATHERED
         self.reductions.count(unit.nbytes)
         self._free(unit)
 
     def _gather(self, unit: _Unit, *, wait: bool) -> None:
+        if unit.state is _State.FREE:
+            self.reductions.settle()     # landed reductions' buffers released before gathering
         self.residency.gather(unit, wait=wait)
 
     def _free(self, unit: _Unit) -> None:
@@ -193,19 +204,41 @@ class Zero3(ShardedSync):
                 self._bwd_pos = j + 1
                 nxt = self._bwd[j + 1] if j + 1 < len(self._bwd) else None
                 if nxt is not None and not nxt.done:
-                    self._gather(nxt, wait=False)         # prefetch the next unit of backward
+                    self._next = nxt                      # prefetch the next unit of backward
+                    self._prefetch()
                 break
 
+    def _prefetch(self) -> None:
+        """Start gathering the next unit of backward once no reduce-scatter of a whole unit is
+        in flight (else the gathered unit, the reduction's buffer and the backend's copies of
+        both would be live at once); tried again as each gradient arrives."""
+        nxt = self._next
+        if nxt is not None and (nxt.done or nxt.state is not _State.FREE):
+            self._next = None
+        elif nxt is not None and not self.reductions.in_flight():
+            self._next = None
+            self._gather(nxt, wait=False)
+
     def _on_grad(self, p: nn.Parameter) -> None:
-        unit = self._unit_of[id(p)]
         self.readiness.mark(p)
-        pi, slot = self._slot_of[id(p)]
-        if unit.reduce_bufs is None:
-            unit.reduce_bufs = [self.reductions.alloc(pc.layout.padded, self.reduce_dtype or p.grad.dtype)
-                                for pc in unit.pieces]
-        unit.reduce_bufs[pi][slot.start : slot.end].add_(p.grad.reshape(-1))   # zeroed when allocated
-        p.grad = None
+        self.reductions.settle()
+        if self._next is not None:
+            self._prefetch()
         self.bucketer.give(p)          # the unit complete: reduce-scatter it (_post_backward)
+
+    def _stage(self, unit: _Unit) -> list[torch.Tensor]:
+        """The unit's gradients, held by its parameters until the unit is complete (as FSDP2
+        holds them: they grow with the unit's backward), added into flat padded buffers in
+        ``reduce_dtype`` (zeroed when allocated: zeros where a parameter has none)."""
+        self.reductions.settle()         # landed reductions' buffers released first
+        bufs = [self.reductions.alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
+                for pc in unit.pieces]
+        for buf, pc in zip(bufs, unit.pieces):
+            for slot in pc.layout.slots:
+                if slot.param.grad is not None:
+                    buf[slot.start : slot.end].add_(slot.param.grad.reshape(-1))
+                    slot.param.grad = None
+        return bufs
 
     def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
         """Only in units the pass takes part in (some parameter reached): a unit it does not
@@ -226,13 +259,45 @@ class Zero3(ShardedSync):
     def _reduce_unit(self, unit: _Unit, *, final: bool) -> None:
         """Reduce-scatter the unit's staged gradients (zeros if none) into the gradient shards
         (``final``: the step's last reduction of the unit, see :class:`~.inflight.Flight`)."""
-        bufs = unit.reduce_bufs or [self.reductions.alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
-                                    for pc in unit.pieces]
-        unit.reduce_bufs = None
-        for pc, buf in zip(unit.pieces, bufs):
+        bufs = self._stage(unit)
+        for pi, (pc, buf) in enumerate(zip(unit.pieces, bufs)):
             where = slice(pc.shard_start, pc.shard_start + pc.layout.chunk)
-            self.reductions.reduce_scatter(buf, self.grad_shards[pc.group][where], accumulate=True,
-                                           transient=True, final=(pc.group, where) if final else None)
+            if self._grads_freed:        # this step's chunk of the unit's gradient shard
+                dst = self._chunks.get((id(unit), pi))
+                if dst is None:
+                    dst = torch.zeros(pc.layout.chunk, dtype=self.grad_shards[pc.group].dtype, device=self.device)
+                    self._chunks[(id(unit), pi)] = dst
+            else:
+                dst = self.grad_shards[pc.group][where]
+            self.reductions.reduce_scatter(buf, dst, accumulate=True, transient=True,
+                                           final=(pc.group, where) if final else None)
+
+    def _grads_in(self) -> None:
+        """Every reduction has landed: the flat gradient shards are allocated again and take the
+        units' chunks (a unit never reduced this step stays zero)."""
+        if not self._grads_freed:
+            return
+        for g in self.grad_shards:
+            g.untyped_storage().resize_(g.numel() * g.element_size())
+            g.zero_()
+        for unit in self.units:
+            for pi, pc in enumerate(unit.pieces):
+                chunk = self._chunks.pop((id(unit), pi), None)
+                if chunk is not None:
+                    self.grad_shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk].copy_(chunk)
+        self._grads_freed = False
+
+    def _free_grads(self) -> None:
+        """After the optimizer step: release the flat gradient shards' storage (none between
+        steps), except where an offloaded optimizer streams them to the host as they land."""
+        self._chunks.clear()
+        if self.offloaded is not None or self.options.offload_params:
+            for g in self.shard_grads:
+                g.zero_()
+            return
+        for g in self.grad_shards:
+            g.untyped_storage().resize_(0)
+        self._grads_freed = True
 
     def _end_of_backward(self) -> None:
         """Reduce every unit no hook reduced (unused parameters: zeros, so every rank issues the
@@ -241,7 +306,7 @@ class Zero3(ShardedSync):
             if not unit.done:
                 self._post_backward(unit)
             self._free(unit)
-        self._in_bwd = False
+        self._in_bwd, self._next = False, None
 
     # ---------------------------------------------------------------- the seam
     def before_backward(self, *, is_last: bool) -> None:
@@ -263,12 +328,12 @@ class Zero3(ShardedSync):
         self._check_unused()
         self._end_of_backward()
         self.reductions.drain()
+        self._grads_in()
         self._scale(scale)
 
     def zero_grad(self) -> None:
         self._end_step()
-        for g in self.shard_grads:
-            g.zero_()
+        self._free_grads()
         self._reset_master()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:

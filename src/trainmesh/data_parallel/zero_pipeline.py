@@ -85,6 +85,7 @@ class PipelineZero3(Zero3):
                 self._left[id(unit)] = 0
             self._free(unit)
         self.reductions.drain()
+        self._grads_in()
         self._scale(scale)
 
     # ---------------------------------------------------------------- hooks
