@@ -182,3 +182,67 @@ def test_corrupt_model_dir_weights_exit_2_before_workers(tmp_path, no_launch, ca
         code = f"raised {exc!r}"
     assert code == 2
     _one_error(capsys, "--model-dir", "model.safetensors")
+
+
+class _Planted(RuntimeError):
+    """A save dying at a phase."""
+
+
+def test_a_save_dying_at_any_phase_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """In process, world 1: step 2's save fails at each phase in turn (after planning, after
+    the write, after .metadata, after the manifest, before the rename); each time step 1 stays
+    the newest intact checkpoint and loads back its own state."""
+    import torch
+
+    import trainmesh as tm
+    from trainmesh import ParallelMesh
+    from trainmesh.checkpoint import sharded
+    from trainmesh.models.gpt import GPT, GPTConfig
+    engine = tm.Engine(GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2), seed=0),
+                       lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda m, b: m(**b),
+                       tm.ParallelConfig(), mesh=ParallelMesh(local=True))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    engine.train_step({"input_ids": ids, "labels": ids})
+    engine.save(str(tmp_path))
+    step1 = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.train_step({"input_ids": ids, "labels": ids})
+    for phase in sharded.PHASES:
+        def fail(name: str, phase: str = phase) -> None:
+            if name == phase:
+                raise _Planted(phase)
+        monkeypatch.setattr(sharded, "_phase", fail)
+        with pytest.raises(_Planted):
+            engine.save(str(tmp_path))
+        newest, skipped = newest_intact(tmp_path)
+        assert newest == tmp_path / "step-00000001" and skipped == [], (phase, newest, skipped)
+    monkeypatch.setattr(sharded, "_phase", lambda name: None)
+    assert engine.load(str(tmp_path))["step"] == 1
+    for name, value in engine.module.state_dict().items():
+        assert torch.equal(value, step1[name]), name
+
+
+def _save_memory(records: list[dict]) -> list[dict]:
+    return [m for r in records if r["event"] == "save" for m in r["memory"]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_save_adds_at_most_its_own_shards_and_less_at_higher_dp(tmp_path):
+    """ZeRO-3, a model of 1.9M parameters (22 MiB of fp32 weights and AdamW moments): the memory
+    a save adds on a rank (its RSS high-water mark over what it held before) is at most 1.1x
+    its own model and optimizer state plus one staging buffer (the largest chunk it writes);
+    gathering whole tensors, as the first format did, adds the whole state (2x the own state at
+    dp 2) and fails it. At dp 4 the bound is half the dp 2 one: the added memory stays under
+    0.6x the dp 2 bound."""
+    flags = ["--layers", "2", "--d-model", "256", "--global-batch", "4", "--steps", "1", "--zero", "3"]
+    bound = {}
+    for dp in (2, 4):
+        proc, records = _train([*flags, "--dp", str(dp), "--save-dir", str(tmp_path / f"ck{dp}")],
+                               tmp_path, f"dp{dp}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        memory = _save_memory(records)
+        assert len(memory) == dp, memory
+        for m in memory:
+            assert m["peak_added_bytes"] <= 1.1 * m["held_bytes"] + m["staging_bytes"], (dp, m)
+        bound[dp] = max(1.1 * m["held_bytes"] + m["staging_bytes"] for m in memory)
+        assert max(m["peak_added_bytes"] for m in memory) <= (0.6 * bound[2] if dp == 4 else bound[2])
