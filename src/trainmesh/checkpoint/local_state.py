@@ -23,6 +23,7 @@ from trainmesh.checkpoint.chunks import Chunks, GlobalMap, flat_boxes, tp_ep_map
 from trainmesh.comm import Comm
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
+from trainmesh.data_parallel.composite import CompositeSync
 from trainmesh.data_parallel.shard_step import elementwise
 from trainmesh.data_parallel.sharded import ShardedSync
 from trainmesh.tensor_parallel.state import shard_dim, shard_parts
@@ -110,8 +111,11 @@ def _strides(shape: Sequence[int]) -> list[int]:
 
 
 def _leaves(sync: GradSync) -> list[GradSync]:
-    parts = getattr(sync, "parts", None)
-    return [leaf for part in parts for leaf in _leaves(part)] if parts else [sync]
+    """The strategies whose state a composite is made of (one that keeps a state of its own,
+    as DiLoCo does, is a leaf)."""
+    if isinstance(sync, CompositeSync) and type(sync).logical_state is CompositeSync.logical_state:
+        return [leaf for part in sync.parts for leaf in _leaves(part)]
+    return [sync]
 
 
 @contextmanager
