@@ -38,14 +38,8 @@ import torch
 from trainmesh.checkpoint.chunks import Chunks
 from trainmesh.checkpoint.dcp_io import METADATA, PlannedSave, results_from_json, results_to_json
 from trainmesh.checkpoint.local_state import save_state
-from trainmesh.checkpoint.sharded import (
-    FORMAT,
-    SavePeak,
-    held_bytes,
-    memory_record,
-    publish,
-    step_dir,
-)
+from trainmesh.checkpoint.save_memory import SavePeak, held_bytes, memory_record
+from trainmesh.checkpoint.sharded import FORMAT, publish, step_dir
 from trainmesh.comm import Comm
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
@@ -148,8 +142,9 @@ class AsyncSaver:
              untrained: Sequence[tuple[str, torch.Tensor]] = (),
              measure: dict[str, Any] | None = None) -> float:
         """Collective, as :func:`trainmesh.checkpoint.sharded.save` (whose arguments it takes; ``comm``
-        is this saver's; the memory measured comes with the record): snapshot the state as checkpoint ``step`` under ``root`` and start
-        its write. Returns the blocking seconds (waiting for the previous write included)."""
+        is this saver's; the memory measured comes with the record): snapshot the state as
+        checkpoint ``step`` under ``root`` and start its write. Returns the blocking seconds
+        (waiting for the previous write included)."""
         assert comm is self.comm, "an AsyncSaver saves over the comm layer it was made with"
         started = time.perf_counter()
         self.wait()

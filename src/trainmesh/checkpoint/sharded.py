@@ -46,10 +46,10 @@ from trainmesh.checkpoint.local_state import (
     local_shape,
     save_state,
 )
+from trainmesh.checkpoint.save_memory import SavePeak, held_bytes, largest_chunk, memory_record
 from trainmesh.comm import Comm
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
-from trainmesh.observe.metrics import memory_now, memory_peak_since_reset, reset_peak, storage_bytes
 
 log = logging.getLogger("trainmesh")
 MANIFEST = "manifest.json"
@@ -243,35 +243,6 @@ def usual_mode(path: Path) -> None:
 
 
 # ---------------------------------------------------------------- save
-class SavePeak:
-    """The memory a save adds on this rank: its high-water mark over what it held before."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.before = 0
-        self.added = 0
-
-    def __enter__(self) -> "SavePeak":
-        reset_peak(self.device)
-        self.before = memory_now(self.device)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.added = max(0, memory_peak_since_reset(self.device) - self.before)
-
-
-def held_bytes(grad_sync: GradSync, untrained: Sequence[tuple[str, torch.Tensor]]) -> int:
-    """This rank's own model and optimizer state (what a save writes of it), in bytes."""
-    held = grad_sync.held_tensors()
-    return storage_bytes([*held["params"], *held["optimizer"], *(t for _, t in untrained)])
-
-
-def _largest_chunk(state: dict[str, Any]) -> int:
-    sizes = [t.numel() * t.element_size() for v in state.values() if isinstance(v, Chunks)
-             for t in v.pieces.values()]
-    return max(sizes, default=0)
-
-
 def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
          layout: dict[str, Any], trainer_state: dict[str, Any],
          placements: Placements | None = None,
@@ -296,7 +267,7 @@ def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
             _phase("planned")
             results, files = planned.write()
             _phase("written")
-            staging = _largest_chunk(state)
+            staging = largest_chunk(state)
         everyone = comm.all_gather_object((results, files))
         if comm.mesh.rank == 0:
             merged = {name: digest for _, f in everyone for name, digest in f.items()}
@@ -312,11 +283,6 @@ def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
             measure.update(memory_record(memory))
     comm.barrier()
     return final
-
-
-def memory_record(ranks: list[dict[str, int]]) -> dict[str, Any]:
-    """The save event's memory fields from every rank's measurement."""
-    return {"peak_added_bytes": max(r["peak_added_bytes"] for r in ranks), "memory": ranks}
 
 
 def publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:

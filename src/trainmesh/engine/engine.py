@@ -449,12 +449,11 @@ class Engine:
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str, trainer_state: dict[str, Any] | None = None, *,
              saver: Any | None = None, measure: dict[str, Any] | None = None):
-        """Collective: write a checkpoint under ``path`` (see :mod:`trainmesh.checkpoint.sharded`);
-        returns its directory. ``saver``: an :class:`~trainmesh.checkpoint.async_save.AsyncSaver` that
-        snapshots the state and writes it in the background (returns the blocking seconds).
-        ``measure``: filled on rank 0 with the memory the save added (synchronous saves)."""
-        write = checkpoint.save if saver is None else saver.save
-        return write(path, self.grad_sync, self.comm, step=self.step_count, measure=measure,
+        """Collective: write a checkpoint under ``path`` (:mod:`trainmesh.checkpoint.sharded`), return
+        its directory; ``saver`` (an AsyncSaver): snapshot, write in the background, return the
+        blocking seconds; ``measure``: filled on rank 0 with the memory the save added."""
+        return (checkpoint.save if saver is None else saver.save)(
+                     path, self.grad_sync, self.comm, step=self.step_count, measure=measure,
                      layout=self.config.layout(), placements=self.placements,
                      untrained=untrained_state(self.module),
                      # the whole model's record (tied aliases, a Hugging Face config): a stage too
