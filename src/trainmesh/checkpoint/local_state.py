@@ -61,7 +61,7 @@ def _whole(gmap: GlobalMap, tensor: torch.Tensor) -> Chunks:
     return chunks
 
 
-def _flat_pieces(sync: ShardedSync, gi: int) -> Iterator[tuple[Any, Any, int, int]]:
+def flat_pieces(sync: ShardedSync, gi: int) -> Iterator[tuple[Any, Any, int, int]]:
     """(slot, index into group ``gi``'s shard, first element of the slot's flat range, count):
     the stretches of this rank's shard, for ZeRO-3 (a 1-D shard of unit pieces) and ZeRO-1/2
     (a (buckets, chunk) shard)."""
@@ -82,24 +82,28 @@ def _sharded_state(sync: ShardedSync, comm: Comm, placements: Placements, out: d
     for gi, sp in enumerate(sync.shard_params):
         members = {m.name: m for m in sync.stepper.groups[gi]}
         states = {k: v for k, v in sync.optimizer.state.get(sp, {}).items() if elementwise(v, sp)}
-        for slot, index, offset, count in _flat_pieces(sync, gi):
+        for slot, index, offset, count in flat_pieces(sync, gi):
             gmap = global_map(slot.name, slot.shape, comm, placements)
             stepped = members[slot.name].scalars is not None
             sources = [(MODEL + slot.name, sp.detach())]
             sources += [(f"{STATE}{slot.name}.{k}", v) for k, v in sorted(states.items()) if stepped]
             for key, source in sources:
-                flat = source[index]                                   # (count,) view
                 chunks = out.setdefault(key, Chunks(gmap.global_shape, source.dtype))
-                for offs, sizes in flat_boxes(slot.shape, offset, offset + count):
-                    start = sum(o * s for o, s in zip(offs, _strides(slot.shape))) - offset
-                    n = 1
-                    for s in sizes:
-                        n *= s
-                    chunks.add_local(gmap, flat[start : start + n].view(sizes), (offs, sizes))
+                add_flat(chunks, gmap, source[index], slot.shape, offset)
         for m in sync.stepper.groups[gi]:
             for key, v in sorted((m.scalars or {}).items()):
                 if torch.is_tensor(v):
                     out[f"{STATE}{m.name}.{key}"] = v.detach()
+
+
+def add_flat(chunks: Chunks, gmap: GlobalMap, flat: torch.Tensor, shape: Sequence[int], offset: int) -> None:
+    """Add to ``chunks`` the elements ``[offset, offset + len(flat))`` of a local tensor of
+    ``shape`` (row-major), held as the 1-D view ``flat``: a view per box, nothing copied."""
+    strides = _strides(shape)
+    for offs, sizes in flat_boxes(shape, offset, offset + flat.numel()):
+        start = sum(o * st for o, st in zip(offs, strides)) - offset
+        n = int(torch.Size(sizes).numel())
+        chunks.add_local(gmap, flat[start : start + n].view(sizes), (offs, sizes))
 
 
 def _strides(shape: Sequence[int]) -> list[int]:
@@ -110,11 +114,11 @@ def _strides(shape: Sequence[int]) -> list[int]:
     return strides[::-1]
 
 
-def _leaves(sync: GradSync) -> list[GradSync]:
+def leaves(sync: GradSync) -> list[GradSync]:
     """The strategies whose state a composite is made of (one that keeps a state of its own,
     as DiLoCo does, is a leaf)."""
     if isinstance(sync, CompositeSync) and type(sync).logical_state is CompositeSync.logical_state:
-        return [leaf for part in sync.parts for leaf in _leaves(part)]
+        return [leaf for part in sync.parts for leaf in leaves(part)]
     return [sync]
 
 
@@ -127,7 +131,7 @@ def save_state(grad_sync: GradSync, comm: Comm, placements: Placements,
     collectives, in the same order on every rank)."""
     out: dict[str, Any] = {}
     with ExitStack() as stack:
-        for sync in _leaves(grad_sync):
+        for sync in leaves(grad_sync):
             if isinstance(sync, ShardedSync):
                 stack.enter_context(sync.resident())
                 _sharded_state(sync, comm, placements, out)
@@ -150,7 +154,7 @@ def save_state(grad_sync: GradSync, comm: Comm, placements: Placements,
 def param_groups(grad_sync: GradSync) -> list[tuple[dict[str, Any], list[str]]]:
     """This rank's optimizer groups: (options, parameter names)."""
     out = []
-    for sync in _leaves(grad_sync):
+    for sync in leaves(grad_sync):
         if sync.optimizer is None:
             continue
         groups = sync.optimizer.param_groups

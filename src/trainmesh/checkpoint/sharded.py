@@ -14,7 +14,8 @@ go to a hidden temporary directory that rank 0 renames into place after ``.metad
 manifest are written, so a crash mid-save leaves the previous checkpoint the newest complete
 one. Loading: rank 0 picks the newest intact checkpoint (files inside it, present, matching
 their sha256), and each rank reads, from the saved chunks that overlap, only the tensors its
-own layout holds whole along DP — any dp, pp, tp, ep, zero stage or precision. A checkpoint of
+own layout holds (:mod:`.load_state`: ZeRO's shards read in place) — any dp, pp, tp, ep,
+zero stage or precision. A checkpoint of
 the first format (:mod:`.legacy`) still loads; a DCP directory written by plain PyTorch (no
 manifest: no checksums, no trainer state) loads through :func:`load` too (``--resume-from``).
 
@@ -36,16 +37,11 @@ from typing import Any
 import torch
 
 from trainmesh.checkpoint import legacy
-from trainmesh.checkpoint.chunks import Chunks, tensor_meta
+from trainmesh.checkpoint.chunks import tensor_meta
 from trainmesh.checkpoint.dcp_io import METADATA, PlannedSave, read_into, read_metadata, sha256
 from trainmesh.checkpoint.legacy import CheckpointError
-from trainmesh.checkpoint.local_state import (
-    MODEL,
-    STATE,
-    global_map,
-    local_shape,
-    save_state,
-)
+from trainmesh.checkpoint.load_state import load_plan, whole_chunks
+from trainmesh.checkpoint.local_state import MODEL, save_state
 from trainmesh.checkpoint.save_memory import SavePeak, held_bytes, largest_chunk, memory_record
 from trainmesh.comm import Comm
 from trainmesh.core.placement import Placements
@@ -335,47 +331,17 @@ def load(root: str | Path, grad_sync: GradSync, comm: Comm,
         reader = open_reader(directory)
         if isinstance(reader, legacy.Reader):
             return legacy.load(directory, grad_sync, comm, placements, untrained)
-        targets, params, optim = _targets(reader, grad_sync, comm, placements)
-        for name, t in untrained:
-            if MODEL + name in reader.metadata.state_dict_metadata:
-                targets[MODEL + name] = _chunks_of(name, t, comm, placements)
-        with torch.no_grad():
+        md = reader.metadata.state_dict_metadata
+
+        def missing(key: str) -> CheckpointError:
+            return CheckpointError(f"{directory}: no tensor {key!r} (was it saved from another model?)")
+        with load_plan(md, grad_sync, comm, placements, missing) as (targets, install), torch.no_grad():
+            for name, t in untrained:
+                if MODEL + name in md:
+                    targets[MODEL + name] = whole_chunks(name, t, comm, placements)
             read_into(targets, directory, reader.metadata)
-    del targets
-    grad_sync.load_logical_state(params, optim)
+            install()
     return None if reader.plain else reader.manifest.get("trainer")
-
-
-def _chunks_of(name: str, t: torch.Tensor, comm: Comm, placements: Placements) -> Chunks:
-    gmap = global_map(name, t.shape, comm, placements)
-    chunks = Chunks(gmap.global_shape, t.dtype)
-    chunks.add_local(gmap, t.detach(), ((0,) * t.dim(), tuple(t.shape)))
-    return chunks
-
-
-def _targets(reader: Reader, grad_sync: GradSync, comm: Comm, placements: Placements):
-    """What this rank reads: each of its parameters and optimizer states whole along dp, as
-    its tp / ep slice (keys -> chunks into fresh tensors), and those tensors by name."""
-    md = reader.metadata.state_dict_metadata
-    states: dict[str, dict[str, Any]] = {}
-    for fqn, meta in md.items():
-        if fqn.startswith(STATE) and tensor_meta(meta) is not None:
-            name, _, key = fqn[len(STATE):].rpartition(".")
-            states.setdefault(name, {})[key] = meta
-    targets: dict[str, Any] = {}
-    params: dict[str, torch.Tensor] = {}
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    for name, _ in grad_sync.named_params:
-        meta = reader.meta(MODEL + name)
-        shape = local_shape(name, meta.size, comm, placements)
-        params[name] = torch.empty(shape, dtype=meta.properties.dtype)
-        targets[MODEL + name] = _chunks_of(name, params[name], comm, placements)
-        for key, smeta in sorted(states.get(name, {}).items()):
-            sshape = shape if smeta.size == meta.size else tuple(smeta.size)
-            t = optim.setdefault(name, {})[key] = torch.empty(sshape, dtype=smeta.properties.dtype)
-            targets[f"{STATE}{name}.{key}"] = (_chunks_of(name, t, comm, placements)
-                                               if smeta.size == meta.size else t)
-    return targets, params, optim
 
 
 def consolidate(root: str | Path, out: str | Path) -> Path:
