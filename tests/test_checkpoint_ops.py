@@ -246,3 +246,13 @@ def test_a_save_adds_at_most_its_own_shards_and_less_at_higher_dp(tmp_path):
             assert m["peak_added_bytes"] <= 1.1 * m["held_bytes"] + m["staging_bytes"], (dp, m)
         bound[dp] = max(1.1 * m["held_bytes"] + m["staging_bytes"] for m in memory)
         assert max(m["peak_added_bytes"] for m in memory) <= (0.6 * bound[2] if dp == 4 else bound[2])
+
+
+def test_resume_from_needs_a_dcp_directory_and_not_resume(tmp_path, no_launch, capsys):
+    assert main(["train", *SMALL, "--resume-from", str(tmp_path)]) == 2
+    _one_error(capsys, "--resume-from", "no .metadata")
+    (tmp_path / ".metadata").write_bytes(b"")
+    assert main(["train", *SMALL, "--resume-from", str(tmp_path), "--save-dir", str(tmp_path / "ck"),
+                 "--resume"]) == 2
+    _one_error(capsys, "--resume-from", "--resume")
+    assert main(["train", *SMALL, "--resume-from", str(tmp_path)]) == LAUNCHED
