@@ -123,3 +123,42 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(print))   # any callable outside DCP's classes
     with pytest.raises(CheckpointError, match="refusing builtins.print"):
         open_reader(tmp_path).check_files(verify=True)
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and an output layer sharing one weight (tied embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(self.embed(ids)).flatten(0, 1), ids.flatten())
+
+
+def test_a_tied_weight_is_saved_under_each_name_pytorch_loads(tmp_path):
+    """In process: `dcp.load` into a PyTorch state_dict (which names a tied weight under each
+    of its names) reads a trainmesh checkpoint whole, the alias included."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import trainmesh as tm
+    from trainmesh import ParallelMesh
+    from trainmesh.checkpoint.sharded import _Reader
+    torch.manual_seed(0)
+    engine = tm.Engine(_Tied(), lambda ps: torch.optim.SGD(ps, lr=0.5), lambda m, b: m(b),
+                       tm.ParallelConfig(), mesh=ParallelMesh(local=True))
+    engine.train_step(torch.randint(0, 8, (2, 3)))
+    engine.save(str(tmp_path))
+    fresh = _Tied()
+    state = {"model": {k: torch.zeros_like(v) for k, v in fresh.state_dict().items()}}
+    assert sorted(state["model"]) == ["embed.weight", "head.weight"]
+    assert {"model.embed.weight", "model.head.weight"} <= set(_Reader(tmp_path / "step-00000001").manifest["tensors"])
+    with warnings.catch_warnings():   # "torch.distributed is not initialised": one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(tmp_path / "step-00000001"), no_dist=True)
+    for name in ("embed.weight", "head.weight"):
+        assert torch.equal(state["model"][name], engine.module.embed.weight.detach()), name

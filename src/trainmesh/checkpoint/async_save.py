@@ -157,7 +157,8 @@ class AsyncSaver:
             tmp.mkdir(parents=True)
         comm.barrier()
         with SavePeak(grad_sync.device) as peak:
-            with save_state(grad_sync, comm, placements or Placements(), untrained) as state:
+            with save_state(grad_sync, comm, placements or Placements(), untrained,
+                            trainer_state.get("tied")) as state:
                 staged = _staged(state, self._buffers)     # this rank's own chunks only
             if any(t.is_pinned() for t in self._buffers.values()):
                 torch.cuda.synchronize()   # the non-blocking device-to-host copies have landed

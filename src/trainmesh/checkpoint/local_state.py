@@ -124,11 +124,13 @@ def leaves(sync: GradSync) -> list[GradSync]:
 
 @contextmanager
 def save_state(grad_sync: GradSync, comm: Comm, placements: Placements,
-               untrained: Sequence[tuple[str, torch.Tensor]] = ()) -> Iterator[dict[str, Any]]:
+               untrained: Sequence[tuple[str, torch.Tensor]] = (),
+               tied: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
     """This rank's state dict for a save (views into its state: use it inside the context,
     which keeps offloaded states in host memory). Strategies without flat shards (DDP, DiLoCo)
     give their tensors whole along dp (DiLoCo: its replicas' states, gathered over replicas:
-    collectives, in the same order on every rank)."""
+    collectives, in the same order on every rank). ``tied``: alias -> name of a weight the
+    model holds under several names, saved under each (a PyTorch ``state_dict`` has them all)."""
     out: dict[str, Any] = {}
     with ExitStack() as stack:
         for sync in leaves(grad_sync):
@@ -145,6 +147,9 @@ def save_state(grad_sync: GradSync, comm: Comm, placements: Placements,
                     out[f"{STATE}{name}.{key}"] = _whole(gmap if same else GlobalMap.whole(v.shape), v)
         for name, t in untrained:
             out[MODEL + name] = _whole(global_map(name, t.shape, comm, placements), t)
+        for alias, name in sorted((tied or {}).items()):   # under each name, as state_dict()
+            if MODEL + name in out:
+                out[MODEL + alias] = out[MODEL + name]
         groups = comm.all_gather_object(param_groups(grad_sync))          # collective: small
         if comm.mesh.rank == 0:
             out.update(merge_groups(groups))

@@ -258,7 +258,8 @@ def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
         tmp.mkdir(parents=True)
     comm.barrier()
     with SavePeak(grad_sync.device) as peak:
-        with save_state(grad_sync, comm, placements or Placements(), untrained) as state:
+        with save_state(grad_sync, comm, placements or Placements(), untrained,
+                            trainer_state.get("tied")) as state:
             planned = PlannedSave(state, tmp, comm)
             _phase("planned")
             results, files = planned.write()
