@@ -108,7 +108,7 @@ KILLED_MID_WRITE = textwrap.dedent("""
     saver.wait()
     save_file(saved, str(Path(sys.argv[1]).parent / "saved.safetensors"))
     def stalled(tmp, rank, tensors):
-        (tmp / f"rank{rank:05d}.safetensors").write_bytes(b"half a file")
+        (tmp / f"__{rank}_0.distcp").write_bytes(b"half a file")
         print("WRITING", flush=True)
         time.sleep(120)
     async_save._write_entry = stalled
@@ -149,11 +149,12 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(tmp_pat
     newest = latest(root)
     assert newest is not None and newest.name == "step-00000001", newest
     reader = _Reader(newest)
+    reader.check_files(verify=True)   # every piece present and matching its sha256
     for key in reader.manifest["tensors"]:
-        reader.get(key)   # every piece present and matching its sha256
+        reader.get(key)
     from safetensors.torch import load_file
     for name, want in load_file(str(tmp_path / "saved.safetensors")).items():
-        assert torch.equal(reader.get(f"param/{name}"), want), name   # the weights of step 1
+        assert torch.equal(reader.get(f"model.{name}"), want), name   # the weights of step 1
     assert (root / ".step-00000002.tmp").is_dir()   # abandoned, never renamed into place
     assert remove_stale_tmp(root) == [root / ".step-00000002.tmp"]
 

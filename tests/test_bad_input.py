@@ -307,7 +307,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     corrupt = tmp / "ckpt_corrupt"
     import shutil
     shutil.copytree(dense, corrupt)
-    for f in corrupt.rglob("*.safetensors"):
+    for f in corrupt.rglob("*.distcp"):
         f.write_bytes(f.read_bytes()[:100])
     return {**{k: str(v) for k, v in paths.items()}, "missing": str(tmp / "missing"),
             "dir": str(tmp / "dir"), "empty_dir": str(tmp / "empty_dir"), "out": str(out),

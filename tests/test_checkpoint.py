@@ -101,7 +101,7 @@ def test_consolidated_weights_give_the_sharded_loss(reference, saved, tmp_path):
 def test_damaged_piece_is_refused(saved, tmp_path, damage):
     ck = tmp_path / "ck"
     shutil.copytree(saved, ck)
-    piece = sorted(latest(ck).glob("*.safetensors"))[0]
+    piece = sorted(latest(ck).glob("*.distcp"))[0]
     data = bytearray(piece.read_bytes())
     if damage == "flip":
         data[-10] ^= 0xFF
@@ -110,10 +110,8 @@ def test_damaged_piece_is_refused(saved, tmp_path, damage):
         piece.write_bytes(bytes(data[: len(data) // 2]))
     else:
         piece.unlink()
-    reader = _Reader(latest(ck))
     with pytest.raises(CheckpointError, match=piece.name):
-        for key in reader.manifest["tensors"]:
-            reader.get(key)
+        _Reader(latest(ck)).check_files(verify=True)
     assert main(["checkpoint", "consolidate", str(ck), str(tmp_path / "x.safetensors")]) == 2
 
 
@@ -144,8 +142,9 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
     assert (tmp_path / ".step-00000002.tmp").exists()          # the half-written save
     assert latest(tmp_path).name == "step-00000001"             # ... is not what resumes
     reader = _Reader(latest(tmp_path))
+    reader.check_files(verify=True)                              # every piece verifies
     for key in reader.manifest["tensors"]:
-        reader.get(key)                                          # every piece verifies
+        reader.get(key)
 
 
 def elastic_trial(tmp: Path, *, kill_at: int = 12) -> tuple[int, list[dict], str, float]:

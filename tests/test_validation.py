@@ -217,7 +217,7 @@ def test_cuda_needs_a_gpu_per_local_rank(capsys, machine, monkeypatch):
 # ---------------------------------------------------------------- E. consolidate output paths
 def fake_checkpoint(root: Path, run: dict | None = None, step: int = 4) -> Path:
     """A minimal complete checkpoint directory (one tensor) whose trainer state holds ``run``."""
-    from trainmesh.checkpoint.sharded import FORMAT, MANIFEST
+    from trainmesh.checkpoint.legacy import FORMAT, MANIFEST   # the first format: still read
     directory = root / f"step-{step:08d}"
     directory.mkdir(parents=True)
     save_file({"param/w": torch.zeros(2)}, str(directory / "rank00000.safetensors"))

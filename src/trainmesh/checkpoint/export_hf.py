@@ -20,12 +20,15 @@ The built-in GPT with experts (``--experts``) is refused with a ConfigError nami
 Hugging Face architecture reproduces it (its experts are GELU MLPs with biases in a GPT-2 body
 with learned positions; the MoE families transformers has use RMSNorm, rotary positions and
 gated SiLU experts); ``consolidate`` writes its weights. Anything else (a model of one's own
-without a Hugging Face config) is refused likewise. Only safetensors and JSON are read and written.
+without a Hugging Face config) is refused likewise. The built-in GPT's export holds one output
+tensor (a block's fused q|k|v at most) in memory at a time; a Hugging Face model's goes through
+transformers' conversion, which takes the whole state.
 """
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,60 +56,73 @@ def model_record(module: nn.Module) -> dict[str, Any]:
     return out
 
 
-def gpt_to_gpt2(weights: dict[str, torch.Tensor], heads: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The built-in GPT's weights as a GPT-2 (config, state dict); module docstring."""
-    vocab, d = weights["embed.wte.weight"].shape
+def gpt_to_gpt2(weights: Mapping[str, torch.Tensor], heads: int,
+                specs: Callable[[str], tuple[torch.dtype, tuple[int, ...]]] | None = None,
+                ) -> tuple[dict[str, Any], dict[str, Callable[[], torch.Tensor]]]:
+    """The built-in GPT's weights as a GPT-2 (config, name -> a function making the tensor);
+    module docstring. ``specs(name)``: (dtype, shape) of a weight without reading it."""
+    spec = specs or (lambda name: (weights[name].dtype, tuple(weights[name].shape)))
+    vocab, d = spec("embed.wte.weight")[1]
     layers = 1 + max(int(m.group(1)) for k in weights if (m := GPT_BLOCK.match(k)))
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
-              "n_positions": weights["embed.wpe.weight"].shape[0], "n_embd": d, "n_layer": layers,
-              "n_head": heads, "n_inner": weights["blocks.0.mlp.fc.weight"].shape[0],
+              "n_positions": spec("embed.wpe.weight")[1][0], "n_embd": d, "n_layer": layers,
+              "n_head": heads, "n_inner": spec("blocks.0.mlp.fc.weight")[1][0],
               "activation_function": "gelu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
               "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
               "bos_token_id": 0, "eos_token_id": 0}
-    out = {"transformer.wte.weight": weights["embed.wte.weight"],
-           "transformer.wpe.weight": weights["embed.wpe.weight"],
-           "transformer.ln_f.weight": weights["head.ln_f.weight"],
-           "transformer.ln_f.bias": weights["head.ln_f.bias"],
-           "lm_head.weight": weights["head.out.weight"]}
+
+    def same(name: str) -> Callable[[], torch.Tensor]:
+        return lambda: weights[name]
+
+    def transposed(name: str) -> Callable[[], torch.Tensor]:
+        return lambda: weights[name].t()
+
+    def fused(names: list[str], *, t: bool) -> Callable[[], torch.Tensor]:   # Conv1D: [q | k | v]
+        return lambda: torch.cat([weights[n].t() for n in names], 1) if t else torch.cat([weights[n] for n in names])
+
+    out = {"transformer.wte.weight": same("embed.wte.weight"),
+           "transformer.wpe.weight": same("embed.wpe.weight"),
+           "transformer.ln_f.weight": same("head.ln_f.weight"),
+           "transformer.ln_f.bias": same("head.ln_f.bias"),
+           "lm_head.weight": same("head.out.weight")}
     for i in range(layers):
         src, dst = f"blocks.{i}.", f"transformer.h.{i}."
         for a, b in (("ln1", "ln_1"), ("ln2", "ln_2")):
             for kind in ("weight", "bias"):
-                out[f"{dst}{b}.{kind}"] = weights[f"{src}{a}.{kind}"]
-        out[f"{dst}attn.c_attn.weight"] = torch.cat(   # Conv1D: (in, out) = [q | k | v]
-            [weights[f"{src}attn.{w}.weight"].t() for w in "qkv"], 1)
-        out[f"{dst}attn.c_attn.bias"] = torch.cat([weights[f"{src}attn.{w}.bias"] for w in "qkv"])
+                out[f"{dst}{b}.{kind}"] = same(f"{src}{a}.{kind}")
+        out[f"{dst}attn.c_attn.weight"] = fused([f"{src}attn.{w}.weight" for w in "qkv"], t=True)
+        out[f"{dst}attn.c_attn.bias"] = fused([f"{src}attn.{w}.bias" for w in "qkv"], t=False)
         for a, b in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            out[f"{dst}{b}.weight"] = weights[f"{src}{a}.weight"].t()
-            out[f"{dst}{b}.bias"] = weights[f"{src}{a}.bias"]
+            out[f"{dst}{b}.weight"] = transposed(f"{src}{a}.weight")
+            out[f"{dst}{b}.bias"] = same(f"{src}{a}.bias")
     return config, out
 
 
 def export_hf(root: str | Path, outdir: str | Path) -> Path:
     """Write the Hugging Face directory of the newest checkpoint under ``root``; ConfigError
     naming ``DIR`` for a checkpoint that maps onto no Hugging Face model."""
-    from safetensors.torch import save_file
-
     from trainmesh.checkpoint.sharded import (
         CheckpointError,
         newest_intact,
         read_weights,
         reading,
     )
+    from trainmesh.checkpoint.stream import write_safetensors
     directory, skipped = newest_intact(root)
     if directory is None:
         why = f" ({skipped[0][0].name}: {skipped[0][1]})" if skipped else ""
         raise ConfigError("DIR", f"no intact checkpoint under {root}{why}")
     try:
-        with reading(directory):
-            weights, manifest = read_weights(directory)
+        weights, manifest = read_weights(directory)
     except CheckpointError as exc:
         raise ConfigError("DIR", str(exc)) from None
-    trainer = manifest.get("trainer", {})
+    trainer = manifest.get("trainer") or {}
     if "hf_config" in trainer:
         from trainmesh.models.hf_weights import file_state
         config = dict(trainer["hf_config"])
-        weights = file_state(config, weights, field="DIR")   # e.g. stacked experts one by one
+        # transformers' conversion takes the state whole (e.g. stacked experts one by one)
+        state = file_state(config, {k: weights[k] for k in weights}, field="DIR")
+        makers = {k: (lambda v=v: v) for k, v in state.items()}
     elif "embed.wte.weight" in weights and "head.out.weight" in weights:
         if any(GPT_MOE.match(k) for k in weights):
             raise ConfigError("DIR", f"{directory}: the built-in GPT with experts (--experts) maps "
@@ -114,11 +130,11 @@ def export_hf(root: str | Path, outdir: str | Path) -> Path:
                               "experts; Mixtral, Qwen-MoE and OLMoE use RMSNorm, rotary positions "
                               "and gated SiLU experts); `trainmesh checkpoint consolidate` writes "
                               "its full weights")
-        heads = trainer.get("run", {}).get("heads")
+        heads = (trainer.get("run") or {}).get("heads")
         if not isinstance(heads, int):
             raise ConfigError("DIR", f"{directory}: the built-in GPT's head count is not recorded "
                               "(checkpoints of `trainmesh train` record it)")
-        config, weights = gpt_to_gpt2(weights, heads)
+        config, makers = gpt_to_gpt2(weights, heads, weights.spec)
     else:
         raise ConfigError("DIR", f"{directory}: not a Hugging Face model (no config recorded) nor "
                           "the built-in GPT; valid: a --save-dir of a --model-dir run or of the "
@@ -126,7 +142,12 @@ def export_hf(root: str | Path, outdir: str | Path) -> Path:
     config.setdefault("torch_dtype", "float32")
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous().clone() for k, v in weights.items()}   # no shared storage
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with reading(directory):   # one tensor in memory at a time (two passes: shapes, then data)
+        specs = {}
+        for name, make in makers.items():
+            t = make()
+            specs[name] = (t.dtype, tuple(t.shape))
+            del t
+        write_safetensors(out / "model.safetensors", makers, metadata={"format": "pt"}, specs=specs)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out

@@ -1,60 +1,61 @@
-"""Distributed checkpoints that resume under another layout.
+"""Distributed checkpoints in the ``torch.distributed.checkpoint`` (DCP) format, written shard
+by shard, that resume under another layout.
 
-A checkpoint is a directory ``step-00000010/`` holding one safetensors file per writing rank
-and a ``manifest.json``. The manifest maps every *logical* tensor — ``param/<name>`` and
-``optim/<name>/<state key>``, whole (unsharded) tensors named as in the single-process model —
-to its file, records each file's sha256, the layout it was written under and the trainer state
-(step, LR schedule, loss scaler). Saving: each DP strategy hands over its state whole along DP,
-TP shards are gathered along their shard dimension, and every logical tensor is written once, by
-one of the ranks holding it (spread by name), all ranks writing in parallel. The files go to a
-hidden temporary directory that rank 0 renames into place only after the manifest is written,
-so a crash mid-save leaves the previous checkpoint the newest complete one. Loading reads the
-manifest, verifies the checksum of every file it opens, and each rank slices out what its own
-layout holds — any dp, pp, tp, zero stage or precision.
+A checkpoint is a directory ``step-00000010/`` holding DCP's ``.metadata`` and one
+``__<rank>_0.distcp`` file per writing rank, plus trainmesh's ``manifest.json`` (format, step,
+layout, trainer state, the sha256 of every file). The state dict is laid out as torchtitan's
+and named as ``get_state_dict`` names it (:mod:`.local_state`): ``model.<name>`` with the full
+global shape, ``optimizer.state.<name>.<key>``, ``optimizer.param_groups.<i>.*``.
+
+Saving: every rank hands DCP the pieces it holds — ZeRO's flat shards cut into rectangular
+chunks of the logical tensors, tp / ep slices, its pipeline stage — at their global offsets
+(:mod:`.chunks`); a piece held by several ranks is written once. Nothing is gathered. The files
+go to a hidden temporary directory that rank 0 renames into place after ``.metadata`` and the
+manifest are written, so a crash mid-save leaves the previous checkpoint the newest complete
+one. Loading: rank 0 picks the newest intact checkpoint (files inside it, present, matching
+their sha256), and each rank reads, from the saved chunks that overlap, only the tensors its
+own layout holds (:mod:`.load_state`: ZeRO's shards read in place) — any dp, pp, tp, ep,
+zero stage or precision. A checkpoint of
+the first format (:mod:`.legacy`) still loads; a DCP directory written by plain PyTorch (no
+manifest: no checksums, no trainer state) loads through :func:`load` too (``--resume-from``).
 
 It takes what it needs — the data-parallel strategy (which holds the tensors), the
 communication layer (and its mesh) and the trainer state — and knows nothing of the engine.
-
-The saving ranks hold whole tensors transiently (one stage's worth); fine for the models this
-runs on a CPU, and the place to stream when models grow.
 """
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import shutil
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from trainmesh.checkpoint import legacy
+from trainmesh.checkpoint.chunks import tensor_meta
+from trainmesh.checkpoint.dcp_io import METADATA, PlannedSave, read_into, read_metadata, sha256
+from trainmesh.checkpoint.legacy import CheckpointError
+from trainmesh.checkpoint.load_state import load_plan, whole_chunks
+from trainmesh.checkpoint.local_state import MODEL, save_state
+from trainmesh.checkpoint.save_memory import SavePeak, held_bytes, largest_chunk, memory_record
 from trainmesh.comm import Comm
-from trainmesh.core.axes import kind_groups
-from trainmesh.core.placement import Placement, Placements
+from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
-from trainmesh.expert_parallel.shard import gather_stacked, stacked_slice
-from trainmesh.tensor_parallel.state import (
-    full_tensor,
-    shard_dim,
-    shard_of,
-    shard_parts,
-)
 
 log = logging.getLogger("trainmesh")
 MANIFEST = "manifest.json"
-FORMAT = "trainmesh-checkpoint-1"
+FORMAT = "trainmesh-dcp-1"
+PHASES = ("planned", "written", "metadata", "manifest")
+"""Points of a save after which a crash is tested to leave the previous checkpoint newest."""
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, truncated or tampered with."""
+def _phase(name: str) -> None:
+    """A save reached ``name`` (:data:`PHASES`); tests plant failures here."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -70,19 +71,114 @@ def latest(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def inside(directory: Path, name: object) -> Path:
+    """The manifest's file ``name`` as a path inside ``directory`` (never outside it)."""
+    if not isinstance(name, str) or not name or PurePosixPath(name).is_absolute() \
+            or ".." in PurePosixPath(name).parts or "\\" in name or "/" in name:
+        raise CheckpointError(f"{directory}: manifest names {name!r}, not a file of the checkpoint "
+                              "(absolute or '..' paths are refused)")
+    path = directory / name
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise CheckpointError(f"{directory}: piece {name} is a link leading out of the checkpoint; "
+                              "refusing it")
+    return path
+
+
+class Reader:
+    """A DCP checkpoint directory: trainmesh's (``manifest.json``: checksums, trainer state) or
+    plain PyTorch's (``.metadata`` only). Reads whole tensors (tools) or chunks (:func:`load`)."""
+
+    def __init__(self, directory: Path, manifest: dict[str, Any] | None) -> None:
+        self.dir = directory
+        self.plain = manifest is None
+        self.manifest: dict[str, Any] = manifest or {"format": "torch.distributed.checkpoint", "files": {}}
+        files = self.manifest.get("files")
+        if not isinstance(files, dict) or (not self.plain and METADATA not in files):
+            raise CheckpointError(f"{directory}: manifest without its files")
+        for name in files:
+            inside(directory, name)
+        self._metadata: Any = None
+
+    @property
+    def metadata(self) -> Any:
+        if self._metadata is None:
+            path = inside(self.dir, METADATA)
+            if not path.is_file():
+                raise CheckpointError(f"{self.dir}: piece {METADATA} is missing")
+            try:
+                self._metadata = read_metadata(self.dir)
+            except Exception as exc:  # noqa: BLE001 - pickle raises many types
+                raise CheckpointError(f"{self.dir}: unreadable {METADATA}: {exc}") from exc
+            for info in self._metadata.storage_data.values():   # where DCP will read from
+                if inside(self.dir, info.relative_path).name not in self.manifest["files"] and not self.plain:
+                    raise CheckpointError(f"{self.dir}: {METADATA} names {info.relative_path!r}, a file "
+                                          "without a checksum in the manifest; refusing it")
+            self.manifest["tensors"] = {k: METADATA for k, md in self._metadata.state_dict_metadata.items()
+                                        if tensor_meta(md) is not None}
+        return self._metadata
+
+    def check_files(self, *, verify: bool) -> None:
+        """Every file exists and (``verify``) matches its sha256; the metadata reads."""
+        for name, digest in sorted(self.manifest["files"].items()):
+            path = inside(self.dir, name)
+            if not path.is_file():
+                raise CheckpointError(f"{self.dir}: piece {name} is missing")
+            if verify and sha256(path) != digest:
+                raise CheckpointError(f"{self.dir}: piece {name} is corrupt (sha256 mismatch); refusing to load")
+        _ = self.metadata
+
+    def meta(self, key: str) -> Any:
+        md = tensor_meta(self.metadata.state_dict_metadata.get(key))
+        if md is None:
+            raise CheckpointError(f"{self.dir}: no tensor {key!r} (was it saved from another model?)")
+        return md
+
+    def get(self, key: str) -> torch.Tensor:
+        """One whole tensor (``model.<name>``, ...), read chunk by chunk."""
+        md = self.meta(key)
+        out = torch.empty(md.size, dtype=md.properties.dtype)
+        read_into({key: out}, self.dir, self.metadata)
+        return out
+
+
+def open_reader(directory: Path) -> Reader | legacy.Reader:
+    """The reader of a checkpoint directory of either format; CheckpointError naming the format
+    of anything else."""
+    path = directory / MANIFEST
+    if not path.exists():
+        if (directory / METADATA).exists():
+            return Reader(directory, None)
+        raise CheckpointError(f"{directory}: no {MANIFEST} and no {METADATA}: not a checkpoint")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:   # ValueError: not JSON, not UTF-8
+        raise CheckpointError(f"{directory}: unreadable manifest: {exc}") from exc
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found == legacy.FORMAT:
+        return legacy.Reader(directory)
+    if found != FORMAT:
+        raise CheckpointError(f"{directory}: not a trainmesh checkpoint (format {found!r}; this "
+                              f"version reads {FORMAT!r} and {legacy.FORMAT!r})")
+    return Reader(directory, manifest)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint of either format (no checks of its files)."""
+    return open_reader(directory).manifest
+
+
 def newest_intact(root: str | Path, *, verify: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the newest intact checkpoint under ``root`` or None, [(newer one skipped, why)]).
 
     Intact: a readable manifest whose files lie inside its directory and exist, and (``verify``)
-    match their sha256. ``root`` may be one checkpoint directory itself."""
+    match their sha256. ``root`` may be one checkpoint directory itself (also a plain DCP one)."""
     root = Path(root)
-    candidates = [root] if (root / MANIFEST).exists() else (
+    candidates = [root] if (root / MANIFEST).exists() or (root / METADATA).exists() else (
         sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True) if root.is_dir() else [])
     skipped: list[tuple[Path, str]] = []
     for directory in candidates:
         try:
-            reader = _Reader(directory)
-            reader.check_files(verify=verify)
+            open_reader(directory).check_files(verify=verify)
         except CheckpointError as exc:
             skipped.append((directory, str(exc).removeprefix(f"{directory}: ")))
             continue
@@ -142,187 +238,65 @@ def usual_mode(path: Path) -> None:
     os.chmod(path, 0o666 & ~_umask())
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-# ---------------------------------------------------------------- TP: whole <-> shard
-def _tp_slice(comm: Comm, placement: Placement | None, full: torch.Tensor) -> torch.Tensor:
-    """This rank's tp slice of ``full``, sharded as ``placement`` says (None: whole), and its
-    run of stacked experts where they are split over ep."""
-    dim = shard_dim(placement) if full.dim() else None
-    return stacked_slice(shard_of(full, dim, comm.mesh.index("tp"), comm.mesh.size("tp"),
-                                  shard_parts(placement)), comm, placement).contiguous()
-
-
-def _writer(key: str, comm: Comm, axis: str = "dp_cp") -> int:
-    """Which of the ``axis`` x tp ranks sharing this rank's pipeline stage (the holders of its
-    kind of parameter, :mod:`trainmesh.core.axes`: dp x cp for a dense one; ``edp``, those
-    holding the same experts, for an expert) writes ``key``."""
-    return zlib.crc32(key.encode()) % (comm.mesh.size(axis) * comm.mesh.size("tp"))
-
-
-def pieces(grad_sync: GradSync, comm: Comm, placements: Placements,
-           stage: Callable[[str, torch.Tensor], torch.Tensor],
-           untrained: Sequence[tuple[str, torch.Tensor]] = ()) -> dict[str, torch.Tensor]:
-    """Collective over tp: the logical tensors of this pipeline stage that this rank writes,
-    each whole and passed through ``stage(key, tensor)`` (a host copy). Tensors sharded over tp
-    are gathered on every rank of the group, in the strategy's parameter order and sorted state
-    keys, the same on every rank; replicated ones are touched only by their writer. An expert's
-    parameters (expert parallelism) are written by one of the ranks holding them, by their
-    global name; stacked experts split over ep are gathered over ep (every rank of the group,
-    in the same order) and written by one of the dp ranks. The ``untrained`` tensors (frozen parameters, persistent buffers: no optimizer
-    state) follow, as ``param/<name>``."""
-    mesh = comm.mesh
-    params, optim = grad_sync.logical_state()
-    params = {**params, **{name: t.detach() for name, t in untrained}}
-    mine: dict[str, torch.Tensor] = {}
-    for name, t in params.items():
-        placement = placements.get(name)
-        stacked = placements.ep_split(name)           # whole on every rank once gathered over ep
-        kind = "dense" if stacked else placements.kind(name)
-        axis = kind_groups(mesh.degrees, kind).holders   # who holds it
-        me = mesh.index(axis) * mesh.size("tp") + mesh.index("tp")
-        items = [(f"param/{name}", t), *((f"optim/{name}/{k}", v)
-                                         for k, v in sorted(optim.get(name, {}).items()))]
-        for key, value in items:
-            writes = _writer(key, comm, axis) == me
-            if shard_dim(placement) is not None and value.dim() > 0:
-                value = full_tensor(value, comm, placement=placement)   # collective over tp
-            if stacked and value.dim() > 0:
-                value = gather_stacked(value, comm, placement)          # collective over ep
-            if writes:
-                mine[key] = stage(key, value.detach())
-    return mine
-
-
-def manifest_of(entries: list[dict[str, Any] | None], **header: Any) -> dict[str, Any]:
-    """The manifest of a checkpoint from each writing rank's entry (file, sha256, keys)."""
-    return {"format": FORMAT, **header,
-            "files": {e["file"]: e["sha256"] for e in entries if e},
-            "tensors": {k: e["file"] for e in entries if e for k in e["keys"]}}
-
-
-def write_piece(tmp: Path, rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
-    """This rank's file of the checkpoint being written in ``tmp``; its manifest entry."""
-    if not tensors:
-        return None
-    path = tmp / f"rank{rank:05d}.safetensors"
-    save_file(tensors, str(path))
-    usual_mode(path)
-    return {"file": path.name, "sha256": _sha256(path), "keys": sorted(tensors)}
+# ---------------------------------------------------------------- save
+def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
+         layout: dict[str, Any], trainer_state: dict[str, Any],
+         placements: Placements | None = None,
+         untrained: Sequence[tuple[str, torch.Tensor]] = (),
+         measure: dict[str, Any] | None = None) -> Path:
+    """Collective: every rank calls it. Writes the parameters and optimizer states
+    ``grad_sync`` holds on ``comm``'s mesh as checkpoint ``step`` under ``root``, with the
+    ``layout`` record and the (JSON) ``trainer_state``; ``placements`` says which are
+    tensor- or expert-parallel slices; ``untrained``: the frozen parameters and persistent
+    buffers, outside the strategy. ``measure``: filled on rank 0 with what the save cost in
+    memory (:func:`memory_record`). Returns the checkpoint directory."""
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = root / f".{final.name}.tmp"
+    if comm.mesh.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    comm.barrier()
+    with SavePeak(grad_sync.device) as peak:
+        with save_state(grad_sync, comm, placements or Placements(), untrained,
+                            trainer_state.get("tied")) as state:
+            planned = PlannedSave(state, tmp, comm)
+            _phase("planned")
+            results, files = planned.write()
+            _phase("written")
+            staging = largest_chunk(state)
+        everyone = comm.all_gather_object((results, files))
+        if comm.mesh.rank == 0:
+            merged = {name: digest for _, f in everyone for name, digest in f.items()}
+            merged[METADATA] = planned.finish([r for r, _ in everyone])
+            _phase("metadata")
+    mine = {"rank": comm.mesh.rank, "peak_added_bytes": peak.added,
+            "held_bytes": held_bytes(grad_sync, untrained), "staging_bytes": staging}
+    memory = comm.all_gather_object(mine) if measure is not None else []
+    if comm.mesh.rank == 0:
+        publish(tmp, final, {"format": FORMAT, "step": step, "layout": layout,
+                             "trainer": trainer_state, "files": merged})
+        if measure is not None:
+            measure.update(memory_record(memory))
+    comm.barrier()
+    return final
 
 
 def publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     """Rank 0: the manifest written and synced, then ``tmp`` renamed to ``final`` (atomic: the
     checkpoint appears whole or not at all)."""
+    for name in manifest["files"]:
+        usual_mode(tmp / name)
     with (tmp / MANIFEST).open("w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    _phase("manifest")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
 
 
-# ---------------------------------------------------------------- save
-def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
-         layout: dict[str, Any], trainer_state: dict[str, Any],
-         placements: Placements | None = None,
-         untrained: Sequence[tuple[str, torch.Tensor]] = ()) -> Path:
-    """Collective: every rank calls it. Writes the parameters and optimizer states
-    ``grad_sync`` holds on ``comm``'s mesh as checkpoint ``step`` under ``root``, with the
-    ``layout`` record and the (JSON) ``trainer_state``; ``placements`` says which are
-    tensor-parallel shards; ``untrained``: the frozen parameters and persistent buffers, outside
-    the strategy (written as parameters, never sharded by DP). Returns the checkpoint directory."""
-    root = Path(root)
-    mesh = comm.mesh
-    final = step_dir(root, step)
-    tmp = root / f".{final.name}.tmp"
-    mine = pieces(grad_sync, comm, placements or Placements(),
-                  lambda _, t: t.cpu().contiguous(), untrained)
-    if mesh.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    comm.barrier()
-    entries = comm.all_gather_object(write_piece(tmp, mesh.rank, mine))
-    if mesh.rank == 0:
-        publish(tmp, final, manifest_of(entries, step=step, layout=layout, trainer=trainer_state))
-    comm.barrier()
-    return final
-
-
 # ---------------------------------------------------------------- load
-class _Reader:
-    """Reads logical tensors from a checkpoint, verifying each file once before use."""
-
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        try:
-            self.manifest = json.loads((directory / MANIFEST).read_text())
-        except (OSError, ValueError) as exc:   # ValueError: not JSON, not UTF-8
-            raise CheckpointError(f"{directory}: unreadable manifest: {exc}") from exc
-        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
-            found = self.manifest.get("format") if isinstance(self.manifest, dict) else None
-            raise CheckpointError(f"{directory}: not a trainmesh checkpoint (format {found!r})")
-        files, tensors = self.manifest.get("files"), self.manifest.get("tensors")
-        if not isinstance(files, dict) or not isinstance(tensors, dict):
-            raise CheckpointError(f"{directory}: manifest without its files and tensors")
-        for name in [*files, *tensors.values()]:
-            self._inside(name)
-        if not set(tensors.values()) <= set(files):
-            raise CheckpointError(f"{directory}: manifest names a piece without its sha256")
-        self._verified: set[str] = set()
-
-    def _inside(self, name: object) -> Path:
-        """The manifest's file ``name`` as a path inside this directory (never outside it)."""
-        if not isinstance(name, str) or not name or PurePosixPath(name).is_absolute() \
-                or ".." in PurePosixPath(name).parts or "\\" in name:
-            raise CheckpointError(f"{self.dir}: manifest names {name!r}, not a file of the checkpoint "
-                                  "(absolute or '..' paths are refused)")
-        path = self.dir / name
-        if not path.resolve().is_relative_to(self.dir.resolve()):
-            raise CheckpointError(f"{self.dir}: piece {name} is a link leading out of the checkpoint; "
-                                  "refusing it")
-        return path
-
-    def check_files(self, *, verify: bool) -> None:
-        """Every piece exists and (``verify``) matches its sha256."""
-        for name in sorted(self.manifest["files"]):
-            if verify:
-                self._verify(name)
-            elif not (self.dir / name).is_file():
-                raise CheckpointError(f"{self.dir}: piece {name} is missing")
-
-    def _verify(self, name: str) -> None:
-        if name in self._verified:
-            return
-        path = self._inside(name)
-        if not path.is_file():
-            raise CheckpointError(f"{self.dir}: piece {name} is missing")
-        if _sha256(path) != self.manifest["files"][name]:
-            raise CheckpointError(f"{self.dir}: piece {name} is corrupt (sha256 mismatch); refusing to load")
-        self._verified.add(name)
-
-    def has(self, key: str) -> bool:
-        return key in self.manifest["tensors"]
-
-    def get(self, key: str) -> torch.Tensor:
-        name = self.manifest["tensors"].get(key)
-        if name is None:
-            raise CheckpointError(f"{self.dir}: no tensor {key!r} (was it saved from another model?)")
-        path = self.dir / name
-        self._verify(name)
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return f.get_tensor(key)
-        except Exception as exc:  # noqa: BLE001 - safetensors raises several types
-            raise CheckpointError(f"{self.dir}: cannot read {key!r} from {name}: {exc}") from exc
-
-
 def choose(root: str | Path, comm: Comm) -> Path:
     """Collective: the checkpoint every rank loads, the newest intact one under ``root`` as rank
     0 verifies it; each newer one skipped is named in one line with why."""
@@ -346,55 +320,70 @@ def _none_intact(root: str | Path, skipped: list[tuple[Path, str]]) -> str:
 
 def load(root: str | Path, grad_sync: GradSync, comm: Comm,
          placements: Placements | None = None,
-         untrained: Sequence[tuple[str, torch.Tensor]] = ()) -> dict[str, Any]:
+         untrained: Sequence[tuple[str, torch.Tensor]] = ()) -> dict[str, Any] | None:
     """Collective: restore the parameters and optimizer states of the newest intact checkpoint
-    under ``root`` (:func:`choose`) into ``grad_sync``, resharded to ``comm``'s mesh
-    (``placements``: the tensor-parallel shards). Returns the trainer state saved with it (the
-    caller restores its step, LR schedule and loss scaler from it). The ``untrained`` tensors
-    (as :func:`save`) get their saved values in place; one the checkpoint lacks is left as it is."""
+    under ``root`` (:func:`choose`) into ``grad_sync``, resharded to ``comm``'s mesh. Returns
+    the trainer state saved with it, None for a plain PyTorch checkpoint (the caller restores
+    its step, LR schedule and loss scaler from it). The ``untrained`` tensors (as :func:`save`)
+    get their saved values in place; one the checkpoint lacks is left as it is."""
     directory = choose(root, comm)
+    placements = placements or Placements()
     with reading(directory):
-        reader = _Reader(directory)
-        params: dict[str, torch.Tensor] = {}
-        optim: dict[str, dict[str, torch.Tensor]] = {}
-        placements = placements or Placements()
-        for name, _ in grad_sync.named_params:
-            placement = placements.get(name)
-            params[name] = _tp_slice(comm, placement, reader.get(f"param/{name}"))
-            prefix = f"optim/{name}/"
-            optim[name] = {k[len(prefix):]: _tp_slice(comm, placement, reader.get(k))
-                           for k in sorted(reader.manifest["tensors"]) if k.startswith(prefix)}
-        for name, t in untrained:
-            if reader.has(f"param/{name}"):
-                with torch.no_grad():
-                    t.copy_(_tp_slice(comm, placements.get(name), reader.get(f"param/{name}")))
-    grad_sync.load_logical_state(params, optim)
-    return reader.manifest["trainer"]
+        reader = open_reader(directory)
+        if isinstance(reader, legacy.Reader):
+            return legacy.load(directory, grad_sync, comm, placements, untrained)
+        md = reader.metadata.state_dict_metadata
+
+        def missing(key: str) -> CheckpointError:
+            return CheckpointError(f"{directory}: no tensor {key!r} (was it saved from another model?)")
+        with load_plan(md, grad_sync, comm, placements, missing) as (targets, install), torch.no_grad():
+            for name, t in untrained:
+                if MODEL + name in md:
+                    targets[MODEL + name] = whole_chunks(name, t, comm, placements)
+            read_into(targets, directory, reader.metadata)
+            install()
+    return None if reader.plain else reader.manifest.get("trainer")
 
 
 def consolidate(root: str | Path, out: str | Path) -> Path:
     """Write the full, unsharded model weights of the newest intact checkpoint as one
-    safetensors file (mode as the umask gives new files)."""
+    safetensors file (mode as the umask gives new files), tensor by tensor: memory for one
+    tensor at a time."""
+    from trainmesh.checkpoint.stream import write_safetensors
     directory, skipped = newest_intact(root)
     for bad, why in skipped:
         log.warning("trainmesh: skipping checkpoint %s: %s", bad, why)
     if directory is None:
         raise CheckpointError(_none_intact(root, skipped)[1:])
-    with reading(directory):
-        weights, manifest = read_weights(directory)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out), metadata={"step": str(manifest["step"])})
+    with reading(directory):
+        weights, manifest = read_weights(directory)
+        step = manifest.get("step", (manifest.get("trainer") or {}).get("step"))
+        write_safetensors(out, weights, metadata={"step": str(step)})
     usual_mode(out)
     return out
 
 
-def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(the full weights by parameter name, tied aliases included; the manifest) of one
-    checkpoint directory."""
-    reader = _Reader(directory)
-    weights = {k[len("param/"):]: reader.get(k) for k in sorted(reader.manifest["tensors"]) if k.startswith("param/")}
-    for alias, name in sorted(reader.manifest["trainer"].get("tied", {}).items()):
-        if name in weights:                    # a tied weight under each of its names
-            weights.setdefault(alias, weights[name].clone())
-    return weights, reader.manifest
+def read_weights(directory: Path) -> tuple[Any, dict[str, Any]]:
+    """(the full weights by parameter name, tied aliases included, read lazily: a mapping that
+    reads a tensor when asked for it; the manifest) of one checkpoint directory."""
+    from trainmesh.checkpoint.stream import LazyWeights
+    reader = open_reader(directory)
+    if isinstance(reader, legacy.Reader):
+        weights, manifest = legacy.read_weights(directory)
+        return LazyWeights.of(weights), manifest
+    names = {k[len(MODEL):]: k for k, md in reader.metadata.state_dict_metadata.items()
+             if k.startswith(MODEL) and tensor_meta(md) is not None}
+    for alias, name in sorted(((reader.manifest.get("trainer") or {}).get("tied") or {}).items()):
+        if name in names:                      # a tied weight under each of its names
+            names.setdefault(alias, names[name])
+    return LazyWeights(reader, names), reader.manifest
+
+
+def _Reader(directory: Path) -> Reader | legacy.Reader:   # noqa: N802 - the name tests know
+    """:func:`open_reader`, its tensors listed in ``manifest["tensors"]``."""
+    reader = open_reader(directory)
+    if isinstance(reader, Reader):
+        _ = reader.metadata
+    return reader

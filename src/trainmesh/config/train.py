@@ -90,6 +90,11 @@ class TrainConfig:
                              group="checkpoints")
     resume: bool = setting(False, "continue from the newest intact checkpoint in --save-dir",
                            group="checkpoints")
+    resume_from: str | None = setting(None, "start from a torch.distributed.checkpoint directory "
+                                            "of the same model (e.g. written by plain PyTorch with "
+                                            "get_state_dict): its weights and optimizer states, "
+                                            "then this run's steps from 1 and its LR schedule",
+                                      path=True, group="checkpoints")
     async_save: bool = setting(False, "save in the background: snapshot the state to host memory "
                                       "at each save, write it on a thread while training goes on",
                                group="checkpoints")
@@ -198,6 +203,7 @@ class TrainConfig:
             self.gpu = gpu(self.gpu).name
         if self.resume and not self.save_dir:
             raise ConfigError("--resume", "needs --save-dir (where the checkpoints are)")
+        self._check_resume_from()
         if self.timeline_out is not None:
             if self.parallel.pp == 1:
                 raise ConfigError("--timeline-out", "draws pipeline runs; needs --pp > 1")
@@ -234,6 +240,18 @@ class TrainConfig:
         if gpt.n_experts and gpt.moe_every > gpt.n_layers:
             raise ConfigError("--moe-every", f"must be at most --layers {gpt.n_layers} (no block "
                               f"would be a mixture of experts); got {gpt.moe_every}")
+
+    def _check_resume_from(self) -> None:
+        """--resume-from names a DCP checkpoint directory, and is not combined with --resume."""
+        if self.resume_from is None:
+            return
+        if self.resume:
+            raise ConfigError("--resume-from", "starts a new run from a checkpoint; --resume "
+                              "continues one in --save-dir: give one of them")
+        if not (Path(self.resume_from) / ".metadata").is_file():
+            raise ConfigError("--resume-from", f"{self.resume_from!r} is not a "
+                              "torch.distributed.checkpoint directory (no .metadata in it); valid: "
+                              "a directory dcp.save wrote, or a step-NNNNNNNN of a --save-dir")
 
     def _check_data(self) -> None:
         """--tokenizer (resolved: model with a --model-dir that has a tokenizer and text data,

@@ -448,24 +448,25 @@ class Engine:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, path: str, trainer_state: dict[str, Any] | None = None, *,
-             saver: Any | None = None):
-        """Collective: write a checkpoint under ``path`` (see :mod:`trainmesh.checkpoint.sharded`);
-        returns its directory. ``saver``: an :class:`~trainmesh.checkpoint.async_save.AsyncSaver` that
-        snapshots the state and writes it in the background (returns the blocking seconds)."""
-        write = checkpoint.save if saver is None else saver.save
-        return write(path, self.grad_sync, self.comm, step=self.step_count,
+             saver: Any | None = None, measure: dict[str, Any] | None = None):
+        """Collective: write a checkpoint under ``path`` (:mod:`trainmesh.checkpoint.sharded`), return
+        its directory; ``saver`` (an AsyncSaver): snapshot, write in the background, return the
+        blocking seconds; ``measure``: filled on rank 0 with the memory the save added."""
+        return (checkpoint.save if saver is None else saver.save)(
+                     path, self.grad_sync, self.comm, step=self.step_count, measure=measure,
                      layout=self.config.layout(), placements=self.placements,
                      untrained=untrained_state(self.module),
                      # the whole model's record (tied aliases, a Hugging Face config): a stage too
                      trainer_state={**self.state.state_dict(), **model_record(self.model),
                                     **(trainer_state or {})})
 
-    def load(self, path: str) -> dict[str, Any]:
+    def load(self, path: str) -> dict[str, Any] | None:
         """Collective: resume from the newest checkpoint under ``path``, in this layout; returns
-        the trainer state saved with it."""
+        the trainer state saved with it (None from a plain PyTorch one: left as it is)."""
         state = checkpoint.load(path, self.grad_sync, self.comm, self.placements,
                                 untrained_state(self.module))
-        self.state.load_state_dict(state)
+        if state is not None:
+            self.state.load_state_dict(state)
         return state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -29,15 +29,28 @@ def memory_now(device: torch.device) -> int:
     return _status_kb("VmRSS")
 
 
+_EARLIER_PEAK: dict[str, int] = {}
+"""Per device type: the highest mark before the last :func:`reset_peak` (the process's peak
+stays the process's peak across a measurement of one phase)."""
+
+
 def memory_peak(device: torch.device) -> int:
-    """Peak resident bytes: CUDA max allocated, or the process's RSS high-water mark on CPU."""
+    """Peak resident bytes: CUDA max allocated, or the process's RSS high-water mark on CPU,
+    since the process started (however often :func:`reset_peak` ran)."""
+    return max(_EARLIER_PEAK.get(device.type, 0), memory_peak_since_reset(device))
+
+
+def memory_peak_since_reset(device: torch.device) -> int:
+    """Peak resident bytes since the last :func:`reset_peak` (or the process's start)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return _status_kb("VmHWM")
 
 
 def reset_peak(device: torch.device) -> None:
-    """Start a new high-water mark (CUDA; on Linux also the RSS mark via clear_refs)."""
+    """Start a new high-water mark (CUDA; on Linux also the RSS mark via clear_refs); the one
+    before is kept for :func:`memory_peak`."""
+    _EARLIER_PEAK[device.type] = memory_peak(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return

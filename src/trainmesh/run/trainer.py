@@ -295,10 +295,10 @@ def _save(cfg: TrainConfig, engine: Engine, step: int, saver: AsyncSaver | None,
     if saver is not None:
         engine.save(cfg.save_dir, state, saver=saver)
         return
-    started = time.perf_counter()
-    path = engine.save(cfg.save_dir, state)
+    started, memory = time.perf_counter(), {}
+    path = engine.save(cfg.save_dir, state, measure=memory)
     took = time.perf_counter() - started
-    metrics.write(SaveRecord(step, took, took, str(path)).event())
+    metrics.write(SaveRecord(step, took, took, str(path), memory).event())
     _prune(cfg, engine, path)
 
 
@@ -326,6 +326,8 @@ def _resume(cfg: TrainConfig, engine: Engine, *, clean: bool = True) -> int:
     if cfg.save_dir and engine.mesh.rank == 0 and clean:   # this run holds the --save-dir lock
         for path in remove_stale_tmp(Path(cfg.save_dir)):
             log.info("trainmesh: removed %s, left by an interrupted save", path)
+    if cfg.resume_from and not restarted:
+        return _start_from(cfg, engine)
     if not cfg.save_dir or not (cfg.resume or restarted):
         return 0
     from trainmesh.checkpoint.sharded import latest
@@ -342,6 +344,16 @@ def _resume(cfg: TrainConfig, engine: Engine, *, clean: bool = True) -> int:
     if notice:
         log.info(notice)
     return int(state["step"])
+
+
+def _start_from(cfg: TrainConfig, engine: Engine) -> int:
+    """--resume-from: the checkpoint's weights and optimizer states, this run's own trainer
+    state (step 1, its LR schedule, a fresh loss scale). Returns 0 (no step done)."""
+    fresh = engine.state.state_dict()
+    engine.load(cfg.resume_from)
+    engine.state.load_state_dict(fresh)
+    log.info("trainmesh: starting from the weights and optimizer states of %s", cfg.resume_from)
+    return 0
 
 
 def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch.device,
