@@ -25,7 +25,10 @@ allocations); payload bytes per step and rank (trainmesh: its ledger; PyTorch: c
 wrapping torch.distributed's collectives, ``TorchCommMeter``); the exposed communication (the
 seconds the step's thread is blocked in a collective, per axis, over the step time: trainmesh's
 ledger books them per op, PyTorch's side is timed by the same wrapper); and the largest loss
-difference over every step. Each layout's last line ends ``ratio X.XXx``.
+difference over every step; whether the peak is within 5% of PyTorch's and whether the blocked
+share on each data-parallel axis is at most PyTorch's. ``--zero3-reshard microbatch`` frees
+trainmesh's ZeRO-3 units after every forward and backward under pp (as FSDP2 does). Each
+layout's last line ends ``ratio X.XXx``.
 
     python benchmarks/bench_composed.py                       # all four layouts
     python benchmarks/bench_composed.py --layouts zero3-tp --steps 6 --runs 3
@@ -50,6 +53,10 @@ LAYOUTS = {   # name: (processes, trainmesh's ParallelConfig fields)
 LOSS_TOLERANCE = 1e-3
 """Largest loss difference between the sides: trainmesh's promise for any layout against one
 process (same weights, same batches; fp32 sums in other orders differ by far less)."""
+PEAK_TOLERANCE = 1.05
+"""trainmesh's peak per rank may be at most this times PyTorch's composition's."""
+DP_AXES = ("dp", "dp_shard", "dp_replicate")
+"""The data-parallel (ZeRO-3, HSDP) axes whose blocked share is compared."""
 TORCH_AXES = {"replicate": "dp_replicate", "shard": "dp_shard"}
 """PyTorch's mesh dimension names -> trainmesh's axis names (the others are the same)."""
 
@@ -219,7 +226,8 @@ def _worker(layout: str, a: dict) -> dict:
     from trainmesh.data.corpus import SyntheticCorpus, dp_slice
     warnings.filterwarnings("ignore", message=".*returned a view tensor")   # FSDP2 on the
     _, fields = LAYOUTS[layout]                            # stages' outputs: none is changed in place
-    cfg = tm.ParallelConfig(**fields, microbatches=a["microbatches"] if "pp" in fields else 1)
+    pp = {"microbatches": a["microbatches"], "zero3_reshard": a["zero3_reshard"]} if "pp" in fields else {}
+    cfg = tm.ParallelConfig(**fields, **pp)
     engine = tm.Engine(_gpt(a), optimizer=lambda ps: _adamw(ps, a), loss_fn=lambda m, b: m(**b),
                        config=cfg, broadcast_init=False)
     dp_i, dp = engine.mesh.index("dp"), engine.mesh.size("dp")
@@ -340,6 +348,16 @@ def _print(s: dict, a: dict) -> None:
               f"  blocked in collectives (share of the step, mean over ranks): {blocked or 'none'}")
     print(f"- trainmesh's transient communication buffers (gathered units, buckets): peak "
           f"{s['trainmesh_comm_buffer_peak_mib']:.2f} MiB (largest rank)")
+    if "torch" in tps:
+        pk, sh, ms = s["peak_mib_max_rank"], s["exposed_share"], s["exposed_ms_per_step"]
+        ratio = pk["trainmesh"] / pk["torch"]
+        print(f"- peak per rank: trainmesh / PyTorch {ratio:.3f} "
+              f"({'within' if ratio <= PEAK_TOLERANCE else 'ABOVE'} {PEAK_TOLERANCE})")
+        for ax in (x for x in DP_AXES if x in sh["torch"]):
+            mine, theirs = sh["trainmesh"].get(ax, 0.0), sh["torch"][ax]
+            print(f"- {ax} blocked share: trainmesh {mine:.1%} ({ms['trainmesh'].get(ax, 0.0):.1f} ms), "
+                  f"PyTorch {theirs:.1%} ({ms['torch'][ax]:.1f} ms): "
+                  + ("at most PyTorch's" if mine <= theirs else "ABOVE PyTorch's"))
     if "ratio" in s:
         verdict = "within" if s["max_abs_dloss"] <= LOSS_TOLERANCE else "ABOVE"
         print(f"- max |loss difference| over {len(s['ratios']) * a['steps'] + a['warmup']} steps: "
@@ -365,6 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     ap.add_argument("--microbatches", type=int, default=2, help="pipeline microbatches (zero3-tp-pp)")
+    ap.add_argument("--zero3-reshard", dest="zero3_reshard", default="step",
+                    help="trainmesh's ZeRO-3 under pp (zero3-tp-pp): units gathered once per step "
+                         "(default) or before every forward and backward, as FSDP2 does")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--json", dest="json_out", help="also write the summaries here")
     ap.add_argument("--dry-run", action="store_true",
@@ -377,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("steps", "runs", "batch", "microbatches", "layers", "d_model", "heads", "seq", "vocab"):
         if getattr(args, name) < 1:
             ap.exit(2, f"--{name.replace('_', '-')}: must be >= 1; got {getattr(args, name)}\n")
+    if args.zero3_reshard not in ("step", "microbatch"):
+        ap.exit(2, f"--zero3-reshard: step or microbatch; got {args.zero3_reshard}\n")
     if args.warmup < 0:
         ap.exit(2, f"--warmup: must be >= 0; got {args.warmup}\n")
     for name in layouts:

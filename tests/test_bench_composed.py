@@ -29,6 +29,7 @@ def test_dry_run_prints_the_plan_and_launches_nothing(capsys, monkeypatch):
     (["--heads", "3", "--d-model", "96"], "--heads"),
     (["--d-model", "90"], "--d-model"),
     (["--seq", "30"], "--seq"),
+    (["--zero3-reshard", "unit"], "--zero3-reshard"),
 ])
 def test_bad_flags_exit_2_naming_them(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -67,3 +68,26 @@ def test_torch_comm_meter_books_bytes_and_waits_by_axis():
         meter.uninstall()
         dist.destroy_process_group()
     assert (dist.all_reduce, getattr(dist, gather.__name__), funcol.all_reduce, funcol.wait_tensor) == originals
+
+
+def test_the_memory_and_dp_blocked_verdicts_are_printed(capsys):
+    """Each layout says whether trainmesh's peak per rank is within 5% of PyTorch's and whether
+    its blocked share on each data-parallel axis is at most PyTorch's."""
+    s = {"layout": "hsdp-tp", "processes": 8, "ratio": 2.0, "ratios": [2.0], "max_abs_dloss": 0.0, "tokens_per_s": {"trainmesh": 2.0, "torch": 1.0},
+         "step_ms": {"trainmesh": 10.0, "torch": 20.0}, "cpu_s_per_step_all_ranks": {"trainmesh": 1, "torch": 1},
+         "peak_mib_max_rank": {"trainmesh": 10.6, "torch": 10.0},
+         "held_and_step_mib_rank0": {"trainmesh": [1, 2], "torch": [1, 2]},
+         "bytes_per_step_rank0": {"trainmesh": {}, "torch": {}}, "trainmesh_comm_buffer_peak_mib": 1.0,
+         "exposed_share": {"trainmesh": {"dp_shard": 0.2, "dp_replicate": 0.05, "tp": 0.5},
+                           "torch": {"dp_shard": 0.1, "dp_replicate": 0.06, "tp": 0.1}},
+         "exposed_ms_per_step": {"trainmesh": {"dp_shard": 2.0, "dp_replicate": 0.5, "tp": 5.0},
+                                 "torch": {"dp_shard": 2.0, "dp_replicate": 1.2, "tp": 2.0}}}
+    bench_composed._print(s, {"steps": 6, "warmup": 2})
+    out = capsys.readouterr().out
+    assert "trainmesh / PyTorch 1.060 (ABOVE 1.05)" in out, out
+    assert "dp_shard blocked share: trainmesh 20.0% (2.0 ms), PyTorch 10.0% (2.0 ms): ABOVE" in out
+    assert "dp_replicate blocked share: trainmesh 5.0% (0.5 ms), PyTorch 6.0% (1.2 ms): at most" in out
+    assert "tp blocked share" not in out
+    s["peak_mib_max_rank"]["trainmesh"] = 10.4
+    bench_composed._print(s, {"steps": 6, "warmup": 2})
+    assert "1.040 (within 1.05)" in capsys.readouterr().out
