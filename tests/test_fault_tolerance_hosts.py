@@ -113,7 +113,9 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
     replica 0 is the one that asks: a faster replica 2 once asked first, and replica 0 copied
     the state instead). The coordinator is started again on the same address: it rebuilds the
     committed step (12) from the replicas, replicas 1 and 2 copy the live state again, nothing
-    is applied twice, and the run ends with the three replicas."""
+    is applied twice, and the run ends with the three replicas. Step 12's row is in replicas 1's
+    and 2's files too, marked copied: no committed step a replica computed is missing from its
+    file (planted: the row not written fails with 12 missing from taken)."""
     ref = reference_run(one_process())
     launched: list[Launched] = []
 
@@ -154,11 +156,14 @@ def test_coordinator_restarted_and_a_replica_process_restarted(reference_run, tm
         taken = check_replica_file(ref, files[i])
         if i == 0:
             assert taken == list(range(1, 21)), taken           # never restarted, never left out
+        copied = [r["step"] for r in steps(files[i]) if r.get("copied")]
         if i == 1:   # left out from step 5 (back by step 9); it copied step 12's state
             assert taken[:4] == [1, 2, 3, 4] and 5 not in taken and 9 in taken, taken
-            assert 12 not in taken and taken[-1] == 20, taken
+            assert 12 in taken and copied == [12] and taken[-1] == 20, (taken, copied)
         if i == 2:   # back after its kill; it copied step 12's state too
-            assert 12 not in taken and taken[-1] == 20, taken
+            assert 12 in taken and copied == [12] and taken[-1] == 20, (taken, copied)
+        if i == 0:
+            assert copied == [], copied
     restarted = [[r["step"] for r in f if r.get("event") == "coordinator"] for f in files]
     assert restarted == [[13], [13], [13]], restarted
     assert steps(files[0])[-1]["replicas"] == 3

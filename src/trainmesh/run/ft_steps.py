@@ -75,6 +75,9 @@ class QuorumSteps:
         self.failed = self.degraded = self.reconnected = 0   # what this replica saw
         self.restarted = False   # the coordinator was found restarted during the last attempt
         self._floor = 0          # the lowest quorum not yet decided without this replica
+        self._unconfirmed: dict[str, Any] | None = None
+        """The row of a step this replica computed whose commit it never learned (its coordinator
+        died first): written, marked copied, once the live state it copies holds that step."""
 
     # ---------------------------------------------------------------- the policy
     def resumes(self) -> bool:
@@ -187,12 +190,18 @@ class QuorumSteps:
         outcome = Outcome(self.replica, self.client.incarnation, not error, error,
                           row=row if not error else {}, quorum=d.quorum)
         committed = self._commit(d.quorum, d.step, outcome, epoch)
+        if not committed and self.restarted and result is not None and not error:
+            self._unconfirmed = {"event": "step", "step": d.step, "loss": row["loss"],
+                                 "grad_norm": row["grad_norm"], "replicas": len(d.members),
+                                 "copied": True}
         if not committed:
             self.failed += 1
             if result is not None:
                 self.engine.discard()   # the weights, the schedule, the loss scale stay as they were
             self._drop_group()          # a group that saw a failure is not reused
             return None
+        if self._unconfirmed is not None and self._unconfirmed["step"] <= d.step:
+            self._unconfirmed = None   # redone and applied here: its row is the applied one
         with self._inside():
             loss = self.engine.apply(result)
         self.needs_state = False
@@ -256,6 +265,7 @@ class QuorumSteps:
             if got is not None:   # every rank of the replica received its part: load it
                 self._load(*got)
                 row["state_transfer_s"] = time.perf_counter() - began
+                self._confirmed_by_copy()
             result = self.engine.compute(self._microbatches(d), across=self._across(d))
         error = self._agree(self._across_error)
         if error:
@@ -344,6 +354,17 @@ class QuorumSteps:
             params, optim = self.engine.grad_sync.logical_state()
             return list(params.items()), optim
         return self.engine.grad_sync.local_shards()
+
+    def _confirmed_by_copy(self) -> None:
+        """The state just copied holds the step whose commit this replica missed: the peers
+        applied it, so it was committed with this replica's outcome among the members'; its row
+        (loss and grad norm are the members' common values) goes into the replica's own file,
+        marked copied, so no committed step is missing from it. A step the new coordinator
+        redoes instead is applied, and its row written, as any other."""
+        missed, self._unconfirmed = self._unconfirmed, None
+        if missed is not None and self.engine.step_count >= missed["step"] and self._out is not None \
+                and self.own:
+            self._out.write(missed)
 
     def _load(self, params: dict[str, torch.Tensor], optim: dict[str, dict[str, torch.Tensor]],
               trainer: dict[str, Any]) -> None:
