@@ -16,7 +16,7 @@ from trainmesh import ConfigError, Engine, ParallelConfig, ParallelMesh
 from trainmesh.data.corpus import SyntheticCorpus
 from trainmesh.engine.recompute import Recomputed, apply_recompute
 from trainmesh.models.gpt import GPT, GPTConfig
-from trainmesh.observe.metrics import memory_now, memory_peak, reset_peak
+from trainmesh.observe.metrics import memory_now, memory_peak_since_reset, reset_peak
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=4)
 MODES = [("none", 1), ("full", 1), ("full", 2), ("selective", 1)]
@@ -63,7 +63,7 @@ def _working_set(mode: str, segment: int) -> float:
         reset_peak(cpu)
         loss, _ = model(x, x)
         loss.backward()
-        peak = memory_peak(cpu)
+        peak = memory_peak_since_reset(cpu)
     return (peak - base) / 2**20
 
 
