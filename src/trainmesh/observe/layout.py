@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 MESH_AXES = ("dp", "cp", "pp", "tp")
-"""The axes whose degrees multiply to the world size (DESIGN.md's order of reading)."""
+"""The axes whose degrees multiply to the world size (in the order a layout is read and printed)."""
 COORD_ORDER = ("dp", "dp_shard", "dp_replicate", "cp", "pp", "tp", "ep")
 """The rank table's coordinate columns, in this order; unknown coordinates follow."""
 KNOWN = {"dp", "cp", "pp", "tp", "ep", "dp_shard", "experts", "top_k", "zero", "microbatches",
