@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -255,4 +256,26 @@ def test_resume_from_needs_a_dcp_directory_and_not_resume(tmp_path, no_launch, c
     assert main(["train", *SMALL, "--resume-from", str(tmp_path), "--save-dir", str(tmp_path / "ck"),
                  "--resume"]) == 2
     _one_error(capsys, "--resume-from", "--resume")
+    assert main(["train", *SMALL, "--resume-from", str(tmp_path)]) == 2
+    _one_error(capsys, "--resume-from", "cannot read")
+
+
+def test_resume_from_a_checkpoint_of_another_model_exits_2_before_any_worker(tmp_path, no_launch, capsys):
+    """Plain PyTorch's dcp.save of the built-in GPT of SMALL's flags: those flags launch; another
+    --d-model or --layers exits 2 naming the first parameter that differs or is missing, read
+    from the checkpoint's metadata alone (planted: the check skipped launches the run)."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainmesh.models.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4), seed=0)
+    with warnings.catch_warnings():   # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
     assert main(["train", *SMALL, "--resume-from", str(tmp_path)]) == LAUNCHED
+    capsys.readouterr()
+    wider = [*SMALL, "--d-model", "64"]
+    assert main(["train", *wider, "--resume-from", str(tmp_path)]) == 2
+    _one_error(capsys, "--resume-from", "of shape")
+    deeper = [*SMALL, "--layers", "3"]
+    assert main(["train", *deeper, "--resume-from", str(tmp_path)]) == 2
+    _one_error(capsys, "--resume-from", "holds no tensor model.blocks.2.")

@@ -175,3 +175,30 @@ def schedule_changed(cfg: TrainConfig) -> bool:
         return False
     now = run_record(cfg)
     return any(k in found[1] and found[1][k] != now[k] for k in ("lr", "warmup_steps", "steps"))
+
+
+def check_resume_from(directory: str, model: Any) -> None:
+    """Before any worker starts: every parameter of ``model`` (built on the meta device) is in
+    the DCP checkpoint ``directory`` under ``model.<name>`` with its shape; ConfigError naming
+    --resume-from, the first parameter that is missing or differs, and both shapes. Reads only
+    the checkpoint's metadata (no tensor)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .dcp_io import read_metadata
+    from .local_state import MODEL
+    try:
+        saved = read_metadata(Path(directory)).state_dict_metadata
+    except Exception as exc:   # noqa: BLE001 - any unreadable metadata is the user's input
+        raise ConfigError("--resume-from", f"cannot read {directory}/.metadata ({exc}); valid: a "
+                          "directory dcp.save wrote") from None
+    for name, param in model.named_parameters():
+        entry = saved.get(MODEL + name)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ConfigError("--resume-from", f"{directory} holds no tensor {MODEL + name} for the "
+                              "model this run builds (another model, or keys not named as "
+                              "get_state_dict names them); valid: a checkpoint of the same model")
+        if tuple(entry.size) != tuple(param.shape):
+            raise ConfigError("--resume-from", f"{directory} holds {MODEL + name} of shape "
+                              f"{tuple(entry.size)}, the model this run builds {tuple(param.shape)}; "
+                              "valid: a checkpoint of the same model (--layers, --d-model, "
+                              "--vocab-size, ... as it was saved)")
