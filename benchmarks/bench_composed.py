@@ -7,6 +7,7 @@ weights), and they alternate steps on the same global batches (each step after a
 until the slowest rank ends; the order flips every step), so load on a shared machine hits
 both alike. AdamW, fp32, no gradient clipping on either side.
 
+- ``zero3`` (2 processes): ``--dp 2 --zero 3`` against ``fully_shard`` over a 1-D dp mesh.
 - ``zero3-tp`` (4 processes): ``--dp 2 --tp 2 --zero 3`` against ``fully_shard`` over the dp
   dimension of a (dp, tp) DeviceMesh after ``parallelize_module`` (ColwiseParallel q/k/v/fc,
   RowwiseParallel proj, vocab-parallel embedding and head under ``loss_parallel``).
@@ -30,7 +31,7 @@ share on each data-parallel axis is at most PyTorch's. ``--zero3-reshard microba
 trainmesh's ZeRO-3 units after every forward and backward under pp (as FSDP2 does). Each
 layout's last line ends ``ratio X.XXx``.
 
-    python benchmarks/bench_composed.py                       # all four layouts
+    python benchmarks/bench_composed.py                       # all five layouts
     python benchmarks/bench_composed.py --layouts zero3-tp --steps 6 --runs 3
 """
 from __future__ import annotations
@@ -40,11 +41,13 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 LAYOUTS = {   # name: (processes, trainmesh's ParallelConfig fields)
+    "zero3": (2, {"dp": 2, "zero": 3}),
     "zero3-tp": (4, {"dp": 2, "tp": 2, "zero": 3}),
     "hsdp-tp": (8, {"dp": 4, "dp_shard": 2, "tp": 2, "zero": 3}),
     "zero3-tp-pp": (8, {"dp": 2, "tp": 2, "pp": 2, "zero": 3, "schedule": "1f1b"}),
@@ -172,19 +175,18 @@ def _torch_pp(a: dict, mesh):
     return module, opt, step
 
 
-def _torch_cp(a: dict, mesh, probe: dict):
-    """context_parallel over the cp mesh + fully_shard over it; raises where it cannot run."""
+def _torch_fsdp(a: dict, mesh, probe: dict):
+    """fully_shard over the 1-D mesh (dp; cp: under context_parallel, raising where it can't run)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.experimental import context_parallel
     model = _gpt(a)
-    for unit in (model.embed, *model.blocks, model.head):
+    for unit in (model.embed, *model.blocks, model.head, model):     # the root last
         fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = _adamw(model.parameters(), a)
+    opt, cp = _adamw(model.parameters(), a), mesh.mesh_dim_names == ("cp",)
 
     def backward(batch: dict):
-        ids, labels = batch["input_ids"].clone(), batch["labels"].clone()
-        with context_parallel(mesh, buffers=[ids, labels], buffer_seq_dims=[1, 1]):
+        ids, labels = (t.clone() if cp else t for t in (batch["input_ids"], batch["labels"]))
+        with context_parallel(mesh, buffers=[ids, labels], buffer_seq_dims=[1, 1]) if cp else nullcontext():
             loss_sum, count = model(ids, labels)
             loss = loss_sum / count
             loss.backward()
@@ -211,8 +213,8 @@ def _torch_side(layout: str, a: dict, probe: dict):
     if layout == "zero3-tp-pp":
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
         return mesh, _torch_pp(a, mesh)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    return mesh, _torch_cp(a, mesh, probe)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp" if layout == "zero3" else "cp",))
+    return mesh, _torch_fsdp(a, mesh, probe)
 
 
 def _worker(layout: str, a: dict) -> dict:
@@ -240,6 +242,8 @@ def _worker(layout: str, a: dict) -> dict:
         mesh, (t_model, t_opt, t_step) = _torch_side(layout, a, dict(batches[0]))
         sides["torch"] = t_step
         meter = TorchCommMeter(mesh_axes(mesh, TORCH_AXES))
+        if layout == "zero3":   # dp's ranks are the world's; FSDP2's only all-reduce: the loss's
+            meter._book = lambda ax, op, *r, b=meter._book: b("world" if op == "all_reduce" else "dp", op, *r)
     except Exception as exc:     # noqa: BLE001 (reported: PyTorch's composition cannot run here)
         torch_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
     times = {s: [] for s in sides}

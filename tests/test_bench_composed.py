@@ -14,9 +14,10 @@ import bench_composed  # noqa: E402
 def test_dry_run_prints_the_plan_and_launches_nothing(capsys, monkeypatch):
     import trainmesh.testing
     monkeypatch.setattr(trainmesh.testing, "run_distributed", lambda *a, **k: pytest.fail("launched"))
-    bench_composed.main(["--dry-run", "--layouts", "zero3-tp,hsdp-tp", "--steps", "4"])
+    bench_composed.main(["--dry-run", "--layouts", "zero3,zero3-tp,hsdp-tp", "--steps", "4"])
     out = capsys.readouterr().out
-    assert "zero3-tp (4 processes), hsdp-tp (8 processes)" in out and "3 runs x 4 timed steps" in out
+    assert "zero3 (2 processes), zero3-tp (4 processes), hsdp-tp (8 processes)" in out, out
+    assert "3 runs x 4 timed steps" in out
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -25,6 +26,7 @@ def test_dry_run_prints_the_plan_and_launches_nothing(capsys, monkeypatch):
     (["--runs", "0"], "--runs"),
     (["--warmup", "-1"], "--warmup"),
     (["--layouts", "hsdp-tp", "--batch", "6"], "--batch"),                     # dp 4
+    (["--layouts", "zero3", "--batch", "3"], "--batch"),                        # dp 2
     (["--layouts", "zero3-tp-pp", "--batch", "2", "--microbatches", "2"], "--batch"),   # dp 2 x 2
     (["--heads", "3", "--d-model", "96"], "--heads"),
     (["--d-model", "90"], "--d-model"),
