@@ -53,13 +53,7 @@ class Ledger:
     def read(self, store: Any, k: str, parse: Callable[[bytes], Any]) -> Any:
         """``parse(value)`` of the record at ``k``; None when there is none or it is rejected
         (logged once)."""
-        if not store.check([k]):
-            return None
-        try:
-            return parse(store.get(k))
-        except Rejected as exc:
-            self.rejected(k, exc)
-            return None
+        return self.rejected.read(store, k, parse)
 
     # ---------------------------------------------------------------- liveness
     def alive(self, store: Any, replica: int, incarnation: str | None = None) -> bool:

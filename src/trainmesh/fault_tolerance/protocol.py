@@ -422,6 +422,17 @@ class Rejections:
                     + ("; further rejected records are counted, not shown"
                        if len(self._seen) == self.LIMIT else ""))
 
+    def read(self, store: Any, k: str, parse: Callable[[bytes], Any]) -> Any:
+        """``parse(value)`` of the record at ``k`` of ``store`` (c10d's ``check`` and ``get``);
+        None when there is none or it is rejected (then logged here, once)."""
+        if not store.check([k]):
+            return None
+        try:
+            return parse(store.get(k))
+        except Rejected as exc:
+            self(k, exc)
+            return None
+
 
 def split_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
     """[start, end) of part ``index`` of ``rows`` split into ``parts`` contiguous pieces whose

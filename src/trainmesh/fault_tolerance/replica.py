@@ -40,7 +40,6 @@ from .protocol import (
     Mark,
     Outcome,
     Posted,
-    Rejected,
     Rejections,
     Request,
     StateHeader,
@@ -213,13 +212,7 @@ class QuorumClient:
     def read(self, k: str, parse: Callable[[bytes], Any]) -> Any:
         """``parse(value)`` of the record at ``k``; None when there is none or it is rejected
         (logged once)."""
-        if not self.check([k]):
-            return None
-        try:
-            return parse(self.get(k))
-        except Rejected as exc:
-            self.rejected(k, exc)
-            return None
+        return self.rejected.read(self, k, parse)
 
     def _heal(self) -> None:
         """Every :data:`HEAL_EVERY` polls: its records that await an answer written again."""
