@@ -218,9 +218,9 @@ def run(args: argparse.Namespace) -> int:
         if launcher_job().rank == 0:
             warn_warmup(cfg)
         if "TORCHELASTIC_RUN_ID" in os.environ:   # under torchrun: die with its agent
-            from trainmesh.run.launch import die_with_parent
+            from trainmesh.run.worker import die_with_parent
             die_with_parent(os.getppid())
-        from trainmesh.run.launch import run_as_worker
+        from trainmesh.run.worker import run_as_worker
 
         from .logs import configure_worker_logging
         configure_worker_logging()

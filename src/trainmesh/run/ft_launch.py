@@ -1,5 +1,6 @@
-"""The local launcher of a ``--fault-tolerant`` run: one elastic agent per replica of this
-host, and, on one host, the coordinator (docs/FAULT_TOLERANCE.md).
+"""The fault-tolerant run's hooks on the one launcher (:mod:`trainmesh.run.launch`): one
+elastic agent per replica of this host, and, on one host, the coordinator
+(docs/FAULT_TOLERANCE.md).
 
 Each replica runs under its own PyTorch elastic agent (a thread of this process, one worker
 per rank of the replica; its own rendezvous run id over the launcher's loopback store), so the
@@ -19,33 +20,15 @@ replica's headline; 130/143 after Ctrl-C/SIGTERM (workers die with this process)
 """
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import signal
 import sys
-import threading
 import time
-import traceback
-import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from trainmesh.run.launch import (
-    MONITOR_INTERVAL_S,
-    SHUTDOWN_GRACE_S,
-    Stdio,
-    _headline,
-    _prepare_agent,
-    apply_env,
-    die_with_parent,
-    end_process,
-    local_rendezvous,
-    run_exit_handlers,
-    worker_env,
-    worker_start_method,
-)
+from trainmesh.run.launch import Launch, launch
+from trainmesh.run.worker import WorkerMain
 
 if TYPE_CHECKING:
     from trainmesh.config.train import TrainConfig
@@ -63,97 +46,65 @@ def launch_fault_tolerant(cfg: TrainConfig, *, max_restarts: int,
     The job's secret: a run on one host makes its own; across hosts it is given
     (``--secret-file`` or ``TRAINMESH_FT_SECRET``; none: :class:`ConfigError`, exit 2, before
     anything starts)."""
-    from trainmesh.fault_tolerance.auth import load_secret, new_secret
-    secret = new_secret() if cfg.coordinator is None else load_secret(cfg.secret_file)
-    code = _launch(cfg, secret, max_restarts=max_restarts, worker_setup=worker_setup)
-    if code:
-        end_process(code)
-    return code
+    return launch(FaultTolerantLaunch(cfg), max_restarts=max_restarts, worker_setup=worker_setup)
 
 
-def _launch(cfg: TrainConfig, secret: str, *, max_restarts: int,
-            worker_setup: Callable[[], None] | None) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+class FaultTolerantLaunch(Launch):
+    """The launcher's hooks for a ``--fault-tolerant`` run: one threaded agent per replica of
+    this host; on one host the coordinator, the run's first line and its summary."""
 
-    from trainmesh.core.compat import close_fork_server
-    from trainmesh.fault_tolerance.auth import SECRET_ENV
+    threaded = True
 
-    p = cfg.parallel
-    _prepare_agent()
-    grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}
-             if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
-    ranks = p.replica_ranks
-    here = list(range(p.replicas)) if cfg.coordinator is None else [cfg.replica_id]
-    failures: dict[int, str] = {}
-    launcher_id = uuid.uuid4().hex[:8]
-    run_id = f"trainmesh-ft-{launcher_id}"
-    _print_header(cfg)
-    began = time.perf_counter()
-    _signals_raise()
-    lock = _save_dir_lock(cfg)
-    try:
-        coordinator, board = _local_coordinator(cfg, secret) if cfg.coordinator is None else (None, None)
-        address = coordinator.address if coordinator is not None else cfg.coordinator
-        with local_rendezvous() as rendezvous:
-            env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // (ranks * len(here))))
-            env[SECRET_ENV] = secret   # the workers' only copy (their environment, not argv)
-            start_method = worker_start_method()
-            if start_method == "forkserver":   # started here: it dies with this thread, which
-                multiprocessing.forkserver.ensure_running()   # outlives every agent's thread
+    def __init__(self, cfg: TrainConfig) -> None:
+        from trainmesh.fault_tolerance.auth import load_secret, new_secret
+        self.secret = new_secret() if cfg.coordinator is None else load_secret(cfg.secret_file)
+        super().__init__(cfg, nproc=cfg.parallel.replica_ranks)
+        self.coordinator: Any = None
+        self.board: Any = None
+        self.address = cfg.coordinator
+        self.began = time.perf_counter()
 
-            def agent(replica: int) -> None:
-                config = LaunchConfig(
-                    min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"{run_id}-r{replica}",
-                    max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S,
-                    start_method=start_method, **rendezvous, **grace)
-                try:
-                    elastic_launch(config, ft_worker_entry)(cfg, os.getpid(), worker_setup, replica,
-                                                            address, launcher_id, env, Stdio())
-                except ChildFailedError as exc:
-                    failures[replica] = (_headline(exc).replace("rank 0", f"replica {replica}", 1)
-                                         if ranks == 1 else f"replica {replica}: {_headline(exc)}")
-                except Exception as exc:   # noqa: BLE001 - the agent itself failed
-                    failures[replica] = f"replica {replica}: agent failed: {exc}"
+    def agents(self) -> list[int]:
+        return list(range(self.cfg.parallel.replicas)) if self.cfg.coordinator is None \
+            else [self.cfg.replica_id]
 
-            agents = [threading.Thread(target=agent, args=(r,), name=f"trainmesh-ft-agent-{r}",
-                                       daemon=True) for r in here]
-            if coordinator is not None:
-                coordinator.start()
-            for t in agents:
-                t.start()
-            while any(t.is_alive() for t in agents):
-                for t in agents:
-                    t.join(0.2)
-    except _Signalled as exc:   # the agents are threads: the workers are stopped here
-        close_fork_server()      # first: no agent restarts a replica whose workers die now
-        for worker in multiprocessing.active_children():   # (exit would wait for them)
-            worker.kill()
-        sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(exc.signum).name}; "
-                         "workers stopped\n")
-        return 128 + exc.signum
-    finally:
-        lock.__exit__(None, None, None)
-    if coordinator is None:   # across hosts: this host's replica reported its own run
-        for why in failures.values():
-            sys.stderr.write(f"trainmesh train: {why}\n")
-        return 1 if failures else 0
-    return _finish(cfg, coordinator, board, failures, began)
+    def begin(self) -> None:
+        _print_header(self.cfg)
+        self.began = time.perf_counter()
 
+    def save_dir(self) -> tuple[bool, bool]:
+        # across hosts the replicas share the directory: no lock, nothing removed (a peer may
+        # be writing); on one host this launcher cleans, as no replica may
+        return self.cfg.coordinator is None, True
 
-def _save_dir_lock(cfg: TrainConfig) -> Any:
-    """A run on one host holds the --save-dir lock for its replicas, removing what interrupted
-    saves left first (across hosts the replicas share the directory: no lock, nothing removed:
-    a peer may be writing)."""
-    from pathlib import Path
+    def serve(self) -> dict[str, str]:
+        from trainmesh.fault_tolerance.auth import SECRET_ENV
+        if self.cfg.coordinator is None:
+            self.coordinator, self.board = _local_coordinator(self.cfg, self.secret)
+            self.address = self.coordinator.address
+        return {SECRET_ENV: self.secret}   # the workers' only copy (their environment, not argv)
 
-    from trainmesh.checkpoint.savedir import SaveDirLock, remove_stale_tmp
-    if not cfg.save_dir or cfg.coordinator is not None:
-        return contextlib.nullcontext()
-    lock = SaveDirLock(cfg.save_dir).__enter__()
-    for path in remove_stale_tmp(Path(cfg.save_dir)):
-        print(f"trainmesh: removed {path}, left by an interrupted save", flush=True)
-    return lock
+    def run_id(self, agent: int) -> str:
+        return f"trainmesh-ft-{self.launch_id}-r{agent}"
+
+    def worker(self, agent: int) -> WorkerMain:
+        return ReplicaWorker(agent, self.address, self.launch_id)
+
+    def started(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.start()
+
+    def failed(self, agent: int, headline: str) -> str:
+        return (headline.replace("rank 0", f"replica {agent}", 1) if self.nproc == 1
+                else f"replica {agent}: {headline}")
+
+    def agent_failed(self, agent: int, exc: Exception) -> str:
+        return f"replica {agent}: agent failed: {exc}"
+
+    def finish(self, failures: dict[int, str]) -> int:
+        if self.coordinator is None:   # across hosts: this host's replica reported its own run
+            return super().finish(failures)
+        return _finish(self.cfg, self.coordinator, self.board, failures, self.began)
 
 
 def _local_coordinator(cfg: TrainConfig, secret: str) -> tuple[Any, Any]:
@@ -230,47 +181,24 @@ def _summary(cfg: TrainConfig, coordinator: Any, failures: dict[int, str]) -> di
                                 "state_transfer_s": round(t.transfer_s, 3)}}
 
 
-class _Signalled(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+class ReplicaWorker(WorkerMain):
+    """What each worker of replica ``replica`` runs (:func:`ft_worker_main`)."""
 
+    def __init__(self, replica: int, address: str, launcher_id: str) -> None:
+        self.replica, self.address, self.launcher_id = replica, address, launcher_id
 
-def _signals_raise() -> None:
-    """Ctrl-C and SIGTERM end the launcher (the agents run in threads: the main thread takes
-    the signal); the workers die with it (parent-death signal)."""
-    def raise_(signum: int, _frame: Any) -> NoReturn:
-        raise _Signalled(signum)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, raise_)
-
-
-def ft_worker_entry(cfg: TrainConfig, launcher_pid: int, setup: Callable[[], None] | None,
-                    replica: int, address: str, launcher_id: str, env: dict[str, str],
-                    stdio: Stdio | None = None) -> int:
-    """What each replica's worker runs (see :func:`~trainmesh.run.launch.worker_entry`: the
-    launcher's environment and output, whichever fork server forked it)."""
-    die_with_parent(launcher_pid)
-    if stdio is not None:
-        stdio.apply()
-    apply_env(env)
-    if setup is not None:
-        setup()
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from trainmesh.fault_tolerance.replica import ProtocolMismatch
-    from trainmesh.run.ft_steps import ReplicaRankLost
-    try:
-        code = record(ft_worker_main)(cfg, replica, address, launcher_id,
+    def __call__(self, cfg: TrainConfig) -> int:
+        from torch.distributed.elastic.multiprocessing.errors import record
+        return record(ft_worker_main)(cfg, self.replica, self.address, self.launcher_id,
                                       own_records=cfg.coordinator is not None)
-        run_exit_handlers()   # a forked worker ends with os._exit
-        return code
-    except (ReplicaRankLost, ProtocolMismatch) as exc:
+
+    def known(self) -> tuple[type[BaseException], ...]:
+        from trainmesh.fault_tolerance.replica import ProtocolMismatch
+        from trainmesh.run.ft_steps import ReplicaRankLost
+        return ReplicaRankLost, ProtocolMismatch
+
+    def report(self, exc: BaseException) -> None:
         sys.stderr.write(f"trainmesh: {exc}\n")
-        end_process(1)
-    except Exception:
-        traceback.print_exc()
-        end_process(1)
 
 
 def ft_worker_main(cfg: TrainConfig, replica: int, coordinator: str, launcher_id: str, *,

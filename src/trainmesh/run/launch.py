@@ -1,8 +1,10 @@
 """Local workers through PyTorch's elastic launcher (the machinery behind ``torchrun``).
 
-``trainmesh train`` started directly runs ``dp*cp*pp*tp`` workers under an elastic agent; each
-worker runs :func:`worker_entry` with the ``TrainConfig`` the
-launcher already validated. The launcher
+``trainmesh train`` started directly runs its workers under elastic agents; each worker runs
+:func:`~trainmesh.run.worker.worker_entry` with the ``TrainConfig`` the launcher already
+validated. One launcher (:func:`launch`) serves every kind of run; a kind shapes it through the
+hooks of :class:`Launch` (the plain run: the hooks as they are; fault tolerance:
+:mod:`trainmesh.run.ft_launch`). The launcher
 
 - holds the ``--save-dir`` lock for the run's lifetime (:mod:`trainmesh.checkpoint.savedir`);
 - hosts one key-value store, listening on the loopback address only, on a port the kernel
@@ -20,8 +22,6 @@ signal).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import dataclasses
 import importlib.util
 import logging
 import multiprocessing
@@ -29,14 +29,21 @@ import os
 import signal
 import sys
 import threading
-import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from trainmesh.core.stores import LOOPBACK, STORE_ENV, server_store
+from trainmesh.run.worker import (  # noqa: F401 - WORKER_IMAGE, apply_env: their old home
+    WORKER_IMAGE,
+    Stdio,
+    WorkerMain,
+    apply_env,
+    end_process,
+    run_exit_handlers,
+    worker_entry,
+)
 
 if TYPE_CHECKING:
     from trainmesh.config.train import TrainConfig
@@ -50,9 +57,6 @@ after SIGTERM, before SIGKILL. Short: the failure is already recorded, and a sto
 one stuck in a collective, never ends on SIGTERM."""
 MONITOR_INTERVAL_S = 0.1
 """How often the agent checks its workers."""
-PR_SET_PDEATHSIG = 1
-WORKER_IMAGE = "trainmesh.run.worker_image"
-"""What the fork server imports before forking workers (see :func:`worker_start_method`)."""
 RDZV_BACKEND = "trainmesh-loopback"
 """The elastic agent's rendezvous: torch's dynamic rendezvous over the launcher's own store."""
 
@@ -87,66 +91,196 @@ def worker_start_method(model_dir: bool = False) -> str:
     return "forkserver"
 
 
+class Launch:
+    """One launch of ``cfg``'s workers, and the hooks through which a kind of run shapes it.
+
+    As it is, the plain run: one elastic agent for the job's ``nproc`` workers, in the main
+    thread (torch's agent turns Ctrl-C and SIGTERM into an exception and stops the workers
+    within :data:`SHUTDOWN_GRACE_S`), each worker training (:class:`WorkerMain`); a failed
+    worker's headline is the run's last line. Fault tolerance overrides the hooks
+    (:class:`trainmesh.run.ft_launch.FaultTolerantLaunch`)."""
+
+    threaded = False
+    """Each agent a thread of this process (several agents, one per replica), the main thread
+    taking the signals itself and stopping the workers."""
+
+    def __init__(self, cfg: TrainConfig, *, nproc: int | None = None) -> None:
+        self.cfg = cfg
+        self.nproc = cfg.parallel.world_size if nproc is None else nproc
+        """Workers per agent."""
+        self.launch_id = uuid.uuid4().hex[:8]
+
+    def agents(self) -> list[int]:
+        """One elastic agent per item (the replica it runs)."""
+        return [0]
+
+    def begin(self) -> None:
+        """First thing, before the --save-dir lock is taken."""
+
+    def save_dir(self) -> tuple[bool, bool]:
+        """Whether this launcher holds the --save-dir lock for the run, and whether it removes
+        what interrupted saves left first (a plain run's rank 0 does, as under torchrun)."""
+        return self.cfg.save_dir is not None, False
+
+    def serve(self) -> dict[str, str]:
+        """Before any agent: what the workers need served; returns what their environment
+        adds to the launcher's (:func:`worker_env`)."""
+        return {}
+
+    def run_id(self, agent: int) -> str:
+        """The rendezvous run id of ``agent``."""
+        return f"trainmesh-{self.launch_id}"
+
+    def worker(self, agent: int) -> WorkerMain:
+        """What the workers of ``agent`` run once their preamble is done."""
+        return WorkerMain()
+
+    def started(self) -> None:
+        """The agents start now."""
+
+    def failed(self, agent: int, headline: str) -> str:
+        """The line for a worker of ``agent`` that failed (``headline``: its rank and error)."""
+        return headline
+
+    def agent_failed(self, agent: int, exc: Exception) -> str:
+        """The line for a threaded ``agent`` that failed itself."""
+        return f"agent {agent} failed: {exc}"
+
+    def finish(self, failures: dict[int, str]) -> int:
+        """Once every agent ended (``failures``: agent -> line): the exit status."""
+        for why in failures.values():
+            sys.stderr.write(f"trainmesh train: {why}\n")
+        return 1 if failures else 0
+
+
 def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0,
                  end_process_on_failure: bool = True,
                  worker_setup: Callable[[], None] | None = None) -> int:
-    """Run :func:`worker_entry` on ``nproc`` local workers; return the exit code.
+    """Train under ``cfg`` on ``nproc`` local workers (the plain run); return the exit code."""
+    return launch(Launch(cfg, nproc=nproc), max_restarts=max_restarts, worker_setup=worker_setup,
+                  end_process_on_failure=end_process_on_failure)
+
+
+def launch(run: Launch, *, max_restarts: int, worker_setup: Callable[[], None] | None = None,
+           end_process_on_failure: bool = True) -> int:
+    """Run ``run``'s agents until their workers end; return the exit code (``run.finish``; 1
+    with a headline after a failure, 128 + the signal after Ctrl-C or SIGTERM).
 
     A failed or signalled run ends this process right there (``end_process_on_failure``), once
     the headline is written, the ``--save-dir`` lock released and the exit handlers run: the
     interpreter's own teardown after importing torch takes seconds on a loaded machine."""
-    code = _launch(cfg, nproc=nproc, max_restarts=max_restarts, worker_setup=worker_setup)
+    code = _launch(run, max_restarts=max_restarts, worker_setup=worker_setup)
     if code and end_process_on_failure:
         end_process(code)
     return code
 
 
-def end_process(code: int) -> NoReturn:
-    """Exit now with ``code``: exit handlers run and output flushed, module teardown skipped."""
-    run_exit_handlers()
-    os._exit(code)
-
-
-def run_exit_handlers() -> None:
-    """Run what ``atexit`` holds (once: it empties) and flush the output. A worker forked by the
-    fork server ends with ``os._exit``, which runs none: it calls this as it finishes, as a
-    spawned worker's interpreter would at exit (e.g. the NVMe offload files' removal)."""
-    import atexit
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-
-
-def _launch(cfg: TrainConfig, *, nproc: int, max_restarts: int,
-            worker_setup: Callable[[], None] | None) -> int:
+def _launch(run: Launch, *, max_restarts: int, worker_setup: Callable[[], None] | None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainmesh.checkpoint.savedir import SaveDirLock
+    cfg, failures = run.cfg, {}
+    _prepare_agent()
+    run.begin()
+    if run.threaded:   # the agents are threads: the main thread takes the signals
+        _signals_raise()
+    grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}   # where torch has it; else 30 s on signals
+             if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
+    try:
+        with _save_dir_held(cfg, *run.save_dir()):
+            served = run.serve()
+            with local_rendezvous() as rendezvous:
+                agents = run.agents()
+                start_method = worker_start_method(cfg.model_dir is not None)
+                threads = max(1, (os.cpu_count() or 1) // (run.nproc * len(agents)))
+                env = {**worker_env(rendezvous, threads=threads), **served}
 
-    with SaveDirLock(cfg.save_dir) if cfg.save_dir else contextlib.nullcontext():
-        _prepare_agent()
-        grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}   # where torch has it; else 30 s on signals
-                 if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {})
-        with local_rendezvous() as rendezvous:
-            config = LaunchConfig(
-                min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"trainmesh-{uuid.uuid4().hex[:8]}",
-                max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method=worker_start_method(cfg.model_dir is not None),
-                **rendezvous, **grace)
-            env = worker_env(rendezvous, threads=max(1, (os.cpu_count() or 1) // nproc))
-            try:
-                elastic_launch(config, worker_entry)(cfg, os.getpid(), worker_setup, env, Stdio())
-            except ChildFailedError as exc:
-                sys.stderr.write(f"trainmesh train: {_headline(exc)}\n")
-                return 1
-            except BaseException as exc:   # noqa: BLE001 - SignalException / KeyboardInterrupt only
-                code = _signal_exit_code(exc)
-                if code is None:
-                    raise
-                sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(code - 128).name}; "
-                                 "workers stopped\n")
-                return code
-    return 0
+                def agent(a: int) -> None:
+                    config = LaunchConfig(
+                        min_nodes=1, max_nodes=1, nproc_per_node=run.nproc, run_id=run.run_id(a),
+                        max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S,
+                        start_method=start_method, **rendezvous, **grace)
+                    try:
+                        elastic_launch(config, worker_entry)(cfg, os.getpid(), worker_setup, env,
+                                                             Stdio(), run.worker(a))
+                    except ChildFailedError as exc:
+                        failures[a] = run.failed(a, _headline(exc))
+
+                run.started()
+                if run.threaded:
+                    _in_threads(run, agent, agents, start_method, failures)
+                else:
+                    agent(agents[0])
+    except BaseException as exc:   # noqa: BLE001 - a signal's exception only
+        code = _signal_exit_code(exc)
+        if code is None:
+            raise
+        if run.threaded:
+            _stop_workers()
+        sys.stderr.write(f"trainmesh train: stopped by {signal.Signals(code - 128).name}; "
+                         "workers stopped\n")
+        return code
+    return run.finish(failures)
+
+
+def _in_threads(run: Launch, agent: Callable[[int], None], agents: list[int], start_method: str,
+                failures: dict[int, str]) -> None:
+    """Each agent in a thread of its own, until every one ended (an agent that fails itself is
+    one more failure, not the launcher's)."""
+    import multiprocessing.forkserver
+    if start_method == "forkserver":   # started here: it dies with this thread, which
+        multiprocessing.forkserver.ensure_running()   # outlives every agent's thread
+
+    def guarded(a: int) -> None:
+        try:
+            agent(a)
+        except Exception as exc:   # noqa: BLE001 - the agent itself failed
+            failures[a] = run.agent_failed(a, exc)
+
+    threads = [threading.Thread(target=guarded, args=(a,), name=f"{run.run_id(a)}-agent",
+                                daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        for t in threads:
+            t.join(0.2)
+
+
+@contextlib.contextmanager
+def _save_dir_held(cfg: TrainConfig, lock: bool, clean: bool) -> Iterator[None]:
+    """The --save-dir lock held for the block (``lock``), what interrupted saves left removed
+    first (``clean``)."""
+    if not (cfg.save_dir and lock):
+        yield
+        return
+    from trainmesh.checkpoint.savedir import SaveDirLock, remove_stale_tmp
+    with SaveDirLock(cfg.save_dir):
+        for path in remove_stale_tmp(Path(cfg.save_dir)) if clean else ():
+            print(f"trainmesh: removed {path}, left by an interrupted save", flush=True)
+        yield
+
+
+class _Signalled(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _signals_raise() -> None:
+    """Ctrl-C and SIGTERM end the launcher (as :class:`_Signalled`); the workers die with it
+    (parent-death signal)."""
+    def raise_(signum: int, _frame: Any) -> NoReturn:
+        raise _Signalled(signum)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, raise_)
+
+
+def _stop_workers() -> None:
+    """Threaded agents: stop the workers from here."""
+    from trainmesh.core.compat import close_fork_server
+    close_fork_server()      # first: no agent restarts a worker that dies now
+    for worker in multiprocessing.active_children():   # (exit would wait for them)
+        worker.kill()
 
 
 @contextlib.contextmanager
@@ -178,48 +312,6 @@ def worker_env(rendezvous: dict[str, Any], *, threads: int) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def apply_env(env: dict[str, str]) -> None:
-    """A worker, first thing: run with ``env`` (:func:`worker_env`) and what the elastic agent set
-    for this worker (its rank, world size, ...: the variables that differ from the environment
-    this process started with, the fork server's or for a spawned worker ``env`` itself). Output
-    becomes unbuffered as ``PYTHONUNBUFFERED`` would have made it at start-up."""
-    started = getattr(sys.modules.get(WORKER_IMAGE), "STARTED_WITH", env)
-    agent = {name: value for name, value in os.environ.items() if started.get(name) != value}
-    os.environ.clear()
-    os.environ.update(env)
-    os.environ.update(agent)
-    if env.get("PYTHONUNBUFFERED"):
-        for stream in (sys.stdout, sys.stderr):
-            reconfigure = getattr(stream, "reconfigure", None)
-            if reconfigure is not None:
-                reconfigure(write_through=True)
-
-
-@dataclasses.dataclass
-class Stdio:
-    """The launcher's standard output and error, handed to its workers (:func:`worker_entry`):
-    a fork server started earlier holds the ones of its own start. Pickled for the worker as
-    duplicates of the descriptors (``multiprocessing.reduction.DupFd``)."""
-
-    out: int = 1
-    err: int = 2
-
-    def __reduce__(self):
-        from multiprocessing.reduction import DupFd
-        return _stdio_in_worker, (DupFd(self.out), DupFd(self.err))
-
-    def apply(self) -> None:
-        """A worker: write where the launcher writes."""
-        for fd, target in ((self.out, 1), (self.err, 2)):
-            if fd != target:
-                os.dup2(fd, target)
-                os.close(fd)
-
-
-def _stdio_in_worker(out, err) -> Stdio:
-    return Stdio(out.detach(), err.detach())
 
 
 def _loopback_rendezvous(params):
@@ -256,149 +348,11 @@ def _headline(exc) -> str:
 
 def _signal_exit_code(exc: BaseException) -> int | None:
     """128 + the signal that stopped the launcher (the shell's convention), or None."""
+    if isinstance(exc, _Signalled):
+        return 128 + exc.signum
     if isinstance(exc, KeyboardInterrupt):
         return 128 + signal.SIGINT
     from torch.distributed.elastic.multiprocessing.api import SignalException
     if isinstance(exc, SignalException):
         return 128 + int(exc.sigval)
     return None
-
-
-# ---------------------------------------------------------------- worker side
-def worker_entry(cfg: TrainConfig, launcher_pid: int,
-                 setup: Callable[[], None] | None = None, env: dict[str, str] | None = None,
-                 stdio: Stdio | None = None) -> int:
-    """What each local worker runs: die with the launcher, take the launcher's ``env``
-    (:func:`worker_env`) and ``stdio``, ``setup()`` (the caller's logging configuration: the
-    library configures none), then train under ``cfg``."""
-    die_with_parent(launcher_pid)
-    if stdio is not None:
-        stdio.apply()
-    if env is not None:
-        apply_env(env)
-    if setup is not None:
-        setup()
-    from trainmesh.comm.check import CollectiveOrderError
-    from trainmesh.core.errors import CommTimeout, DataError
-    from trainmesh.run.trainer import NonFiniteError, worker_main
-    try:
-        code = worker_main(cfg, lock_save_dir=False)   # the launcher holds the lock
-        run_exit_handlers()
-        return code
-    except (CommTimeout, NonFiniteError, CollectiveOrderError, DataError):
-        _exit_failed()                  # reported in full by the headline (the error file)
-    except Exception:
-        traceback.print_exc()           # an unexpected error: its traceback, once, from this rank
-        _exit_failed()
-
-
-DEBUG_ENV = "TRAINMESH_DEBUG"
-"""``TRAINMESH_DEBUG=1``: a failing worker of torchrun or srun prints its traceback too."""
-
-
-def run_as_worker(cfg: TrainConfig, *, verbose: bool = False) -> int:
-    """One worker of a torchrun or srun job: train under ``cfg``. A failure ends it with exit 1
-    and one line on stderr naming this rank, its host and the cause (a peer that stopped
-    answering is named with its host); the traceback follows only with ``verbose`` or
-    ``TRAINMESH_DEBUG=1``. Invalid input (``ConfigError``) is left to the command line (exit 2)."""
-    from trainmesh.core.distributed import launcher_job
-    from trainmesh.core.errors import ConfigError
-    from trainmesh.run.trainer import worker_main
-    # torchrun prints the error file that @record writes, traceback included: not used here
-    train = getattr(worker_main, "__wrapped__", worker_main)
-    try:
-        return train(cfg)
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every failure becomes one line
-        job = launcher_job()
-        debug = verbose or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-        hint = "" if debug or _known(exc) else f" (--verbose or {DEBUG_ENV}=1: the traceback)"
-        sys.stderr.write(f"trainmesh train: {failure_line(exc, job.rank if job else 0)}{hint}\n")
-        if debug:
-            traceback.print_exc()
-        end_process(1)
-
-
-def _known(exc: BaseException) -> bool:
-    """Failures whose one line says it all (no hint about the traceback)."""
-    from trainmesh.comm.check import CollectiveOrderError
-    from trainmesh.core.errors import CommTimeout, DataError
-    from trainmesh.run.trainer import NonFiniteError
-    return isinstance(exc, (CommTimeout, NonFiniteError, CollectiveOrderError, DataError))
-
-
-def failure_line(exc: BaseException, rank: int) -> str:
-    """One line for a failed worker: the error's own first line where it names the ranks
-    (a comm failure), else ``rank R on HOST failed: Type: first line``."""
-    import socket
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
-    if _known(exc) and first.startswith("rank "):
-        return first
-    what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    if _known(exc):
-        what = first or what
-    return f"rank {rank} on {socket.gethostname()} failed: {what}"
-
-
-def _exit_failed() -> NoReturn:
-    """End a failed worker at once, exit status 1. Its error is already recorded (the error
-    file ``worker_main`` writes, stderr); the interpreter's teardown would first destroy process
-    groups whose peers may be stopped, which takes seconds."""
-    end_process(1)
-
-
-def die_with_parent(launcher_pid: int) -> None:
-    """End this worker when the launcher ``launcher_pid`` ends, even by SIGKILL.
-
-    Linux: the kernel sends SIGKILL when the worker's parent dies (prctl PR_SET_PDEATHSIG);
-    SIGKILL because a worker blocked inside a collective runs no Python signal handler. The
-    parent is the launcher, or its fork server, which the same signal ends with the launcher
-    (:mod:`trainmesh.run.worker_image`). Elsewhere, and where the parent is some other
-    process (a fork server that outlives this launcher), a daemon thread polls the launcher."""
-    if kill_with_parent():
-        if not _alive(launcher_pid):   # it died before prctl took effect
-            os._exit(1)
-        parent = os.getppid()
-        if parent == launcher_pid or (WORKER_IMAGE in sys.modules and _parent_of(parent) == launcher_pid):
-            return                                                        # or its fork server
-    threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True,
-                     name="trainmesh-launcher-watch").start()
-
-
-def kill_with_parent() -> bool:
-    """Linux: have the kernel SIGKILL this process when its parent dies (prctl
-    PR_SET_PDEATHSIG); whether that took. Elsewhere False."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(
-            PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-def _parent_of(pid: int) -> int | None:
-    """The parent of process ``pid`` (Linux /proc), None where unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def _watch_launcher(launcher_pid: int) -> None:
-    while _alive(launcher_pid):
-        time.sleep(0.5)
-    os._exit(1)

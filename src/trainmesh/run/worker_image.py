@@ -8,11 +8,11 @@ import importlib
 import os
 
 from trainmesh.core.compat import load_lazy_imports
-from trainmesh.run.launch import kill_with_parent
+from trainmesh.run.worker import kill_with_parent
 
 STARTED_WITH: dict[str, str] = dict(os.environ)
 """The server's environment as it started: what a forked worker's differs from is what the
-elastic agent set for it (:func:`trainmesh.run.launch.apply_env`)."""
+elastic agent set for it (:func:`trainmesh.run.worker.apply_env`)."""
 
 PRELOADED = ("torch.distributed", "trainmesh.run.trainer", "trainmesh.testing")
 """Modules a worker would otherwise import first thing (the trainer; the test helpers' worker)."""

@@ -1,0 +1,201 @@
+"""One launcher for every run: the plain launch and the fault-tolerant one set up their elastic
+agents the same way, the fault-tolerant run differing only where it must (workers per agent,
+run ids, restarts, its secret, what each worker runs after the common preamble).
+
+Both paths run in process with torch's ``elastic_launch``, the fork server's preload, the
+--save-dir lock and the coordinator replaced by recorders; nothing starts. Bugs: a path with a
+start method of its own (a --model-dir run's workers without transformers preloaded), its own
+entry point, environment, monitor interval, grace or rendezvous, or without the --save-dir lock
+the plain launch takes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import types
+from pathlib import Path
+
+import pytest
+
+from trainmesh.config.train import build_train_config
+from trainmesh.core.stores import STORE_ENV
+from trainmesh.fault_tolerance.auth import SECRET_ENV
+from trainmesh.run.launch import HF_PRELOAD, WORKER_IMAGE, launch_local
+from trainmesh.run.worker import WorkerMain, worker_entry
+
+LEGITIMATE = ("nproc_per_node", "run_id", "max_restarts")
+"""LaunchConfig fields in which the two paths differ by design: one agent for the whole job
+against one per replica, each with its own run id and restart budget."""
+SECRET = "s" * 64
+
+
+class _FakeCoordinator:
+    """What the fault-tolerant launcher asks of its local coordinator, every step committed."""
+
+    address = "127.0.0.1:1"
+    committed = final_loss = 0
+    error = None
+
+    def __init__(self, cfg) -> None:
+        self.committed = cfg.exit_after or cfg.steps
+        self.tally = types.SimpleNamespace(pids={}, degraded_steps=0, failed_attempts=0,
+                                           recovery_s=0.0, transfer_s=0.0)
+        self.metrics = types.SimpleNamespace(write=lambda record: None)
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def join(self, timeout: float) -> None: ...
+    def drain(self) -> None: ...
+
+
+@pytest.fixture
+def recorder(monkeypatch) -> dict:
+    """Every launch recorded, nothing started: returns {"launches": [...], "locks": [...]}."""
+    import torch.distributed.launcher.api as api
+
+    import trainmesh.checkpoint.savedir
+    import trainmesh.run.ft_launch
+    import trainmesh.run.launch
+    seen: dict = {"launches": [], "locks": [], "preload": None}
+
+    def elastic_launch(config, entrypoint):
+        return lambda *args: seen["launches"].append(
+            {"config": config, "entry": entrypoint, "args": args, "preload": seen["preload"]})
+
+    class Lock:
+        def __init__(self, path) -> None:
+            seen["locks"].append(str(path))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None: ...
+
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    monkeypatch.setattr(multiprocessing, "set_forkserver_preload",
+                        lambda modules: seen.update(preload=list(modules)))
+    monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: None)
+    monkeypatch.setattr(trainmesh.checkpoint.savedir, "SaveDirLock", Lock)
+    monkeypatch.setattr(trainmesh.run.launch, "_prepare_agent", lambda: None)   # this process's torch
+    monkeypatch.setattr(trainmesh.run.ft_launch, "_local_coordinator",
+                        lambda cfg, secret: (_FakeCoordinator(cfg), types.SimpleNamespace(
+                            record=lambda r: None, close=lambda s: None)))
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")   # restored after the test
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)   # so that the threads each path picks show
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield seen
+    for sig, handler in handlers.items():   # the fault-tolerant launcher takes the signals
+        signal.signal(sig, handler)
+
+
+def _launched(seen: dict, run) -> list[dict]:
+    """Run ``run()`` (exit 0 expected) and return its launches, one per agent."""
+    seen["launches"].clear()
+    seen["locks"].clear()
+    assert run() == 0
+    return list(seen["launches"])
+
+
+def _shape(launch: dict, here: int) -> dict:
+    """What a launch's set-up must share with every other path's: its LaunchConfig but the
+    legitimate differences (and what each launch makes afresh: the store's port, the log
+    directory), the entry point, the fork server's preload, the workers' environment but the
+    store's port and the secret, with OpenMP threads checked against ``here``, the workers
+    this host runs, the entry's arguments by kind."""
+    config = launch["config"]
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if f.name not in LEGITIMATE}
+    fields["rdzv_endpoint"] = fields["rdzv_endpoint"].rsplit(":", 1)[0]
+    fields["rdzv_configs"] = {k: type(v).__name__ for k, v in fields["rdzv_configs"].items()}
+    fields["logs_specs"] = type(fields["logs_specs"]).__name__
+    cfg, pid, setup, env, stdio, main = launch["args"]
+    env = {k: v for k, v in env.items() if k != SECRET_ENV}
+    env[STORE_ENV] = env[STORE_ENV].rsplit(":", 1)[0]
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // here)), (env, here)
+    env["OMP_NUM_THREADS"] = "the cores / the workers here"
+    return {"config": fields, "entry": launch["entry"], "preload": launch["preload"],
+            "cfg": cfg, "pid": pid, "setup": setup, "env": env, "stdio": type(stdio),
+            "main": isinstance(main, WorkerMain)}
+
+
+def _both(seen: dict, cfg, setup) -> tuple[list[dict], list[dict], list[str], list[str]]:
+    from trainmesh.run.ft_launch import launch_fault_tolerant
+    plain = _launched(seen, lambda: launch_local(cfg, nproc=cfg.parallel.world_size,
+                                                 max_restarts=0, worker_setup=setup))
+    plain_locks = list(seen["locks"])
+    ft = _launched(seen, lambda: launch_fault_tolerant(cfg, max_restarts=3, worker_setup=setup))
+    return plain, ft, plain_locks, list(seen["locks"])
+
+
+def _assert_same_setup(plain: list[dict], ft: list[dict]) -> None:
+    assert len(plain) == 1, plain
+    want = _shape(plain[0], plain[0]["config"].nproc_per_node)
+    for launch in ft:
+        got = _shape(launch, launch["config"].nproc_per_node * len(ft))
+        differ = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
+        assert not differ, f"the fault-tolerant launch sets up its agent otherwise: {differ}"
+        assert launch["args"][3][SECRET_ENV], "the workers' secret"
+
+
+def _setup() -> None:
+    """The caller's worker set-up (the CLI's logging configuration)."""
+
+
+@pytest.mark.timeout(60)
+def test_fault_tolerant_and_plain_launches_set_up_agents_alike(recorder, tmp_path, capsys):
+    cfg = build_train_config({"dp": 2, "fault_tolerant": True, "steps": 2, "layers": 1,
+                              "d_model": 16, "heads": 2, "save_dir": str(tmp_path / "ckpt")})
+    plain, ft, plain_locks, ft_locks = _both(recorder, cfg, _setup)
+    _assert_same_setup(plain, ft)
+    assert [launch["config"].run_id.rsplit("-", 1)[1] for launch in ft] == ["r0", "r1"]
+    assert plain[0]["preload"] == [WORKER_IMAGE]
+    assert plain[0]["entry"] is worker_entry
+    assert plain_locks == ft_locks == [str(tmp_path / "ckpt")], \
+        f"the --save-dir lock: plain {plain_locks}, fault-tolerant {ft_locks}"
+    assert "fault-tolerance coordinator" not in capsys.readouterr().err   # the fake's, not a real one
+
+
+@pytest.mark.timeout(60)
+def test_model_dir_workers_preload_transformers_on_both_paths(recorder, tmp_path):
+    """The drift this launcher removed: the fault-tolerant path's workers did not start with
+    transformers imported for a --model-dir run."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "qwen2"
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )).save_pretrained(str(directory))
+    cfg = build_train_config({"model_dir": str(directory), "dp": 2, "fault_tolerant": True,
+                              "steps": 2, "seq_len": 16, "global_batch": 4})
+    plain, ft, _, _ = _both(recorder, cfg, None)
+    hub = [WORKER_IMAGE, HF_PRELOAD] if "forkserver" in multiprocessing.get_all_start_methods() else None
+    assert plain[0]["preload"] == hub, plain[0]["preload"]
+    _assert_same_setup(plain, ft)
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_across_hosts_launches_as_the_plain_run_without_the_lock(recorder, tmp_path):
+    """Across hosts: one agent (this host's replica), the same set-up, and no --save-dir lock
+    (the replicas share the directory)."""
+    cfg = build_train_config({"dp": 2, "fault_tolerant": True, "steps": 2, "layers": 1,
+                              "d_model": 16, "heads": 2, "coordinator": "127.0.0.1:29999",
+                              "replica_id": 1, "replicas": 2, "save_dir": str(tmp_path / "c")})
+    plain, ft, plain_locks, ft_locks = _both(recorder, cfg, _setup)
+    _assert_same_setup(plain, ft)
+    assert [launch["config"].run_id.rsplit("-", 1)[1] for launch in ft] == ["r1"]
+    assert ft[0]["args"][5].address == "127.0.0.1:29999"
+    assert plain_locks == [str(tmp_path / "c")] and ft_locks == []
+
+
+def test_one_module_sets_up_elastic_agents():
+    """No second launcher beside run/launch.py (a copy of the set-up is where drift starts)."""
+    import trainmesh.run
+    others = [path.name for path in Path(trainmesh.run.__file__).parent.glob("*.py")
+              if path.name != "launch.py"
+              and ("LaunchConfig(" in path.read_text() or "elastic_launch(" in path.read_text())]
+    assert not others, f"elastic agents set up outside run/launch.py: {others}"
