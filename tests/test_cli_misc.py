@@ -60,4 +60,4 @@ def test_slurm_script_without_gpus_is_a_cpu_job(capsys):
     assert "#SBATCH --nodes=2\n" in script and "#SBATCH --ntasks-per-node=1\n" in script
     assert "dp 2" in script and script.rstrip().endswith("-m trainmesh train --steps 20")
     assert main(["launch", "slurm", "--nodes", "2", "--ntasks-per-node", "2", "--", "--tp", "2"]) == 0
-    assert "dp 2 pp 1 tp 2" in capsys.readouterr().out
+    assert "dp 2 x cp 1 x pp 1 x tp 2" in capsys.readouterr().out

@@ -62,10 +62,10 @@ def test_fit_world_changes_only_dp_and_microbatches():
     assert small.global_batch == 8 and fit_world(cfg, 4) is cfg
     fixed = build_train_config({"dp": 4, "global_batch": 8})
     assert fit_world(fixed, 2) is fixed          # not elastic: the mesh refuses a wrong world
-    change = layout_change(cfg.parallel.layout(), small.parallel.layout(), step=11, world=2)
+    change = layout_change(cfg.parallel.layout_record(), small.parallel.layout_record(), step=11, world=2)
     assert change == {"event": "resize", "step": 11, "world_size": 2,
                       "from": {"dp": 4, "microbatches": 1}, "to": {"dp": 2, "microbatches": 2}}
-    assert layout_change(cfg.parallel.layout(), cfg.parallel.layout(), step=3, world=4) is None
+    assert layout_change(cfg.parallel.layout_record(), cfg.parallel.layout_record(), step=3, world=4) is None
 
 
 def test_join_leaves_out_the_ranks_beyond_the_layout(monkeypatch):

@@ -187,12 +187,12 @@ def test_the_planner_reads_the_group_sizes():
 def test_mesh_groups_follow_the_views():
     """The views number the ranks alike: every group is a line of its view, HSDP's shard group
     under cp spans cp and dp_shard, and experts' groups cut the dp x cp line."""
-    d = axes.Degrees(dp=4, tp=2, cp=2, ep=2, dp_shard=2)
-    assert axes.members(d, "dp_shard_cp")[0] == [0, 2, 4, 6]
-    assert axes.members(d, "dp_replicate")[0] == [0, 8]
-    assert axes.members(d, "ep")[0] == [0, 2] and axes.members(d, "edp")[0] == [0, 4, 8, 12]
+    d = axes.Layout(dp=4, tp=2, cp=2, ep=2, dp_shard=2)
+    assert d.members("dp_shard_cp")[0] == [0, 2, 4, 6]
+    assert d.members("dp_replicate")[0] == [0, 8]
+    assert d.members("ep")[0] == [0, 2] and d.members("edp")[0] == [0, 4, 8, 12]
     for name in axes.GROUPS:
-        groups = axes.members(d, name)
+        groups = d.members(name)
         assert sorted(r for g in groups for r in g) == list(range(d.world)), name
 
 

@@ -64,7 +64,7 @@ def test_json_follows_the_contract(capsys):
     result = plan_json(capsys, "--params", "1.3e9", "--gpus", "8", "--layers", "24",
                        "--hidden", "2048", "--heads", "16")
     assert set(result) == {"candidates", "recommended", "why"}
-    layout_keys = set(ParallelConfig().layout())
+    layout_keys = set(ParallelConfig().layout_record())
     for c in result["candidates"]:
         assert set(c) == {"layout", "memory_per_gpu_bytes", "comm_bytes_per_step", "fits",
                           "est_step_time_s"}

@@ -174,7 +174,7 @@ def test_calibrate_takes_efficiency_and_memory_from_a_run(tmp_path, capsys):
     ref = REFERENCES[1]
     layout, model, cluster = reference_setup(ref)
     path = _run_file(tmp_path, params=model.params, step_s=3.0, peak=70 * GIB,
-                     layout={**layout.layout(), "dp_shard": 8})
+                     layout={**layout.layout_record(), "dp_shard": 8})
     cal = calibrate(str(path), model, cluster, ref.kernels)
     again = evaluate(layout, model, replace(cluster, efficiency=cal.efficiency), ref.kernels)
     assert again.time.total == pytest.approx(3.0, rel=1e-3) and 0.3 < cal.memory_scale < 2
@@ -196,7 +196,7 @@ def test_calibrated_memory_scale_is_the_measured_over_the_predicted_dynamic_memo
     dynamic = mem.activations + mem.overhead - cluster.framework_overhead_bytes
     peak = int(mem.model_states + 1.37 * dynamic)
     path = _run_file(tmp_path, params=model.params, step_s=3.0, peak=peak,
-                     layout={**layout.layout(), "dp_shard": 8})
+                     layout={**layout.layout_record(), "dp_shard": 8})
     cal = calibrate(str(path), model, cluster, ref.kernels)
     assert cal.memory_scale == pytest.approx((peak - mem.model_states) / dynamic, rel=1e-9)
     again = evaluate(layout, run_model, replace(base, memory_scale=cal.memory_scale), ref.kernels).memory

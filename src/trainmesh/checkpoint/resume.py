@@ -80,7 +80,7 @@ def saved_run(save_dir: str) -> tuple[str, dict[str, Any]] | None:
 
 
 def saved_layout(save_dir: str) -> dict[str, Any] | None:
-    """The layout (``ParallelConfig.layout()``) the newest checkpoint was written under."""
+    """The layout (``ParallelConfig.layout_record()``) the newest checkpoint was written under."""
     found = _newest_manifest(save_dir)
     layout = found[1].get("layout") if found else None
     return layout if isinstance(layout, dict) else None

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if tasks % cfg.parallel.tp:
         raise ConfigError("--tp", f"{cfg.parallel.tp} must divide the {tasks} ranks per node: "
                           "a TP group stays inside a node")
-    layout = " ".join(f"{k} {v}" for k, v in cfg.parallel.layout().items() if k in ("dp", "cp", "pp", "tp"))
+    layout = cfg.parallel.layout.describe()
     print(sbatch_script(nodes=args.nodes, tasks_per_node=tasks, gpus_per_node=gpus,
                         cpus_per_task=args.cpus_per_task, job_name=args.job_name,
                         partition=args.partition, time=args.time, train_flags=flags,

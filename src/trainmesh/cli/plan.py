@@ -262,12 +262,7 @@ def _print_gpus() -> None:
 
 def _layout_text(cfg: Any) -> str:
     """The recommended layout as flags would say it."""
-    parts = [f"dp={cfg.dp}"]
-    if cfg.shard_size < cfg.dp:
-        parts.append(f"dp-shard={cfg.shard_size}")
-    parts += [f"pp={cfg.pp}", f"tp={cfg.tp}", f"cp={cfg.cp}"]
-    if cfg.ep > 1:
-        parts.append(f"ep={cfg.ep}")
+    parts = [cfg.layout.describe("flags")]
     if cfg.pp > 1:
         parts.append(f"schedule={cfg.schedule}" + (f"x{cfg.virtual_stages}" if cfg.virtual_stages > 1 else ""))
     if cfg.cp > 1:

@@ -16,6 +16,7 @@ from typing import Any
 from trainmesh.config.validation import check_fields, setting
 from trainmesh.core import axes
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.layout import Layout
 from trainmesh.core.mesh import TIMEOUT_S, ParallelMesh
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p")
@@ -192,7 +193,7 @@ class ParallelConfig:
     def replica_ranks(self) -> int:
         """--fault-tolerant: the ranks of one replica (its unit of failure): cp x pp x tp ranks
         for each of its dp indices (the shard group of --dp-shard under ZeRO, else one)."""
-        return self.replica_dp * self.cp * self.pp * self.tp
+        return self.replica_dp * self.layout.world // self.dp
 
     @property
     def replica_dp(self) -> int:
@@ -204,15 +205,20 @@ class ParallelConfig:
         """--fault-tolerant: how many replicas stand in for each other (dp / replica_dp)."""
         return self.dp // self.replica_dp
 
+    @property
+    def layout(self) -> Layout:
+        """The degrees of this config (dp, pp, tp, cp, ep, dp_shard) as one :class:`Layout`:
+        its world, coordinates, groups and text."""
+        return Layout.of(self)
+
     def build_mesh(self) -> ParallelMesh:
         """The mesh of this layout (a collective call: every rank builds it, in the same order)."""
-        return ParallelMesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep,
-                            dp_shard=self.shard_size, timeout_s=self.timeout_s)
+        return ParallelMesh(self.layout, timeout_s=self.timeout_s)
 
     @property
     def shard_size(self) -> int:
         """Ranks ZeRO shards over: --dp-shard, else dp."""
-        return self.dp if self.dp_shard is None else self.dp_shard
+        return self.layout.dp_shard
 
     def _check_offload(self) -> None:
         """Offload's own settings (that it needs ZeRO is the axis table's rule)."""
@@ -275,15 +281,18 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         """Processes of the job: dp*cp*pp*tp, or dp trainers + ps_servers servers with strategy ps."""
-        return self.dp * self.cp * self.pp * self.tp + (self.ps_servers if self.strategy == "ps" else 0)
+        return self.layout.world + (self.ps_servers if self.strategy == "ps" else 0)
 
-    def layout(self) -> dict[str, Any]:
-        """The layout record of the metrics summary (docs/METRICS.md)."""
-        keys = ("dp", "pp", "tp", "cp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
-                "sequence_parallel", "precision", "recompute", "offload", "zero3_reshard", "strategy")
+    def layout_record(self) -> dict[str, Any]:
+        """The layout record of the metrics summary (docs/METRICS.md): the degrees (dp_shard
+        resolved) and the settings that shape a step."""
+        degrees = self.layout.as_dict()
+        keys = ("zero", "microbatches", "schedule", "virtual_stages", "sequence_parallel",
+                "precision", "recompute", "offload", "zero3_reshard", "strategy")
         if self.strategy == "diloco":
             keys += ("inner_steps", "outer_lr", "outer_momentum")
-        return {**{k: getattr(self, k) for k in keys}, "dp_shard": self.shard_size}
+        shard = degrees.pop("dp_shard")   # last, where the record has always had it
+        return {**degrees, **{k: getattr(self, k) for k in keys}, "dp_shard": shard}
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -1,24 +1,7 @@
-"""The axes of the mesh in one table: dimensions, views of the world, the group each kind of
-parameter reduces and shards over, and the combinations that mean nothing.
-
-**Dimensions** (:data:`DIMS`). ``tp``, ``cp``, ``dp``, ``pp`` are the world's four axes (world =
-their product); ``ep`` and ``dp_shard`` are set by flags too and factor other dimensions;
-``dp_replicate = dp / dp_shard`` and ``edp = dp·cp / ep`` are derived. A dimension's degree is
-read from any layout object with the fields ``dp, pp, tp, cp, ep, dp_shard`` (a
-``ParallelConfig``, a :class:`Degrees`).
-
-**Views** (:data:`VIEWS`): factorisations of the same world, fastest dimension first; a rank's
-coordinates in a view are its mixed-radix digits. ``dense`` is the rank layout itself::
-
-    rank = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i                       dense  (tp, cp, dp, pp)
-    dp_i = dp_replicate_i·dp_shard + dp_shard_i                          hsdp   (tp, cp, dp_shard, dp_replicate, pp)
-    dp_i·cp + cp_i = edp_i·ep + ep_i   (the dp × cp line cut in runs)    expert (tp, ep, edp, pp)
-
-so the dimensions views share (tp, pp, and the dp × cp line) number the ranks alike.
-
-**Groups** (:data:`GROUPS`): a name -> (view, dimensions): the ranks that differ only in those
-dimensions of that view. :class:`~trainmesh.core.mesh.ParallelMesh` builds them from here (a
-group whose member lists equal an earlier one's is that group; one of single ranks is none).
+"""The axes of the mesh in one table: what each kind of parameter reduces and shards over, and
+the combinations that mean nothing. The dimensions, the views that number the ranks and the
+named groups are :mod:`trainmesh.core.layout`'s (:data:`DIMS`, :data:`VIEWS`, :data:`GROUPS`,
+re-exported here); a layout's degrees are one :class:`~trainmesh.core.layout.Layout`.
 
 **Kinds** (:data:`KINDS`): what each kind of parameter is reduced over. A ``dense`` parameter
 (replicated over the data ranks) is reduced and ZeRO-sharded over ``dp × cp`` — under HSDP over
@@ -36,15 +19,15 @@ generated pairwise matrix covers every pair of :data:`FEATURES` no rule refuses.
 Public API (for the planner, the config and the tests):
 
 * :data:`DIMS` — ``Dim(name, flag, help, value, choices, divides)``: ``choices(n)`` the degrees
-  to try where ``n`` is the size it divides (``divides``); :func:`degree` ``(layout, name)``;
+  to try where ``n`` is the size it divides (``divides``);
 * :data:`FEATURES` — the non-default choices of the axes the matrix pairs;
-* :func:`check_degrees` ``(layout)`` — every degree a positive integer, ep | dp·cp, dp_shard | dp;
+* :func:`check_degrees` ``(layout) -> Layout`` — every degree a positive integer, ep | dp·cp,
+  dp_shard | dp;
 * :func:`refusal` ``(cfg, experts=None) -> Refusal | None`` — the first rule ``cfg`` breaks
   (``experts``: the model's expert count, None when unknown: model rules skipped);
-* :func:`kind_groups` ``(layout, kind) -> KindGroups`` — (reduce, replicate, holders) group names;
+* :func:`kind_groups` ``(layout, kind) -> KindGroups`` — (reduce, replicate, holders) groups;
 * :func:`group_sizes` ``(layout) -> {kind: (reduce size, replicate size)}``;
-* :func:`sequence_groups` ``(layout, sequence_parallel)`` — the groups a sequence is split over;
-* :func:`members` ``(layout, group) -> list[list[int]]`` — every group of that name.
+* :func:`sequence_groups` ``(layout, sequence_parallel)`` — the groups a sequence is split over.
 """
 from __future__ import annotations
 
@@ -53,146 +36,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.layout import DIM, DIMS, GROUPS, VIEWS, Dim, Group, Layout  # noqa: F401
 
-# ---------------------------------------------------------------- dimensions
-
-
-@dataclass(frozen=True)
-class Degrees:
-    """The degrees of one layout (``dp_shard`` None: dp, plain ZeRO)."""
-
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp_shard: int | None = None
-
-    @classmethod
-    def of(cls, layout: Any) -> Degrees:
-        """The degrees of any object with the fields ``dp, pp, tp, cp, ep, dp_shard``."""
-        return cls(**{k: getattr(layout, k) for k in ("dp", "pp", "tp", "cp", "ep", "dp_shard")})
-
-    @property
-    def shard(self) -> int:
-        return self.dp if self.dp_shard is None else self.dp_shard
-
-    @property
-    def hsdp(self) -> bool:
-        """ZeRO shards inside groups of dp_shard ranks, replicated across them."""
-        return self.shard < self.dp
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.cp * self.pp * self.tp
+# ---------------------------------------------------------------- degrees
 
 
-@dataclass(frozen=True)
-class Dim:
-    """One dimension: its flag (None: derived), what it splits, its degree in a layout, and the
-    degrees a planner may try (``choices(n)``, ``n`` the size it must divide, ``divides``: the
-    world for the four axes, dp·cp for ep, dp for dp_shard; None: derived from the others)."""
-
-    name: str
-    flag: str | None
-    help: str
-    value: Callable[[Degrees], int]
-    choices: Callable[[int], list[int]] | None = None
-    divides: str | None = None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-DIMS: tuple[Dim, ...] = (
-    Dim("tp", "--tp", "each layer's matrices split over tp ranks", lambda d: d.tp, _divisors,
-        "world"),
-    Dim("cp", "--cp", "each sequence split over cp ranks (attention over the ring)",
-        lambda d: d.cp, _divisors, "world"),
-    Dim("dp", "--dp", "replicas, each with a slice of the global batch", lambda d: d.dp,
-        _divisors, "world"),
-    Dim("pp", "--pp", "pipeline stages the layers are split into", lambda d: d.pp, _divisors,
-        "world"),
-    Dim("ep", "--ep", "each MoE layer's experts spread over ep ranks of the dp x cp line",
-        lambda d: d.ep, _divisors, "dp*cp"),
-    Dim("dp_shard", "--dp-shard", "HSDP: ZeRO shards over runs of dp_shard dp ranks",
-        lambda d: d.shard, _divisors, "dp"),
-    Dim("dp_replicate", None, "HSDP: the replicas of a shard, dp / dp_shard",
-        lambda d: d.dp // d.shard),
-    Dim("edp", None, "the ranks holding the same experts, dp x cp / ep",
-        lambda d: d.dp * d.cp // d.ep),
-)
-DIM = {d.name: d for d in DIMS}
-
-
-def degree(layout: Any, name: str) -> int:
-    """The degree of dimension ``name`` in ``layout`` (a Degrees or a config)."""
-    d = layout if isinstance(layout, Degrees) else Degrees.of(layout)
-    return DIM[name].value(d)
-
-
-def check_degrees(layout: Any) -> Degrees:
+def check_degrees(layout: Any) -> Layout:
     """Every degree a positive integer and the factored ones dividing what they factor
-    (ConfigError naming the flag); returns the :class:`Degrees`."""
+    (ConfigError naming the flag); returns the :class:`Layout`."""
     for name in ("dp", "pp", "tp", "cp", "ep"):
         value = getattr(layout, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"--{name}", f"must be a positive integer; got {value!r}")
-    d = Degrees.of(layout)
+    d = Layout.of(layout)
     if (d.dp * d.cp) % d.ep:
         raise ConfigError("--ep", f"must divide dp x cp = {d.dp} x {d.cp} = {d.dp * d.cp} "
                           f"(experts spread over ranks of the DP x CP group); got {d.ep}")
     shard = d.dp_shard
-    if shard is not None and (not isinstance(shard, int) or shard < 1 or d.dp % shard):
+    if not isinstance(shard, int) or shard < 1 or d.dp % shard:
         raise ConfigError("--dp-shard", f"must divide --dp {d.dp} (shard groups of dp-shard "
                           f"ranks, replicated across dp/dp-shard); got {shard!r}")
     return d
-
-
-# ---------------------------------------------------------------- views and groups
-VIEWS: dict[str, tuple[str, ...]] = {
-    "dense": ("tp", "cp", "dp", "pp"),
-    "hsdp": ("tp", "cp", "dp_shard", "dp_replicate", "pp"),
-    "expert": ("tp", "ep", "edp", "pp"),
-}
-"""Factorisations of the world, fastest dimension first (module docstring)."""
-
-GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "pp": ("dense", ("pp",)),
-    "dp": ("dense", ("dp",)),
-    "cp": ("dense", ("cp",)),
-    "tp": ("dense", ("tp",)),
-    "dp_cp": ("dense", ("cp", "dp")),
-    "ep": ("expert", ("ep",)),
-    "edp": ("expert", ("edp",)),
-    "dp_shard": ("hsdp", ("dp_shard",)),
-    "dp_replicate": ("hsdp", ("dp_replicate",)),
-    "dp_shard_cp": ("hsdp", ("cp", "dp_shard")),
-}
-"""Named groups: (view, dimensions in view order); the ranks differing only in those."""
-
-
-def view_coords(layout: Any, view: str, rank: int) -> dict[str, int]:
-    """``rank``'s mixed-radix digits in ``view``."""
-    out = {}
-    for dim in VIEWS[view]:
-        n = degree(layout, dim)
-        out[dim] = rank % n
-        rank //= n
-    return out
-
-
-def members(layout: Any, group: str) -> list[list[int]]:
-    """Every group named ``group`` of ``layout``: lists of world ranks, ascending (the mixed
-    radix of the group's dimensions), ordered by their first rank."""
-    view, dims = GROUPS[group]
-    lines: dict[tuple[int, ...], list[int]] = {}
-    d = Degrees.of(layout) if not isinstance(layout, Degrees) else layout
-    for rank in range(d.world):
-        at = view_coords(d, view, rank)
-        lines.setdefault(tuple(v for k, v in at.items() if k not in dims), []).append(rank)
-    return sorted(lines.values())
 
 
 # ---------------------------------------------------------------- kinds of parameters
@@ -202,11 +66,11 @@ def members(layout: Any, group: str) -> list[list[int]]:
 class KindGroups:
     """Where a kind of parameter's gradient goes on one layout."""
 
-    reduce: str
+    reduce: Group
     """The group its gradient is reduced over (and ZeRO shards its states over)."""
-    replicate: str | None
+    replicate: Group | None
     """HSDP: each reduced shard is then all-reduced across this group (None: no replicas)."""
-    holders: str
+    holders: Group
     """The ranks holding the same values of it (the initial broadcast's group; a checkpoint
     writes it from one of them, with the tp ranks)."""
 
@@ -215,13 +79,14 @@ class KindGroups:
 class Kind:
     name: str
     what: str
-    groups: Callable[[Degrees], KindGroups]
+    groups: Callable[[Layout], KindGroups]
 
 
-def _dense(d: Degrees) -> KindGroups:
-    holders = "dp_cp" if d.cp > 1 else "dp"
+def _dense(d: Layout) -> KindGroups:
+    holders = Group.dp_cp if d.cp > 1 else Group.dp
     if d.hsdp:
-        return KindGroups("dp_shard_cp" if d.cp > 1 else "dp_shard", "dp_replicate", holders)
+        return KindGroups(Group.dp_shard_cp if d.cp > 1 else Group.dp_shard, Group.dp_replicate,
+                          holders)
     return KindGroups(holders, None, holders)
 
 
@@ -230,7 +95,7 @@ KINDS: dict[str, Kind] = {
                   _dense),
     "expert": Kind("expert", "an expert under expert parallelism: held by one ep index, it saw "
                              "its ep group's tokens through the all-to-all",
-                   lambda d: KindGroups("edp", None, "edp")),
+                   lambda d: KindGroups(Group.edp, None, Group.edp)),
 }
 
 
@@ -252,29 +117,27 @@ LATER: dict[str, Later] = {
 }
 
 
-def sequence_groups(layout: Any, sequence_parallel: bool) -> tuple[str, ...]:
+def sequence_groups(layout: Any, sequence_parallel: bool) -> tuple[Group, ...]:
     """The groups each sequence is split over: cp (2 of its 2·cp chunks per rank), and tp under
     sequence parallelism (between the tensor-parallel regions). Per-sequence statistics (MoE
     load balancing) are summed over them."""
-    return (*(("cp",) if degree(layout, "cp") > 1 else ()),
-            *(("tp",) if sequence_parallel and degree(layout, "tp") > 1 else ()))
+    d = Layout.of(layout)
+    return (*((Group.cp,) if d.cp > 1 else ()),
+            *((Group.tp,) if sequence_parallel and d.tp > 1 else ()))
 
 
 def kind_groups(layout: Any, kind: str) -> KindGroups:
     """Reduce, replicate and holder groups of parameters of ``kind`` ("dense" or "expert")."""
-    d = layout if isinstance(layout, Degrees) else Degrees.of(layout)
-    return KINDS[kind].groups(d)
+    return KINDS[kind].groups(Layout.of(layout))
 
 
 def group_sizes(layout: Any) -> dict[str, tuple[int, int]]:
     """{kind: (ranks its gradient is reduced and sharded over, replicas of each shard)}."""
-    d = layout if isinstance(layout, Degrees) else Degrees.of(layout)
-    size = {"dp": d.dp, "dp_cp": d.dp * d.cp, "dp_shard": d.shard, "dp_shard_cp": d.shard * d.cp,
-            "edp": d.dp * d.cp // d.ep, "dp_replicate": d.dp // d.shard}
+    d = Layout.of(layout)
     out = {}
     for name in KINDS:
         g = kind_groups(d, name)
-        out[name] = (size[g.reduce], size[g.replicate] if g.replicate else 1)
+        out[name] = (d.size(g.reduce), d.size(g.replicate) if g.replicate else 1)
     return out
 
 

@@ -82,7 +82,7 @@ class Engine:
         ``flops_per_token()``, or None (:mod:`trainmesh.observe.flops`)."""
         self.mesh = mesh or cfg.build_mesh()
         self.comm = Comm(self.mesh)
-        self.replica_axis = kind_groups(self.mesh.degrees, "dense").holders
+        self.replica_axis = kind_groups(self.mesh.layout, "dense").holders
         """The ranks holding replicas of the dense parameters, each with other tokens (dp x cp)."""
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if self.device.type == "meta":
@@ -148,7 +148,7 @@ class Engine:
         if cfg.ep > 1:
             from trainmesh.expert_parallel import shard_experts
             shard_experts(model, self.comm, self.placements)
-        split = sequence_groups(self.mesh.degrees, cfg.sequence_parallel)
+        split = sequence_groups(self.mesh.layout, cfg.sequence_parallel)
         if split:        # MoE layers sum their per-sequence counts over the sequence's parts
             from trainmesh.expert_parallel.sequence import split_sequences
             split_sequences(model, self.comm, split)
@@ -204,7 +204,7 @@ class Engine:
         if self.mesh.size(self.replica_axis) == 1:
             return
         for name, p in named:     # from the first of the ranks holding it (its kind's holders)
-            axis = kind_groups(self.mesh.degrees, self.placements.kind(name)).holders
+            axis = kind_groups(self.mesh.layout, self.placements.kind(name)).holders
             self.comm.broadcast(p.data, axis, src=self.mesh.ranks(axis)[0])
 
     def _mark_duplicates(self, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -454,7 +454,7 @@ class Engine:
         blocking seconds; ``measure``: filled on rank 0 with the memory the save added."""
         return (checkpoint.save if saver is None else saver.save)(
                      path, self.grad_sync, self.comm, step=self.step_count, measure=measure,
-                     layout=self.config.layout(), placements=self.placements,
+                     layout=self.config.layout_record(), placements=self.placements,
                      untrained=untrained_state(self.module),
                      # the whole model's record (tied aliases, a Hugging Face config): a stage too
                      trainer_state={**self.state.state_dict(), **model_record(self.model),

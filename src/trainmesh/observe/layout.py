@@ -2,7 +2,8 @@
 first line, the summary's rank table, the HTML report and TensorBoard's text.
 
 A layout is the metrics summary's ``layout`` record (docs/METRICS.md). Every mesh axis is named
-with its degree (``dp 2 x cp 1 x pp 1 x tp 1``; HSDP's ``dp 4 (shard 2 x replicate 2)``), then
+with its degree (``dp 2 x cp 1 x pp 1 x tp 1``; HSDP's ``dp 4 (shard 2 x replicate 2)``: the
+layout's own text, :meth:`~trainmesh.core.layout.Layout.describe`), then
 the experts and ``ep``, the strategy (``ps``, ``diloco``), fault tolerance, ZeRO, microbatches,
 the pipeline schedule, precision, recompute and offload. A key this module does not know is
 shown as ``key value`` wherever it is set (not false, 0, 1 or "none"), so a new setting is
@@ -13,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-MESH_AXES = ("dp", "cp", "pp", "tp")
-"""The axes whose degrees multiply to the world size (in the order a layout is read and printed)."""
+from trainmesh.core.layout import MESH_AXES, Layout
+
 COORD_ORDER = ("dp", "dp_shard", "dp_replicate", "cp", "pp", "tp", "ep")
 """The rank table's coordinate columns, in this order; unknown coordinates follow."""
 KNOWN = {"dp", "cp", "pp", "tp", "ep", "dp_shard", "experts", "top_k", "zero", "microbatches",
@@ -30,7 +31,7 @@ def layout_record(cfg: Any) -> dict[str, Any]:
     parallel config's record, the experts (and top-k), cp's exchange, fault tolerance's replicas
     and the parameter server's settings where they apply."""
     p = cfg.parallel
-    out = {**p.layout(), "experts": cfg.gpt_config().n_experts}
+    out = {**p.layout_record(), "experts": cfg.gpt_config().n_experts}
     if out["experts"]:
         out["top_k"] = cfg.gpt_config().top_k
     if p.cp > 1:
@@ -53,17 +54,11 @@ def _plural(n: Any, word: str) -> str:
 
 
 def _axes(layout: Mapping[str, Any]) -> str:
-    """``dp 4 (shard 2 x replicate 2) x cp 1 x pp 1 x tp 1``: every mesh axis the record has."""
-    parts = []
-    for axis in MESH_AXES:
-        if axis not in layout:
-            continue
-        text = f"{axis} {layout[axis]}"
-        shard, dp = layout.get("dp_shard"), _int(layout.get("dp"))
-        if axis == "dp" and isinstance(shard, int) and 0 < shard < dp:
-            text += f" (shard {shard} x replicate {dp // shard})"
-        parts.append(text)
-    return " x ".join(parts)
+    """``dp 4 (shard 2 x replicate 2) x cp 1 x pp 1 x tp 1`` (:meth:`Layout.describe`), or
+    nothing for a record without mesh axes."""
+    if not any(axis in layout for axis in MESH_AXES):
+        return ""
+    return Layout.of(layout).describe()
 
 
 def layout_phrases(layout: Mapping[str, Any]) -> list[str]:

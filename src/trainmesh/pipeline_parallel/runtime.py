@@ -155,8 +155,8 @@ class PipelineExecutor:
                             for _, ss in shared})
         mesh = self.mesh
         groups = mesh.subgroups([[mesh.rank_of(dp=d, pp=k, cp=c, tp=t) for k in rs]
-                                 for rs in rank_sets for d in range(mesh.dp)
-                                 for c in range(mesh.cp) for t in range(mesh.tp)])
+                                 for rs in rank_sets for d in range(mesh.layout.dp)
+                                 for c in range(mesh.layout.cp) for t in range(mesh.layout.tp)])
         here = {"dp": mesh.index("dp"), "cp": mesh.index("cp"), "tp": mesh.index("tp")}
         out = []
         for p, ss in shared:

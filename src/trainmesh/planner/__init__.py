@@ -12,7 +12,8 @@
 * :mod:`.space`       the layouts searched: axes, choices, refusals
 * :mod:`.candidate`   one layout scored; :mod:`.advisor` enumerates, ranks, recommends;
   :mod:`.rules` says why
-* :mod:`.predict`     what ``trainmesh train --metrics-out`` will measure for one layout
+* :mod:`.predict`     what ``trainmesh train --metrics-out`` will measure for one layout, rank
+  by rank; :mod:`.rank_bytes` what one rank holds, keeps and sends
 
 ``trainmesh plan`` (``trainmesh.cli.plan``) is the command line over these.
 Imports core, config, models and observe; never torch.distributed.

@@ -79,7 +79,7 @@ class Candidate:
 
     def to_json(self) -> dict[str, Any]:
         """One entry of ``candidates`` in ``trainmesh plan --json`` (docs/PLANNER.md)."""
-        out = {"layout": self.layout.layout(), "memory_per_gpu_bytes": self.memory.to_json(),
+        out = {"layout": self.layout.layout_record(), "memory_per_gpu_bytes": self.memory.to_json(),
                "comm_bytes_per_step": int(round(self.comm_bytes_per_step)), "fits": self.fits,
                "est_step_time_s": round(self.time.total, 6)}
         if self.expert_state_bytes:

@@ -36,39 +36,23 @@ The lead's measured-vs-predicted check calls :func:`predict_run` with the run's
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
-from trainmesh.context_parallel.traffic import cp_bytes_per_layer
-from trainmesh.core.axes import Degrees, kind_groups, members, sequence_groups
+from trainmesh.core.axes import kind_groups
+from trainmesh.core.layout import Layout
 
 from ..models.gpt import GPTConfig
-from .activations import TRAINMESH, inflight_stages
-from .builtin import RankModel, block_params, gpt_shape, rank_model
-from .memory import element_bytes, model_states
-from .peak import (
-    CPU,
-    CUDA,
-    CUDA_ALLOCATED,
-    CUDA_FIXED,
-    Allocator,
-    StageMemory,
-    comm_buffers,
-    stage_memory,
-)
-from .traffic import (
-    AXES,
-    Traffic,
-    data_parallel_ops,
-    dp_ops,
-    ep_ops,
-    other_ops,
-    pp_ops,
-    tp_ops,
-    zero3_regathers,
-)
+from . import rank_bytes
+from .builtin import rank_model
+from .memory import element_bytes
+from .peak import CPU, CUDA, CUDA_ALLOCATED, CUDA_FIXED, Allocator
+from .rank_bytes import sequence_sums, zero3_gathered_bytes
+from .traffic import AXES, Traffic
+
+__all__ = ["RankPrediction", "RunPrediction", "compare", "measured_base_bytes", "predict_layout",
+           "predict_run", "sequence_sums", "zero3_gathered_bytes"]
 
 MOE_AXES = ("ep", "edp")
 """Axes of expert parallelism's traffic (predicted where ``ep > 1``)."""
@@ -97,9 +81,16 @@ class RankPrediction:
     base_mem_bytes: int = 0
     """The base footprint ``peak_mem_bytes`` assumes (before runtime and model)."""
     init_peak_mem_bytes: int = 0
-    """The set-up peak (sharded initialisation): see :func:`_init_peak`."""
+    """The set-up peak (sharded initialisation): see :func:`.rank_bytes.init_peak`."""
     offloaded_bytes: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
     """Model-state bytes kept off the compute device (``--offload``): in host memory or files."""
+
+    def at(self, rank: int, coords: dict[str, int]) -> RankPrediction:
+        """This prediction for another rank (of the same pipeline stage), with its own dicts."""
+        return replace(self, rank=rank, coords=coords,
+                       model_state_bytes=dict(self.model_state_bytes),
+                       comm_bytes_per_step={k: dict(v) for k, v in self.comm_bytes_per_step.items()},
+                       offloaded_bytes=dict(self.offloaded_bytes))
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "coords": self.coords, "model_state_bytes": self.model_state_bytes,
@@ -127,208 +118,28 @@ class RunPrediction:
                 "ranks": [r.to_json() for r in self.ranks], "tolerance": self.tolerance}
 
 
-def _coords(rank: int, layout: ParallelConfig) -> dict[str, int]:
-    """Mesh coordinates of a world rank: a (pp, dp, cp, tp) grid, tp fastest
-    (:mod:`trainmesh.core.mesh`)."""
-    tp, cp, dp = layout.tp, layout.cp, layout.dp
-    return {"dp": (rank // (tp * cp)) % dp, "pp": rank // (tp * cp * dp), "tp": rank % tp,
-            "cp": (rank // tp) % cp}
-
-
-def _split(held: RankModel, layout: ParallelConfig) -> list[tuple[int, int]]:
-    """(parameter values, the group ZeRO shards them over) of each strategy of a rank: the dense
-    parameters over dp x cp (HSDP: the shard group), under expert parallelism this rank's experts
-    over edp = dp x cp / ep."""
-    dense = layout.shard_size * layout.cp      # ZeRO's group: dp x cp, or HSDP's shard group
-    if layout.ep == 1 or not held.expert_params:
-        return [(held.params, dense)]
-    return [(held.params - held.expert_params, dense),
-            (held.expert_params, layout.dp * layout.cp // layout.ep)]
-
-
-def _states(held: RankModel, layout: ParallelConfig, optimizer: str,
-            offload: str | None = None) -> dict[str, int]:
-    """Model-state bytes on the device (``offload``: in place of the layout's)."""
-    # ZeRO 0-2 hold the paper's mixed-precision bytes; trainmesh's ZeRO-3 keeps fp32 shards as
-    # the parameters (FSDP2 style): fp32's 4 + 4 + 8 over N, the paper's 16Psi/N in total.
-    precision = "fp32" if layout.zero >= 3 else layout.precision
-    offload = layout.offload if offload is None else offload
-    out = {"params": 0, "grads": 0, "optimizer": 0}
-    parts = _split(held, layout)
-    for psi, dp in parts:
-        st = model_states(psi, dp=dp, zero=layout.zero, precision=precision,
-                          optimizer=optimizer, offload=offload,
-                          offload_params=layout.offload_params)
-        out["params"] += int(st.params)
-        out["grads"] += int(st.grads)
-        out["optimizer"] += int(st.optimizer)
-    if optimizer == "adamw" and offload == "none":  # AdamW's step counters
-        out["optimizer"] += 4 * (held.tensors if layout.zero == 0 else len(parts))
-    return out
-
-
-def _offloaded(held: RankModel, layout: ParallelConfig, optimizer: str,
-               states: dict[str, int]) -> dict[str, int]:
-    """What ``--offload`` keeps off the device: the states it moves (optimizer states, the
-    masters of mixed precision, AdamW's step counters; ZeRO-3's parameter shards with
-    ``offload_params``), in host memory (``cpu``) or files (``nvme``)."""
-    out = {"cpu": 0, "nvme": 0}
-    if layout.offload != "none":
-        kept = _states(held, layout, optimizer, offload="none")
-        out[layout.offload] = sum(kept.values()) - sum(states.values())
-    return out
-
-
-def _init_peak(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: dict[str, int],
-               base: int) -> int:
-    """Set-up peak of a rank (sharded initialisation: it builds only what it holds): ``base``
-    + its parameters + the gradient buffers set-up allocates (none under DDP: they come with the
-    first backward; ZeRO-1 full, ZeRO-2/3 the shard) + fp32 master shards (mixed precision,
-    ZeRO 0-2; optimizer moments come with the first step) + at ZeRO-3 one unit in flight."""
-    grads = states["grads"] if layout.zero >= 1 else 0
-    dp = layout.shard_size * layout.cp if layout.zero >= 1 else 1
-    masters = 4 * held.params / dp if layout.precision != "fp32" and layout.zero < 3 else 0
-    unit = 0.0
-    if layout.zero == 3:
-        d, f = gpt.d_model, gpt.d_ff
-        unit = 4 * (4 * (d * d + d) + (d * f + f) + (f * d + d) + 4 * d) / layout.tp
-    return int(base + states["params"] + grads + masters + unit)
-
-
-def _traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batch: int,
-             pp_rank: int) -> Traffic:
-    e = element_bytes(layout.precision)
-    grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
-    replicas = layout.dp * layout.cp       # the gradient group: dp x cp (``dp_cp``)
-    tokens = micro_batch * gpt.seq_len // layout.cp
-    m = layout.microbatches
-    forwards = 2 if layout.recompute == "full" else 1   # full recompute runs each block's forward again
-    cp: Traffic = {}
-    if layout.cp > 1:   # docs/CONTEXT_PARALLEL.md; the gradient reduction keyed by its group
-        per_layer = cp_bytes_per_layer(
-            cp=layout.cp, micro_batch=micro_batch, seq_len=gpt.seq_len, d_model=gpt.d_model,
-            tp=layout.tp, mode=layout.cp_comm, elem_bytes=e,
-            forwards=1 if layout.recompute == "none" else 2)
-        cp["cp"] = {op: b * held.blocks * m for op, b in per_layer.items()}
-    parts = _split(held, layout)   # the dense parameters over dp x cp (or HSDP's shard), experts over edp
-    psi, shard = parts[0]
-    if layout.zero >= 1:
-        psi = math.ceil(psi / shard) * shard
-    dp_traffic = data_parallel_ops(psi, dp=replicas, shard=shard if layout.zero >= 1 else replicas,
-                                   zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
-                                   param_bytes=e, regather=zero3_regathers(layout))
-    groups = kind_groups(layout, "dense")   # keyed by the groups' names: dp, dp_cp, dp_shard(_cp)
-    if groups.replicate is not None:
-        dp_traffic = {"dp": {}, groups.reduce: dp_traffic["dp_shard"],
-                      groups.replicate: dp_traffic["dp_replicate"]}
-    elif groups.reduce != "dp":
-        dp_traffic = {groups.reduce: dp_traffic["dp"]}
-    other = other_ops(world=layout.world_size, precision=layout.precision)
-    moe: Traffic = {}
-    if gpt.n_experts and layout.world_size > 1:   # the step's MoE figures: one float64 all-reduce
-        other["all_reduce"] = other.get("all_reduce", 0.0) + 8 * len(gpt.moe_blocks()) * (gpt.n_experts + 2)
-        # an expert may get no token: each strategy's count of parameters without a gradient
-        # rides along the loss all-reduce (float64); the flags agreed on over dp / edp on steps
-        # where some rank has one depend on the routing and are not predicted
-        other["all_reduce"] += 8 * (2 if layout.ep > 1 else 1)
-    if len(parts) > 1:
-        psi_e, edp = parts[1]
-        psi_e = math.ceil(psi_e / edp) * edp if layout.zero >= 1 else psi_e
-        routed = tokens // (layout.tp if layout.sequence_parallel else 1)   # SP: its own T/t tokens
-        moe = {"ep": ep_ops(ep=layout.ep, moe_layers=held.moe_blocks, tokens=routed, top_k=gpt.top_k,
-                            hidden=gpt.d_model, value_bytes=e, microbatches=m, experts=gpt.n_experts,
-                            forwards=forwards),
-               "edp": dp_ops(psi_e, dp=edp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
-                             param_bytes=e, regather=zero3_regathers(layout))}
-    out = {
-        **moe, **dp_traffic, **cp,
-        "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
-                     value_bytes=e, microbatches=m, first=held.first, last=held.last,
-                     sequence_parallel=layout.sequence_parallel,
-                     partial_grad_bytes=grad_bytes * _partial_pieces(held, layout), forwards=forwards,
-                     moe_layers=held.moe_blocks),
-        "pp": pp_ops(pp=layout.pp, rank=pp_rank, virtual_stages=layout.virtual_stages,
-                     microbatches=m, tokens=tokens, hidden=gpt.d_model, value_bytes=e,
-                     tp=layout.tp, sequence_parallel=layout.sequence_parallel),
-        "other": other,
-    }
-    for axis, ops in sequence_sums(held, layout, gpt, micro_batch).items():
-        out[axis] = {**out.get(axis, {})}
-        out[axis]["all_reduce"] = out[axis].get("all_reduce", 0.0) + ops
-    return out
-
-
-def _partial_pieces(held: RankModel, layout: ParallelConfig) -> float:
-    """Values of the partial (sequence-parallel) gradients a rank sums over tp once per step:
-    all of them, or under ZeRO its pieces of the gradient shard, 1/N of each strategy's (N its
-    group; the shard boundaries move a few values between ranks)."""
-    if layout.zero == 0:
-        return float(held.partial_grad_params)
-    experts = held.partial_grad_params - held.partial_dense_params
-    parts = _split(held, layout)
-    return held.partial_dense_params / parts[0][1] + (experts / parts[1][1] if len(parts) > 1 else 0.0)
-
-
-def sequence_sums(held: RankModel, layout: ParallelConfig, gpt: GPTConfig,
-                  micro_batch: int) -> dict[str, float]:
-    """Bytes per step a rank's MoE layers all-reduce over each group a sequence is split over
-    (cp, and tp under sequence parallelism; docs/EXPERT_PARALLEL.md): each layer's fp32
-    per-sequence slot counts, ``b x E``, once per forward run with gradients (full recompute
-    runs it again) of every microbatch."""
-    if not gpt.n_experts or not held.moe_blocks:
-        return {}
-    forwards = 2 if layout.recompute == "full" else 1
-    counts = forwards * layout.microbatches * held.moe_blocks * micro_batch * gpt.n_experts * 4
-    return {axis: float(counts) for axis in sequence_groups(layout, layout.sequence_parallel)}
-
-
-def _stage(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batch: int,
-           pp_rank: int, threshold: float) -> StageMemory:
-    """Activations kept and the working set at the peak of one pipeline rank (:mod:`.peak`)."""
-    inflight = inflight_stages(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
-                               rank=pp_rank, virtual_stages=layout.virtual_stages)
-    return stage_memory(gpt_shape(gpt, micro_batch=micro_batch), TRAINMESH, layers=held.blocks,
-                        moe_layers=held.moe_blocks, last=held.last, seq=gpt.seq_len // layout.cp,
-                        batch=micro_batch, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
-                        recompute=layout.recompute, segment=layout.recompute_segment,
-                        value_bytes=element_bytes(layout.precision), inflight=inflight,
-                        threshold=threshold, loss_passes=layout.microbatches)
-
-
-def _buffers(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: dict[str, int]) -> float:
-    """Communication memory at the peak (:func:`~.peak.comm_buffers`): buckets of the
-    reduction dtype, or ZeRO-3's gathered units."""
-    e = element_bytes(layout.precision)
-    grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
-    unit = block_params(gpt, layout.tp) if held.blocks else held.params
-    return comm_buffers(zero=layout.zero, dp=layout.dp * layout.cp, reduce_bytes=grad_bytes * held.params,
-                        bucket_bytes=layout.bucket_mb * 2**20, unit_bytes=e * unit,
-                        unit_grad_bytes=grad_bytes * unit,
-                        stage_gathered=zero3_gathered_bytes(held, layout, gpt)
-                        if layout.zero3_reshard == "step" else 0.0)
-
-
-def zero3_gathered_bytes(held: RankModel, layout: ParallelConfig, gpt: GPTConfig) -> int:
-    """Most bytes of gathered ZeRO-3 parameters a rank holds at once (docs/ZERO.md, "ZeRO inside
-    a pipeline"): inside a pipeline, the whole stage with ``--zero3-reshard step``, one block
-    (the largest unit of the stage: a block, the embedding or the head) with ``microbatch``
-    (padding of each unit to a multiple of dp aside); 0 elsewhere (without a
-    pipeline the model of the peak leaves it out)."""
-    if layout.zero != 3 or layout.pp == 1:
-        return 0
-    e = element_bytes(layout.precision)
-    if layout.zero3_reshard == "step":
-        return int(e * held.params)
-    d, vocab_rows = gpt.d_model, math.ceil(gpt.vocab_size / layout.tp)
-    units = [block_params(gpt, layout.tp) if held.blocks else 0,
-             (vocab_rows + gpt.seq_len) * d if held.first else 0,
-             (vocab_rows + 2) * d if held.last else 0]
-    return int(e * max(units))
-
-
 def _ints(traffic: Traffic) -> dict[str, dict[str, int]]:
     axes = [*AXES, *(a for a in traffic if a not in AXES)]
     return {axis: {op: int(round(b)) for op, b in traffic.get(axis, {}).items()} for axis in axes}
+
+
+def _stage_prediction(gpt: GPTConfig, layout: ParallelConfig, pp_rank: int, *, optimizer: str,
+                      micro_batch: int, base_bytes: int, runtime_bytes: int, allocator: Allocator,
+                      host_resident: bool) -> RankPrediction:
+    """The prediction of a rank of pipeline stage ``pp_rank`` (rank and coordinates left to fill:
+    the ranks of one stage hold, keep and send alike)."""
+    held = rank_model(gpt, pp=layout.pp, tp=layout.tp, rank=pp_rank,
+                      virtual_stages=layout.virtual_stages, ep=layout.ep)
+    states = rank_bytes.device_states(held, layout, optimizer)
+    stage = rank_bytes.stage(held, layout, gpt, micro_batch, pp_rank, allocator.threshold)
+    comm = _ints(rank_bytes.rank_traffic(held, layout, gpt, micro_batch, pp_rank))
+    offloaded = rank_bytes.offloaded(held, layout, optimizer, states)
+    host = offloaded["cpu"] if host_resident else 0
+    peak = int(base_bytes + runtime_bytes + sum(states.values()) + host
+               + allocator.resident(stage, rank_bytes.buffers(held, layout, gpt, states)))
+    return RankPrediction(-1, {}, states, comm, int(stage.kept), peak, int(base_bytes),
+                          rank_bytes.init_peak(held, layout, gpt, states, base_bytes + runtime_bytes),
+                          offloaded)
 
 
 def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
@@ -339,27 +150,16 @@ def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
     workers whose footprint before the model is ``base_bytes``. ``host_resident``: the device
     is the host (CPU), so states offloaded to host memory count in its peak."""
     micro_batch = global_batch // (layout.dp * layout.microbatches)
+    stages = [_stage_prediction(gpt, layout, pp_rank, optimizer=optimizer, micro_batch=micro_batch,
+                                base_bytes=base_bytes, runtime_bytes=runtime_bytes,
+                                allocator=allocator, host_resident=host_resident)
+              for pp_rank in range(layout.pp)]
     ranks = []
-    for pp_rank in range(layout.pp):
-        held = rank_model(gpt, pp=layout.pp, tp=layout.tp, rank=pp_rank,
-                          virtual_stages=layout.virtual_stages, ep=layout.ep)
-        states = _states(held, layout, optimizer)
-        stage = _stage(held, layout, gpt, micro_batch, pp_rank, allocator.threshold)
-        acts = stage.kept
-        comm = _ints(_traffic(held, layout, gpt, micro_batch, pp_rank))
-        offloaded = _offloaded(held, layout, optimizer, states)
-        host = offloaded["cpu"] if host_resident else 0
-        peak = int(base_bytes + runtime_bytes + sum(states.values()) + host
-                   + allocator.resident(stage, _buffers(held, layout, gpt, states)))
-        for within in range(layout.dp * layout.cp * layout.tp):
-            rank = pp_rank * layout.dp * layout.cp * layout.tp + within
-            ranks.append(RankPrediction(rank, _coords(rank, layout), dict(states),
-                                        {k: dict(v) for k, v in comm.items()}, int(acts), peak,
-                                        int(base_bytes),
-                                        _init_peak(held, layout, gpt, states, base_bytes + runtime_bytes),
-                                        dict(offloaded)))
+    for rank in range(layout.layout.world):   # every rank predicts as its pipeline stage does
+        coords = layout.layout.coords(rank)
+        ranks.append(stages[coords["pp"]].at(rank, coords))
     passes = 1 + (2 if layout.recompute == "full" else 1)   # each row received goes back
-    return RunPrediction(layout.layout(), gpt.num_params(), ranks,
+    return RunPrediction(layout.layout_record(), gpt.num_params(), ranks,
                          row_bytes=passes * gpt.d_model * element_bytes(layout.precision))
 
 
@@ -421,12 +221,11 @@ def _shard_means(prediction: RunPrediction, summary: dict[str, Any]) -> dict[int
     layout = prediction.layout
     if not (layout.get("sequence_parallel") and layout.get("zero", 0) >= 1 and layout.get("tp", 1) > 1):
         return {}
-    d = Degrees(**{k: layout.get(k, 1) for k in ("dp", "pp", "tp", "cp", "ep")},
-                dp_shard=layout.get("dp_shard"))
+    d = Layout.of(layout)
     tp = {r["rank"]: r["comm_bytes_per_step"].get("tp", {}).get("all_reduce", 0)
           for r in summary.get("ranks", [])}
     out = {}
-    for group in members(d, kind_groups(d, "dense").reduce):
+    for group in d.members(kind_groups(d, "dense").reduce):
         if all(rank in tp for rank in group):
             out.update({rank: sum(tp[r] for r in group) / len(group) for rank in group})
     return out

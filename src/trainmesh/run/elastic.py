@@ -78,7 +78,7 @@ def fit_world(cfg: TrainConfig, world: int) -> TrainConfig:
 def layout_change(saved: dict[str, Any] | None, now: dict[str, Any], *, step: int,
                   world: int) -> dict[str, Any] | None:
     """The metrics record of a resize: the checkpoint's layout ``saved`` against ``now`` (both
-    ``ParallelConfig.layout()``); None when dp and microbatches are unchanged."""
+    ``ParallelConfig.layout_record()``); None when dp and microbatches are unchanged."""
     if not saved or all(saved.get(k) == now[k] for k in ("dp", "microbatches")):
         return None
     return {"event": "resize", "step": step, "world_size": world,
@@ -103,4 +103,4 @@ def resize_record(cfg: TrainConfig, *, step: int, world: int) -> dict[str, Any] 
     if cfg.parallel.min_dp is None or not cfg.save_dir or step <= 1:
         return None
     from trainmesh.checkpoint.resume import saved_layout
-    return layout_change(saved_layout(cfg.save_dir), cfg.parallel.layout(), step=step, world=world)
+    return layout_change(saved_layout(cfg.save_dir), cfg.parallel.layout_record(), step=step, world=world)

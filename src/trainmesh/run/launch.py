@@ -25,6 +25,7 @@ import contextlib
 import importlib.util
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -206,9 +207,13 @@ def _launch(run: Launch, *, max_restarts: int, worker_setup: Callable[[], None] 
                     except ChildFailedError as exc:
                         failures[a] = run.failed(a, _headline(exc))
 
+                if run.threaded and start_method == "forkserver":
+                    # the fork server dies with the thread that started it: this one, which
+                    # outlives every agent's
+                    multiprocessing.forkserver.ensure_running()
                 run.started()
                 if run.threaded:
-                    _in_threads(run, agent, agents, start_method, failures)
+                    _in_threads(run, agent, agents, failures)
                 else:
                     agent(agents[0])
     except BaseException as exc:   # noqa: BLE001 - a signal's exception only
@@ -223,14 +228,10 @@ def _launch(run: Launch, *, max_restarts: int, worker_setup: Callable[[], None] 
     return run.finish(failures)
 
 
-def _in_threads(run: Launch, agent: Callable[[int], None], agents: list[int], start_method: str,
+def _in_threads(run: Launch, agent: Callable[[int], None], agents: list[int],
                 failures: dict[int, str]) -> None:
     """Each agent in a thread of its own, until every one ended (an agent that fails itself is
     one more failure, not the launcher's)."""
-    import multiprocessing.forkserver
-    if start_method == "forkserver":   # started here: it dies with this thread, which
-        multiprocessing.forkserver.ensure_running()   # outlives every agent's thread
-
     def guarded(a: int) -> None:
         try:
             agent(a)
