@@ -34,7 +34,7 @@ from .base import (
 )
 from .composite import CombinedOptimizer, CompositeSync
 from .ddp import DDP
-from .diloco import DiLoCo, replica_axes
+from .diloco import DiLoCo
 from .sharded import ELEMENTWISE_OPTIMIZERS
 from .units import find_units
 from .zero import FlatZero, Zero1, Zero2
@@ -81,10 +81,10 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
         own = cfg           # nvme offload: each kind's state file in its own directory
         if parts and cfg.offload_dir is not None:
             own = dataclasses.replace(cfg, offload_dir=os.path.join(cfg.offload_dir, kind))
-        groups = kind_groups(comm.mesh.layout, kind)
+        groups = kind_groups(comm.mesh.degrees, kind)
         parts.append(_strategy(own, subset, comm, groups.reduce, groups.replicate, **build))
     if not parts:
-        parts.append(_strategy(cfg, [], comm, kind_groups(comm.mesh.layout, "dense").reduce,
+        parts.append(_strategy(cfg, [], comm, kind_groups(comm.mesh.degrees, "dense").reduce,
                                None, **build))
     return parts[0] if len(parts) == 1 else CompositeSync(parts)
 
@@ -101,13 +101,19 @@ def _strategy(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
                           device=device, offload=cfg.offload, offload_dir=cfg.offload_dir,
                           offload_params=cfg.offload_params, axis=axis,
                           replicate_axis=replicate)
-    if cfg.strategy == "diloco":   # each replica's own strategy inside it, the outer step across
-        inner, outer = replica_axes(cfg.zero, cfg.cp)
-        options = dataclasses.replace(options, axis=inner, replicate_axis=None)
-        return DiLoCo(_by_stage(cfg, named_params, comm, options, module, precision, materialize, layers),
-                      comm, outer_axis=outer, inner_steps=cfg.inner_steps, outer_lr=cfg.outer_lr,
-                      outer_momentum=cfg.outer_momentum)
-    return _by_stage(cfg, named_params, comm, options, module, precision, materialize, layers)
+    def build(opts: SyncOptions) -> GradSync:
+        return _by_stage(cfg, named_params, comm, opts, module, precision, materialize, layers)
+    wrap = _wrapper(cfg)   # a strategy's own around it (DiLoCo's outer step), else the mesh's
+    return build(options) if wrap is None else wrap(cfg, comm, options, build)
+
+
+def _wrapper(cfg: ParallelConfig) -> Callable[..., GradSync] | None:
+    """The gradient-sync wrapper ``cfg``'s strategy declares (:mod:`trainmesh.strategies`):
+    ``wrap(cfg, comm, options, build)``, ``build(options)`` making the mesh's strategy."""
+    if cfg.strategy == "diloco":
+        from .diloco import wrap
+        return wrap
+    return None
 
 
 def _by_stage(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]], comm: Comm,

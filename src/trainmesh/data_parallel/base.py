@@ -300,6 +300,42 @@ class GradSync(ABC):
         """Model-state bytes this rank keeps off the compute device: {"cpu", "nvme"}."""
         return {"cpu": 0, "nvme": 0}
 
+    # ---------------------------------------------------------------- live state (fault tolerance)
+    def live_state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        """What a replica that copies the live state gets from this rank (the same rank of it
+        takes it with :meth:`load_live_state`): here the parameters and optimizer states by
+        name, whole along the group (:meth:`logical_state`); sharded strategies: their shards."""
+        params, optim = self.logical_state()
+        return list(params.items()), optim
+
+    def load_live_state(self, params: dict[str, torch.Tensor],
+                        optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take :meth:`live_state` of the same rank of another replica (the same layout)."""
+        self.load_logical_state(params, optim)
+
+    # ---------------------------------------------------------------- what a step reduces and reports
+    # The engine's step knows no strategy by name: where one differs (DiLoCo: each replica
+    # averages over its own tokens and clips by its own norm), it overrides these.
+    def extra_sums(self, count: float) -> list[float]:
+        """Values riding along the engine's one world all-reduce of the step's loss and token
+        count (``count``: this rank's tokens, 0 where it holds no loss); none here."""
+        return []
+
+    def token_total(self, tokens: float, sums: Sequence[float]) -> float:
+        """The token count the gradients are averaged over, given the world's ``tokens`` and
+        the world's sums of :meth:`extra_sums` (``sums``): every token of the global batch."""
+        return tokens
+
+    def norm(self, counted: CountedFn, global_norm: Callable[[], float]) -> float:
+        """The gradient norm the step clips by and checks for non-finite values: the global
+        one (``global_norm()``, a world all-reduce)."""
+        return global_norm()
+
+    def step_metrics(self, grad_norm: float) -> dict[str, Any]:
+        """What a step's metrics say of it (after :meth:`step`): the gradient norm before
+        clipping, and whatever the strategy adds."""
+        return {"grad_norm": grad_norm}
+
     # ---------------------------------------------------------------- the optimizer's tensors
     # What the optimizer updates (fp32 in every precision: the parameters, their fp32 masters,
     # or ZeRO's flat shards of them), for a step taken outside it (DiLoCo's outer step).

@@ -136,23 +136,22 @@ class CompositeSync(GradSync):
             part.load_logical_state({n: params[n] for n in names if n in params},
                                     {n: optim[n] for n in names if n in optim})
 
-    def local_shards(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
-        """Each part's :meth:`~trainmesh.data_parallel.sharded.ShardedSync.local_shards`,
-        named ``part<i>/...`` (fault-tolerant replicas of shard groups)."""
+    def live_state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        """Each part's :meth:`~.base.GradSync.live_state`, named ``part<i>/...``."""
         params: list[tuple[str, torch.Tensor]] = []
         optim: dict[str, dict[str, torch.Tensor]] = {}
-        for i, part in enumerate(self.parts):
-            p, o = part.local_shards()
+        for i, part in enumerate(self.parts):   # collectives (whole along a group): part by part
+            p, o = part.live_state()
             params += [(f"part{i}/{n}", t) for n, t in p]
             optim.update({f"part{i}/{n}": v for n, v in o.items()})
         return params, optim
 
-    def load_local_shards(self, params: dict[str, torch.Tensor],
-                          optim: dict[str, dict[str, torch.Tensor]]) -> None:
+    def load_live_state(self, params: dict[str, torch.Tensor],
+                        optim: dict[str, dict[str, torch.Tensor]]) -> None:
         for i, part in enumerate(self.parts):   # collectives: part by part, on every rank
             mine = f"part{i}/"
-            part.load_local_shards({n[len(mine):]: t for n, t in params.items() if n.startswith(mine)},
-                                   {n[len(mine):]: v for n, v in optim.items() if n.startswith(mine)})
+            part.load_live_state({n[len(mine):]: t for n, t in params.items() if n.startswith(mine)},
+                                 {n[len(mine):]: v for n, v in optim.items() if n.startswith(mine)})
 
     def optimizer_params(self) -> list[torch.Tensor]:
         return [t for part in self.parts for t in part.optimizer_params()]

@@ -28,15 +28,17 @@ with the same number of replicas.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from trainmesh.core.errors import ConfigError
 
 from ..comm import Comm
-from .base import CountedFn, GradSync, OptimizerFactory
+from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions
 from .composite import CompositeSync
 
 REPLICA = "replica{}/"
@@ -50,6 +52,16 @@ def replica_axes(zero: int, cp: int) -> tuple[str, str]:
     ZeRO a replica is one dp index (its cp ranks hold other tokens of the same sequences); with
     ZeRO it is one HSDP shard group."""
     return ("cp", "dp") if zero == 0 else ("dp_shard", "dp_replicate")
+
+
+def wrap(cfg: Any, comm: Comm, options: SyncOptions, build: Callable[[SyncOptions], GradSync]) -> DiLoCo:
+    """``--strategy diloco``'s gradient sync (its declaration's ``grad_sync``,
+    :mod:`trainmesh.strategies.diloco`): each replica's own strategy, ``build`` over the group
+    inside the replica (:func:`replica_axes`, no replicas of its own), and the outer step across."""
+    inner, outer = replica_axes(cfg.zero, cfg.cp)
+    return DiLoCo(build(dataclasses.replace(options, axis=inner, replicate_axis=None)), comm,
+                  outer_axis=outer, inner_steps=cfg.inner_steps, outer_lr=cfg.outer_lr,
+                  outer_momentum=cfg.outer_momentum)
 
 
 class DiLoCo(CompositeSync):
@@ -93,6 +105,22 @@ class DiLoCo(CompositeSync):
         slots = [0.0] * self.n_replicas
         slots[self.replica] = value
         return slots
+
+    def extra_sums(self, count: float) -> list[float]:
+        """Each replica's token count rides along the loss all-reduce (:meth:`replica_slots`)."""
+        return self.replica_slots(count)
+
+    def token_total(self, tokens: float, sums: Sequence[float]) -> float:
+        """The mean over the replica's own tokens: its slot of :meth:`extra_sums`, summed."""
+        return sums[self.replica]
+
+    def norm(self, counted: CountedFn, global_norm: Callable[[], float]) -> float:
+        """No global gradient is formed: the replica clips by its own norm (:meth:`local_norm`)."""
+        return self.local_norm(counted)
+
+    def step_metrics(self, grad_norm: float) -> dict[str, Any]:
+        """``grad_norm`` null (no global gradient), ``outer`` on the steps that synchronised."""
+        return {"grad_norm": None, **({"outer": True} if self.synced else {})}
 
     def local_norm(self, counted: CountedFn) -> float:
         """This replica's gradient norm (what it clips by; its ranks' parts summed, one world

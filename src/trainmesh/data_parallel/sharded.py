@@ -287,6 +287,14 @@ class ShardedSync(GradSync):
             self.stepper.load(gi, [{k: v.clone() for k, v in saved[m.name].items() if k not in moments}
                                    if m.name in saved else None for m in members])
 
+    def live_state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        """Fault-tolerant replicas of shard groups copy shards: :meth:`local_shards`."""
+        return self.local_shards()
+
+    def load_live_state(self, params: dict[str, torch.Tensor],
+                        optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.load_local_shards(params, optim)
+
     def local_shards(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
         """This rank's flat shards (``shard<i>``, one per optimizer group) and their optimizer
         states, as held (no collective): what the same rank of another replica holds (HSDP,

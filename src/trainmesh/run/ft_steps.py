@@ -203,13 +203,13 @@ class QuorumSteps:
         if self._unconfirmed is not None and self._unconfirmed["step"] <= d.step:
             self._unconfirmed = None   # redone and applied here: its row is the applied one
         with self._inside():
-            loss = self.engine.apply(result)
+            report = self.engine.apply(result)
         self.needs_state = False
         self.degraded += len(d.members) < self.cfg.parallel.replicas
         extra = {"replicas": len(d.members)}
         if "state_transfer_s" in row:
             extra["state_transfer_s"] = round(row["state_transfer_s"], 4)
-        return StepDone(d.step, loss, t0, time.perf_counter() - t0, extra,
+        return StepDone(d.step, report, t0, time.perf_counter() - t0, extra,
                         lead=d.replicas[0] == self.replica)
 
     def _commit(self, q: int, step: int, outcome: Outcome, epoch: str) -> bool:
@@ -249,11 +249,11 @@ class QuorumSteps:
                 self.pg = self.client.process_group(d)
             if d.source == self.replica and d.receivers:
                 self.inject.maybe_die(d.step, "send")
-                named, optim = self._local_state()
-                self.client.send_state(self.pg, d, named, optim, self.engine.state.state_dict())
+                named, optim = self.engine.live_state()
+                self.client.send_state(self.pg, d, named, optim, self.engine.trainer_state())
             if self.replica in d.receivers:
                 self.inject.maybe_die(d.step, "recv")
-                got = self.client.recv_state(self.pg, d, self._local_state()[0])
+                got = self.client.recv_state(self.pg, d, self.engine.live_state()[0])
             error = ""
         except Exception as exc:   # noqa: BLE001 - a failed attempt: the coordinator decides
             error = self._failed(exc)
@@ -273,7 +273,7 @@ class QuorumSteps:
         self.inject.maybe_die(d.step, "report")
         row.update(loss=result.loss, grad_norm=result.grad_norm, overflow=result.overflow)
         if result.nonfinite:   # and whether --on-nonfinite ends the run at it (else: skipped)
-            ends = nonfinite_ends_run(self.cfg.on_nonfinite, self.engine.state.nonfinite_run + 1)
+            ends = nonfinite_ends_run(self.cfg.on_nonfinite, self.engine.nonfinite_run + 1)
             row.update(nonfinite=result.nonfinite, **({"nonfinite_ends": ends} if ends else {}))
         return result, row, ""
 
@@ -346,15 +346,6 @@ class QuorumSteps:
                                   f"the replica failed ({first}); its agent restarts it") from None
 
     # ---------------------------------------------------------------- live state
-    def _local_state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
-        """What this rank sends as a source: without ZeRO, its whole slice of the model (one
-        rank: the whole model); a shard group, this rank's shards (the same rank of every
-        replica holds the same shard of the same slice)."""
-        if self.cfg.parallel.zero == 0:
-            params, optim = self.engine.grad_sync.logical_state()
-            return list(params.items()), optim
-        return self.engine.grad_sync.local_shards()
-
     def _confirmed_by_copy(self) -> None:
         """The state just copied holds the step whose commit this replica missed: the peers
         applied it, so it was committed with this replica's outcome among the members'; its row
@@ -368,11 +359,8 @@ class QuorumSteps:
 
     def _load(self, params: dict[str, torch.Tensor], optim: dict[str, dict[str, torch.Tensor]],
               trainer: dict[str, Any]) -> None:
-        if self.cfg.parallel.zero == 0:
-            self.engine.grad_sync.load_logical_state(params, optim)
-        else:   # then every rank gathers its parameters whole (ZeRO-1/2): together
-            self.engine.grad_sync.load_local_shards(params, optim)
-        self.engine.state.load_state_dict(trainer)
+        """Take the source's live state and training state (every rank of the replica, together)."""
+        self.engine.load_live_state(params, optim, trainer)
         self.needs_state = False
 
 

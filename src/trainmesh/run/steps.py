@@ -15,6 +15,7 @@ TensorBoard) and where the metrics records go.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,7 +24,8 @@ import torch
 
 from trainmesh.data.corpus import dp_slice
 from trainmesh.engine.engine import Engine
-from trainmesh.observe.progress import timed_steps
+from trainmesh.engine.report import StepReport
+from trainmesh.observe.progress import Progress
 from trainmesh.observe.tensorboard import TensorBoardLog
 
 MAX_NONFINITE_SKIPS = 10
@@ -39,12 +41,13 @@ def nonfinite_ends_run(on_nonfinite: str, in_a_row: int) -> str | None:
     return on_nonfinite
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepDone:
-    """A step this rank took (applied, or skipped for an fp16 overflow)."""
+    """A step this rank took (applied, or skipped for an fp16 overflow or a non-finite value)."""
 
     step: int
-    loss: float
+    report: StepReport
+    """What the engine's step returned (loss, gradient norm, learning rate, ...)."""
     t0: float
     """When its (last) attempt began (``perf_counter`` seconds)."""
     dt: float
@@ -53,6 +56,11 @@ class StepDone:
     """Fields the metrics row of the step adds (a fault-tolerant step's ``replicas``)."""
     lead: bool = True
     """This rank's replica writes the step's checkpoint, evaluation and TensorBoard scalars."""
+
+    @property
+    def loss(self) -> float:
+        """The step's loss (:attr:`report`'s)."""
+        return self.report.loss
 
 
 class Records(Protocol):
@@ -115,10 +123,17 @@ class LocalSteps:
 
     def run(self, start: int, last: int, *, enabled: bool,
             before_step: Callable[[int], None] | None) -> Iterator[StepDone]:
-        for step, loss, t0, dt in timed_steps(self.engine.train_step, self._batch, start=start,
-                                              last=last, tokens=self.tokens, enabled=enabled,
-                                              before_step=before_step):
-            yield StepDone(step, loss, t0, dt)
+        with Progress(total=last, enabled=enabled, start=start - 1) as bar:
+            for step in range(start, last + 1):
+                batch = self._batch(step)
+                if before_step is not None:
+                    before_step(step)
+                t0 = time.perf_counter()
+                report = self.engine.step(batch)
+                dt = time.perf_counter() - t0
+                yield StepDone(step, report, t0, dt)
+                bar.update(step, loss=report.loss,
+                           tokens_per_s=self.tokens / dt if dt > 0 else 0.0)
 
 
 def restart_count() -> int:

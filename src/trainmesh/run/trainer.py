@@ -41,6 +41,7 @@ from trainmesh.observe.progress import (
     print_summary,
     run_header,
 )
+from trainmesh.observe.summary import summary_record
 from trainmesh.observe.tensorboard import TensorBoardLog
 from trainmesh.run import elastic
 from trainmesh.run.evaluation import make_evaluator
@@ -180,23 +181,24 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
     timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
     for done in policy.run(start, last, enabled=rank0 and policy.summary,
                            before_step=tracer.before_step if tracer else None):
-        step, loss, t0, dt = done.step, done.loss, done.t0, done.dt
+        step, report, t0, dt = done.step, done.report, done.t0, done.dt
+        loss = report.loss
         if tracer is not None:
             tracer.after_step(step, t0, t0 + dt)
         if timed[1] == 0.0:
             first_loss, first_step = loss, step
         timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
         tps = tokens / dt if dt > 0 else 0.0
-        row = {"event": "step", "step": step, "loss": loss, "grad_norm": engine.last["grad_norm"],
-               "lr": engine.last["lr"], "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
+        row = {"event": "step", "step": step, "loss": loss, "grad_norm": report.grad_norm,
+               "lr": report.lr, "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
                "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
-               **{k: v for k, v in engine.last.items() if k not in ("loss", "grad_norm", "lr")},
+               **{k: v for k, v in report.metrics().items() if k not in ("loss", "grad_norm", "lr")},
                **done.row}
         if elastic_run:
             row.update(world_size=mesh.world_size, dp=p.dp)
         eval_loss = _publish(row, engine, device, metrics, board,
                              evaluator if done.lead else None) or eval_loss
-        _check_finite(cfg, engine, step)
+        _check_finite(cfg, engine, step, report.nonfinite)
         if done.lead and cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0)
                                            or step == last):
             _save(cfg, engine, step, saver, metrics, ft=policy_of is not None)
@@ -266,18 +268,18 @@ def _draw(cfg: TrainConfig, engine: Engine, tracer: Any) -> None:
         engine.write_timeline(cfg.timeline_out)
 
 
-def _check_finite(cfg: TrainConfig, engine: Engine, step: int) -> None:
-    """Apply --on-nonfinite to this step (the engine did not apply a non-finite one), counting
-    non-finite steps in a row in the training state. Raises NonFiniteError to stop."""
-    what, state = engine.last.get("nonfinite"), engine.state
+def _check_finite(cfg: TrainConfig, engine: Engine, step: int, what: str | None) -> None:
+    """Apply --on-nonfinite to this step (``what``: why it is non-finite; the engine did not
+    apply it), counting non-finite steps in a row in the training state. Raises NonFiniteError
+    to stop."""
     if what is None:
-        state.nonfinite_run = 0
+        engine.nonfinite_run = 0
         return
-    state.nonfinite_run += 1
-    ends = nonfinite_ends_run(cfg.on_nonfinite, state.nonfinite_run)
+    engine.nonfinite_run += 1
+    ends = nonfinite_ends_run(cfg.on_nonfinite, engine.nonfinite_run)
     if ends is None:
         log.warning("trainmesh: step %d skipped: non-finite %s (--on-nonfinite skip, %d in a row)",
-                    step, what, state.nonfinite_run)
+                    step, what, engine.nonfinite_run)
         return
     raise NonFiniteError(f"step {step}: non-finite {what} (--on-nonfinite {ends}); "
                          "the run stops, the newest checkpoint is from before it")
@@ -368,9 +370,6 @@ def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch
     if engine.moe.stats is not None:   # this rank's routing, for the all-to-all's accounting
         mine["moe_rows"] = {"routed": engine.moe.routed.round().long().tolist(),
                             "received": engine.moe.received.round().long().tolist()}
-    ranks = engine.gather_object(mine)
-    return {"event": "summary", "world_size": mesh.world_size,
-            "layout": layout_record(cfg),
-            "params": cfg.num_params(), "final_loss": final_loss,
-            "steps": engine.step_count, "ranks": ranks,
-            **({"moe": engine.moe.summary()} if engine.moe.stats is not None else {})}
+    return summary_record(cfg, final_loss=final_loss, steps=engine.step_count,
+                          ranks=engine.gather_object(mine), world_size=mesh.world_size,
+                          **({"moe": engine.moe.summary()} if engine.moe.stats is not None else {}))
