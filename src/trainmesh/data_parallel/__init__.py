@@ -81,10 +81,10 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
         own = cfg           # nvme offload: each kind's state file in its own directory
         if parts and cfg.offload_dir is not None:
             own = dataclasses.replace(cfg, offload_dir=os.path.join(cfg.offload_dir, kind))
-        groups = kind_groups(comm.mesh.degrees, kind)
+        groups = kind_groups(comm.mesh.layout, kind)
         parts.append(_strategy(own, subset, comm, groups.reduce, groups.replicate, **build))
     if not parts:
-        parts.append(_strategy(cfg, [], comm, kind_groups(comm.mesh.degrees, "dense").reduce,
+        parts.append(_strategy(cfg, [], comm, kind_groups(comm.mesh.layout, "dense").reduce,
                                None, **build))
     return parts[0] if len(parts) == 1 else CompositeSync(parts)
 

@@ -47,7 +47,7 @@ class Checkpointing:
         blocking seconds; ``measure``: filled on rank 0 with the memory the save added."""
         return (checkpoint.save if saver is None else saver.save)(
                      path, self.grad_sync, self.comm, step=self.state.step, measure=measure,
-                     layout=self.config.layout(), placements=self.placements,
+                     layout=self.config.layout_record(), placements=self.placements,
                      untrained=untrained_state(self.module),
                      # the whole model's record (tied aliases, a Hugging Face config): a stage too
                      trainer_state={**self.state.state_dict(), **model_record(self.model),

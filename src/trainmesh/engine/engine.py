@@ -70,7 +70,7 @@ class Engine(Accounting, Checkpointing):
         ``flops_per_token()``, or None (:mod:`trainmesh.observe.flops`)."""
         self.mesh = mesh or cfg.build_mesh()
         self.comm = Comm(self.mesh)
-        self.replica_axis = kind_groups(self.mesh.degrees, "dense").holders
+        self.replica_axis = kind_groups(self.mesh.layout, "dense").holders
         """The ranks holding replicas of the dense parameters, each with other tokens (dp x cp)."""
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if self.device.type == "meta":

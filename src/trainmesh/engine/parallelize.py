@@ -63,7 +63,7 @@ def apply_sequence_split(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMe
                          comm: Comm) -> None:
     """A sequence split over ranks (cp, sequence parallelism): MoE layers sum their
     per-sequence counts over the sequence's parts."""
-    split = sequence_groups(mesh.degrees, cfg.sequence_parallel)
+    split = sequence_groups(mesh.layout, cfg.sequence_parallel)
     if split:
         from trainmesh.expert_parallel.sequence import split_sequences
         split_sequences(model, comm, split)

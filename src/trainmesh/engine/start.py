@@ -51,10 +51,10 @@ def broadcast_from_root(named: Named, comm: Comm, placements: Placements) -> Non
     """Identical start on every replica, whatever the user's init: each parameter from the
     first of the ranks holding it (its kind's holders)."""
     mesh = comm.mesh
-    if mesh.size(kind_groups(mesh.degrees, "dense").holders) == 1:
+    if mesh.size(kind_groups(mesh.layout, "dense").holders) == 1:
         return
     for name, p in named:
-        axis = kind_groups(mesh.degrees, placements.kind(name)).holders
+        axis = kind_groups(mesh.layout, placements.kind(name)).holders
         comm.broadcast(p.data, axis, src=mesh.ranks(axis)[0])
 
 
