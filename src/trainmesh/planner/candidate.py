@@ -26,6 +26,8 @@ from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.context_parallel.traffic import cp_bytes_per_layer
+from trainmesh.core.axes import kind_groups
+from trainmesh.core.layout import Group
 
 from .activations import TRAINMESH, Kernels, inflight_stages
 from .cluster import Cluster
@@ -114,8 +116,9 @@ class _Split:
 def _split(model: ModelShape, cfg: ParallelConfig) -> _Split:
     experts = model.expert_params
     dense = (model.params - experts) / (cfg.pp * cfg.tp)
-    return _Split(dense, experts / (cfg.pp * cfg.ep), cfg.shard_size * cfg.cp,
-                  max(1, cfg.dp * cfg.cp // cfg.ep))
+    layout = cfg.layout   # dense states over their reduce group (dp x cp, or HSDP's shard)
+    return _Split(dense, experts / (cfg.pp * cfg.ep),
+                  layout.size(kind_groups(layout, "dense").reduce), layout.size(Group.edp))
 
 
 def _states(split: _Split, cfg: ParallelConfig) -> tuple[ModelStates, float]:

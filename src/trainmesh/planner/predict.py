@@ -54,9 +54,6 @@ from .traffic import AXES, Traffic
 __all__ = ["RankPrediction", "RunPrediction", "compare", "measured_base_bytes", "predict_layout",
            "predict_run", "sequence_sums", "zero3_gathered_bytes"]
 
-MOE_AXES = ("ep", "edp")
-"""Axes of expert parallelism's traffic (predicted where ``ep > 1``)."""
-
 RUNTIME_BYTES = 25 * 2**20
 """CPU: what a worker's RSS grows by beyond its measured base (taken after torch's deferred
 imports, :func:`~trainmesh.core.compat.load_lazy_imports`) and its model: the kernel code that

@@ -10,6 +10,7 @@ import math
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.context_parallel.traffic import cp_bytes_per_layer
 from trainmesh.core.axes import kind_groups, sequence_groups
+from trainmesh.core.layout import Group
 
 from ..models.gpt import GPTConfig
 from .activations import TRAINMESH, inflight_stages
@@ -32,11 +33,11 @@ def kind_parts(held: RankModel, layout: ParallelConfig) -> list[tuple[int, int]]
     """(parameter values, the group ZeRO shards them over) of each strategy of a rank: the dense
     parameters over dp x cp (HSDP: the shard group), under expert parallelism this rank's experts
     over edp = dp x cp / ep."""
-    dense = layout.shard_size * layout.cp      # ZeRO's group: dp x cp, or HSDP's shard group
+    dense = layout.layout.size(kind_groups(layout, "dense").reduce)   # dp x cp, or HSDP's shard
     if layout.ep == 1 or not held.expert_params:
         return [(held.params, dense)]
     return [(held.params - held.expert_params, dense),
-            (held.expert_params, layout.dp * layout.cp // layout.ep)]
+            (held.expert_params, layout.layout.size(Group.edp))]
 
 
 def device_states(held: RankModel, layout: ParallelConfig, optimizer: str,
@@ -93,7 +94,7 @@ def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
     """Bytes per step a rank of pipeline stage ``pp_rank`` passes to each op, keyed by group."""
     e = element_bytes(layout.precision)
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
-    replicas = layout.dp * layout.cp       # the gradient group: dp x cp (``dp_cp``)
+    replicas = layout.layout.size(Group.dp_cp)   # the gradient group: dp x cp
     tokens = micro_batch * gpt.seq_len // layout.cp
     m = layout.microbatches
     forwards = 2 if layout.recompute == "full" else 1   # full recompute runs each block's forward again
@@ -103,7 +104,7 @@ def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
             cp=layout.cp, micro_batch=micro_batch, seq_len=gpt.seq_len, d_model=gpt.d_model,
             tp=layout.tp, mode=layout.cp_comm, elem_bytes=e,
             forwards=1 if layout.recompute == "none" else 2)
-        cp["cp"] = {op: b * held.blocks * m for op, b in per_layer.items()}
+        cp[Group.cp] = {op: b * held.blocks * m for op, b in per_layer.items()}
     parts = kind_parts(held, layout)   # the dense parameters over dp x cp (or HSDP's shard), experts over edp
     psi, shard = parts[0]
     if layout.zero >= 1:
@@ -113,10 +114,10 @@ def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
                                    param_bytes=e, regather=zero3_regathers(layout))
     groups = kind_groups(layout, "dense")   # keyed by the groups' names: dp, dp_cp, dp_shard(_cp)
     if groups.replicate is not None:
-        dp_traffic = {"dp": {}, groups.reduce: dp_traffic["dp_shard"],
-                      groups.replicate: dp_traffic["dp_replicate"]}
-    elif groups.reduce != "dp":
-        dp_traffic = {groups.reduce: dp_traffic["dp"]}
+        dp_traffic = {Group.dp: {}, groups.reduce: dp_traffic[Group.dp_shard],
+                      groups.replicate: dp_traffic[Group.dp_replicate]}
+    elif groups.reduce != Group.dp:
+        dp_traffic = {groups.reduce: dp_traffic[Group.dp]}
     other = other_ops(world=layout.layout.world, precision=layout.precision)
     moe: Traffic = {}
     if gpt.n_experts and layout.layout.world > 1:   # the step's MoE figures: one float64 all-reduce
@@ -129,21 +130,21 @@ def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
         psi_e, edp = parts[1]
         psi_e = math.ceil(psi_e / edp) * edp if layout.zero >= 1 else psi_e
         routed = tokens // (layout.tp if layout.sequence_parallel else 1)   # SP: its own T/t tokens
-        moe = {"ep": ep_ops(ep=layout.ep, moe_layers=held.moe_blocks, tokens=routed, top_k=gpt.top_k,
+        moe = {Group.ep: ep_ops(ep=layout.ep, moe_layers=held.moe_blocks, tokens=routed, top_k=gpt.top_k,
                             hidden=gpt.d_model, value_bytes=e, microbatches=m, experts=gpt.n_experts,
                             forwards=forwards),
-               "edp": dp_ops(psi_e, dp=edp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
+               Group.edp: dp_ops(psi_e, dp=edp, zero=layout.zero, microbatches=m, grad_bytes=grad_bytes,
                              param_bytes=e, regather=zero3_regathers(layout))}
     out = {
         **moe, **dp_traffic, **cp,
-        "tp": tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
-                     value_bytes=e, microbatches=m, first=held.first, last=held.last,
-                     sequence_parallel=layout.sequence_parallel,
-                     partial_grad_bytes=grad_bytes * _partial_pieces(held, layout), forwards=forwards,
-                     moe_layers=held.moe_blocks),
-        "pp": pp_ops(pp=layout.pp, rank=pp_rank, virtual_stages=layout.virtual_stages,
-                     microbatches=m, tokens=tokens, hidden=gpt.d_model, value_bytes=e,
-                     tp=layout.tp, sequence_parallel=layout.sequence_parallel),
+        Group.tp: tp_ops(tp=layout.tp, layers=held.blocks, tokens=tokens, hidden=gpt.d_model,
+                         value_bytes=e, microbatches=m, first=held.first, last=held.last,
+                         sequence_parallel=layout.sequence_parallel,
+                         partial_grad_bytes=grad_bytes * _partial_pieces(held, layout),
+                         forwards=forwards, moe_layers=held.moe_blocks),
+        Group.pp: pp_ops(pp=layout.pp, rank=pp_rank, virtual_stages=layout.virtual_stages,
+                         microbatches=m, tokens=tokens, hidden=gpt.d_model, value_bytes=e,
+                         tp=layout.tp, sequence_parallel=layout.sequence_parallel),
         "other": other,
     }
     for axis, ops in sequence_sums(held, layout, gpt, micro_batch).items():
@@ -195,7 +196,8 @@ def buffers(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: dic
     e = element_bytes(layout.precision)
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
     unit = block_params(gpt, layout.tp) if held.blocks else held.params
-    return comm_buffers(zero=layout.zero, dp=layout.dp * layout.cp, reduce_bytes=grad_bytes * held.params,
+    return comm_buffers(zero=layout.zero, dp=layout.layout.size(Group.dp_cp),
+                        reduce_bytes=grad_bytes * held.params,
                         bucket_bytes=layout.bucket_mb * 2**20, unit_bytes=e * unit,
                         unit_grad_bytes=grad_bytes * unit,
                         stage_gathered=zero3_gathered_bytes(held, layout, gpt)
