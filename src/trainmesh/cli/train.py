@@ -199,7 +199,7 @@ def _check_nvme_space(cfg, local_ranks: int) -> None:
     from ..planner.memory import bytes_per_param
     p = cfg.parallel
     per_param = bytes_per_param(p.precision, cfg.optimizer)[2]
-    share = min(1.0, local_ranks / (p.dp * p.cp * p.pp * p.tp))
+    share = min(1.0, local_ranks / p.layout.world)
     check_space(p.offload_dir, int(per_param * cfg.num_params() * share))
 
 
