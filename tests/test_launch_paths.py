@@ -39,11 +39,11 @@ class _FakeCoordinator:
     committed = final_loss = 0
     error = None
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, records: list) -> None:
         self.committed = cfg.exit_after or cfg.steps
-        self.tally = types.SimpleNamespace(pids={}, degraded_steps=0, failed_attempts=0,
-                                           recovery_s=0.0, transfer_s=0.0)
-        self.metrics = types.SimpleNamespace(write=lambda record: None)
+        self.tally = types.SimpleNamespace(pids={0: [11], 1: [12, 13]}, degraded_steps=1,
+                                           failed_attempts=2, recovery_s=0.5, transfer_s=0.25)
+        self.metrics = types.SimpleNamespace(write=records.append)
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
@@ -59,7 +59,7 @@ def recorder(monkeypatch) -> dict:
     import trainmesh.checkpoint.savedir
     import trainmesh.run.ft_launch
     import trainmesh.run.launch
-    seen: dict = {"launches": [], "locks": [], "preload": None}
+    seen: dict = {"launches": [], "locks": [], "preload": None, "records": []}
 
     def elastic_launch(config, entrypoint):
         return lambda *args: seen["launches"].append(
@@ -80,9 +80,9 @@ def recorder(monkeypatch) -> dict:
     monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: None)
     monkeypatch.setattr(trainmesh.checkpoint.savedir, "SaveDirLock", Lock)
     monkeypatch.setattr(trainmesh.run.launch, "_prepare_agent", lambda: None)   # this process's torch
+    board = types.SimpleNamespace(record=lambda r: None, close=lambda s: None)
     monkeypatch.setattr(trainmesh.run.ft_launch, "_local_coordinator",
-                        lambda cfg, secret: (_FakeCoordinator(cfg), types.SimpleNamespace(
-                            record=lambda r: None, close=lambda s: None)))
+                        lambda cfg, secret: (_FakeCoordinator(cfg, seen["records"]), board))
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")   # restored after the test
     monkeypatch.setenv(SECRET_ENV, SECRET)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)   # so that the threads each path picks show
@@ -156,7 +156,15 @@ def test_fault_tolerant_and_plain_launches_set_up_agents_alike(recorder, tmp_pat
     assert plain[0]["entry"] is worker_entry
     assert plain_locks == ft_locks == [str(tmp_path / "ckpt")], \
         f"the --save-dir lock: plain {plain_locks}, fault-tolerant {ft_locks}"
-    assert "fault-tolerance coordinator" not in capsys.readouterr().err   # the fake's, not a real one
+    summary, = recorder["records"]   # the launcher's part after the agents: the run's summary
+    assert list(summary) == ["event", "world_size", "layout", "params", "final_loss", "steps",
+                             "ranks", "fault_tolerance"], summary
+    assert summary["ranks"] == [{"rank": 0, "replica": 0, "pids": [11], "restarts": 0},
+                                {"rank": 1, "replica": 1, "pids": [12, 13], "restarts": 1}]
+    assert summary["fault_tolerance"] == {"degraded_steps": 1, "failed_attempts": 2,
+                                          "recovery_s": 0.5, "state_transfer_s": 0.25}
+    assert (summary["world_size"], summary["steps"]) == (2, 2)
+    assert "2 steps in" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(60)

@@ -165,20 +165,20 @@ def _print_header(cfg: TrainConfig) -> None:
 
 
 def _summary(cfg: TrainConfig, coordinator: Any, failures: dict[int, str]) -> dict[str, Any]:
-    from trainmesh.observe.layout import layout_record
+    """The run's summary record: a row per replica (its first rank, pids, restarts, failure)
+    and fault tolerance's tally."""
+    from trainmesh.observe.summary import summary_record
     t, ranks = coordinator.tally, cfg.parallel.replica_ranks
-    return {"event": "summary", "world_size": cfg.parallel.world_size,
-            "layout": layout_record(cfg),
-            "params": cfg.num_params(), "final_loss": coordinator.final_loss,
-            "steps": coordinator.committed,
-            "ranks": [{"rank": r * ranks, "replica": r, "pids": t.pids.get(r, []),
-                       "restarts": max(0, len(t.pids.get(r, [])) // ranks - 1),
-                       **({"failed": failures[r]} if r in failures else {})}
-                      for r in range(cfg.parallel.replicas)],
-            "fault_tolerance": {"degraded_steps": t.degraded_steps,
-                                "failed_attempts": t.failed_attempts,
-                                "recovery_s": round(t.recovery_s, 3),
-                                "state_transfer_s": round(t.transfer_s, 3)}}
+    rows = [{"rank": r * ranks, "replica": r, "pids": t.pids.get(r, []),
+             "restarts": max(0, len(t.pids.get(r, [])) // ranks - 1),
+             **({"failed": failures[r]} if r in failures else {})}
+            for r in range(cfg.parallel.replicas)]
+    return summary_record(cfg, final_loss=coordinator.final_loss, steps=coordinator.committed,
+                          ranks=rows,
+                          fault_tolerance={"degraded_steps": t.degraded_steps,
+                                           "failed_attempts": t.failed_attempts,
+                                           "recovery_s": round(t.recovery_s, 3),
+                                           "state_transfer_s": round(t.transfer_s, 3)})
 
 
 class ReplicaWorker(WorkerMain):

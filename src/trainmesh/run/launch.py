@@ -154,10 +154,11 @@ class Launch:
         return 1 if failures else 0
 
 
-def launch_local(cfg: TrainConfig, *, nproc: int, max_restarts: int = 0,
+def launch_local(cfg: TrainConfig, *, nproc: int | None = None, max_restarts: int = 0,
                  end_process_on_failure: bool = True,
                  worker_setup: Callable[[], None] | None = None) -> int:
-    """Train under ``cfg`` on ``nproc`` local workers (the plain run); return the exit code."""
+    """Train under ``cfg`` on ``nproc`` local workers (default: the layout's world size), the
+    plain run; return the exit code."""
     return launch(Launch(cfg, nproc=nproc), max_restarts=max_restarts, worker_setup=worker_setup,
                   end_process_on_failure=end_process_on_failure)
 
