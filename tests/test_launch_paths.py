@@ -11,6 +11,7 @@ the plain launch takes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -168,21 +169,22 @@ def test_fault_tolerant_and_plain_launches_set_up_agents_alike(recorder, tmp_pat
 
 
 @pytest.mark.timeout(60)
-def test_model_dir_workers_preload_transformers_on_both_paths(recorder, tmp_path):
+def test_model_dir_workers_preload_transformers_on_both_paths(recorder, tmp_path, monkeypatch):
     """The drift this launcher removed: the fault-tolerant path's workers did not start with
-    transformers imported for a --model-dir run."""
-    transformers = pytest.importorskip("transformers")
-    directory = tmp_path / "qwen2"
-    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )).save_pretrained(str(directory))
-    cfg = build_train_config({"model_dir": str(directory), "dp": 2, "fault_tolerant": True,
+    transformers imported for a --model-dir run. (The model's config alone: no weights are
+    read, and its parameter count, which the launcher prints, would build the model.)"""
+    pytest.importorskip("transformers")
+    from trainmesh.config.train import TrainConfig
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 64,
+        "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "num_hidden_layers": 1, "max_position_embeddings": 16}))
+    monkeypatch.setattr(TrainConfig, "num_params", lambda self: 1)
+    cfg = build_train_config({"model_dir": str(tmp_path), "dp": 2, "fault_tolerant": True,
                               "steps": 2, "seq_len": 16, "global_batch": 4})
     plain, ft, _, _ = _both(recorder, cfg, None)
-    hub = [WORKER_IMAGE, HF_PRELOAD] if "forkserver" in multiprocessing.get_all_start_methods() else None
-    assert plain[0]["preload"] == hub, plain[0]["preload"]
+    forked = "forkserver" in multiprocessing.get_all_start_methods()
+    assert plain[0]["preload"] == ([WORKER_IMAGE, HF_PRELOAD] if forked else None), plain[0]["preload"]
     _assert_same_setup(plain, ft)
 
 
