@@ -86,7 +86,7 @@ class ParallelMesh:
         None): its coordinates and the members of each of its groups."""
         mesh = cls.__new__(cls)
         mesh.layout, mesh.timeout_s, mesh.local = check_degrees(layout), TIMEOUT_S, True
-        mesh._distributed, mesh.world_size = False, layout.world
+        mesh._distributed, mesh.world_size = False, mesh.layout.world
         mesh._place(rank)
         mesh._groups = dict.fromkeys(mesh._ranks)
         return mesh
