@@ -1,5 +1,6 @@
-"""Dependencies point one way: core -> comm -> observe -> models, data -> config -> the parallel
-building blocks and the planner -> checkpoint -> engine -> run -> cli.
+"""Dependencies point one way: core -> comm -> observe -> models, data, the strategies'
+declarations -> config -> the parallel building blocks and the planner -> checkpoint -> engine
+-> run -> cli.
 
 Walks every module's imports with ``ast`` (nothing is imported, so no torch; imports under
 ``if TYPE_CHECKING:`` are annotations, not dependencies, and are skipped): no module may reach
@@ -15,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "src" / "trainmesh"
 # Package -> layer. A package may import packages of its own layer or below, never above.
 LAYERS = {
-    "core": 0, "comm": 1, "observe": 2, "models": 3, "data": 3, "config": 4,
+    "core": 0, "comm": 1, "observe": 2, "models": 3, "data": 3, "strategies": 3, "config": 4,
     "data_parallel": 5, "tensor_parallel": 5, "pipeline_parallel": 5, "parameter_server": 5,
     "planner": 5, "context_parallel": 5, "expert_parallel": 5, "fault_tolerance": 5, "checkpoint": 6, "engine": 7, "run": 8, "cli": 9,
 }

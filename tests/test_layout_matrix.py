@@ -1,16 +1,21 @@
-"""The whole mesh composes: a pairwise matrix generated from the axis table, each layout run by
-`trainmesh train` against one process with the same model flags (loss within LOSS_ABS, grad
-norm within NORM_REL, 20 steps; tests/helpers.py ``assert_equivalent``).
+"""The whole mesh composes: a pairwise matrix generated from the table of rules (the axes' and
+every strategy's, :mod:`trainmesh.strategies.table`), each layout run by `trainmesh train`
+against one process with the same model flags (loss within LOSS_ABS, grad norm within
+NORM_REL, 20 steps; tests/helpers.py ``assert_equivalent``). A DiLoCo row runs one inner step,
+outer lr 1, no outer momentum, SGD without clipping: DP exactly, so one process (SGD, no clip)
+is its reference, by loss (DiLoCo forms no global gradient norm).
 
 The rows: :data:`PINNED` (the layouts refusals used to hide: MoE under cp, under sequence
 parallelism and with ep over dp x cp; HSDP with tp, pp, cp and ep; offload with sequence
 parallelism), then rows picked greedily (most new pairs per process) from every valid layout
-of the table's :data:`~trainmesh.core.axes.FEATURES` (at most :data:`MAX_WORLD` processes)
+of the table's :data:`~trainmesh.strategies.table.FEATURES` (at most :data:`MAX_WORLD` processes)
 until every pair of features of two axes is in some row — a covering array. The 16-process
 layout of ``test_the_whole_mesh_in_one_run`` (ZeRO-3 x tp + SP x pp x cp x ep) counts too.
 ``test_every_pair_is_run_or_refused`` holds the table to it: a feature added to FEATURES fails
-it until each of its pairs is in a row or refused by a rule, and each of the table's RULES is a
-refusal case here (exit 2 before any worker, one line naming its flag).
+it until each of its pairs is in a row or refused by a rule (its ``pairs``), and each of the
+table's RULES is a refusal case here (exit 2 before any worker, one line naming its flag; a
+rule on the model's facts with a model that has them). ``test_no_layout_refusal_outside_the_table``
+walks the source for a ConfigError about the layout raised anywhere else.
 
 Planted bugs this module catches (each seen failing with an assertion): the MoE slot counts not
 summed over cp (moe-cp2: grad norm 4% off) nor over tp under sequence parallelism (moe-tp2-sp:
@@ -20,23 +25,34 @@ sum (dp2-zero1-offload-tp2-sp: 7% off).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import types
 from dataclasses import fields
 
 import pytest
-from helpers import SMALL, assert_equivalent, one_process, run_train, summary
+from helpers import SMALL, assert_equivalent, one_process, run_train, steps, summary
+from tolerances import LOSS_ABS
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.config.train import FLAGS, build_train_config
 from trainmesh.core import axes
+from trainmesh.core.axes import Facts
 from trainmesh.core.errors import ConfigError
+from trainmesh.strategies import table
 
 MAX_WORLD = 8
 MOE = ["--experts", "4", "--moe-aux-loss", "0.1"]
 """The MoE rows' model: every block's MLP a mixture of 4 experts (top 2), a load-balancing
 coefficient large enough that its gradient shows in the norm."""
 STEPS = 20
+DILOCO_SGD = ["sgd", "--grad-clip", "0", "--lr", "0.1"]
+"""DiLoCo rows' optimizer (and their reference's): SGD without clipping, which DiLoCo with one
+inner step, outer lr 1 and no outer momentum follows exactly as DP. At SGD's default lr 0.3 the
+MoE model amplifies rounding noise (tp 2 with sequence parallelism, no load-balancing loss:
+1e-6 at step 5, 1e-4 by step 20; with it, a 1e-3 loss jump at step 5 from step 4's 5e-7, in
+plain mesh training too: a near-tied routing choice flipping); at 0.1 they agree within 1e-6."""
 FLAG_OF = {f.field: name for name, f in FLAGS.items()}
 SHAPE = {"layers": 2, "d_model": 32, "heads": 4, "seq_len": 16, "vocab_size": 64,
          "global_batch": 8, "steps": STEPS, "warmup_steps": 5}
@@ -62,6 +78,7 @@ LAUNCH_WEIGHT = 6
 launch adds its launcher and start-up): cheap rows, but not many rows of one pair each."""
 
 DEFAULTS = {**{f.name: f.default for f in fields(ParallelConfig)}, "experts": 0}
+FACTS = set(Facts.__dataclass_fields__)
 
 
 def _facts(settings: dict) -> types.SimpleNamespace:
@@ -70,12 +87,12 @@ def _facts(settings: dict) -> types.SimpleNamespace:
 
 def features_of(settings: dict) -> frozenset[str]:
     facts = _facts(settings)
-    return frozenset(f.name for f in axes.FEATURES if f.on(facts))
+    return frozenset(f.name for f in table.FEATURES if f.on(facts))
 
 
 def world_of(settings: dict) -> int:
     f = _facts(settings)
-    return f.dp * f.tp * f.pp * f.cp
+    return f.dp * f.tp * f.pp * f.cp + (f.ps_servers if f.strategy == "ps" else 0)
 
 
 def valid(settings: dict) -> bool:
@@ -89,16 +106,16 @@ def valid(settings: dict) -> bool:
 
 
 def pairs_of(names: frozenset[str]) -> set[tuple[str, str]]:
-    axis = {f.name: f.axis for f in axes.FEATURES}
+    axis = {f.name: f.axis for f in table.FEATURES}
     return {(a, b) for a, b in itertools.combinations(sorted(names), 2) if axis[a] != axis[b]}
 
 
 def every_pair() -> set[tuple[str, str]]:
-    return pairs_of(frozenset(f.name for f in axes.FEATURES))
+    return pairs_of(frozenset(f.name for f in table.FEATURES))
 
 
 def refused_pairs() -> set[tuple[str, str]]:
-    return {tuple(sorted(r.pair)) for r in axes.RULES if r.pair is not None}
+    return {tuple(sorted(p)) for r in table.RULES for p in r.pairs}
 
 
 def candidates() -> list[dict]:
@@ -106,7 +123,7 @@ def candidates() -> list[dict]:
     MAX_WORLD processes, ZeRO only where dp x cp has ranks to shard over, in a fixed order (not
     yet checked against the rules)."""
     by_axis: dict[str, list[dict]] = {}
-    for f in axes.FEATURES:
+    for f in table.FEATURES:
         by_axis.setdefault(f.axis, [{}]).append(f.settings)
     out = []
     for choice in itertools.product(*by_axis.values()):
@@ -163,15 +180,162 @@ def test_every_pair_is_run_or_refused():
     for name, settings in ROWS.items():
         assert valid(settings), name
         assert world_of(settings) <= MAX_WORLD, name
-    assert len(ROWS) <= 14, sorted(ROWS)        # few launches: the suite's time
+    for strategy in table.STRATEGIES:     # every strategy is a row of the matrix
+        assert strategy.features, strategy.name
+    assert len(ROWS) <= 21, sorted(ROWS)        # few launches: the suite's time
+
+
+HUB = ["--seq-len", "16", "--vocab-size", "64", "--global-batch", "8", "--steps", "2"]
+"""A --model-dir run's flags (the model sets layers, width and heads)."""
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory) -> str:
+    """A tiny Llama with tied embeddings (its head's weight is the input embedding's)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tied") / "llama"
+    with contextlib.redirect_stderr(io.StringIO()):       # its progress bar
+        transformers.LlamaForCausalLM(config).save_pretrained(str(path))
+    return str(path)
+
+
+def _argv(rule, tmp_path, request) -> list[str] | None:
+    """``trainmesh train`` arguments that break ``rule``: its example's fields as flags, its
+    facts as a model or run that has them (None: no model the suite builds has the fact)."""
+    fields = {k: v for k, v in rule.example.items() if k not in FACTS or k in ("experts", "layers")}
+    facts = {k: v for k, v in rule.example.items() if k in FACTS and k not in ("experts", "layers")}
+    if "ties_on_one_rank" in facts:
+        return None                  # no hub family the suite builds shares a block: in process
+    base = SMALL
+    if facts.get("ties") or facts.get("hub"):
+        base = [*HUB, "--model-dir", request.getfixturevalue("tied_llama")]
+    if facts.get("saves"):
+        fields["save_dir"] = str(tmp_path / "ck")
+    if "offload_dir" in fields:
+        fields["offload_dir"] = str(tmp_path / fields["offload_dir"])
+    return ["train", *base, *flags_of(fields)]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("rule", axes.RULES, ids=[f"{r.flag}-{i}" for i, r in enumerate(axes.RULES)])
-def test_each_rule_exits_2_before_any_worker(rule, no_launch, refused):
-    line = refused(["train", *SMALL, *flags_of(rule.example)], rule.flag)
+@pytest.mark.parametrize("rule", table.RULES, ids=[f"{r.flag}-{i}" for i, r in enumerate(table.RULES)])
+def test_each_rule_exits_2_before_any_worker(rule, no_launch, refused, tmp_path, request):
+    """Every row of the table, the strategies' and the model's included: ``trainmesh train``
+    exits 2 with its line before any worker starts (a fact no model here has: the table's
+    refusal in process)."""
+    facts = Facts(**{k: v for k, v in rule.example.items() if k in FACTS})
+    layout = _facts(rule.example)
+    want = rule.message(layout, facts)
+    argv = _argv(rule, tmp_path, request)
+    if argv is None:
+        cfg = ParallelConfig(**{k: v for k, v in rule.example.items() if k not in FACTS})
+        found = table.refusal(cfg, facts)
+        assert found is not None and (found.flag, found.message) == (rule.flag, want), found
+        return
+    line = refused(argv, rule.flag)
     assert no_launch == []
-    assert rule.why.format(c=_facts(rule.example), experts=rule.example.get("experts"))[:30] in line
+    assert want[:40] in line, (want, line)
+
+
+def test_a_weight_shared_by_stages_of_one_rank_is_the_tables_refusal():
+    """The fact the pipeline runtime reads (a model given to the Python API): two stages one
+    rank holds share a weight (interleaved: stage s on rank s mod pp), refused by the table."""
+    from torch import nn
+
+    from trainmesh.pipeline_parallel.partition import partition, shared_stages, ties_on_one_rank
+    shared = nn.Linear(4, 4)
+    layers = [(str(i), m) for i, m in enumerate([shared, nn.Linear(4, 4), shared, nn.Linear(4, 4)])]
+    stages = partition(layers, 4, [1, 2, 3])           # pp 2 x 2 chunks: layers 0 and 2 on rank 0
+    assert ties_on_one_rank(shared_stages(stages), 2)
+    assert not ties_on_one_rank(shared_stages(partition(layers, 2, [2])), 2)   # stage 0, 1
+    with pytest.raises(ConfigError) as err:
+        table.check_facts(types.SimpleNamespace(pp=2), Facts(ties_on_one_rank=True))
+    assert err.value.field == "--pp" and "different ranks" in err.value.message
+    table.check_facts(types.SimpleNamespace(pp=2), Facts(ties_on_one_rank=False))
+
+
+ALLOWED = {
+    "strategies/table.py": "the table's check",
+    "core/axes.py": "check_degrees: every degree a positive integer, the factored ones dividing",
+    "config/validation.py": "each field's own type and range",
+    "config/parallel.py": "check_pipeline: a schedule's own rules, shared with `trainmesh "
+                          "schedule`, which builds schedules without a config",
+    "config/model_dir.py": "a --model-dir model's config.json against the degrees (its experts "
+                           "and heads): the model's shape, as the built-in GPT's in models/gpt.py",
+    "cli/train.py": "the launch environment: a torchrun/srun world size the flags do not fill, "
+                    "--fault-tolerant under torchrun/srun",
+    "cli/launch.py": "the launch environment: srun's nodes and tasks per node",
+    "engine/pretrained.py": "what a hub model's declared plans allow (the model built on meta)",
+    "tensor_parallel/hf_experts.py": "what a hub model's declared plans allow",
+    "context_parallel/hf_attention.py": "what a hub model's attention allows",
+    "context_parallel/parallelize.py": "a model given to the Python API without attention to split",
+    "expert_parallel/hf.py": "what a hub model's declared expert plan allows",
+    "engine/compile.py": "this machine: a compiler for --compile, a model it can compile",
+    "data_parallel/nvme.py": "this machine: disk space for --offload nvme",
+    "cli/plan.py": "the advisor's own --precision value (it searches layouts, it is given none)",
+    "data_parallel/diloco.py": "a DiLoCo checkpoint's strategy and replica count against the "
+                               "layout resuming it, read when it loads",
+}
+"""Where a ConfigError about the layout may be raised outside the table, and why."""
+
+
+def _layout_errors() -> list[tuple[str, int, str]]:
+    """Every ``ConfigError(FLAG, ...)`` in src/trainmesh whose FLAG is a ParallelConfig field's
+    flag (a literal, or an f-string or choice of literals starting with one):
+    (path under src/trainmesh, line, flag)."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "src" / "trainmesh"
+    layout = {name for name, f in FLAGS.items() if f.field in ParallelConfig.field_names()}
+    prefixes = {name[2:] for name in layout}
+
+    def flags(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value] if node.value in layout else []
+        if isinstance(node, ast.IfExp):
+            return flags(node.body) + flags(node.orelse)
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            head = node.values[0].value
+            return [head] if head == "--" or head[2:].split("-")[0] in prefixes else []
+        return []
+
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and node.args
+                    and getattr(node.func, "id", getattr(node.func, "attr", None)) == "ConfigError"):
+                out += [(str(path.relative_to(root)), node.lineno, f) for f in flags(node.args[0])]
+    return out
+
+
+def test_no_layout_refusal_outside_the_table():
+    """A ConfigError naming a layout flag (a ParallelConfig field's: --dp, --zero, --strategy,
+    --allreduce, --fault-tolerant, ...) is raised by the table's check only, or where
+    :data:`ALLOWED` says why not."""
+    found = _layout_errors()
+    assert any(p == "core/axes.py" for p, _, _ in found)          # the walk sees flags
+    outside = [f"{p}:{line} {flag}" for p, line, flag in found if p not in ALLOWED]
+    assert not outside, f"layout refusals outside the table: {outside}"
+
+
+def test_the_layouts_page_lists_every_rule():
+    """docs/LAYOUTS.md's table of rules and the code's are the same rows: (owner, flag) for the
+    axes' rules and each strategy's (a rule removed from the code, or added to it, fails here)."""
+    from pathlib import Path
+    page = (Path(__file__).resolve().parents[1] / "docs" / "LAYOUTS.md").read_text()
+    owners = ("axes", *(s.name for s in table.STRATEGIES))
+    listed = sorted((cells[1], cells[2].strip("`")) for line in page.splitlines()
+                    if (cells := [c.strip() for c in line.split("|")])[1:2] and cells[1] in owners)
+    code = sorted([*(("axes", r.flag) for r in axes.RULES),
+                   *((s.name, r.flag) for s in table.STRATEGIES for r in s.rules)])
+    assert listed == code, (f"in the code, not on the page: {sorted(set(code) - set(listed))}; "
+                            f"on the page, not in the code: {sorted(set(listed) - set(code))}")
+    assert len(code) == len(table.RULES)
 
 
 def test_the_planner_reads_the_group_sizes():
@@ -182,6 +346,7 @@ def test_the_planner_reads_the_group_sizes():
     assert axes.sequence_groups(ParallelConfig(tp=2, cp=2, sequence_parallel=True), True) == ("cp", "tp")
     assert axes.refusal(ParallelConfig(dp=2, ep=2), experts=0).flag == "--ep"
     assert axes.refusal(ParallelConfig(dp=2, ep=2), experts=4) is None
+    assert table.refusal(ParallelConfig(dp=2, ep=2), Facts(experts=0)).flag == "--ep"
 
 
 def test_mesh_groups_follow_the_views():
@@ -202,13 +367,20 @@ def test_mesh_groups_follow_the_views():
 @pytest.mark.parametrize("name", list(ROWS))
 def test_layout_matches_one_process(name, reference_run, tmp_path):
     settings = ROWS[name]
-    moe = settings.get("experts", 0) > 0
-    ref = reference_run([*one_process("adamw"), *(MOE if moe else [])])
+    moe = MOE if settings.get("experts", 0) > 0 else []
+    diloco = settings.get("strategy") == "diloco"
+    optimizer = ["--optimizer", *(DILOCO_SGD if diloco else ["adamw"])]
+    ref = reference_run([*one_process(optimizer[1]), *optimizer[2:], *moe])
     row = {k: v for k, v in settings.items() if k != "experts"}
-    proc, run = run_train([*SMALL, "--optimizer", "adamw", *(MOE if moe else []), *flags_of(row)],
-                          tmp_path, timeout=540)
+    proc, run = run_train([*SMALL, *optimizer, *moe, *flags_of(row)], tmp_path, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_equivalent(ref, run)
+    if not diloco:
+        assert_equivalent(ref, run)
+        return
+    a, b = steps(ref), steps(run)      # DiLoCo as DP: the same losses (no global grad norm)
+    assert len(a) == len(b) == STEPS and all(r.get("outer") for r in b), (len(a), len(b))
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= LOSS_ABS, f"step {x['step']}: loss {x['loss']} vs {y['loss']}"
 
 
 @pytest.mark.slow

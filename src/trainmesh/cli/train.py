@@ -153,9 +153,6 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
                                                 ("--trace-out", cfg.trace_out)) if path is not None]
     for flag, path in outputs:
         check_output_file(flag, path)
-    if p.strategy == "ps" and (cfg.save_dir or cfg.timeline_out):   # parameter server: no checkpoints yet
-        raise ConfigError("--save-dir" if cfg.save_dir else "--timeline-out",
-                          "is not supported with --strategy ps")
     if cfg.resume:
         from trainmesh.checkpoint.resume import check_intact, check_resume
         check_intact(cfg.save_dir, verify=launching)   # checksums once, by the launcher

@@ -5,6 +5,7 @@ from typing import Any
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.models.hf import max_positions, n_experts, read_model_config
+from trainmesh.strategies import table
 
 
 def check_expert_count(config: dict[str, Any], ep: int) -> None:
@@ -56,9 +57,7 @@ def check_model_config(cfg: Any) -> int:
                         ("--init-from", cfg.init_from)):
         if given is not None:
             raise ConfigError(flag, f"is set by --model-dir ({cfg.model_dir}); valid: leave it out")
-    if p.strategy == "ps":   # its loop holds whole replicas of the built-in GPT
-        raise ConfigError("--strategy", "ps trains the built-in GPT, not --model-dir models; "
-                          "valid: --strategy mesh (dp, ZeRO, tp, pp, cp, ep) or diloco")
+    table.check(p, cfg.facts(hub=True))   # the table's rules on a hub model (its ties: preflight)
     check_expert_count(config, p.ep)
     heads = {"attention heads": config.get("n_head") or config.get("num_attention_heads"),
              "key/value heads": config.get("num_key_value_heads")}

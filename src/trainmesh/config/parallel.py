@@ -3,9 +3,9 @@
 Every field is settable from a TOML file and from ``trainmesh train`` flags (the flag is the
 field name with dashes, ``timeout_s`` is ``--timeout``; :mod:`trainmesh.config.validation`). Every
 check of a layout runs here: :func:`~trainmesh.config.validation.check_fields` checks each field's
-type and range, ``__post_init__`` the rules between fields — the axes' degrees and rules from the
-axis table (:mod:`trainmesh.core.axes`), the strategies' own rules (parameter server, DiLoCo,
-fault tolerance) below. Checks raise :class:`ConfigError` naming the flag and what would be valid.
+type and range, ``__post_init__`` the pipeline schedule's rules and then the table of rules
+(:mod:`trainmesh.strategies.table`: the axes' degrees and rules and every strategy's). Checks
+raise :class:`ConfigError` naming the flag and what would be valid.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from trainmesh.config.validation import check_fields, setting
-from trainmesh.core import axes
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.layout import Layout
 from trainmesh.core.mesh import TIMEOUT_S, ParallelMesh
+from trainmesh.strategies import table
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1p")
 """Pipeline schedules the training runtime runs (``trainmesh schedule`` draws the same); the one
@@ -142,52 +142,11 @@ class ParallelConfig:
         check_fields(self)
         check_pipeline(self.schedule, pp=self.pp, microbatches=self.microbatches,
                        virtual_stages=self.virtual_stages)
-        if self.reduce_dtype not in (None, "fp32", self.precision):
-            raise ConfigError("--reduce-dtype", f"must be fp32 or the compute dtype "
-                              f"({self.precision}); got {self.reduce_dtype!r}")
-        if self.min_dp is not None and self.min_dp > self.dp:
-            raise ConfigError("--min-dp", f"must be at most --dp {self.dp} (--dp is the full layout, "
-                              f"--min-dp the smallest it may shrink to); got {self.min_dp}")
-        axes.check(self)   # the degrees and the rules between the axes (the model's: TrainConfig)
-        self._check_offload()
-        if self.compile_backend != "inductor" and not self.compile:
-            raise ConfigError("--compile-backend", "chooses --compile's backend; needs --compile")
-        if self.zero3_units is not None and self.zero != 3:
+        # the degrees, the axes' rules and every strategy's (with the model's and the run's
+        # facts: TrainConfig)
+        table.check(self)
+        if self.zero3_units is not None and self.zero != 3:   # the Python API's own field
             raise ConfigError("zero3_units", f"chooses ZeRO-3's units; needs zero=3 (got zero={self.zero})")
-        self._check_ps()
-        self._check_diloco()
-        if self.strategy == "ps":       # (DiLoCo's own rules: _check_diloco)
-            for name, changed in (("cp", self.cp > 1), ("ep", self.ep > 1),
-                                  ("dp-shard", self.dp_shard not in (None, self.dp)),
-                                  ("fault-tolerant", self.fault_tolerant)):
-                if changed:
-                    raise ConfigError(f"--{name}", f"needs --strategy mesh (got {self.strategy})")
-        self._check_fault_tolerant()
-
-    def _check_fault_tolerant(self) -> None:
-        """--fault-tolerant protects data-parallel replicas: each the cp x pp x tp ranks of one
-        dp index (--zero 0), or of one shard group of --dp-shard dp indices (--zero 1, 2 or 3),
-        with whatever runs inside it (ep, sequence parallelism, any precision); what stays
-        refused cannot mean anything for replicas that come and go."""
-        if not self.fault_tolerant:
-            return
-        if self.dp < 2:
-            raise ConfigError("--fault-tolerant", f"needs --dp >= 2 (replicas that can stand in for "
-                              f"each other); got --dp {self.dp}")
-        if self.zero > 0 and self.shard_size == self.dp:
-            raise ConfigError("--zero", f"{self.zero} with --fault-tolerant shards inside each replica: "
-                              "needs --dp-shard S < --dp (replicas of S ranks); valid without it: 0")
-        if (self.replica_dp * self.cp) % self.ep:
-            raise ConfigError("--ep", f"{self.ep} with --fault-tolerant spreads experts inside one "
-                              f"replica (a replica lost must not take experts with it): must divide "
-                              f"its dp x cp = {self.replica_dp} x {self.cp} (raise --dp-shard)")
-        for flag, changed, valid in (
-                ("--min-dp", self.min_dp is not None, "unset: replicas come and go per step"),
-                ("--offload", self.offload != "none", "none: the live state is copied from memory"),
-                ("--allreduce", self.allreduce != "native", "native")):
-            if changed:
-                raise ConfigError(flag, "is not supported with --fault-tolerant, whose replicas "
-                                  f"reduce across each other themselves (valid: {valid})")
 
     @property
     def replica_ranks(self) -> int:
@@ -219,59 +178,6 @@ class ParallelConfig:
     def shard_size(self) -> int:
         """Ranks ZeRO shards over: --dp-shard, else dp."""
         return self.layout.dp_shard
-
-    def _check_offload(self) -> None:
-        """Offload's own settings (that it needs ZeRO is the axis table's rule)."""
-        if self.offload_params and (self.zero != 3 or self.offload == "none"):
-            raise ConfigError("--offload-params", "needs --zero 3 and --offload cpu or nvme")
-        if self.offload_dir is not None and self.offload != "nvme":
-            raise ConfigError("--offload-dir", "is where --offload nvme writes; needs --offload nvme")
-
-    def _check_ps(self) -> None:
-        """The parameter-server and all-reduce-algorithm rules between fields."""
-        if self.allreduce != "native" and (self.zero > 0 or self.strategy != "mesh"):
-            raise ConfigError("--allreduce", f"{self.allreduce} reduces DDP's buckets; needs --zero 0 "
-                              "and --strategy mesh (valid otherwise: native)")
-        if self.strategy != "ps" and (self.ps_servers != 1 or self.ps_mode != "sync"):
-            raise ConfigError("--ps-servers" if self.ps_servers != 1 else "--ps-mode",
-                              "needs --strategy ps")
-        if self.ps_staleness is not None and (self.strategy != "ps" or self.ps_mode != "async"):
-            raise ConfigError("--ps-staleness", "bounds async training; needs --strategy ps --ps-mode async")
-        if self.strategy == "ps":
-            for name, changed in (("tp", self.tp > 1), ("pp", self.pp > 1), ("zero", self.zero > 0),
-                                  ("precision", self.precision != "fp32"),
-                                  ("recompute", self.recompute != "none"),
-                                  ("min-dp", self.min_dp is not None)):
-                if changed:
-                    raise ConfigError(f"--{name}", "must stay at its default with --strategy ps "
-                                      "(fp32 replicas of whole parameters; --dp sets the trainers)")
-
-    def _check_diloco(self) -> None:
-        """DiLoCo's flags need it. Its replica is the tp x pp x cp ranks of one dp index, or with
-        ZeRO inside it one shard group of --dp-shard dp indices (docs/DILOCO.md); what it does
-        not combine with is refused, naming why."""
-        if self.strategy != "diloco":
-            for name, changed in (("inner-steps", self.inner_steps != 500),
-                                  ("outer-lr", self.outer_lr != 0.7),
-                                  ("outer-momentum", self.outer_momentum != 0.9)):
-                if changed:
-                    raise ConfigError(f"--{name}", "sets DiLoCo's synchronisation; needs --strategy diloco")
-            return
-        if self.outer_momentum >= 1:
-            raise ConfigError("--outer-momentum", f"must be in [0, 1); got {self.outer_momentum}")
-        if self.zero > 0 and self.shard_size == self.dp:
-            raise ConfigError("--zero", f"{self.zero} with --strategy diloco shards inside each replica: "
-                              "needs --dp-shard S < --dp (replicas of S dp ranks, synchronised every "
-                              "--inner-steps); valid without it: 0 (a replica per dp index)")
-        why = {"ep": "an ep group spans several replicas, whose all-to-all would couple them every step",
-               "cp": "a replica's ZeRO group would span its dp-shard x cp ranks (use --zero 0 with --cp)",
-               "fault-tolerant": "fault-tolerant replicas synchronise every step",
-               "min-dp": "the replicas' inner states do not survive a resize (leave --min-dp unset)"}
-        for name, changed in (("ep", self.ep > 1), ("cp", self.cp > 1 and self.zero > 0),
-                              ("fault-tolerant", self.fault_tolerant),
-                              ("min-dp", self.min_dp is not None)):
-            if changed:
-                raise ConfigError(f"--{name}", f"is not supported with --strategy diloco: {why[name]}")
 
     @property
     def microbatch_multiple(self) -> int:

@@ -16,9 +16,10 @@ from typing import Any
 
 from trainmesh.config.parallel import GRAD_CLIP, ParallelConfig
 from trainmesh.config.validation import INT64_MAX, Flag, check_fields, flags_of, setting
-from trainmesh.core import axes
+from trainmesh.core.axes import Facts
 from trainmesh.core.errors import ConfigError
 from trainmesh.models.gpt import PRESETS, GPTConfig
+from trainmesh.strategies import table
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -220,9 +221,10 @@ class TrainConfig:
             from trainmesh.config.model_dir import check_model_config
             self.vocab_size = check_model_config(self)
             return
-        if p.pp * p.virtual_stages > gpt.n_layers:
-            raise ConfigError("--pp", f"pp x virtual-stages = {p.pp * p.virtual_stages} exceeds the "
-                              f"model's {gpt.n_layers} layers")
+        # the table's rules with the built-in GPT's facts (its experts and blocks; its head is
+        # untied) and the run's
+        table.check(p, self.facts(experts=gpt.n_experts, layers=gpt.n_layers, ties=False,
+                                  ties_on_one_rank=False, hub=False))
         from trainmesh.models.gpt import validate_gpt
         validate_gpt(gpt, p.tp, sequence_parallel=p.sequence_parallel)
         self._check_cp_ep(gpt)
@@ -236,10 +238,14 @@ class TrainConfig:
         if p.cp > 1 and p.sequence_parallel and (gpt.seq_len // p.cp) % p.tp:
             raise ConfigError("--seq-len", f"with --cp {p.cp} and --sequence-parallel, seq-len / cp "
                               f"= {gpt.seq_len // p.cp} must be divisible by --tp {p.tp}")
-        axes.check(p, experts=gpt.n_experts)    # the axis table's rules on the model (ep, experts)
         if gpt.n_experts and gpt.moe_every > gpt.n_layers:
             raise ConfigError("--moe-every", f"must be at most --layers {gpt.n_layers} (no block "
                               f"would be a mixture of experts); got {gpt.moe_every}")
+
+    def facts(self, **model: Any) -> Facts:
+        """The facts of this run the table's rules read (:class:`~trainmesh.core.axes.Facts`):
+        ``model``'s (experts, layers, ties, hub) and whether it saves checkpoints."""
+        return Facts(saves=self.save_dir is not None, **model)
 
     def _check_resume_from(self) -> None:
         """--resume-from names a DCP checkpoint directory, and is not combined with --resume."""

@@ -12,9 +12,11 @@ re-exported here); a layout's degrees are one :class:`~trainmesh.core.layout.Lay
 the initial broadcast, the checkpoint writer and the norm read these rows.
 
 **Rules** (:data:`RULES`): combinations that mean nothing, each with its reason, the flag its
-refusal names and an example that breaks it. ``ParallelConfig`` and ``TrainConfig`` check them
-(exit 2 before any worker starts), the test suite turns each into a refusal case, and a
-generated pairwise matrix covers every pair of :data:`FEATURES` no rule refuses.
+refusal names, the facts of the model or run it reads (:class:`Facts`) and an example that
+breaks it. With every strategy's rules (:mod:`trainmesh.strategies.table`, the one table)
+``ParallelConfig`` and ``TrainConfig`` check them (exit 2 before any worker starts), the test
+suite turns each into a refusal case, and a generated pairwise matrix covers every pair of
+features no rule refuses.
 
 Public API (for the planner, the config and the tests):
 
@@ -23,8 +25,8 @@ Public API (for the planner, the config and the tests):
 * :data:`FEATURES` — the non-default choices of the axes the matrix pairs;
 * :func:`check_degrees` ``(layout) -> Layout`` — every degree a positive integer, ep | dp·cp,
   dp_shard | dp;
-* :func:`refusal` ``(cfg, experts=None) -> Refusal | None`` — the first rule ``cfg`` breaks
-  (``experts``: the model's expert count, None when unknown: model rules skipped);
+* :func:`refusal` ``(cfg, experts=None, *, facts=None, rules=RULES) -> Refusal | None`` — the
+  first rule ``cfg`` breaks (a fact None: the rules that read it skipped);
 * :func:`kind_groups` ``(layout, kind) -> KindGroups`` — (reduce, replicate, holders) groups;
 * :func:`group_sizes` ``(layout) -> {kind: (reduce size, replicate size)}``;
 * :func:`sequence_groups` ``(layout, sequence_parallel)`` — the groups a sequence is split over.
@@ -32,7 +34,7 @@ Public API (for the planner, the config and the tests):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainmesh.core.errors import ConfigError
@@ -172,8 +174,30 @@ FEATURES: tuple[Feature, ...] = (
     Feature("experts", "experts", {"experts": 4}, lambda c: c.experts > 0),
     Feature("ep", "ep", {"ep": 2}, lambda c: c.ep > 1),
 )
-"""The axes' choices the generated matrix pairs (tests/test_layout_matrix.py): adding one here
-adds it to the matrix, and the coverage test fails until each of its pairs is run or refused."""
+"""The axes' choices the generated matrix pairs (tests/test_layout_matrix.py), with the
+strategies' (:mod:`trainmesh.strategies`): adding one adds it to the matrix, and the coverage
+test fails until each of its pairs is run or refused. The planner enumerates these."""
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a run adds to its layout, known before any worker starts: the model's facts and
+    the run's outputs. None: not known where a check runs; the rules that need it
+    (:attr:`Rule.needs`) are skipped there and checked where it is known."""
+
+    experts: int | None = None
+    """The model's experts per MoE layer (0: dense)."""
+    layers: int | None = None
+    """The built-in GPT's transformer blocks (what --pp x --virtual-stages cut)."""
+    ties: bool | None = None
+    """Some weight is shared by two of the model's pipeline layers (tied embeddings: the input
+    embedding's and the head's)."""
+    ties_on_one_rank: bool | None = None
+    """A weight shared by pipeline stages that one rank holds (interleaved chunks)."""
+    hub: bool | None = None
+    """The model is a Hugging Face model of --model-dir (not the built-in GPT)."""
+    saves: bool | None = None
+    """The run writes checkpoints (--save-dir)."""
 
 
 @dataclass(frozen=True)
@@ -187,17 +211,33 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Rule:
-    """A combination that means nothing: ``refuses(cfg, experts)`` says whether ``cfg`` (with
-    the model's expert count; None: unknown) is one; the refusal names ``flag`` and says ``why``
-    (formatted with ``c``, the config, and ``experts``)."""
+    """A combination that means nothing: ``refuses(c, f)`` says whether layout ``c`` with facts
+    ``f`` (a :class:`Facts`) is one; the refusal names ``flag`` and says ``why`` (formatted with
+    ``c``, ``f`` and ``experts``)."""
 
     flag: str
-    refuses: Callable[[Any, int | None], bool]
-    why: str
+    refuses: Callable[[Any, Facts], bool]
+    why: str | Callable[[Any, Facts], str]
+    """The refusal's message: a format string of ``c``, ``f`` and ``experts``, or a function
+    of ``(c, f)``."""
     example: dict[str, Any] = field(default_factory=dict)
-    """Settings (config fields; ``experts``) that break it: a refusal test case."""
-    pair: tuple[str, str] | None = None
-    """The two :data:`FEATURES` it refuses together, where it is such a pair."""
+    """Settings (config fields; :class:`Facts` fields) that break it: a refusal test case."""
+    pairs: tuple[tuple[str, str], ...] = ()
+    """The pairs of features (:data:`FEATURES`, the strategies') it refuses together."""
+    needs: tuple[str, ...] = ()
+    """The :class:`Facts` it reads: skipped where one of them is not known."""
+
+    def applies(self, cfg: Any, facts: Facts) -> bool:
+        """Whether ``cfg`` breaks this rule (False where a fact it needs is unknown)."""
+        return all(getattr(facts, n) is not None for n in self.needs) and self.refuses(cfg, facts)
+
+    def message(self, cfg: Any, facts: Facts) -> str:
+        if callable(self.why):
+            return self.why(cfg, facts)
+        return self.why.format(c=cfg, f=facts, experts=facts.experts)
+
+    def refusal(self, cfg: Any, facts: Facts) -> Refusal:
+        return Refusal(self.flag, self.message(cfg, facts))
 
 
 def _hsdp(c: Any) -> bool:
@@ -205,50 +245,86 @@ def _hsdp(c: Any) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("--sequence-parallel", lambda c, e: c.sequence_parallel and c.tp == 1,
+    Rule("--reduce-dtype", lambda c, f: c.reduce_dtype not in (None, "fp32", c.precision),
+         "must be fp32 or the compute dtype ({c.precision}); got {c.reduce_dtype!r}",
+         {"reduce_dtype": "bf16"}),
+    Rule("--min-dp", lambda c, f: c.min_dp is not None and c.min_dp > c.dp,
+         "must be at most --dp {c.dp} (--dp is the full layout, --min-dp the smallest it may "
+         "shrink to); got {c.min_dp}", {"dp": 2, "min_dp": 3}),
+    Rule("--sequence-parallel", lambda c, f: c.sequence_parallel and c.tp == 1,
          "shards activations inside TP groups; needs --tp > 1",
          {"sequence_parallel": True}),
-    Rule("--offload", lambda c, e: c.offload != "none" and c.zero == 0,
+    Rule("--offload", lambda c, f: c.offload != "none" and c.zero == 0,
          "moves the optimizer shard of ZeRO off the device; needs --zero 1, 2 or 3 "
          "(valid with --zero 0: none)", {"dp": 2, "offload": "cpu"}),
-    Rule("--dp-shard", lambda c, e: _hsdp(c) and c.zero == 0,
+    Rule("--dp-shard", lambda c, f: _hsdp(c) and c.zero == 0,
          "shards ZeRO's states inside groups of DP ranks; needs --zero 1, 2 or 3 "
          "(valid with --zero 0: leave it unset)", {"dp": 4, "dp_shard": 2}),
-    Rule("--dp-shard", lambda c, e: _hsdp(c) and c.min_dp is not None and c.min_dp < c.dp,
+    Rule("--dp-shard", lambda c, f: _hsdp(c) and c.min_dp is not None and c.min_dp < c.dp,
          "< --dp is not supported with --min-dp (an elastic dp would change the shard and "
          "replica groups mid-run); leave --dp-shard unset",
          {"dp": 4, "dp_shard": 2, "zero": 1, "min_dp": 2}),
-    Rule("--cp-comm", lambda c, e: c.cp_comm != "ring" and c.cp == 1,
+    Rule("--cp-comm", lambda c, f: c.cp_comm != "ring" and c.cp == 1,
          "exchanges K/V inside CP groups; needs --cp > 1 (valid otherwise: ring)",
          {"cp_comm": "allgather"}),
-    Rule("--zero3-reshard", lambda c, e: c.zero3_reshard != "step" and (c.zero != 3 or c.pp == 1),
+    Rule("--zero3-reshard", lambda c, f: c.zero3_reshard != "step" and (c.zero != 3 or c.pp == 1),
          "chooses when ZeRO-3 re-gathers under a pipeline; needs --zero 3 and --pp > 1 "
          "(valid otherwise: step)", {"dp": 2, "zero": 3, "zero3_reshard": "microbatch"}),
-    Rule("--ep", lambda c, e: e is not None and c.ep > 1 and e == 0,
-         "spreads the experts of MoE layers; needs --experts > 0", {"dp": 2, "ep": 2}),
-    Rule("--ep", lambda c, e: e is not None and e > 0 and e % c.ep != 0,
-         "must divide --experts {experts}; got {c.ep}", {"dp": 2, "ep": 2, "experts": 3}),
+    Rule("--offload-params", lambda c, f: c.offload_params and (c.zero != 3 or c.offload == "none"),
+         "needs --zero 3 and --offload cpu or nvme",
+         {"dp": 2, "zero": 2, "offload": "cpu", "offload_params": True}),
+    Rule("--offload-dir", lambda c, f: c.offload_dir is not None and c.offload != "nvme",
+         "is where --offload nvme writes; needs --offload nvme", {"offload_dir": "offload"}),
+    Rule("--compile-backend", lambda c, f: c.compile_backend != "inductor" and not c.compile,
+         "chooses --compile's backend; needs --compile", {"compile_backend": "eager"}),
+    Rule("--ep", lambda c, f: c.ep > 1 and f.experts == 0,
+         "spreads the experts of MoE layers; needs --experts > 0", {"dp": 2, "ep": 2},
+         needs=("experts",)),
+    Rule("--ep", lambda c, f: f.experts > 0 and f.experts % c.ep != 0,
+         "must divide --experts {experts}; got {c.ep}", {"dp": 2, "ep": 2, "experts": 3},
+         needs=("experts",)),
+    Rule("--pp", lambda c, f: c.pp * c.virtual_stages > f.layers,
+         lambda c, f: f"pp x virtual-stages = {c.pp * c.virtual_stages} exceeds the model's "
+                      f"{f.layers} layers",
+         {"pp": 2, "microbatches": 2, "layers": 1}, needs=("layers",)),
+    Rule("--zero", lambda c, f: c.pp > 1 and c.zero >= 2 and f.ties,
+         "{c.zero}: the model ties weights across pipeline stages (e.g. tie_word_embeddings), "
+         "whose gradients are summed over the stages before the DP reduction, which ZeRO-2 and 3 "
+         "begin during the backward: --zero 0 or 1 under --pp",
+         {"dp": 2, "pp": 2, "microbatches": 2, "zero": 2, "ties": True}, needs=("ties",)),
+    Rule("--pp", lambda c, f: c.pp > 1 and f.ties_on_one_rank,
+         "a weight shared by pipeline stages must sit on different ranks; this cut puts two of "
+         "its stages on one rank (valid: other --virtual-stages or --pp, or a model without "
+         "the tie)", {"pp": 2, "microbatches": 2, "ties_on_one_rank": True},
+         needs=("ties_on_one_rank",)),
 )
-"""Every rule between the axes; none refuses a pair of :data:`FEATURES` today (what they need
-of each other — SP needs tp, offload and HSDP need ZeRO, ep needs experts — is a rule, not a
-refused pair). docs/LAYOUTS.md lists them with the strategies' own rules."""
+"""Every rule between the axes and their settings (the strategies add theirs:
+:mod:`trainmesh.strategies`); none refuses a pair of :data:`FEATURES` (what they need of each
+other — SP needs tp, offload and HSDP need ZeRO, ep needs experts — is a rule, not a refused
+pair). docs/LAYOUTS.md lists them with the strategies' own rules."""
 
 
-def refusal(cfg: Any, experts: int | None = None) -> Refusal | None:
-    """The first rule ``cfg`` breaks (``experts``: the model's count; None skips model rules),
-    or None; the degrees (:func:`check_degrees`) first."""
+def refusal(cfg: Any, experts: int | None = None, *, facts: Facts | None = None,
+            rules: tuple[Rule, ...] = RULES) -> Refusal | None:
+    """The first of ``rules`` that ``cfg`` breaks with ``facts`` (``experts``: the model's
+    count, short for ``Facts(experts=...)``; unknown facts skip the rules that need them), or
+    None; the degrees (:func:`check_degrees`) first."""
     try:
         check_degrees(cfg)
     except ConfigError as exc:
         return Refusal(exc.field, exc.message)
-    for rule in RULES:
-        if rule.refuses(cfg, experts):
-            return Refusal(rule.flag, rule.why.format(c=cfg, experts=experts))
+    facts = facts if facts is not None else Facts()
+    if experts is not None:
+        facts = replace(facts, experts=experts)
+    for rule in rules:
+        if rule.applies(cfg, facts):
+            return rule.refusal(cfg, facts)
     return None
 
 
-def check(cfg: Any, experts: int | None = None) -> None:
+def check(cfg: Any, experts: int | None = None, *, facts: Facts | None = None,
+          rules: tuple[Rule, ...] = RULES) -> None:
     """Raise the :class:`ConfigError` of the first rule ``cfg`` breaks."""
-    found = refusal(cfg, experts)
+    found = refusal(cfg, experts, facts=facts, rules=rules)
     if found is not None:
         raise found.error()

@@ -97,9 +97,6 @@ class Engine(Accounting, Checkpointing):
             broadcast_from_root(named + self.frozen, self.comm, self.placements)
         if cfg.broadcast_buffers and self.mesh.size(self.replica_axis) > 1:
             keep_buffers_in_step(self.module, self.comm, self.replica_axis)
-        if self.executor.tied_parameters and cfg.zero >= 2:
-            raise ConfigError("zero", "tied weights across pipeline stages need --zero 0 or 1 "
-                              "(their gradients are summed over stages before sharding)")
         self.grad_sync = make_grad_sync(cfg, named, self.comm, module=self.module,
                                         precision=self.precision, materialize=fill,
                                         device=self.device, kind_of=self.placements.kind,
@@ -138,10 +135,14 @@ class Engine(Accounting, Checkpointing):
         cfg = self.config
         if cfg.pp == 1:
             return LocalExecutor(model, loss_fn)
+        from trainmesh.core.axes import Facts
         from trainmesh.pipeline_parallel.runtime import PipelineExecutor
         from trainmesh.pipeline_parallel.schedules import build_schedule
+        from trainmesh.strategies import table
         schedule = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
-        return PipelineExecutor(model, loss_fn, self.mesh, self.comm, schedule, device=self.device)
+        executor = PipelineExecutor(model, loss_fn, self.mesh, self.comm, schedule, device=self.device)
+        table.check_facts(cfg, Facts(ties=bool(executor.tied_parameters)))   # an API model's ties
+        return executor
 
     def _pass_unreached(self, root: torch.Tensor, params: list[nn.Parameter] | None) -> None:
         """Before a backward pass (unused parameters allowed): the parameters its graph leaves

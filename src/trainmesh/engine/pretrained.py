@@ -121,18 +121,29 @@ def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | Non
 
 
 def _check_ties_across_stages(model: nn.Module, planned: list[str], layout: ParallelConfig) -> None:
-    """A weight two pipeline layers share (tied embeddings: the input module's and the head's)
-    has its gradient summed over their stages before the DP reduction, which holds whole
-    gradients back for it under --zero 0/1 only (as the engine checks in the workers)."""
+    """The table's rules on the model's tied weights (:class:`~trainmesh.core.axes.Facts`):
+    whether a weight is shared by two pipeline layers (tied embeddings: the input module's and
+    the head's, whose gradient is summed over their stages before the DP reduction), and
+    whether the cut puts two stages sharing one on the same rank."""
+    from trainmesh.core.axes import Facts
+    from trainmesh.pipeline_parallel.hf import pipeline_model
+    from trainmesh.pipeline_parallel.partition import (
+        named_pipeline_layers,
+        partition,
+        shared_stages,
+        ties_on_one_rank,
+    )
+    from trainmesh.strategies import table
     owners: dict[int, set[str]] = {}
     for name in planned:
         for p in model.get_submodule(name).parameters():
             owners.setdefault(id(p), set()).add(name)
-    if not any(len(names) > 1 for names in owners.values()):
-        return
-    if layout.zero >= 2:
-        raise ConfigError("--zero", f"the {family(model)} model ties weights across pipeline "
-                          "stages (tie_word_embeddings): --zero 0 or 1 under --pp")
+    ties = any(len(names) > 1 for names in owners.values())
+    cut = pipeline_model(model)     # as the pipeline runtime cuts it
+    stages = partition(named_pipeline_layers(cut), layout.pp * layout.virtual_stages,
+                       getattr(cut, "pipeline_cuts", None))
+    table.check(layout, Facts(ties=ties, ties_on_one_rank=ties_on_one_rank(shared_stages(stages),
+                                                                           layout.pp)))
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:

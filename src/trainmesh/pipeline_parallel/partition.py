@@ -119,3 +119,20 @@ def partition(layers: Sequence[NamedLayer], num_stages: int,
         cuts = check_cuts(cuts, len(layers), num_stages)
     bounds = [0, *cuts, len(layers)]
     return [list(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def shared_stages(stages: Sequence[Sequence[NamedLayer]]) -> list[tuple[nn.Parameter, list[int]]]:
+    """Each parameter held by layers of several stages, with those stages (ascending)."""
+    owners: dict[int, tuple[nn.Parameter, set[int]]] = {}
+    for s, stage in enumerate(stages):
+        for _, layer in stage:
+            for p in layer.parameters():
+                owners.setdefault(id(p), (p, set()))[1].add(s)
+    return [(p, sorted(ss)) for p, ss in owners.values() if len(ss) > 1]
+
+
+def ties_on_one_rank(shared: Sequence[tuple[nn.Parameter, list[int]]], pp: int) -> bool:
+    """Whether a shared parameter's stages include two that one rank holds (rank = stage mod
+    pp): the fact the table's rule on it reads (:class:`~trainmesh.core.axes.Facts`)."""
+    return any(len({s % pp for s in ss}) < len(ss) for _, ss in shared)
+

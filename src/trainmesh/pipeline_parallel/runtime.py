@@ -36,14 +36,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainmesh.core.axes import Facts
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import LossFn, StepHooks
+from trainmesh.strategies import table
 
 from ..comm import Comm
 from .hf import pipeline_model
 from .p2p import StageP2P
-from .partition import named_pipeline_layers, partition
+from .partition import named_pipeline_layers, partition, shared_stages, ties_on_one_rank
 from .schedules import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -138,19 +140,13 @@ class PipelineExecutor:
         group creation is collective). The copies on all but the lowest such rank go into
         ``duplicate_parameters``.
         """
-        owners: dict[int, tuple[nn.Parameter, set[int]]] = {}
-        for s, st in enumerate(stages):
-            for _, layer in st:
-                for p in layer.parameters():
-                    owners.setdefault(id(p), (p, set()))[1].add(s)
-        shared = [(p, sorted(ss)) for p, ss in owners.values() if len(ss) > 1]
+        shared = shared_stages(stages)
         if not shared:
             return []
-        for p, ss in shared:
-            ranks = {self.schedule.stage_to_rank(s) for s in ss}
-            if len(ranks) < len(ss):
-                raise ConfigError("pp", f"a parameter of shape {tuple(p.shape)} is shared by stages "
-                                        f"{ss}, some on the same rank; not supported")
+        # the table's rule (checked before any worker for trainmesh train's models; here for a
+        # model given to the Python API, whose cut is known only now)
+        on_one_rank = ties_on_one_rank(shared, self.schedule.pp)
+        table.check_facts(self.schedule, Facts(ties_on_one_rank=on_one_rank))
         rank_sets = sorted({tuple(sorted({self.schedule.stage_to_rank(s) for s in ss}))
                             for _, ss in shared})
         mesh = self.mesh
