@@ -18,9 +18,9 @@ import torch
 
 import trainmesh
 from trainmesh import Engine, ParallelConfig, ParallelMesh
+from trainmesh.core.step import StepReport
 from trainmesh.data.corpus import SyntheticCorpus
 from trainmesh.data_parallel.base import GradSync
-from trainmesh.engine.report import StepReport
 from trainmesh.models.gpt import GPT, GPTConfig
 
 ENGINE = Path(trainmesh.__file__).parent / "engine"

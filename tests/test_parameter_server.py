@@ -53,6 +53,10 @@ def test_sync_is_data_parallel(optimizer, servers, reference, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_equivalent(ref, run)
     _ps_bytes_ok(run)
+    # the trainers ran the loop every run runs: its summary's throughput and closing lines
+    s = summary(run)
+    assert s.get("tokens_per_s", 0) > 0 and s["steps"] == len(steps(run)), s
+    assert "trainmesh: done in" in proc.stdout and "metrics" in proc.stderr, proc.stdout[-500:]
 
 
 @pytest.mark.slow

@@ -8,14 +8,20 @@ autocast and loss scaling, and the two ways of telling the data-parallel strateg
 gradient is final. So an executor knows neither the strategy nor the precision, and the engine
 alone talks to both.
 
+A step taken is reported as a value, :class:`StepReport` (what :meth:`~trainmesh.engine.engine.
+Engine.apply` and the parameter server's step return; the training loop builds the step's
+metrics row from it); what a data-parallel strategy adds to it (DiLoCo's ``outer``) comes from
+the strategy (:meth:`~trainmesh.data_parallel.base.GradSync.step_metrics`).
+
 ``loss_fn(model, microbatch)`` returns the mean loss of the microbatch or a
 ``(loss_sum, token_count)`` pair (:func:`as_sum_and_count`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -118,3 +124,36 @@ class StepResult:
     """Why the step is non-finite (never applied), or None."""
     moe: torch.Tensor | None = None
     """The MoE layers' summed counts (:meth:`~trainmesh.engine.moe_metrics.MoEMetrics.reduce`)."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step taken: its loss, gradient norm, learning rate and what the precision policy,
+    the strategy, the non-finite check and the MoE layers report of it."""
+
+    loss: float
+    """Mean loss over every token of the global batch."""
+    grad_norm: float | None
+    """Global gradient norm before clipping; None where the strategy forms no global gradient."""
+    lr: float
+    """The learning rate the step used (the first parameter group's)."""
+    precision: Mapping[str, Any] = field(default_factory=dict)
+    """fp16's ``loss_scale`` and ``skipped`` (empty in fp32/bf16)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """What the data-parallel strategy adds (DiLoCo: ``outer`` on the steps that synchronised)."""
+    nonfinite: str | None = None
+    """Why the step was not applied (a non-finite loss, gradient norm or fp16 state), or None."""
+    moe: Mapping[str, Any] | None = None
+    """The MoE layers' aux loss and load balance of the step (MoE models only)."""
+
+    def metrics(self) -> Mapping[str, Any]:
+        """The step's fields of its metrics row, in the row's order (read-only): loss,
+        grad_norm, lr, then the precision's, the strategy's (:attr:`extra`), ``nonfinite``
+        and ``moe`` where they apply."""
+        row: dict[str, Any] = {"loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr,
+                               **self.precision, **self.extra}
+        if self.nonfinite:
+            row["nonfinite"] = self.nonfinite
+        if self.moe is not None:
+            row["moe"] = self.moe
+        return MappingProxyType(row)

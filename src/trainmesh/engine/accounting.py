@@ -13,8 +13,10 @@ import torch.distributed as dist
 
 from trainmesh.comm import Comm
 from trainmesh.comm.ledger import Span
+from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import Executor
 from trainmesh.data_parallel.base import GradSync
+from trainmesh.engine.moe_metrics import MoEMetrics
 from trainmesh.observe.metrics import storage_bytes
 
 if TYPE_CHECKING:
@@ -27,6 +29,39 @@ class Accounting:
     grad_sync: GradSync
     comm: Comm
     executor: Executor
+    mesh: ParallelMesh
+    moe: MoEMetrics
+    state_bytes: dict[str, int]
+    offloaded_bytes: dict[str, int]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the world."""
+        return self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many processes the run has."""
+        return self.mesh.world_size
+
+    def batch_share(self) -> tuple[int, int]:
+        """(this rank's dp index, dp): the slice of the global batch its replica trains on."""
+        return self.mesh.index("dp"), self.mesh.size("dp")
+
+    def summary_ranks(self, probes: dict[str, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Collective: every rank's row of the run's summary, in rank order (its place, the
+        memory ``probes`` the loop measured, what it holds and sent, its MoE routing), and the
+        summary's own fields the engine adds (the MoE layers' counts) (docs/METRICS.md)."""
+        mine = {"rank": self.mesh.rank, "coords": self.mesh.coords, **probes,
+                "model_state_bytes": self.state_bytes, "offloaded_bytes": self.offloaded_bytes,
+                "comm_buffer_peak_bytes": self.comm_buffer_peak_bytes,
+                "comm_bytes_per_step": self.comm_bytes_per_step()}
+        if self.moe.stats is None:
+            return self.gather_object(mine), {}
+        # this rank's routing, for the all-to-all's accounting
+        mine["moe_rows"] = {"routed": self.moe.routed.round().long().tolist(),
+                            "received": self.moe.received.round().long().tolist()}
+        return self.gather_object(mine), {"moe": self.moe.summary()}
 
     def measure_state(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds (distinct storages)."""

@@ -9,7 +9,7 @@ and backward of this rank's microbatches while the strategy reduces gradients in
 loss and token count summed over the world in one all-reduce (with whatever the strategy adds
 to it); gradients scaled to the mean over the strategy's tokens; under sequence parallelism the
 partial gradients of replicated parameters summed over tp; the norm the strategy clips by.
-Apply: clip, step, schedule; the step's :class:`~trainmesh.engine.report.StepReport` returned.
+Apply: clip, step, schedule; the step's :class:`~trainmesh.core.step.StepReport` returned.
 Discard: the step dropped. Evaluate: forward only. A strategy that differs (DiLoCo: each
 replica's own tokens and norm) overrides the seam's hooks (:class:`~trainmesh.data_parallel.
 base.GradSync`). Accounting, traces and checkpoints: the ``Accounting`` and ``Checkpointing``
@@ -32,7 +32,7 @@ from trainmesh.core.axes import LATER, kind_groups
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
-from trainmesh.core.step import Across, Executor, LossFn, StepHooks, StepResult
+from trainmesh.core.step import Across, Executor, LossFn, StepHooks, StepReport, StepResult
 from trainmesh.data.corpus import split_microbatches
 from trainmesh.data_parallel import frozen_named_parameters, make_grad_sync, unique_named_parameters
 from trainmesh.data_parallel.base import OptimizerFactory
@@ -44,7 +44,6 @@ from trainmesh.engine.materialize import InitFn
 from trainmesh.engine.moe_metrics import MoEMetrics, model_stats
 from trainmesh.engine.parallelize import parallelize
 from trainmesh.engine.precision import Precision
-from trainmesh.engine.report import StepReport
 from trainmesh.engine.start import broadcast_from_root, keep_buffers_in_step, mark_duplicates, sharded_init
 from trainmesh.engine.train_state import TrainState
 from trainmesh.observe.flops import model_flops_per_token

@@ -5,7 +5,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainmesh.observe.layout import (
@@ -16,25 +15,6 @@ from trainmesh.observe.layout import (
 )
 
 log = logging.getLogger("trainmesh")
-
-
-def timed_steps(train_step: Callable[[Any], float], batch_of: Callable[[int], Any], *, start: int,
-                last: int, tokens: int, enabled: bool,
-                before_step: Callable[[int], None] | None = None) -> Iterator[tuple[int, float, float, float]]:
-    """The step loop of ``trainmesh train`` (every strategy): for steps ``start..last``, the
-    batch of the step, ``before_step(step)``, one timed ``train_step``; yields (step, loss,
-    start time, seconds) to the caller's bookkeeping, then advances the progress bar (rank 0,
-    ``enabled``)."""
-    with Progress(total=last, enabled=enabled, start=start - 1) as bar:
-        for step in range(start, last + 1):
-            batch = batch_of(step)
-            if before_step is not None:
-                before_step(step)
-            t0 = time.perf_counter()
-            loss = train_step(batch)
-            dt = time.perf_counter() - t0
-            yield step, loss, t0, dt
-            bar.update(step, loss=loss, tokens_per_s=tokens / dt if dt > 0 else 0.0)
 
 
 class Progress:

@@ -11,7 +11,12 @@ assembled from each server's shard; every server applies the same clipping coeff
 async (Hogwild): each trainer clips its own mean gradient by its own norm, pushes and pulls
 without waiting for the others; with ``ps_staleness`` K a trainer starting step t first waits
 until the slowest trainer finished step t-1-K (K=0: lock-step). The observed staleness — how
-many steps this trainer is ahead of the slowest when it starts a step — is in ``last``.
+many steps this trainer is ahead of the slowest when it starts a step — is in the step's report.
+
+A trainer offers the training loop of :mod:`trainmesh.run.trainer` what the mesh's engine
+offers it (:meth:`PSEngine.step` returning a :class:`~trainmesh.core.step.StepReport`, its
+share of the batch, the last step's traffic, the summary's rank rows): every strategy runs that
+one loop.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from torch import nn
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.step import StepReport
 
 from ..comm.ledger import Ledger
 from .client import PSClient, shard_by_bytes
@@ -51,7 +57,11 @@ class PSEngine:
         self.ledger = Ledger()
         self.step_count = 0
         self.max_staleness = 0   # the most steps this trainer ran ahead of the slowest (async)
-        self.last: dict[str, Any] = {}
+        self.report: StepReport | None = None
+        """The last step's report (None before the first)."""
+        self.state_bytes = {"params": 0, "grads": 0, "optimizer": 0}
+        self.nonfinite_run = 0   # the loop's count (no step here is reported non-finite)
+        self.flops_per_token: float | None = None   # no MFU reported
         self.trainers = dist.new_group(list(range(self.n_trainers)))   # collective: every rank
         start_rpc(self.n_trainers, config.timeout_s)
         if self.is_server:
@@ -74,9 +84,31 @@ class PSEngine:
         self.client.pull()   # set-up: every replica starts from the servers' values
 
     # ---------------------------------------------------------------- trainer
+    @property
+    def last(self) -> Any:
+        """The last step's metrics (read-only; empty before the first)."""
+        return self.report.metrics() if self.report is not None else {}
+
+    @property
+    def world_size(self) -> int:
+        """Trainers and servers."""
+        return self.config.world_size
+
+    def batch_share(self) -> tuple[int, int]:
+        """(this trainer's index, the trainers): its slice of the global batch."""
+        return self.rank, self.n_trainers
+
+    def last_step_traffic(self) -> dict[str, Any]:
+        """The ledger's record of the last step (axis -> op -> stats)."""
+        return self.ledger.steps[-1]
+
     def train_step(self, batch: Any) -> float:
         """One step on this trainer's slice; returns the global-batch loss (sync) or this
         trainer's loss (async)."""
+        return self.step(batch).loss
+
+    def step(self, batch: Any) -> StepReport:
+        """:meth:`train_step`, returning the step's report (``staleness`` in async mode)."""
         assert self.client is not None, "train_step runs on trainer ranks; servers call serve()"
         self.ledger.begin_step()
         self.step_count += 1
@@ -98,8 +130,8 @@ class PSEngine:
         self.ledger.end_step()
         self.state_bytes = self._held()
         self.model.zero_grad(set_to_none=False)
-        self.last = {"loss": loss, "grad_norm": norm, "lr": lr, **extra}
-        return loss
+        self.report = StepReport(loss, norm, lr, extra=extra)
+        return self.report
 
     def _forward_backward(self, batch: Any) -> tuple[float, float]:
         """Backward of the loss sum over this trainer's microbatches; -> (loss sum, count)."""
@@ -130,6 +162,25 @@ class PSEngine:
         """Bytes each server holds (trainer side; one RPC per server)."""
         assert self.client is not None
         return self.client.server_bytes()
+
+    def summary_ranks(self, probes: dict[str, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Collective over the trainers: the summary's rank rows (each trainer's, with the
+        ``setup_mem_bytes`` and ``peak_mem_bytes`` of ``probes``; on rank 0 the servers' too:
+        what they hold, their traffic mirroring the trainers' (each push in, each pull out))
+        and the summary's ``max_staleness``."""
+        axes = ("dp", "tp", "pp", "other", "ps")
+        mine = {"rank": self.rank, "role": "trainer", "coords": {"dp": self.rank, "pp": 0, "tp": 0},
+                "setup_mem_bytes": probes["setup_mem_bytes"], "peak_mem_bytes": probes["peak_mem_bytes"],
+                "model_state_bytes": self.state_bytes, "comm_buffer_peak_bytes": 0,
+                "comm_bytes_per_step": self.ledger.bytes_per_step(axes),
+                "max_staleness": self.max_staleness}
+        ranks: list[Any] = [None] * self.n_trainers
+        dist.all_gather_object(ranks, mine, group=self.trainers)
+        servers = [{"rank": self.n_trainers + s, "role": "server", "coords": {"dp": "-", "pp": "-", "tp": "-"},
+                    "model_state_bytes": {k: held[k] for k in ("params", "grads", "optimizer")},
+                    "peak_mem_bytes": held["peak_mem_bytes"], "comm_bytes_per_step": {"ps": {}}}
+                   for s, held in enumerate(self.server_bytes())] if self.rank == 0 else []
+        return ranks + servers, {"max_staleness": max(r["max_staleness"] for r in ranks)}
 
     # ---------------------------------------------------------------- both
     def serve(self) -> None:

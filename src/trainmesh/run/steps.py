@@ -3,8 +3,8 @@
 The loop of :mod:`trainmesh.run.trainer` is the same for every run; what differs is the policy
 it takes:
 
-- :class:`LocalSteps` (every run but a fault-tolerant one): each step once, in order, on this
-  DP rank's slice of the global batch;
+- :class:`LocalSteps` (every run but a fault-tolerant one, the parameter server's trainers
+  included): each step once, in order, on this DP rank's slice of the global batch;
 - :class:`~trainmesh.run.ft_steps.QuorumSteps` (a fault-tolerant replica): each step is a quorum
   decision; the global batch is split among the replicas present; an attempt can be discarded
   and redone, and a returning replica jumps ahead with the live state it copied.
@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
+from trainmesh.core.step import StepReport
 from trainmesh.data.corpus import dp_slice
 from trainmesh.engine.engine import Engine
-from trainmesh.engine.report import StepReport
 from trainmesh.observe.progress import Progress
 from trainmesh.observe.tensorboard import TensorBoardLog
 
@@ -101,13 +101,15 @@ class LocalSteps:
 
     def __init__(self, engine: Engine, dataset: Any, *, seed: int, global_batch: int,
                  device: torch.device, tokens: int,
-                 records: Callable[[int, TensorBoardLog], Records]) -> None:
+                 records: Callable[[int, TensorBoardLog], Records], resumes: bool = True) -> None:
         self.engine, self.dataset, self.device = engine, dataset, device
         self.seed, self.global_batch, self.tokens = seed, global_batch, tokens
-        self._records = records
+        self._records, self._resumes = records, resumes
 
     def resumes(self) -> bool:
-        return True   # asked for with --resume, or an elastic restart (the trainer decides)
+        """Asked for with --resume, or an elastic restart (the trainer decides); never for an
+        engine without checkpoints (a parameter-server trainer's)."""
+        return self._resumes
 
     def records(self, start: int, board: TensorBoardLog) -> Records:
         return self._records(start, board)
@@ -116,9 +118,8 @@ class LocalSteps:
         return summary
 
     def _batch(self, step: int) -> dict[str, torch.Tensor]:
-        mesh = self.engine.mesh
-        batch = dp_slice(self.dataset.batch(self.seed, step, self.global_batch), mesh.index("dp"),
-                         mesh.size("dp"))
+        index, count = self.engine.batch_share()
+        batch = dp_slice(self.dataset.batch(self.seed, step, self.global_batch), index, count)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def run(self, start: int, last: int, *, enabled: bool,

@@ -99,7 +99,7 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
         try:
             if cfg.parallel.strategy == "ps":   # a parameter-server job: trainers and servers
                 from trainmesh.run.ps_trainer import train_ps
-                code = train_ps(cfg, device)
+                code = train_ps(cfg, device, _train)
             else:
                 code = _train(cfg, device)
         except BaseException:
@@ -140,17 +140,22 @@ PolicyFactory = Callable[[Engine, Any], StepPolicy]
 """(engine, training set) -> the step policy of a fault-tolerant replica."""
 
 
-def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | None = None) -> int:
+def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | None = None, *,
+           engine: Any = None) -> int:
     """The training loop, the same for every run: ``policy_of`` gives the steps of a
-    fault-tolerant replica (:mod:`trainmesh.run.ft_steps`), else every step once."""
+    fault-tolerant replica (:mod:`trainmesh.run.ft_steps`), else every step once; ``engine``:
+    one the caller built (a parameter-server trainer's :class:`~trainmesh.parameter_server.
+    PSEngine`, which keeps no checkpoint), else the mesh's, built here."""
     p = cfg.parallel
     began = time.perf_counter()
-    mesh = p.build_mesh()
-    rank0 = mesh.rank == 0
+    mesh = p.build_mesh() if engine is None else None
     load_lazy_imports()             # in the base however the worker started
     base_mem = memory_now(device)   # runtime's own footprint (torch, gloo), before the model
-    with returning_freed_memory():
-        engine = build_engine(cfg, device, mesh)
+    resumes = engine is None
+    if engine is None:
+        with returning_freed_memory():
+            engine = build_engine(cfg, device, mesh)
+    rank0, world = engine.rank == 0, engine.world_size
     init_peak = memory_peak(device)   # process start to model built, sharded, optimizer made
     gpt = cfg.gpt_config()
     dataset, held_out = make_datasets(cfg.data, vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
@@ -159,8 +164,8 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
     tokens = cfg.global_batch * gpt.seq_len
     policy: StepPolicy = (policy_of(engine, dataset) if policy_of is not None else LocalSteps(
         engine, dataset, seed=cfg.seed, global_batch=cfg.global_batch, device=device,
-        tokens=tokens, records=lambda start, board: _open_metrics(cfg, start, mesh.world_size,
-                                                                  rank0, board)))
+        tokens=tokens, resumes=resumes,
+        records=lambda start, board: _open_metrics(cfg, start, world, rank0, board)))
     start = (_resume(cfg, engine, clean=policy_of is None) if policy.resumes() else 0) + 1
     setup_mem = memory_now(device)
     # TensorBoard from the process writing the metrics file (a fault-tolerant run on one host:
@@ -171,7 +176,7 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
     last = cfg.exit_after or cfg.steps
     tracer = make_tracer(engine, cfg, start, last)
     if policy_of is None:   # a fault-tolerant run's launcher prints it
-        log.info(run_header(params=cfg.num_params(), world=mesh.world_size,
+        log.info(run_header(params=cfg.num_params(), world=world,
                             layout=layout_record(cfg), steps=last, start=start,
                             device=device.type))
     peak = device_peak_tflops(device, p.precision, cfg.peak_tflops, cfg.gpu)
@@ -191,11 +196,11 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
         tps = tokens / dt if dt > 0 else 0.0
         row = {"event": "step", "step": step, "loss": loss, "grad_norm": report.grad_norm,
                "lr": report.lr, "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
-               "mfu": mfu(tps, engine.flops_per_token, peak, mesh.world_size),
+               "mfu": mfu(tps, engine.flops_per_token, peak, world),
                **{k: v for k, v in report.metrics().items() if k not in ("loss", "grad_norm", "lr")},
                **done.row}
         if elastic_run:
-            row.update(world_size=mesh.world_size, dp=p.dp)
+            row.update(world_size=world, dp=p.dp)
         eval_loss = _publish(row, engine, device, metrics, board,
                              evaluator if done.lead else None) or eval_loss
         _check_finite(cfg, engine, step, report.nonfinite)
@@ -209,9 +214,13 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
         _saves_done(cfg, engine, saver, metrics)
     if policy.led_last:
         _draw(cfg, engine, tracer)
-    summary = _summary(cfg, engine, mesh, device, setup_mem, loss, base_mem, init_peak)
+    ranks, fields = engine.summary_ranks({"base_mem_bytes": base_mem, "init_peak_mem_bytes": init_peak,
+                                          "setup_mem_bytes": setup_mem,
+                                          "peak_mem_bytes": memory_peak(device)})
     tps = timed[0] / timed[1] if timed[1] > 0 else 0.0
-    summary.update(tokens_per_s=tps, mfu=mfu(tps, engine.flops_per_token, peak, mesh.world_size))
+    summary = summary_record(cfg, final_loss=loss, steps=engine.step_count, ranks=ranks,
+                             world_size=world, **fields, tokens_per_s=tps,
+                             mfu=mfu(tps, engine.flops_per_token, peak, world))
     summary = policy.summarize(summary)
     metrics.write(summary)
     board.close(summary)
@@ -356,20 +365,3 @@ def _start_from(cfg: TrainConfig, engine: Engine) -> int:
     engine.state.load_state_dict(fresh)
     log.info("trainmesh: starting from the weights and optimizer states of %s", cfg.resume_from)
     return 0
-
-
-def _summary(cfg: TrainConfig, engine: Engine, mesh: ParallelMesh, device: torch.device,
-             setup_mem: int, final_loss: float, base_mem: int, init_peak: int) -> dict[str, Any]:
-    mine = {"rank": mesh.rank, "coords": mesh.coords, "base_mem_bytes": base_mem,
-            "init_peak_mem_bytes": init_peak,
-            "setup_mem_bytes": setup_mem,
-            "peak_mem_bytes": memory_peak(device), "model_state_bytes": engine.state_bytes,
-            "offloaded_bytes": engine.offloaded_bytes,
-            "comm_buffer_peak_bytes": engine.comm_buffer_peak_bytes,
-            "comm_bytes_per_step": engine.comm_bytes_per_step()}
-    if engine.moe.stats is not None:   # this rank's routing, for the all-to-all's accounting
-        mine["moe_rows"] = {"routed": engine.moe.routed.round().long().tolist(),
-                            "received": engine.moe.received.round().long().tolist()}
-    return summary_record(cfg, final_loss=final_loss, steps=engine.step_count,
-                          ranks=engine.gather_object(mine), world_size=mesh.world_size,
-                          **({"moe": engine.moe.summary()} if engine.moe.stats is not None else {}))
