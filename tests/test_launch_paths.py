@@ -209,3 +209,28 @@ def test_one_module_sets_up_elastic_agents():
               if path.name != "launch.py"
               and ("LaunchConfig(" in path.read_text() or "elastic_launch(" in path.read_text())]
     assert not others, f"elastic agents set up outside run/launch.py: {others}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, launcher, restarts", [
+    (["--dp", "2"], "plain", 0),
+    (["--dp", "2", "--strategy", "ps"], "plain", 0),
+    (["--dp", "2", "--strategy", "diloco", "--inner-steps", "2"], "plain", 0),
+    (["--dp", "2", "--fault-tolerant"], "fault-tolerant", 3),
+])
+def test_each_strategy_goes_to_its_launcher(no_launch, monkeypatch, argv, launcher, restarts):
+    """``trainmesh train`` hands every strategy to the launcher it declares, with the run's
+    restarts and the workers' logging set-up."""
+    import trainmesh.run.ft_launch
+    import trainmesh.run.launch
+    from trainmesh.cli import main
+    from trainmesh.cli.logs import configure_worker_logging
+    calls = []
+    for module, name, kind in ((trainmesh.run.launch, "launch_local", "plain"),
+                               (trainmesh.run.ft_launch, "launch_fault_tolerant", "fault-tolerant")):
+        monkeypatch.setattr(module, name, lambda cfg, *, kind=kind, **kw: calls.append((kind, kw)) or 0)
+    assert main(["train", "--steps", "2", "--layers", "1", "--d-model", "16", "--heads", "2",
+                 *argv]) == 0
+    (kind, kwargs), = calls
+    assert kind == launcher
+    assert kwargs["max_restarts"] == restarts and kwargs["worker_setup"] is configure_worker_logging

@@ -225,11 +225,10 @@ def run(args: argparse.Namespace) -> int:
     here = cfg.parallel.replica_ranks if cfg.coordinator is not None else cfg.parallel.world_size
     preflight(cfg, local_ranks=here, launching=True)   # across hosts: one replica's ranks here
     warn_warmup(cfg)
+    from trainmesh.run import launch
+    from trainmesh.strategies import strategy_of
+
     from .logs import configure_worker_logging
-    if cfg.parallel.fault_tolerant:
-        from trainmesh.run.ft_launch import launch_fault_tolerant
-        return launch_fault_tolerant(cfg, max_restarts=cfg.restart_limit,
-                                     worker_setup=configure_worker_logging)
-    from trainmesh.run.launch import launch_local
-    return launch_local(cfg, nproc=cfg.parallel.world_size, max_restarts=cfg.restart_limit,
-                        worker_setup=configure_worker_logging)
+    # the launcher the run's strategy declares (none: the plain one), looked up as the run starts
+    launcher = strategy_of(cfg.parallel).load("launcher") or launch.launch_local
+    return launcher(cfg, max_restarts=cfg.restart_limit, worker_setup=configure_worker_logging)

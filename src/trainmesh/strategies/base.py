@@ -38,7 +38,9 @@ class Strategy:
     policy: str | None = None
     """``module:attribute`` of its step policy (how a step's batch is split and stepped)."""
     launcher: str | None = None
-    """``module:attribute`` of its launcher hooks (None: the plain launch)."""
+    """``module:attribute`` of the function that launches its local run,
+    ``launcher(cfg, *, max_restarts, worker_setup)``: the one launcher with this strategy's
+    hooks (:mod:`trainmesh.run.launch`; None: the plain launch, its default hooks)."""
 
     def load(self, what: str) -> Any:
         """The object a dotted ``module:attribute`` field names, imported now (None if unset)."""

@@ -22,4 +22,4 @@ FEATURES: tuple[Feature, ...] = (
 )
 
 STRATEGY = Strategy("mesh", "--strategy mesh", lambda c: c.strategy == "mesh" and not c.fault_tolerant,
-                    RULES, FEATURES)
+                    RULES, FEATURES, launcher="trainmesh.run.launch:launch_local")
