@@ -120,3 +120,15 @@ def test_a_step_returns_a_frozen_report_and_last_is_a_view_of_it():
     loss = engine.train_step(data.batch(0, 1, 4))
     assert isinstance(loss, float) and loss == engine.last["loss"] == engine.report.loss
     assert dict(first.metrics()) == row and engine.report is not first
+
+
+def test_a_strategys_gradient_sync_comes_from_its_declaration():
+    """Bug: make_grad_sync choosing a strategy's wrapper by name instead of from the table
+    (a strategy whose declaration loses its ``grad_sync`` would still be built, or not)."""
+    from trainmesh.data_parallel import _wrapper
+    from trainmesh.data_parallel.diloco import wrap
+    from trainmesh.strategies.table import strategy_of
+    diloco = ParallelConfig(dp=2, strategy="diloco")
+    assert strategy_of(diloco).grad_sync == "trainmesh.data_parallel.diloco:wrap"
+    assert _wrapper(diloco) is wrap
+    assert _wrapper(ParallelConfig(dp=2)) is None and _wrapper(ParallelConfig(dp=2, fault_tolerant=True)) is None

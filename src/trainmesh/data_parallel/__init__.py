@@ -110,10 +110,8 @@ def _strategy(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
 def _wrapper(cfg: ParallelConfig) -> Callable[..., GradSync] | None:
     """The gradient-sync wrapper ``cfg``'s strategy declares (:mod:`trainmesh.strategies`):
     ``wrap(cfg, comm, options, build)``, ``build(options)`` making the mesh's strategy."""
-    if cfg.strategy == "diloco":
-        from .diloco import wrap
-        return wrap
-    return None
+    from trainmesh.strategies.table import strategy_of
+    return strategy_of(cfg).load("grad_sync")
 
 
 def _by_stage(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]], comm: Comm,
