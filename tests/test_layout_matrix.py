@@ -29,6 +29,7 @@ import contextlib
 import io
 import itertools
 import types
+from collections import Counter
 from dataclasses import fields
 
 import pytest
@@ -205,13 +206,21 @@ def tied_llama(tmp_path_factory) -> str:
     return str(path)
 
 
-def _argv(rule, tmp_path, request) -> list[str] | None:
-    """``trainmesh train`` arguments that break ``rule``: its example's fields as flags, its
-    facts as a model or run that has them (None: no model the suite builds has the fact)."""
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+"""A worker of a 2-process torchrun job (its environment)."""
+
+
+def _argv(rule, tmp_path, request, monkeypatch) -> list[str] | None:
+    """``trainmesh`` arguments that break ``rule``: its example's fields as flags, its facts as
+    a model, run or launcher that has them (None: no model the suite builds has the fact)."""
     fields = {k: v for k, v in rule.example.items() if k not in FACTS or k in ("experts", "layers")}
     facts = {k: v for k, v in rule.example.items() if k in FACTS and k not in ("experts", "layers")}
     if "ties_on_one_rank" in facts:
         return None                  # no hub family the suite builds shares a block: in process
+    if facts.get("launcher") == "sbatch":
+        return ["launch", "slurm", "--nodes", str(fields["dp"]), "--", *SMALL, *flags_of(fields)]
+    for name, value in (TORCHRUN if facts.get("launcher") == "torchrun" else {}).items():
+        monkeypatch.setenv(name, value)
     base = SMALL
     if facts.get("ties") or facts.get("hub"):
         base = [*HUB, "--model-dir", request.getfixturevalue("tied_llama")]
@@ -224,14 +233,15 @@ def _argv(rule, tmp_path, request) -> list[str] | None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("rule", table.RULES, ids=[f"{r.flag}-{i}" for i, r in enumerate(table.RULES)])
-def test_each_rule_exits_2_before_any_worker(rule, no_launch, refused, tmp_path, request):
+def test_each_rule_exits_2_before_any_worker(rule, no_launch, refused, tmp_path, request,
+                                             monkeypatch):
     """Every row of the table, the strategies' and the model's included: ``trainmesh train``
     exits 2 with its line before any worker starts (a fact no model here has: the table's
     refusal in process)."""
     facts = Facts(**{k: v for k, v in rule.example.items() if k in FACTS})
     layout = _facts(rule.example)
     want = rule.message(layout, facts)
-    argv = _argv(rule, tmp_path, request)
+    argv = _argv(rule, tmp_path, request, monkeypatch)
     if argv is None:
         cfg = ParallelConfig(**{k: v for k, v in rule.example.items() if k not in FACTS})
         found = table.refusal(cfg, facts)
@@ -267,9 +277,8 @@ ALLOWED = {
                           "schedule`, which builds schedules without a config",
     "config/model_dir.py": "a --model-dir model's config.json against the degrees (its experts "
                            "and heads): the model's shape, as the built-in GPT's in models/gpt.py",
-    "cli/train.py": "the launch environment: a torchrun/srun world size the flags do not fill, "
-                    "--fault-tolerant under torchrun/srun",
-    "cli/launch.py": "the launch environment: srun's nodes and tasks per node",
+    "cli/train.py": "the launch environment: a torchrun/srun world size the flags do not fill",
+    "cli/launch.py": "the launch environment: a TP group within srun's tasks per node",
     "engine/pretrained.py": "what a hub model's declared plans allow (the model built on meta)",
     "tensor_parallel/hf_experts.py": "what a hub model's declared plans allow",
     "context_parallel/hf_attention.py": "what a hub model's attention allows",
@@ -333,8 +342,9 @@ def test_the_layouts_page_lists_every_rule():
                     if (cells := [c.strip() for c in line.split("|")])[1:2] and cells[1] in owners)
     code = sorted([*(("axes", r.flag) for r in axes.RULES),
                    *((s.name, r.flag) for s in table.STRATEGIES for r in s.rules)])
-    assert listed == code, (f"in the code, not on the page: {sorted(set(code) - set(listed))}; "
-                            f"on the page, not in the code: {sorted(set(listed) - set(code))}")
+    page_rows, code_rows = Counter(listed), Counter(code)
+    assert listed == code, (f"in the code, not on the page: {sorted((code_rows - page_rows).elements())}; "
+                            f"on the page, not in the code: {sorted((page_rows - code_rows).elements())}")
     assert len(code) == len(table.RULES)
 
 

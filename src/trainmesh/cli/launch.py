@@ -100,10 +100,9 @@ def run(args: argparse.Namespace) -> int:
     flags = [f for f in args.train_flags if f != "--"]
     world = args.nodes * tasks
     cfg = build_train_config(collect(build_parser().parse_args(["train", *flags]), True, world=world))
-    if cfg.parallel.fault_tolerant:
-        raise ConfigError("--fault-tolerant", "runs its replicas under trainmesh's own launcher, "
-                          "not srun: start a coordinator and one `trainmesh train --fault-tolerant` "
-                          "per host (docs/FAULT_TOLERANCE.md)")
+    from trainmesh.core.axes import Facts
+    from trainmesh.strategies import table
+    table.check_facts(cfg.parallel, Facts(launcher="sbatch"))   # a strategy's own launcher
     if tasks % cfg.parallel.tp:
         raise ConfigError("--tp", f"{cfg.parallel.tp} must divide the {tasks} ranks per node: "
                           "a TP group stays inside a node")

@@ -205,11 +205,10 @@ def run(args: argparse.Namespace) -> int:
     given = bool(given_flags(args)) or args.config is not None
     world = launcher_world()
     cfg = build_train_config(collect(args, given, world=world))
-    if world is not None and cfg.parallel.fault_tolerant:
-        raise ConfigError("--fault-tolerant", "runs its replicas under trainmesh's own launcher "
-                          "(one elastic agent per replica); start it with `trainmesh train`, "
-                          "not under torchrun or srun")
     if world is not None:
+        from trainmesh.core.axes import Facts
+        from trainmesh.strategies import table
+        table.check_facts(cfg.parallel, Facts(launcher="torchrun"))   # a strategy's own launcher
         from trainmesh.core.distributed import launcher_job, local_world_size
         preflight(cfg, local_ranks=local_world_size(), launching=False)
         if launcher_job().rank == 0:

@@ -198,6 +198,9 @@ class Facts:
     """The model is a Hugging Face model of --model-dir (not the built-in GPT)."""
     saves: bool | None = None
     """The run writes checkpoints (--save-dir)."""
+    launcher: str | None = None
+    """What starts the workers: ``torchrun`` (this process is a worker of torchrun or srun) or
+    ``sbatch`` (the script ``trainmesh launch slurm`` prints); unknown for a local launch."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,15 @@ RULES: tuple[Rule, ...] = (
          pairs=(("ft", "offload"),)),
     Rule("--allreduce", lambda c, f: _ft(c) and c.allreduce != "native", NOT.format(valid="native"),
          {**F, "allreduce": "ring"}, pairs=(("ft", "allreduce"),)),
+    # its launcher runs one elastic agent per replica: no other launcher can start it
+    Rule("--fault-tolerant", lambda c, f: _ft(c) and f.launcher == "torchrun",
+         "runs its replicas under trainmesh's own launcher (one elastic agent per replica); start "
+         "it with `trainmesh train`, not under torchrun or srun", {**F, "launcher": "torchrun"},
+         needs=("launcher",)),
+    Rule("--fault-tolerant", lambda c, f: _ft(c) and f.launcher == "sbatch",
+         "runs its replicas under trainmesh's own launcher, not srun: start a coordinator and one "
+         "`trainmesh train --fault-tolerant` per host (docs/FAULT_TOLERANCE.md)",
+         {**F, "launcher": "sbatch"}, needs=("launcher",)),
 )
 
 FEATURES: tuple[Feature, ...] = (
