@@ -37,7 +37,7 @@ from helpers import SMALL, assert_equivalent, one_process, run_train, steps, sum
 from tolerances import LOSS_ABS
 
 from trainmesh.config.parallel import ParallelConfig
-from trainmesh.config.train import FLAGS, build_train_config
+from trainmesh.config.train import FLAGS, TrainConfig, build_train_config
 from trainmesh.core import axes
 from trainmesh.core.axes import Facts
 from trainmesh.core.errors import ConfigError
@@ -80,6 +80,8 @@ launch adds its launcher and start-up): cheap rows, but not many rows of one pai
 
 DEFAULTS = {**{f.name: f.default for f in fields(ParallelConfig)}, "experts": 0}
 FACTS = set(Facts.__dataclass_fields__)
+RUN_DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name != "parallel"}
+"""A run's own settings (TrainConfig's, the rules' ``f.run``) at their defaults."""
 
 
 def _facts(settings: dict) -> types.SimpleNamespace:
@@ -238,7 +240,9 @@ def test_each_rule_exits_2_before_any_worker(rule, no_launch, refused, tmp_path,
     """Every row of the table, the strategies' and the model's included: ``trainmesh train``
     exits 2 with its line before any worker starts (a fact no model here has: the table's
     refusal in process)."""
-    facts = Facts(**{k: v for k, v in rule.example.items() if k in FACTS})
+    run = types.SimpleNamespace(**{**RUN_DEFAULTS, **{k: v for k, v in rule.example.items()
+                                                      if k in RUN_DEFAULTS}})
+    facts = Facts(**{k: v for k, v in rule.example.items() if k in FACTS}, run=run)
     layout = _facts(rule.example)
     want = rule.message(layout, facts)
     argv = _argv(rule, tmp_path, request, monkeypatch)

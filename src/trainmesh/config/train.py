@@ -8,7 +8,6 @@ the dashes (``global-batch`` or ``global_batch``, ``timeout``), at top level or 
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -151,44 +150,6 @@ class TrainConfig:
             return self.max_restarts
         return 3 if self.parallel.fault_tolerant else 0
 
-    def _check_fault_tolerant(self) -> None:
-        """What a --fault-tolerant run cannot protect: refused, naming the flag; the flags of a
-        run across hosts."""
-        p = self.parallel
-        across = {"--coordinator": self.coordinator, "--replica-id": self.replica_id,
-                  "--replicas": self.replicas}
-        if self.secret_file is not None and self.coordinator is None:
-            raise ConfigError("--secret-file", "gives the secret of a fault-tolerant run across "
-                              "hosts; needs --fault-tolerant --coordinator HOST:PORT (a run on "
-                              "one host makes its own)")
-        if not p.fault_tolerant:
-            for flag, value in across.items():
-                if value is not None:
-                    raise ConfigError(flag, "runs a replica of a fault-tolerant run across hosts; "
-                                      "needs --fault-tolerant")
-            return
-        if any(v is not None for v in across.values()):
-            missing = [flag for flag, value in across.items() if value is None]
-            if missing:
-                raise ConfigError(missing[0], "a replica of a run across hosts needs --coordinator "
-                                  "HOST:PORT, --replica-id I and --replicas R")
-            if self.replicas != p.replicas:
-                raise ConfigError("--replicas", f"{self.replicas} disagrees with the layout: --dp "
-                                  f"{p.dp} makes {p.replicas} replicas of {p.replica_dp} dp "
-                                  "index(es) (leave --dp unset to derive it)")
-            if self.replica_id >= self.replicas:
-                raise ConfigError("--replica-id", f"must be in 0..{self.replicas - 1} (--replicas "
-                                  f"{self.replicas}); got {self.replica_id}")
-            _check_coordinator(self.coordinator)
-        if self.global_batch < p.dp:
-            raise ConfigError("--global-batch", f"must be at least --dp {p.dp} with "
-                              "--fault-tolerant (each replica takes rows of it)")
-        whole = math.lcm(*range(1, p.replicas + 1)) * p.microbatches
-        if p.pp > 1 and self.global_batch % whole:
-            raise ConfigError("--global-batch", f"must be divisible by {whole} with --fault-tolerant "
-                              f"--pp (each quorum of 1..{p.replicas} replicas cuts its rows into "
-                              f"--microbatches {p.microbatches} equal microbatches); got {self.global_batch}")
-
     def __post_init__(self) -> None:
         if not isinstance(self.parallel, ParallelConfig):
             raise TypeError("TrainConfig.parallel must be a ParallelConfig")
@@ -211,7 +172,7 @@ class TrainConfig:
             if not self.timeline_out.endswith((".svg", ".png")):
                 raise ConfigError("--timeline-out", f"must end in .svg or .png; got {self.timeline_out!r}")
         p = self.parallel
-        self._check_fault_tolerant()
+        table.check_facts(p, Facts(run=self))   # the strategies' rules on the run's flags
         per = p.dp * p.microbatches
         if self.global_batch % per and not p.fault_tolerant:   # fault-tolerant: split unevenly
             raise ConfigError("--global-batch", f"must be divisible by dp x microbatches = {p.dp} x "
@@ -359,19 +320,6 @@ def read_toml(path: str) -> dict[str, Any]:
                                   f"in {place}; valid: each flag once")
             flat[name], where[name] = v, place
     return flat
-
-
-def _check_coordinator(spec: str) -> None:
-    """--coordinator: ``HOST:PORT[,HOST:PORT...]`` (ports 1..65535), or ``@FILE`` (read by the
-    replica at each connection: the file may name other addresses later)."""
-    if spec.startswith("@") and len(spec) > 1:
-        return
-    for address in (a.strip() for a in spec.split(",")):
-        host, sep, port = address.rpartition(":")
-        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ConfigError("--coordinator", "must be HOST:PORT of `trainmesh coordinator` "
-                              "(several comma-separated, or @FILE listing them; e.g. "
-                              f"10.0.0.1:29400); got {spec!r}")
 
 
 def build_train_config(values: dict[str, Any]) -> TrainConfig:

@@ -201,6 +201,9 @@ class Facts:
     launcher: str | None = None
     """What starts the workers: ``torchrun`` (this process is a worker of torchrun or srun) or
     ``sbatch`` (the script ``trainmesh launch slurm`` prints); unknown for a local launch."""
+    run: Any = None
+    """The run's own settings beside the layout (a TrainConfig: --coordinator, --global-batch,
+    ...), for the strategies' rules on them."""
 
 
 @dataclass(frozen=True)

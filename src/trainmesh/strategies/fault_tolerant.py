@@ -3,6 +3,8 @@ one dp index (--zero 0), or of one --dp-shard group (--zero 1-3) — that surviv
 replica without a restart (docs/FAULT_TOLERANCE.md)."""
 from __future__ import annotations
 
+import math
+
 from trainmesh.core.axes import Feature, Rule
 from trainmesh.strategies.base import Strategy
 
@@ -55,10 +57,83 @@ RULES: tuple[Rule, ...] = (
          {**F, "launcher": "sbatch"}, needs=("launcher",)),
 )
 
+
+def _across(f) -> dict:
+    """The flags of a replica of a run across hosts, and what was given of them."""
+    r = f.run
+    return {"--coordinator": r.coordinator, "--replica-id": r.replica_id, "--replicas": r.replicas}
+
+
+def _missing(f, flag: str) -> bool:
+    """A replica across hosts given some of its flags, and ``flag`` is the first not given."""
+    given = _across(f)
+    return (any(v is not None for v in given.values())
+            and next((k for k, v in given.items() if v is None), None) == flag)
+
+
+def coordinator_ok(spec: str) -> bool:
+    """``HOST:PORT[,HOST:PORT...]`` (ports 1..65535), or ``@FILE`` (read by the replica at each
+    connection: the file may name other addresses later)."""
+    if spec.startswith("@") and len(spec) > 1:
+        return True
+    for address in (a.strip() for a in spec.split(",")):
+        host, sep, port = address.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
+            return False
+    return True
+
+
+def _whole(c) -> int:
+    """Rows of a --pp global batch: every quorum of 1..replicas cuts it into microbatches."""
+    return math.lcm(*range(1, c.dp // replica_dp(c) + 1)) * c.microbatches
+
+
+ACROSS = "runs a replica of a fault-tolerant run across hosts; needs --fault-tolerant"
+NEEDS = "a replica of a run across hosts needs --coordinator HOST:PORT, --replica-id I and --replicas R"
+HOSTS = {**F, "coordinator": "127.0.0.1:1", "replica_id": 0, "replicas": 2}
+
+RUN_RULES: tuple[Rule, ...] = (
+    # what a run across hosts needs, checked where TrainConfig checks its other flags
+    Rule("--secret-file", lambda c, f: f.run.secret_file is not None and f.run.coordinator is None,
+         "gives the secret of a fault-tolerant run across hosts; needs --fault-tolerant "
+         "--coordinator HOST:PORT (a run on one host makes its own)",
+         {**F, "secret_file": "secret"}, needs=("run",)),
+    *(Rule(flag, lambda c, f, flag=flag: not _ft(c) and _across(f)[flag] is not None, ACROSS,
+           {flag[2:].replace("-", "_"): value}, needs=("run",))
+      for flag, value in (("--coordinator", "127.0.0.1:1"), ("--replica-id", 0), ("--replicas", 2))),
+    *(Rule(flag, lambda c, f, flag=flag: _ft(c) and _missing(f, flag), NEEDS,
+           {k: v for k, v in HOSTS.items() if k != flag[2:].replace("-", "_")}, needs=("run",))
+      for flag in ("--coordinator", "--replica-id", "--replicas")),
+    Rule("--replicas", lambda c, f: _ft(c) and f.run.replicas is not None
+         and f.run.replicas != c.dp // replica_dp(c),
+         lambda c, f: f"{f.run.replicas} disagrees with the layout: --dp {c.dp} makes "
+                      f"{c.dp // replica_dp(c)} replicas of {replica_dp(c)} dp index(es) (leave "
+                      "--dp unset to derive it)", {**HOSTS, "dp": 4}, needs=("run",)),
+    Rule("--replica-id", lambda c, f: _ft(c) and None not in _across(f).values()
+         and f.run.replica_id >= f.run.replicas,
+         lambda c, f: f"must be in 0..{f.run.replicas - 1} (--replicas {f.run.replicas}); got "
+                      f"{f.run.replica_id}",
+         {**HOSTS, "replica_id": 2}, needs=("run",)),
+    Rule("--coordinator", lambda c, f: _ft(c) and None not in _across(f).values()
+         and not coordinator_ok(f.run.coordinator),
+         "must be HOST:PORT of `trainmesh coordinator` (several comma-separated, or @FILE "
+         "listing them; e.g. 10.0.0.1:29400); got {f.run.coordinator!r}",
+         {**HOSTS, "coordinator": "nowhere"}, needs=("run",)),
+    Rule("--global-batch", lambda c, f: _ft(c) and f.run.global_batch < c.dp,
+         "must be at least --dp {c.dp} with --fault-tolerant (each replica takes rows of it)",
+         {**F, "dp": 4, "global_batch": 3}, needs=("run",)),
+    Rule("--global-batch", lambda c, f: _ft(c) and c.pp > 1 and f.run.global_batch % _whole(c) != 0,
+         lambda c, f: f"must be divisible by {_whole(c)} with --fault-tolerant --pp (each quorum "
+                      f"of 1..{c.dp // replica_dp(c)} replicas cuts its rows into --microbatches "
+                      f"{c.microbatches} equal microbatches); got {f.run.global_batch}",
+         {**F, "dp": 3, "pp": 2, "microbatches": 2, "global_batch": 6}, needs=("run",)),
+)
+"""Fault tolerance's rules on the run's own flags (a replica across hosts, the global batch)."""
+
 FEATURES: tuple[Feature, ...] = (
     Feature("ft", "fault_tolerant", F, _ft),
 )
 
-STRATEGY = Strategy("fault_tolerant", "--fault-tolerant", _ft, RULES, FEATURES,
+STRATEGY = Strategy("fault_tolerant", "--fault-tolerant", _ft, RULES + RUN_RULES, FEATURES,
                     policy="trainmesh.run.ft_steps:QuorumSteps",
                     launcher="trainmesh.run.ft_launch:launch_fault_tolerant")
