@@ -132,3 +132,20 @@ def test_a_strategys_gradient_sync_comes_from_its_declaration():
     assert strategy_of(diloco).grad_sync == "trainmesh.data_parallel.diloco:wrap"
     assert _wrapper(diloco) is wrap
     assert _wrapper(ParallelConfig(dp=2)) is None and _wrapper(ParallelConfig(dp=2, fault_tolerant=True)) is None
+
+
+def _resolved(strategy, field: str) -> object:
+    try:
+        return strategy.load(field)
+    except (ImportError, AttributeError) as exc:
+        return f"{getattr(strategy, field)}: {exc}"
+
+
+def test_every_declared_plug_in_resolves():
+    """Bug: a strategy's declaration naming a gradient-sync wrapper, step policy or launcher
+    that was moved or renamed (found only when a run of that strategy starts)."""
+    from trainmesh.strategies.table import STRATEGIES
+    declared = {(s.name, field): _resolved(s, field) for s in STRATEGIES
+                for field in ("grad_sync", "policy", "launcher") if getattr(s, field) is not None}
+    assert ("diloco", "grad_sync") in declared
+    assert {k: v for k, v in declared.items() if not callable(v)} == {}
