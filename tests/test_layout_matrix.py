@@ -336,6 +336,19 @@ def test_no_layout_refusal_outside_the_table():
     assert not outside, f"layout refusals outside the table: {outside}"
 
 
+def test_each_strategy_names_what_exists():
+    """A strategy's gradient-sync wrapper, step policy and launcher hooks are dotted paths
+    (imported only when a run needs them): each names an object that exists."""
+    for strategy in table.STRATEGIES:
+        for what in ("grad_sync", "policy", "launcher"):
+            if getattr(strategy, what) is not None:
+                try:
+                    found = strategy.load(what)
+                except (ImportError, AttributeError) as exc:
+                    found = exc
+                assert callable(found), (strategy.name, what, getattr(strategy, what), found)
+
+
 def test_the_layouts_page_lists_every_rule():
     """docs/LAYOUTS.md's table of rules and the code's are the same rows: (owner, flag) for the
     axes' rules and each strategy's (a rule removed from the code, or added to it, fails here)."""
