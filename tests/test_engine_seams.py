@@ -146,6 +146,6 @@ def test_every_declared_plug_in_resolves():
     that was moved or renamed (found only when a run of that strategy starts)."""
     from trainmesh.strategies.table import STRATEGIES
     declared = {(s.name, field): _resolved(s, field) for s in STRATEGIES
-                for field in ("grad_sync", "policy", "launcher") if getattr(s, field) is not None}
+                for field in ("grad_sync", "policy", "worker", "launcher") if getattr(s, field) is not None}
     assert ("diloco", "grad_sync") in declared
     assert {k: v for k, v in declared.items() if not callable(v)} == {}

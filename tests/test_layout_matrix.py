@@ -340,7 +340,7 @@ def test_each_strategy_names_what_exists():
     """A strategy's gradient-sync wrapper, step policy and launcher hooks are dotted paths
     (imported only when a run needs them): each names an object that exists."""
     for strategy in table.STRATEGIES:
-        for what in ("grad_sync", "policy", "launcher"):
+        for what in ("grad_sync", "policy", "worker", "launcher"):
             if getattr(strategy, what) is not None:
                 try:
                     found = strategy.load(what)

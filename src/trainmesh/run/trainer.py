@@ -49,6 +49,7 @@ from trainmesh.run.optimizers import no_decay, optimizer_factory
 from trainmesh.run.schedule_lr import warmup_cosine
 from trainmesh.run.steps import LocalSteps, Records, StepPolicy, nonfinite_ends_run
 from trainmesh.run.trace import make_tracer
+from trainmesh.strategies.table import strategy_of
 
 log = logging.getLogger("trainmesh")
 
@@ -97,11 +98,9 @@ def worker_main(cfg: TrainConfig, *, lock_save_dir: bool = True) -> int:
         device = init_distributed(timeout_s=cfg.parallel.timeout_s, device=cfg.device,
                                   world_size=elastic_world)
         try:
-            if cfg.parallel.strategy == "ps":   # a parameter-server job: trainers and servers
-                from trainmesh.run.ps_trainer import train_ps
-                code = train_ps(cfg, device, _train)
-            else:
-                code = _train(cfg, device)
+            # a strategy whose ranks are not all trainers (the parameter server) runs its own worker
+            worker = strategy_of(cfg.parallel).load("worker")
+            code = _train(cfg, device) if worker is None else worker(cfg, device, _train)
         except BaseException:
             shutdown(barrier=False)  # peers learn of the failure from the launcher, not a barrier
             raise

@@ -36,7 +36,13 @@ class Strategy:
     """``module:attribute`` of the wrapper around the engine's gradient sync (None: the mesh's
     own)."""
     policy: str | None = None
-    """``module:attribute`` of its step policy (how a step's batch is split and stepped)."""
+    """``module:attribute`` of its step policy (how a step's batch is split and stepped;
+    None: :class:`~trainmesh.run.steps.LocalSteps`, every step once)."""
+    worker: str | None = None
+    """``module:attribute`` of what each of its workers runs, ``worker(cfg, device, loop)``
+    with ``loop`` the one training loop (:func:`trainmesh.run.trainer._train`), for a
+    strategy whose ranks are not all trainers (the parameter server's servers); None: the
+    loop itself."""
     launcher: str | None = None
     """``module:attribute`` of the function that launches its local run,
     ``launcher(cfg, *, max_restarts, worker_setup)``: the one launcher with this strategy's

@@ -53,4 +53,4 @@ FEATURES: tuple[Feature, ...] = (
 )
 
 STRATEGY = Strategy("ps", "--strategy ps", _ps, RULES, FEATURES,
-                    policy="trainmesh.run.ps_trainer:train_ps")
+                    worker="trainmesh.run.ps_trainer:train_ps")
