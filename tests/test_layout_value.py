@@ -2,10 +2,13 @@
 same value, and they agree with the rank layout stated independently here, rank by rank."""
 from __future__ import annotations
 
+import ast
 import itertools
+from pathlib import Path
 
 import pytest
 
+import trainmesh
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.layout import Group, Layout
@@ -127,3 +130,40 @@ def test_the_mesh_takes_a_layout_or_its_degrees():
         ParallelMesh(Layout(), dp=1)
     with pytest.raises(ConfigError, match="--dp-shard"):
         ParallelMesh(dp=4, dp_shard=3)
+
+
+# ---------------------------------------------------------------- group names in the source
+MESH_CALLS = {"index", "size", "ranks", "group"}
+COMM_CALLS = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_gather_object",
+              "all_to_all", "batch_p2p", "irecv", "isend", "_gather"}
+
+
+def bare_group_names(tree: ast.AST) -> list[int]:
+    """Lines where a mesh or communication call names a group by a bare string."""
+    names = {g.value for g in Group}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, (ast.Attribute, ast.Name)):
+            continue
+        fn = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+        if fn not in MESH_CALLS | COMM_CALLS:
+            continue
+        args = [*node.args, *(k.value for k in node.keywords if k.arg in ("axis", "group"))]
+        if fn in MESH_CALLS:
+            args = node.args[:1]
+        if any(isinstance(a, ast.Constant) and a.value in names for a in args):
+            out.append(node.lineno)
+    return out
+
+
+def test_groups_are_named_by_the_enum_in_the_source():
+    """Every mesh and communication call in src/ names its group by ``Group`` (a typo is an
+    AttributeError where it is written), not by a bare string. Planted: ``mesh.index("tp")``
+    back in engine.py fails with {'engine/engine.py': [line]}."""
+    root = Path(trainmesh.__file__).parent
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        lines = bare_group_names(ast.parse(path.read_text()))
+        if lines:
+            found[str(path.relative_to(root))] = lines
+    assert found == {}

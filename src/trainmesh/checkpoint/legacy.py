@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from trainmesh.comm import Comm
+from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placement, Placements
 from trainmesh.data_parallel.base import GradSync
 from trainmesh.expert_parallel.shard import stacked_slice
@@ -39,7 +40,7 @@ def _tp_slice(comm: Comm, placement: Placement | None, full: torch.Tensor) -> to
     """This rank's tp slice of ``full``, sharded as ``placement`` says (None: whole), and its
     run of stacked experts where they are split over ep."""
     dim = shard_dim(placement) if full.dim() else None
-    return stacked_slice(shard_of(full, dim, comm.mesh.index("tp"), comm.mesh.size("tp"),
+    return stacked_slice(shard_of(full, dim, comm.mesh.index(Group.tp), comm.mesh.size(Group.tp),
                                   shard_parts(placement)), comm, placement).contiguous()
 
 

@@ -21,6 +21,7 @@ import torch
 
 from trainmesh.checkpoint.chunks import Chunks, GlobalMap, flat_boxes, tp_ep_map
 from trainmesh.comm import Comm
+from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
 from trainmesh.data_parallel.composite import CompositeSync
@@ -37,10 +38,10 @@ def global_map(name: str, local_shape: Sequence[int], comm: Comm, placements: Pl
     if not local_shape or placement is None:
         return GlobalMap.whole(local_shape)
     mesh = comm.mesh
-    return tp_ep_map(local_shape, tp_dim=shard_dim(placement), tp_rank=mesh.index("tp"),
-                     tp=mesh.size("tp"), parts=shard_parts(placement),
+    return tp_ep_map(local_shape, tp_dim=shard_dim(placement), tp_rank=mesh.index(Group.tp),
+                     tp=mesh.size(Group.tp), parts=shard_parts(placement),
                      ep_dim=placement.ep_dim if placements.ep_split(name) else None,
-                     ep_rank=mesh.index("ep"), ep=mesh.size("ep"))
+                     ep_rank=mesh.index(Group.ep), ep=mesh.size(Group.ep))
 
 
 def local_shape(name: str, global_shape: Sequence[int], comm: Comm, placements: Placements) -> tuple[int, ...]:
@@ -49,9 +50,9 @@ def local_shape(name: str, global_shape: Sequence[int], comm: Comm, placements: 
     placement = placements.get(name)
     if placement is not None and shape:
         if shard_dim(placement) is not None:
-            shape[placement.tp_dim] //= comm.mesh.size("tp")
+            shape[placement.tp_dim] //= comm.mesh.size(Group.tp)
         if placements.ep_split(name):
-            shape[placement.ep_dim] //= comm.mesh.size("ep")
+            shape[placement.ep_dim] //= comm.mesh.size(Group.ep)
     return tuple(shape)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 
 from .algorithms import all_reduce, theory_sent_bytes
@@ -46,15 +47,15 @@ class Row:
 def _run_op(comm: Comm, op: str, numel: int, n: int, algorithm: str = "native",
             buf: torch.Tensor | None = None) -> None:
     if op == "all_reduce":
-        all_reduce(comm, buf if buf is not None else torch.zeros(numel), "dp", algorithm=algorithm)
+        all_reduce(comm, buf if buf is not None else torch.zeros(numel), Group.dp, algorithm=algorithm)
     elif op == "broadcast":
-        comm.broadcast(torch.ones(numel), "dp", src=0)
+        comm.broadcast(torch.ones(numel), Group.dp, src=0)
     elif op == "all_gather":
-        comm.all_gather(torch.empty(numel), torch.ones(numel // n), "dp")
+        comm.all_gather(torch.empty(numel), torch.ones(numel // n), Group.dp)
     elif op == "reduce_scatter":
-        comm.reduce_scatter(torch.empty(numel // n), torch.ones(numel), "dp")
+        comm.reduce_scatter(torch.empty(numel // n), torch.ones(numel), Group.dp)
     elif op == "all_to_all":
-        comm.all_to_all(torch.empty(numel), torch.ones(numel), "dp")
+        comm.all_to_all(torch.empty(numel), torch.ones(numel), Group.dp)
 
 
 def _max_over_ranks(value: float) -> float:
@@ -80,7 +81,7 @@ def _check(comm: Comm, numel: int, algorithm: str, reference: torch.Tensor,
     """(bytes the busiest rank sent in one call, max |result - native| over ranks)."""
     t = x.clone()
     comm.ledger.begin_step()
-    all_reduce(comm, t, "dp", algorithm=algorithm)
+    all_reduce(comm, t, Group.dp, algorithm=algorithm)
     window = comm.ledger.end_step()
     sent = window["dp"]["send"].bytes if "send" in window.get("dp", {}) else 0
     return int(_max_over_ranks(sent)), _max_over_ranks((t - reference).abs().max().item())
@@ -94,7 +95,7 @@ def _all_reduce_rows(comm: Comm, size: int, algorithms: list[str], iters: int,
     gen = torch.Generator().manual_seed(1000 * dist.get_rank() + numel)
     x = torch.randn(numel, generator=gen)
     reference = x.clone()
-    comm.all_reduce(reference, "dp")
+    comm.all_reduce(reference, Group.dp)
     rows = []
     for algorithm in algorithms:
         t = _time(comm, "all_reduce", numel, n, algorithm, iters, warmup)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.core.errors import CommTimeout
+from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 
 from .check import OrderCheck
@@ -83,7 +84,7 @@ class Comm:
         self.timeout_s = mesh.timeout_s
         self.seq = 0
         self.recent: deque[tuple[int, str, str, tuple[int, ...]]] = deque(maxlen=history)
-        self.order_check = (OrderCheck(mesh.rank, mesh.world_size, mesh.group("world"))
+        self.order_check = (OrderCheck(mesh.rank, mesh.world_size, mesh.group(Group.world))
                             if order_check_enabled() else None)
         """Set with ``TRAINMESH_CHECK_COLLECTIVES=1``: the ranks compare their collectives at
         each :meth:`end_step` (:mod:`trainmesh.comm.check`)."""

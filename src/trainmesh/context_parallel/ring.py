@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from trainmesh.comm import Comm
+from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 
 from .blocks import attend_block, attend_block_backward, merge
@@ -58,14 +59,14 @@ class CommRing:
 
     def __init__(self, comm: Comm, mesh: ParallelMesh) -> None:
         self.comm = comm
-        ranks = mesh.ranks("cp")
-        self.size, self.index = len(ranks), mesh.index("cp")
+        ranks = mesh.ranks(Group.cp)
+        self.size, self.index = len(ranks), mesh.index(Group.cp)
         self.next, self.prev = ranks[(self.index + 1) % self.size], ranks[(self.index - 1) % self.size]
 
     def shift(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
         t = t.contiguous()
         buf = torch.empty_like(t)
-        handles = self.comm.batch_p2p([("send", t, self.next), ("recv", buf, self.prev)], axis="cp")
+        handles = self.comm.batch_p2p([("send", t, self.next), ("recv", buf, self.prev)], axis=Group.cp)
 
         def wait() -> torch.Tensor:
             for h in handles:
@@ -76,13 +77,13 @@ class CommRing:
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()            # gathered along dim 0, as the backends want it
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        self.comm.all_gather(out, t, "cp")
+        self.comm.all_gather(out, t, Group.cp)
         return out.view(self.size, *t.shape)
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous().flatten(0, 1)
         out = torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        self.comm.reduce_scatter(out, t, "cp")
+        self.comm.reduce_scatter(out, t, Group.cp)
         return out
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.layout import Group
 
 from ..comm import Comm
 from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions
@@ -47,11 +48,11 @@ INNER_DONE = "inner_steps_done"
 """Checkpointed state: inner steps taken since the last synchronisation (per parameter, all equal)."""
 
 
-def replica_axes(zero: int, cp: int) -> tuple[str, str]:
+def replica_axes(zero: int, cp: int) -> tuple[Group, Group]:
     """(the group a replica's own strategy reduces over, the group across replicas): without
     ZeRO a replica is one dp index (its cp ranks hold other tokens of the same sequences); with
     ZeRO it is one HSDP shard group."""
-    return ("cp", "dp") if zero == 0 else ("dp_shard", "dp_replicate")
+    return (Group.cp, Group.dp) if zero == 0 else (Group.dp_shard, Group.dp_replicate)
 
 
 def wrap(cfg: Any, comm: Comm, options: SyncOptions, build: Callable[[SyncOptions], GradSync]) -> DiLoCo:
@@ -128,7 +129,7 @@ class DiLoCo(CompositeSync):
         so that all skip or stop together."""
         slots = torch.zeros(self.n_replicas, dtype=torch.float32)
         slots[self.replica] = self.inner.grad_sq_sum(counted).reshape(()).float().cpu()
-        self.comm.all_reduce(slots, "world")
+        self.comm.all_reduce(slots, Group.world)
         if not bool(torch.isfinite(slots).all()):
             return math.inf
         return math.sqrt(float(slots[self.replica]))

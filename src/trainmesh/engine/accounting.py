@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from trainmesh.comm import Comm
 from trainmesh.comm.ledger import Span
+from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import Executor
 from trainmesh.data_parallel.base import GradSync
@@ -46,7 +47,7 @@ class Accounting:
 
     def batch_share(self) -> tuple[int, int]:
         """(this rank's dp index, dp): the slice of the global batch its replica trains on."""
-        return self.mesh.index("dp"), self.mesh.size("dp")
+        return self.mesh.index(Group.dp), self.mesh.size(Group.dp)
 
     def summary_ranks(self, probes: dict[str, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Collective: every rank's row of the run's summary, in rank order (its place, the
@@ -117,5 +118,5 @@ class Accounting:
         return flag.item() >= 1.0
 
     def _all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
-        self.comm.all_reduce(t, "world", op=dist.ReduceOp.MIN)
+        self.comm.all_reduce(t, Group.world, op=dist.ReduceOp.MIN)
         return t

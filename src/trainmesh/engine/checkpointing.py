@@ -17,6 +17,7 @@ from trainmesh.checkpoint.async_save import AsyncSaver
 from trainmesh.checkpoint.export_hf import model_record
 from trainmesh.comm import Comm
 from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel import untrained_state
 from trainmesh.data_parallel.base import GradSync
@@ -66,7 +67,7 @@ class Checkpointing:
         """The consolidated, unsharded model weights (identical on every rank for DDP; under
         expert parallelism every expert, gathered over ep)."""
         gathered = self.grad_sync.full_state_dict()
-        if gathered is None and self.comm.mesh.size("tp") > 1:
+        if gathered is None and self.comm.mesh.size(Group.tp) > 1:
             from trainmesh.tensor_parallel.state import full_state_dict
             gathered = full_state_dict(self.module, self.comm, self.placements)
         if gathered is None:

@@ -30,6 +30,7 @@ from trainmesh.comm import Comm
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.axes import LATER, kind_groups
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
 from trainmesh.core.step import Across, Executor, LossFn, StepHooks, StepReport, StepResult
@@ -86,7 +87,7 @@ class Engine(Accounting, Checkpointing):
         """Parameters with ``requires_grad=False``: whole on every DP rank, no sync, no optimizer."""
         if not named:   # a pipeline stage of frozen layers only: no optimizer to build
             raise ConfigError("model", f"no trainable parameter on rank {self.mesh.rank} "
-                              f"(pipeline stage {self.mesh.index('pp')}); valid: every stage "
+                              f"(pipeline stage {self.mesh.index(Group.pp)}); valid: every stage "
                               "holds one with requires_grad=True (move the split, or fewer --pp)")
         mark_duplicates(named, self.executor.duplicate_parameters, self.placements)
         fill = sharded_init(self.module, named, self.frozen,
@@ -155,7 +156,7 @@ class Engine(Accounting, Checkpointing):
         placement = self.placements.get(name)
         if placement is not None and placement.duplicate and not LATER["duplicate"].counted:
             return False
-        return (placement is not None and placement.sharded) or self.mesh.index("tp") == 0
+        return (placement is not None and placement.sharded) or self.mesh.index(Group.tp) == 0
 
     def _complete_partial_grads(self) -> None:
         """Sequence parallelism: each TP rank holds the gradient of its sequence chunk for the
@@ -164,7 +165,7 @@ class Engine(Accounting, Checkpointing):
         the reduced gradient: whole gradients, or, under ZeRO-2/3, this rank's pieces of the
         gradient shard (the same pieces on every rank of a TP group)."""
         names = self.placements.partial_grad_names()
-        if names and self.mesh.size("tp") > 1:
+        if names and self.mesh.size(Group.tp) > 1:
             from trainmesh.tensor_parallel.state import sum_partial_grads
             sum_partial_grads(self.grad_sync.grads_of(names), self.comm, LATER["partial_grad"].then)
 
@@ -196,7 +197,7 @@ class Engine(Accounting, Checkpointing):
         self.comm.ledger.begin_step()
         self.moe.begin_step(self.precision.loss_scale)
         loss_sum, count = self.executor.run(microbatches, self.hooks)
-        holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
+        holds_loss = self.executor.holds_loss and self.mesh.index(Group.tp) == 0
         sums = [loss_sum, count] if holds_loss else [0.0, 0.0]
         unused = sync.unused_counts() if self.config.find_unused_parameters else []
         # rides along: each strategy part's "any unused?", as many on every rank (a pipeline
@@ -205,7 +206,7 @@ class Engine(Accounting, Checkpointing):
         sums += [float(n) for n in unused] + [0.0] * (width - len(unused))
         extra = sync.extra_sums(count if holds_loss else 0.0)   # rides along too
         totals = torch.tensor(sums + extra, dtype=torch.float64)
-        self.comm.all_reduce(totals, "world")
+        self.comm.all_reduce(totals, Group.world)
         if across is not None:
             across(totals)
         global_loss, tokens = (totals[0] / totals[1]).item(), totals[1].item()
@@ -221,7 +222,7 @@ class Engine(Accounting, Checkpointing):
         self.offloaded_bytes = sync.offloaded_bytes()
         overflow = self.precision.overflowed(sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
         norm = 0.0 if overflow else sync.norm(self._counted_in_norm, self.grad_norm)
-        moe = self.moe.reduce(holds=self.mesh.index("tp") == 0 or self.config.sequence_parallel,
+        moe = self.moe.reduce(holds=self.mesh.index(Group.tp) == 0 or self.config.sequence_parallel,
                               across=across)
         return StepResult(global_loss, norm, overflow, self._nonfinite(global_loss, norm, overflow), moe)
 
@@ -258,11 +259,11 @@ class Engine(Accounting, Checkpointing):
     def _cp_share(self, microbatches: list) -> list:
         """Context parallelism: this CP rank's two zigzag chunks of every sequence (dim 1 of
         every tensor of two or more dimensions) of each microbatch."""
-        cp = self.mesh.size("cp")
+        cp = self.mesh.size(Group.cp)
         if cp == 1:
             return microbatches
         from trainmesh.context_parallel import shard_batch
-        return [shard_batch(mb, self.mesh.index("cp"), cp) for mb in microbatches]
+        return [shard_batch(mb, self.mesh.index(Group.cp), cp) for mb in microbatches]
 
     def _nonfinite(self, loss: float, norm: float, overflow: bool) -> str | None:
         """What makes this step non-finite (the same on every rank: all inputs are reduced)."""
@@ -281,9 +282,9 @@ class Engine(Accounting, Checkpointing):
             microbatches = self._cp_share(split_microbatches(batch, self.config.microbatches))
             s, n = self.executor.evaluate(microbatches, self.hooks)
             loss_sum, count = loss_sum + s, count + n
-        holds_loss = self.executor.holds_loss and self.mesh.index("tp") == 0
+        holds_loss = self.executor.holds_loss and self.mesh.index(Group.tp) == 0
         totals = torch.tensor([loss_sum, count] if holds_loss else [0.0, 0.0], dtype=torch.float64)
-        self.comm.all_reduce(totals, "world")
+        self.comm.all_reduce(totals, Group.world)
         return (totals[0] / totals[1]).item()
 
     def local_grad_sq_sum(self) -> torch.Tensor:
@@ -294,5 +295,5 @@ class Engine(Accounting, Checkpointing):
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient, each logical parameter counted once."""
         sq = self.local_grad_sq_sum().reshape(1).to(torch.float32)
-        self.comm.all_reduce(sq, "world")
+        self.comm.all_reduce(sq, Group.world)
         return math.sqrt(float(sq))

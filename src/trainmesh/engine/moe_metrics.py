@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
+from trainmesh.core.layout import Group
 from trainmesh.models.hf_router import attach_router_stats
 from trainmesh.models.moe import MoEStats
 
@@ -64,7 +65,7 @@ class MoEMetrics:
         flat = torch.cat([s.counts.flatten(), s.aux_sum, s.sequences])
         if not holds:
             flat.zero_()
-        self.comm.all_reduce(flat, "world")
+        self.comm.all_reduce(flat, Group.world)
         if across is not None:
             across(flat)
         return flat

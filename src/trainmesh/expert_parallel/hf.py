@@ -45,6 +45,7 @@ from torch import nn
 from trainmesh.comm import Comm
 from trainmesh.core.compat import in_backward
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placement, Placements
 from trainmesh.models.moe import MoEStats
 
@@ -189,7 +190,7 @@ class Dispatch:
 def shard_hf_experts(model: nn.Module, comm: Comm, placements: Placements) -> None:
     """Keep this rank's run of every layer's stacked experts and dispatch their tokens
     (module docstring); record their placements. In place."""
-    size, rank = comm.mesh.size("ep"), comm.mesh.index("ep")
+    size, rank = comm.mesh.size(Group.ep), comm.mesh.index(Group.ep)
     layers = expert_layers(model)
     check_hf_ep(model, size)
     if size == 1:

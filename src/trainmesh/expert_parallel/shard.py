@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
+from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placement, Placements
 from trainmesh.models.moe import MoE
 
@@ -43,7 +44,7 @@ def shard_experts(model: nn.Module, comm: Comm, placements: Placements) -> None:
         shard_hf_experts(model, comm, placements)
         return
     mesh = comm.mesh
-    size, index = mesh.size("ep"), mesh.index("ep")
+    size, index = mesh.size(Group.ep), mesh.index(Group.ep)
     for _, layer in moe_layers(model):
         local = layer.n_experts // size
         keep = range(index * local, (index + 1) * local)
@@ -64,7 +65,7 @@ def gather_stacked(t: torch.Tensor, comm: Comm, placement: Placement) -> torch.T
     of the group calls it for the same tensors in the same order)."""
     from trainmesh.tensor_parallel.mappings import _gather
     assert placement.ep_dim is not None
-    return _gather(t.detach(), placement.ep_dim, comm, "ep")    # (.., E, ..): rank-major runs
+    return _gather(t.detach(), placement.ep_dim, comm, Group.ep)    # (.., E, ..): rank-major runs
 
 
 def stacked_slice(full: torch.Tensor, comm: Comm, placement: Placement | None) -> torch.Tensor:
@@ -72,8 +73,8 @@ def stacked_slice(full: torch.Tensor, comm: Comm, placement: Placement | None) -
     whole tensor when it is not split over ep)."""
     if placement is None or placement.ep_dim is None or full.dim() == 0:
         return full
-    width = full.shape[placement.ep_dim] // comm.mesh.size("ep")
-    return full.narrow(placement.ep_dim, comm.mesh.index("ep") * width, width).contiguous()
+    width = full.shape[placement.ep_dim] // comm.mesh.size(Group.ep)
+    return full.narrow(placement.ep_dim, comm.mesh.index(Group.ep) * width, width).contiguous()
 
 
 def gather_experts(state: dict[str, torch.Tensor], comm: Comm,
@@ -85,6 +86,6 @@ def gather_experts(state: dict[str, torch.Tensor], comm: Comm,
              for k, v in sorted(state.items())}
     mine = {k: v.cpu() for k, v in state.items() if placements.expert(k) and not placements.ep_split(k)}
     merged = dict(state)
-    for theirs in comm.all_gather_object(mine, "ep"):
+    for theirs in comm.all_gather_object(mine, Group.ep):
         merged.update({k: v for k, v in theirs.items() if k not in merged})
     return merged

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainmesh.core.layout import Group
 from ..comm import Comm, Handle
 from .schedules import BACKWARD, BACKWARD_INPUT, FORWARD, Schedule
 
@@ -157,7 +158,7 @@ class StageP2P:
         ops = [("send", t, self.peers[msg.dst])]
         if msg.header:
             ops.insert(0, ("send", encode_header(t).to(self.device), self.peers[msg.dst]))
-        handles = self.comm.batch_p2p(ops, axis="pp")
+        handles = self.comm.batch_p2p(ops, axis=Group.pp)
         self._sends += [(tensor, h) for (_, tensor, _), h in zip(ops, handles)]
         self._sends = [(x, h) for x, h in self._sends if not _finished(h)]
 
@@ -189,7 +190,7 @@ class StageP2P:
         if msg.header:
             if ch.header is None:
                 hdr = torch.empty(2 + _HEADER_DIMS, dtype=torch.int64, device=self.device)
-                ch.header = (hdr, self.comm.irecv(hdr, ch.peer, axis="pp"))
+                ch.header = (hdr, self.comm.irecv(hdr, ch.peer, axis=Group.pp))
             if not block and not _finished(ch.header[1]):
                 return False
             hdr, h = ch.header
@@ -204,6 +205,6 @@ class StageP2P:
                 raise RuntimeError(f"pipeline rank {self.rank}: shape of {msg.key} unknown")
             return False
         buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
-        ch.posted[msg.key] = (buf, self.comm.irecv(buf, ch.peer, axis="pp"))
+        ch.posted[msg.key] = (buf, self.comm.irecv(buf, ch.peer, axis=Group.pp))
         ch.next += 1
         return True

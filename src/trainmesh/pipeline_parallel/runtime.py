@@ -38,6 +38,7 @@ from torch import nn
 
 from trainmesh.core.axes import Facts
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.step import LossFn, StepHooks
 from trainmesh.strategies import table
@@ -92,7 +93,7 @@ class PipelineExecutor:
                                           f"needs torch >= 2.7 (this is {torch.__version__}); "
                                           "valid here: naive, gpipe, 1f1b, interleaved")
         self.mesh, self.comm, self.schedule = mesh, comm, schedule
-        self.rank, self.peers = mesh.index("pp"), mesh.ranks("pp")
+        self.rank, self.peers = mesh.index(Group.pp), mesh.ranks(Group.pp)
         model = pipeline_model(model)          # a Hugging Face model: cut from its plan
         stages = partition(named_pipeline_layers(model), schedule.num_stages,
                            cuts if cuts is not None else getattr(model, "pipeline_cuts", None))
@@ -153,7 +154,7 @@ class PipelineExecutor:
         groups = mesh.subgroups([[mesh.rank_of(dp=d, pp=k, cp=c, tp=t) for k in rs]
                                  for rs in rank_sets for d in range(mesh.layout.dp)
                                  for c in range(mesh.layout.cp) for t in range(mesh.layout.tp)])
-        here = {"dp": mesh.index("dp"), "cp": mesh.index("cp"), "tp": mesh.index("tp")}
+        here = {"dp": mesh.index(Group.dp), "cp": mesh.index(Group.cp), "tp": mesh.index(Group.tp)}
         out = []
         for p, ss in shared:
             rs = tuple(sorted({self.schedule.stage_to_rank(s) for s in ss}))
@@ -168,7 +169,7 @@ class PipelineExecutor:
         it, in the order of the model's parameters, then handed to the DP strategy."""
         for p, group in self._ties:
             if p.grad is not None:
-                self.comm.all_reduce(p.grad, "pp", group=group)
+                self.comm.all_reduce(p.grad, Group.pp, group=group)
             hooks.release(p)
 
     # ---------------------------------------------------------------- one step

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainmesh.core.layout import Group
 from ..comm import Comm
 from .schedules import Action, TimedAction, Timeline
 
@@ -26,14 +27,14 @@ def gather_timeline(executor: Any, comm: Comm) -> Timeline | None:
     """
     mesh = comm.mesh
     own: Timeline | None = executor.last_timeline
-    row = own.ranks[mesh.index("pp")] if own is not None else []
+    row = own.ranks[mesh.index(Group.pp)] if own is not None else []
     offset = time.time() - time.perf_counter()
     mine = (mesh.coords, [(t.action.kind, t.action.stage, t.action.microbatch,
                            t.start + offset, t.end + offset) for t in row])
-    gathered = comm.all_gather_object(mine, "world")
+    gathered = comm.all_gather_object(mine, Group.world)
     if mesh.rank != 0 or own is None:
         return None
-    rows: list[list[TimedAction]] = [[] for _ in range(mesh.size("pp"))]
+    rows: list[list[TimedAction]] = [[] for _ in range(mesh.size(Group.pp))]
     for coords, entries in gathered:
         if coords["dp"] == 0 and coords["tp"] == 0:
             rows[coords["pp"]] = [TimedAction(Action(k, s, mb), a, b) for k, s, mb, a, b in entries]

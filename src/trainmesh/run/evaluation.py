@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainmesh.core.layout import Group
 from trainmesh.data.corpus import Batch, dp_slice
 from trainmesh.engine.engine import Engine
 
@@ -37,7 +38,7 @@ class Evaluator:
             mesh, device = self.engine.mesh, self.engine.device
             for k in range(1, self.batches + 1):
                 batch = dp_slice(self.dataset.batch(self.seed, k, self.global_batch),
-                                 mesh.index("dp"), mesh.size("dp"))
+                                 mesh.index(Group.dp), mesh.size(Group.dp))
                 self._mine.append({n: t.to(device) for n, t in batch.items()})
         loss = self.engine.evaluate(self._mine)
         return {"event": "eval", "step": step, "loss": loss,

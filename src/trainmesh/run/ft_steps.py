@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from trainmesh.config.train import TrainConfig
 from trainmesh.core.errors import CommTimeout
+from trainmesh.core.layout import Group
 from trainmesh.core.step import StepResult
 from trainmesh.engine.engine import Engine
 from trainmesh.fault_tolerance.inject import Injector
@@ -305,7 +306,7 @@ class QuorumSteps:
         the same on its cp, pp and tp ranks), as ``--microbatches`` nearly equal parts."""
         cfg, engine = self.cfg, self.engine
         batch = self.dataset.batch(cfg.seed, d.step, cfg.global_batch)
-        piece = d.replicas.index(self.replica) * self.shards + engine.mesh.index("dp")
+        piece = d.replicas.index(self.replica) * self.shards + engine.mesh.index(Group.dp)
         start, end = split_rows(cfg.global_batch, len(d.members) * self.shards, piece)
         mine = {k: v[start:end].to(engine.device) for k, v in batch.items()}
         parts = min(cfg.parallel.microbatches, end - start)

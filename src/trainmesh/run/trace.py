@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmesh.comm.ledger import Span
+from trainmesh.core.layout import Group
 from trainmesh.engine.engine import Engine
 
 CATEGORY = {"F": "forward", "B": "backward", "I": "backward", "W": "backward"}
@@ -52,7 +53,7 @@ class Tracer:
         traffic = self.engine.last_step_traffic()
         self._ledger_bytes += sum(s.bytes for ops in traffic.values() for s in ops.values())
         timeline = self.engine.last_timeline
-        row = timeline.ranks[min(self.engine.mesh.index("pp"), timeline.pp - 1)] if timeline else []
+        row = timeline.ranks[min(self.engine.mesh.index(Group.pp), timeline.pp - 1)] if timeline else []
         for t in row:
             a = t.action
             name = timeline.label(a) if timeline else str(a)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
 
@@ -78,7 +79,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, plan: Plan 
                 if is_layer_style(style) == layers_first:
                     _apply(model, name, model.get_submodule(name), style, state, records)
     if declared and hf_model_type(model):     # stacked experts: their declared styles
-        apply_expert_tp(model, state, records, ep=mesh.size("ep"))
+        apply_expert_tp(model, state, records, ep=mesh.size(Group.ep))
     return model
 
 
