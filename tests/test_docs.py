@@ -110,3 +110,28 @@ def test_tagged_examples_run(tmp_path):
     assert not failed, "\n".join(failed)
     assert len(results) == len(tagged), (
         f"the runner stopped after {len(results)} of {len(tagged)} commands", proc.stderr[-3000:])
+
+
+def test_the_architecture_page_names_every_module_and_no_other():
+    """docs/ARCHITECTURE.md's tree names each module of src/trainmesh under its package, and
+    no file that is not there (planted: a module renamed in the tree fails naming both)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    tree = text.split("```\nsrc/trainmesh/\n", 1)[1].split("```", 1)[0]
+    named: set[str] = set()
+    package = ""
+    for line in tree.splitlines():
+        head = re.match(r"  (\w+)/\s", line)
+        if head:
+            package = head.group(1)
+        elif re.match(r"  \S", line):
+            package = ""
+        if line.startswith(("tests/", "benchmarks/", "examples/", "docs/")):
+            break
+        for module in re.findall(r"\b(\w+)\.py\b", line):
+            named.add(f"{package}/{module}.py" if package else f"{module}.py")
+    src = ROOT / "src" / "trainmesh"
+    actual = {str(p.relative_to(src)) for p in src.rglob("*.py")
+              if p.name != "__init__.py" or p.parent == src}
+    named = {n for n in named if not n.endswith("/__init__.py")}
+    assert sorted(named - actual) == [], "named on the page, not in src/trainmesh"
+    assert sorted(actual - named) == [], "in src/trainmesh, not on the page"

@@ -27,9 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trainmesh.config.train import OPTIMIZERS
 from trainmesh.core.errors import ConfigError
-
-OPTIMIZERS = ("adamw", "sgd")
 
 
 def element_bytes(precision: str) -> int:
