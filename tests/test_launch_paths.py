@@ -94,11 +94,12 @@ def recorder(monkeypatch) -> dict:
 
 
 def _launched(seen: dict, run) -> list[dict]:
-    """Run ``run()`` (exit 0 expected) and return its launches, one per agent."""
+    """Run ``run()`` (exit 0 expected) and return its launches, one per agent, by run id (a
+    fault-tolerant run's agents are threads: they launch in any order)."""
     seen["launches"].clear()
     seen["locks"].clear()
     assert run() == 0
-    return list(seen["launches"])
+    return sorted(seen["launches"], key=lambda launch: launch["config"].run_id)
 
 
 def _shape(launch: dict, here: int) -> dict:
