@@ -158,6 +158,21 @@ class Engine(Accounting, Checkpointing):
             return False
         return (placement is not None and placement.sharded) or self.mesh.index(Group.tp) == 0
 
+    def _with_tp(self, across: Across | None) -> Across | None:
+        """The unused check's reach: under sequence parallelism the ranks of a TP group route
+        different tokens through the layers that run on chunks (an expert no token of one rank's
+        chunk chose may be chosen in another's), so whether a parameter was used is agreed over
+        tp too: one used by any TP rank is updated on each, its gradient summed over tp (a zero
+        part from the ranks that did not use it). Then ``across``, the replicas present."""
+        if not (self.placements.partial_grad_names() and self.mesh.size(Group.tp) > 1):
+            return across
+
+        def over_tp(flags: torch.Tensor) -> None:
+            self.comm.all_reduce(flags, LATER["partial_grad"].then)
+            if across is not None:
+                across(flags)
+        return over_tp
+
     def _complete_partial_grads(self) -> None:
         """Sequence parallelism: each TP rank holds the gradient of its sequence chunk for the
         replicated parameters that run on chunks; sum them over tp, by name order, in one flat
@@ -211,7 +226,8 @@ class Engine(Accounting, Checkpointing):
             across(totals)
         global_loss, tokens = (totals[0] / totals[1]).item(), totals[1].item()
         # a parameter no rank of any replica present used gets no update (the same on each)
-        sync.agree_unused([totals[2 + i].item() > 0 for i in range(len(unused))], across=across)
+        sync.agree_unused([totals[2 + i].item() > 0 for i in range(len(unused))],
+                          across=self._with_tp(across))
         tokens = sync.token_total(tokens, totals[len(sums):].tolist())
         sync.finish(1.0 / (tokens * self.precision.loss_scale))
         if across is not None:   # linear: the same whether before or after finish's scaling
