@@ -17,7 +17,7 @@ step, against the same model in one process with the same positions silenced: ev
 parameter on both TP ranks ends where the one-process run ends.
 
 Planted and seen failing with an assertion: the unused check agreed over the data-parallel group
-only (the engine's ``_with_tp`` returning ``across`` unchanged) fails with "AssertionError: rank
+only (engine/partial_grads.py's ``unused_reach`` returning ``across`` unchanged) fails with "AssertionError: rank
 0 tp2-sp: blocks.0.mlp.experts.1.fc.weight off one process by 5.0e-04" (rank 0 is up to
 9e-3 off in both layouts; rank 1, which used the expert, stays within 3.4e-10).
 """

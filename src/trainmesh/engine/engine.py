@@ -28,7 +28,7 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.config.parallel import ParallelConfig
-from trainmesh.core.axes import LATER, kind_groups
+from trainmesh.core.axes import kind_groups
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
@@ -40,10 +40,11 @@ from trainmesh.data_parallel.base import OptimizerFactory
 from trainmesh.data_parallel.readiness import reached
 from trainmesh.engine.accounting import Accounting
 from trainmesh.engine.checkpointing import Checkpointing
-from trainmesh.engine.executor import LocalExecutor
+from trainmesh.engine.executor import build_executor
 from trainmesh.engine.materialize import InitFn
 from trainmesh.engine.moe_metrics import MoEMetrics, model_stats
 from trainmesh.engine.parallelize import parallelize
+from trainmesh.engine.partial_grads import complete_partial_grads, counted_in_norm, unused_reach
 from trainmesh.engine.precision import Precision
 from trainmesh.engine.start import broadcast_from_root, keep_buffers_in_step, mark_duplicates, sharded_init
 from trainmesh.engine.train_state import TrainState
@@ -80,7 +81,8 @@ class Engine(Accounting, Checkpointing):
         """Each parameter's place on the mesh, by name (filled by the TP and pipeline split)."""
         self.model = parallelize(model, cfg, mesh=self.mesh, comm=self.comm,
                                  placements=self.placements, device=self.device, tp_plan=tp_plan)
-        self.executor: Executor = self._build_executor(self.model, loss_fn)
+        self.executor: Executor = build_executor(self.model, loss_fn, cfg, self.comm, self.device)
+        self._counted = counted_in_norm(self.placements, self.mesh.index(Group.tp))
         self.module: nn.Module = self.executor.module
         named = unique_named_parameters(self.module)
         self.frozen = frozen_named_parameters(self.module)
@@ -130,59 +132,11 @@ class Engine(Accounting, Checkpointing):
         """The last step's metrics (read-only; empty before the first): :attr:`report`'s."""
         return self.report.metrics() if self.report is not None else {}
 
-    def _build_executor(self, model: nn.Module, loss_fn: LossFn) -> Executor:
-        """This rank's share of the model and how a step runs it: a pipeline stage or all of it."""
-        cfg = self.config
-        if cfg.pp == 1:
-            return LocalExecutor(model, loss_fn)
-        from trainmesh.core.axes import Facts
-        from trainmesh.pipeline_parallel.runtime import PipelineExecutor
-        from trainmesh.pipeline_parallel.schedules import build_schedule
-        from trainmesh.strategies import table
-        schedule = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
-        executor = PipelineExecutor(model, loss_fn, self.mesh, self.comm, schedule, device=self.device)
-        table.check_facts(cfg, Facts(ties=bool(executor.tied_parameters)))   # an API model's ties
-        return executor
-
     def _pass_unreached(self, root: torch.Tensor, params: list[nn.Parameter] | None) -> None:
         """Before a backward pass (unused parameters allowed): the parameters its graph leaves
         without a gradient pass it at once (:mod:`trainmesh.data_parallel.readiness`)."""
         self.grad_sync.pass_unreached(reached([root]),
                                       None if params is None else {id(p) for p in params})
-
-    def _counted_in_norm(self, name: str, p: nn.Parameter) -> bool:
-        """Whether this rank counts ``p`` in the global norm: duplicates only once (the axis
-        table's ``LATER``), a tp shard on every TP rank, a replicated parameter on the first."""
-        placement = self.placements.get(name)
-        if placement is not None and placement.duplicate and not LATER["duplicate"].counted:
-            return False
-        return (placement is not None and placement.sharded) or self.mesh.index(Group.tp) == 0
-
-    def _with_tp(self, across: Across | None) -> Across | None:
-        """The unused check's reach: under sequence parallelism the ranks of a TP group route
-        different tokens through the layers that run on chunks (an expert no token of one rank's
-        chunk chose may be chosen in another's), so whether a parameter was used is agreed over
-        tp too: one used by any TP rank is updated on each, its gradient summed over tp (a zero
-        part from the ranks that did not use it). Then ``across``, the replicas present."""
-        if not (self.placements.partial_grad_names() and self.mesh.size(Group.tp) > 1):
-            return across
-
-        def over_tp(flags: torch.Tensor) -> None:
-            self.comm.all_reduce(flags, LATER["partial_grad"].then)
-            if across is not None:
-                across(flags)
-        return over_tp
-
-    def _complete_partial_grads(self) -> None:
-        """Sequence parallelism: each TP rank holds the gradient of its sequence chunk for the
-        replicated parameters that run on chunks; sum them over tp, by name order, in one flat
-        all-reduce. After the DP reduction (both are sums, so they commute), on whatever holds
-        the reduced gradient: whole gradients, or, under ZeRO-2/3, this rank's pieces of the
-        gradient shard (the same pieces on every rank of a TP group)."""
-        names = self.placements.partial_grad_names()
-        if names and self.mesh.size(Group.tp) > 1:
-            from trainmesh.tensor_parallel.state import sum_partial_grads
-            sum_partial_grads(self.grad_sync.grads_of(names), self.comm, LATER["partial_grad"].then)
 
     # ---------------------------------------------------------------- one step
     def train_step(self, batch: Any = None, *, microbatches: list | None = None) -> float:
@@ -227,17 +181,17 @@ class Engine(Accounting, Checkpointing):
         global_loss, tokens = (totals[0] / totals[1]).item(), totals[1].item()
         # a parameter no rank of any replica present used gets no update (the same on each)
         sync.agree_unused([totals[2 + i].item() > 0 for i in range(len(unused))],
-                          across=self._with_tp(across))
+                          across=unused_reach(self.placements, self.comm, across))
         tokens = sync.token_total(tokens, totals[len(sums):].tolist())
         sync.finish(1.0 / (tokens * self.precision.loss_scale))
         if across is not None:   # linear: the same whether before or after finish's scaling
             for g in sync.reduced_grads():
                 across(g)
-        self._complete_partial_grads()
+        complete_partial_grads(self.placements, self.comm, sync.grads_of)
         self.state_bytes = self.measure_state()
         self.offloaded_bytes = sync.offloaded_bytes()
         overflow = self.precision.overflowed(sync.grads_finite, self._all_reduce_min)  # lazy: fp16 only
-        norm = 0.0 if overflow else sync.norm(self._counted_in_norm, self.grad_norm)
+        norm = 0.0 if overflow else sync.norm(self._counted, self.grad_norm)
         moe = self.moe.reduce(holds=self.mesh.index(Group.tp) == 0 or self.config.sequence_parallel,
                               across=across)
         return StepResult(global_loss, norm, overflow, self._nonfinite(global_loss, norm, overflow), moe)
@@ -306,7 +260,7 @@ class Engine(Accounting, Checkpointing):
     def local_grad_sq_sum(self) -> torch.Tensor:
         """This rank's part of the squared gradient norm (each logical parameter counted once
         over the mesh); :meth:`grad_norm` sums it over the world."""
-        return self.grad_sync.grad_sq_sum(self._counted_in_norm)
+        return self.grad_sync.grad_sq_sum(self._counted)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient, each logical parameter counted once."""

@@ -13,7 +13,7 @@ from torch import nn
 from trainmesh.core.step import Executor, LossFn, StepHooks, as_sum_and_count
 from trainmesh.pipeline_parallel.schedules import Action, TimedAction, Timeline
 
-__all__ = ["Executor", "LocalExecutor", "LossFn"]
+__all__ = ["Executor", "LocalExecutor", "LossFn", "build_executor"]
 
 
 class LocalExecutor:
@@ -58,3 +58,20 @@ class LocalExecutor:
             loss_total += float(loss_sum)
             count_total += float(count)
         return loss_total, count_total
+
+
+def build_executor(model: nn.Module, loss_fn: LossFn, cfg, comm, device: torch.device) -> Executor:
+    """This rank's share of the model and how a step runs it: all of it (:class:`LocalExecutor`)
+    or its pipeline stage (a model given to the Python API whose ties the table refuses under
+    this layout: :class:`~trainmesh.core.errors.ConfigError`, as before any worker of
+    ``trainmesh train``)."""
+    if cfg.pp == 1:
+        return LocalExecutor(model, loss_fn)
+    from trainmesh.core.axes import Facts
+    from trainmesh.pipeline_parallel.runtime import PipelineExecutor
+    from trainmesh.pipeline_parallel.schedules import build_schedule
+    from trainmesh.strategies import table
+    schedule = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+    executor = PipelineExecutor(model, loss_fn, comm.mesh, comm, schedule, device=device)
+    table.check_facts(cfg, Facts(ties=bool(executor.tied_parameters)))   # an API model's ties
+    return executor
