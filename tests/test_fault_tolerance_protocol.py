@@ -244,3 +244,46 @@ def test_a_replica_refuses_a_coordinator_of_another_version(monkeypatch):
     message = str(exc.value)
     assert f"protocol version {PROTOCOL_VERSION + 1}" in message and \
         f"speaks version {PROTOCOL_VERSION}" in message and "\n" not in message, message
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinator_waits_for_a_replica_holding_the_committed_step():
+    """The replica holding the committed step is stalled (or cut off) while the others, back
+    from a partition, are behind it: the quorum waits for it (it returns and is the source)
+    instead of ending the run; it waits at most the members' timeout, then ends the run in one
+    line (planted: the quorum collected without it fails with the thread no longer alive)."""
+    import threading
+
+    from trainmesh.core.stores import client_store
+    from trainmesh.fault_tolerance.coordinator import Coordinator
+    c = Coordinator(replicas=3, secret=SECRET, notify=lambda line: None, startup_timeout_s=30)
+    store = client_store(c.address, timeout_s=10)
+    c.committed, c.last, c.step_timeout_s = 99, 250, 40.0
+    members = [[0, "a.0"], [1, "b.0"], [2, "c.0"]]
+
+    def ask(q: int, r: int, step: int, timeout_s: float = 30.0, needs_state: bool = False) -> None:
+        req = Request(r, members[r][1], step, needs_state, 100 + r, last=250, timeout_s=timeout_s,
+                      quorum=q)
+        k = key("req", q, r)
+        store.set(k, Codec(SECRET, writer=r, replicas=3, epoch=c.codec.epoch, last=250).seal(k, req))
+
+    got: dict = {}
+    ask(5, 1, 55)
+    ask(5, 2, 55)
+    collect = threading.Thread(target=lambda: got.update(c._collect(store, 5, members, time.monotonic())))
+    collect.start()
+    collect.join(1.5)
+    assert collect.is_alive(), f"the quorum was collected without a replica at step 99: {sorted(got)}"
+    ask(5, 0, 99)
+    collect.join(10)
+    decision = c._decide(5, got, members)
+    assert (decision.abort, decision.step, decision.source, decision.receivers) == (None, 100, 0, [1, 2])
+    ask(6, 1, 55, timeout_s=0.5)   # the holder never returns: the run ends, saying why
+    ask(6, 2, 55, timeout_s=0.5)
+    decision = c._decide(6, c._collect(store, 6, members, time.monotonic()), members)
+    assert decision.abort.startswith("no replica holding the live state is left"), decision.abort
+    for r in range(3):   # every replica asked, none holding it (the holder died, restarted): at once
+        ask(7, r, 0 if r == 0 else 55, needs_state=r == 0)
+    began = time.monotonic()
+    decision = c._decide(7, c._collect(store, 7, members, began), members)
+    assert decision.abort.startswith("no replica holding") and time.monotonic() - began < 10

@@ -255,6 +255,7 @@ class Coordinator:
         run under way (this coordinator was started again), those that find it within
         :data:`REJOIN_GRACE_S` and then every replica whose heartbeat it sees."""
         resumed_at: float | None = None
+        behind_since: float | None = None
         while True:
             if self._stop.is_set():
                 raise _Stopped
@@ -280,7 +281,15 @@ class Coordinator:
                 waiting = [r for r, inc in members if r not in requests
                            and r not in self._suspects and self.ledger.alive(store, r, inc)]
                 if requests and not waiting:
-                    return requests
+                    # none asked holds the committed step: one holding it may be stalled or
+                    # cut off, not gone; wait for it while a replica is missing (one restarted
+                    # asks in needing the state), within the members' timeout
+                    if len(requests) == self.replicas or any(
+                            not r.needs_state and r.step == self.committed for r in requests.values()):
+                        return requests
+                    behind_since = behind_since or now
+                    if now - behind_since > min(r.timeout_s for r in requests.values()):
+                        return requests
             time.sleep(POLL_S)
 
     def _decide(self, q: int, requests: dict[int, Request], previous: list[list[Any]]) -> Decision:
@@ -297,16 +306,16 @@ class Coordinator:
         if self.step_timeout_s is None:
             self.step_timeout_s = max(req.timeout_s for req in requests.values()) + 30.0
         holders = [req for req in requests.values() if not req.needs_state]
-        if not holders:
-            return Decision(q, members, abort=f"no replica holding the live state is left (the "
-                                              f"last committed step is {self.committed}); the run "
-                                              "cannot go on")
-        step = max(req.step for req in holders)
+        step = max((req.step for req in holders), default=-1)
         restarted = q == 0 and step > 0
         if restarted:   # rebuilt: the newest step a replica applied was committed
             self.committed = step
             self.notify(f"trainmesh: coordinator at {self.address} took over at step {step + 1} "
                         f"with replicas {sorted(requests)}")
+        if step < self.committed:   # (those behind it cannot be the source)
+            return Decision(q, members, abort=f"no replica holding the live state is left (the "
+                                              f"last committed step is {self.committed}); the run "
+                                              "cannot go on")
         if step != self.committed:
             return Decision(q, members, abort=f"internal: replicas hold step {step}, but step "
                                               f"{self.committed} is the last committed")
