@@ -162,7 +162,7 @@ class AsyncSaver:
                 staged = _staged(state, self._buffers)     # this rank's own chunks only
             if any(t.is_pinned() for t in self._buffers.values()):
                 torch.cuda.synchronize()   # the non-blocking device-to-host copies have landed
-            planned = PlannedSave(staged, tmp, comm)       # collectives: two object gathers
+            planned = PlannedSave(staged, tmp, comm, staging_parts=None)   # two object gathers
         mine = {"rank": mesh.rank, "peak_added_bytes": peak.added,
                 "held_bytes": held_bytes(grad_sync, untrained),
                 "staging_bytes": sum(t.numel() * t.element_size() for t in self._buffers.values())}

@@ -175,6 +175,71 @@ class Chunks:
         return self.pieces[tuple(index.offset or ())]
 
 
+def _rows(offsets: tuple[int, ...], t: torch.Tensor, cap: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """``t`` (at global ``offsets``) cut along its first dimension into runs of at most ``cap``
+    bytes (one row at least)."""
+    if t.dim() == 0 or t.nbytes <= cap:
+        return [(offsets, t)]
+    step = max(1, cap // max(1, t[0].nbytes))
+    return [((offsets[0] + r, *offsets[1:]), t.narrow(0, r, min(step, t.shape[0] - r)))
+            for r in range(0, t.shape[0], step)]
+
+
+Key = tuple[str, tuple[int, ...] | None]
+"""A piece of the state dict: (key, its chunk's global offsets; None: not a chunk)."""
+
+
+def holdings(state_dict: dict[str, Any]) -> list[tuple[Key, int]]:
+    """(piece, its bytes) of every piece of ``state_dict``: what is exchanged to agree who
+    writes a piece several ranks hold (:func:`writers`)."""
+    out: list[tuple[Key, int]] = []
+    for fqn, value in state_dict.items():
+        if isinstance(value, Chunks):
+            out += [((fqn, offs), t.nbytes) for offs, t in value.pieces.items()]
+        else:
+            out.append(((fqn, None), value.nbytes if torch.is_tensor(value) else 0))
+    return out
+
+
+def writers(everyone: Sequence[list[tuple[Key, int]]]) -> dict[Key, int]:
+    """Which rank writes each piece of every rank's :func:`holdings`: as DCP's deduplication
+    of save plans chooses, the holder that has the fewest bytes to write so far, in order."""
+    holders: dict[Key, list[int]] = {}
+    size: dict[Key, int] = {}
+    for rank, held in enumerate(everyone):
+        for key, n in held:
+            holders.setdefault(key, []).append(rank)
+            size[key] = n
+    load = [0] * len(everyone)
+    out = {}
+    for key, ranks in holders.items():
+        out[key] = min(ranks, key=lambda r: load[r])
+        load[out[key]] += size[key] or 1
+    return out
+
+
+def own_pieces(state_dict: dict[str, Any], mine: set[Key], parts: int) -> tuple[dict[str, Any], int]:
+    """(what this rank writes of ``state_dict``: the pieces in ``mine``, each chunk cut along
+    its first dimension into runs of at most ``cap`` bytes; ``cap``, 1/``parts`` of the bytes
+    it writes, rounded up): the one staging buffer a save copies chunks through."""
+    total = sum(n for key, n in holdings(state_dict) if key in mine)
+    cap = -(-total // parts)
+    out: dict[str, Any] = {}
+    for fqn, value in state_dict.items():
+        if not isinstance(value, Chunks):
+            if (fqn, None) in mine:
+                out[fqn] = value
+            continue
+        chunks = Chunks(value.global_size, value.dtype)
+        for offs, t in value.pieces.items():
+            if (fqn, offs) in mine:
+                for at, piece in _rows(offs, t, cap):
+                    chunks.add(at, piece)
+        if chunks.pieces:
+            out[fqn] = chunks
+    return out, cap
+
+
 def _lookup(state_dict: dict, index: MetadataIndex) -> object:
     obj = state_dict[index.fqn]
     return obj.at(index) if isinstance(obj, Chunks) else obj

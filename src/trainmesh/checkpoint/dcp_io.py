@@ -3,10 +3,12 @@
 DCP's own ``save`` runs four steps — local plan, global plan (coordinator), write, finish
 (coordinator writes ``.metadata``) — over a process group, in one call. They are run here step
 by step through the public planner and storage interfaces (``SavePlanner``, ``StorageWriter``),
-so that the only collectives are two small object gathers of plans, done on the main thread:
-the write needs none (an asynchronous save writes in the background), and the coordinator
-learns the other ranks' results either by a gather (:func:`write_sync`) or from files they drop
-(:mod:`.async_save`). Loading needs no collective at all: each rank plans and reads its own
+so that the only collectives are two small object gathers, done on the main thread (a
+synchronous save: the pieces each rank holds, to agree who writes each, then the plans; an
+asynchronous one: the plans, then the coordinator's global plan): the write needs none (an
+asynchronous save writes in the background), and the coordinator learns the other ranks'
+results either by a gather (:func:`write_sync`) or from files they drop (:mod:`.async_save`).
+A synchronous save copies its chunks through one staging buffer (:class:`ChunkWriter`). Loading needs no collective at all: each rank plans and reads its own
 chunks, from the saved chunks that overlap them.
 
 ``.metadata`` is a pickle; it is read with an unpickler that builds only DCP's metadata classes,
@@ -17,43 +19,124 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import pickle
+import queue
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _StoragePrefix, _write_item
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
-from trainmesh.checkpoint.chunks import ChunkLoadPlanner, ChunkSavePlanner
+from trainmesh.checkpoint.chunks import ChunkLoadPlanner, ChunkSavePlanner, holdings, own_pieces, writers
 from trainmesh.comm import Comm
 
 METADATA = ".metadata"
 
 
 def sha256(path: Path) -> str:
+    """The file's sha256, read through one 64 KiB buffer."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    buf = bytearray(1 << 16)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
+
+
+class ChunkWriter(FileSystemWriter):
+    """DCP's filesystem writer (same files, same records), each chunk that is a view into a
+    larger tensor (a piece of a ZeRO flat shard, a run of rows) copied into one staging buffer,
+    reused, and written from there. DCP's own loop copies each such chunk afresh and keeps every
+    tensor it wrote until its file ends (for its safetensors output): the rank's whole share held
+    a second time. ``staging_bytes``: the buffer's size, set by the caller (at least the
+    largest chunk copied); ``staged_bytes``: what was allocated (0: nothing needed a copy)."""
+
+    staging_bytes = 0
+    staged_bytes = 0
+
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future[list[WriteResult]]:
+        assert self.serialization_format == SerializationFormat.TORCH_SAVE, self.serialization_format
+        results: list[WriteResult] = []
+        staging: memoryview | None = None
+        while not file_queue.empty():
+            path, key, items = file_queue.get_nowait()
+            with self.fs.create_stream(path, "wb") as stream:
+                for item in sorted(items, key=lambda wi: wi.type != WriteItemType.BYTE_IO):
+                    data = planner.resolve_data(item)
+                    if isinstance(data, torch.Tensor):
+                        data = data.detach()
+                        if data.untyped_storage().nbytes() != data.nbytes or not data.is_cpu:
+                            if staging is None:
+                                self.staged_bytes = max(self.staging_bytes, *map(_item_bytes, items))
+                                staging = memoryview(bytearray(self.staged_bytes))
+                            data = _staged(data, staging)
+                    results.append(_write_item(self.transforms, stream, data, item, key,
+                                               self.serialization_format))
+                    del data
+                if self.sync_files:
+                    os.fsync(stream.fileno())
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+
+def _item_bytes(item: WriteItem) -> int:
+    """The bytes of the chunk ``item`` writes (0: not a tensor)."""
+    data = item.tensor_data
+    return 0 if data is None else data.chunk.sizes.numel() * data.properties.dtype.itemsize
+
+
+def _staged(t: torch.Tensor, staging: memoryview) -> torch.Tensor:
+    """``t`` copied into the front of ``staging``: a tensor whose storage is exactly its bytes."""
+    if t.numel() == 0:
+        return t.clone().cpu()
+    out = torch.frombuffer(staging[:t.nbytes], dtype=t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+STAGING_PARTS = 2
+"""A synchronous save stages at most 1/STAGING_PARTS of what a rank writes at a time."""
 
 
 class PlannedSave:
     """One rank's part of a save, planned: what it writes, where, and (coordinator) the metadata."""
 
-    def __init__(self, state_dict: dict[str, Any], directory: Path, comm: Comm) -> None:
+    def __init__(self, state_dict: dict[str, Any], directory: Path, comm: Comm, *,
+                 staging_parts: int | None = STAGING_PARTS) -> None:
+        """``staging_parts``: first agree which rank writes each piece several hold (DCP's
+        choice, one more object gather) and keep only those, cut so that the one chunk staged
+        at a time is at most 1/``staging_parts`` of this rank's writes; None: plan
+        ``state_dict`` as it is (an asynchronous save's host copies, written from in place)."""
         rank = comm.mesh.rank
         self.directory = directory
-        self.writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1)
+        self.writer = ChunkWriter(directory, single_file_per_rank=True, thread_count=1)
         self.writer.set_up_storage_writer(rank == 0, rank=rank)
+        if staging_parts is not None:
+            chosen = writers(comm.all_gather_object(holdings(state_dict)))   # collective: small
+            mine = {key for key, r in chosen.items() if r == rank}
+            del chosen
+            state_dict, self.writer.staging_bytes = own_pieces(state_dict, mine, staging_parts)
         self.planner = ChunkSavePlanner()
         self.planner.set_up_planner(state_dict, storage_meta=self.writer.storage_meta(),
                                     is_coordinator=rank == 0)
         local = self.writer.prepare_local_plan(self.planner.create_local_plan())
-        plans = comm.all_gather_object(local)                    # collective: tiny objects
+        plans = comm.all_gather_object(local)                    # collective: small objects
         self.metadata: Metadata | None = None
+        if staging_parts is not None:      # each piece in one plan: the plans stay as they are
+            if rank == 0:
+                _, self.metadata = self.planner.create_global_plan(plans)
+            del plans
+            self.plan = self.planner.finish_plan(replace(local, storage_data=_StoragePrefix(f"__{rank}_")))
+            return
         shared = None
         if rank == 0:
             plans, self.metadata = self.planner.create_global_plan(plans)

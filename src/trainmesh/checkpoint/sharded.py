@@ -42,7 +42,7 @@ from trainmesh.checkpoint.dcp_io import METADATA, PlannedSave, read_into, read_m
 from trainmesh.checkpoint.legacy import CheckpointError
 from trainmesh.checkpoint.load_state import load_plan, whole_chunks
 from trainmesh.checkpoint.local_state import MODEL, save_state
-from trainmesh.checkpoint.save_memory import SavePeak, held_bytes, largest_chunk, memory_record
+from trainmesh.checkpoint.save_memory import SavePeak, held_bytes, memory_record
 from trainmesh.comm import Comm
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
@@ -264,7 +264,7 @@ def save(root: str | Path, grad_sync: GradSync, comm: Comm, *, step: int,
             _phase("planned")
             results, files = planned.write()
             _phase("written")
-            staging = largest_chunk(state)
+            staging = planned.writer.staged_bytes
         everyone = comm.all_gather_object((results, files))
         if comm.mesh.rank == 0:
             merged = {name: digest for _, f in everyone for name, digest in f.items()}
