@@ -178,10 +178,10 @@ class Soak:
             self.problems.append(f"namespaces left after the run: {left}")
 
     def _back(self, f: dict, until: int, struck: float) -> str:
-        """When the run had three replicas again after fault ``f`` (struck at ``struck``), up
-        to step ``until`` (the next fault's)."""
+        """When the run had three replicas again after fault ``f`` (struck at ``struck``)
+        before step ``until`` (the next fault's; after the last fault, to the last step)."""
         rows = sorted((r["step"], r["replicas"]) for p in self.files for r in _steps(p)
-                      if f["at"] < r["step"] <= until)
+                      if f["at"] < r["step"] < until or r["step"] == until == self.steps)
         out = next((s for s, n in rows if n < 3), None)
         back = next((s for s, n in rows if out is not None and s > out and n == 3), None)
         took = f"{time.monotonic() - struck:.1f} s to the next fault"
