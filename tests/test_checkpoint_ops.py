@@ -350,3 +350,36 @@ def test_resume_from_a_checkpoint_of_another_model_exits_2_before_any_worker(tmp
     deeper = [*SMALL, "--layers", "3"]
     assert main(["train", *deeper, "--resume-from", str(tmp_path)]) == 2
     _one_error(capsys, "--resume-from", "holds no tensor model.blocks.2.")
+
+
+def test_resume_from_a_checkpoint_of_another_hub_model_exits_2_before_any_worker(tmp_path, no_launch, capsys):
+    """The same for a --model-dir model: plain PyTorch's dcp.save of a tiny Llama's state dict
+    resumes that model's directory (launches) and exits 2 for a wider one, naming the parameter
+    and both shapes, before any worker (planted: the check skipped for --model-dir launches)."""
+    transformers = pytest.importorskip("transformers")
+    import contextlib
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    def llama(hidden: int) -> str:
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64,
+                                          num_hidden_layers=1, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=64)
+        path = tmp_path / f"llama{hidden}"
+        model = transformers.LlamaForCausalLM(config)
+        with contextlib.redirect_stderr(io.StringIO()):
+            model.save_pretrained(str(path))
+        return str(path), model
+
+    saved, model = llama(32)
+    wider, _ = llama(64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    flags = ["--steps", "1", "--seq-len", "16", "--global-batch", "2", "--resume-from",
+             str(tmp_path / "ck")]
+    assert main(["train", "--model-dir", saved, *flags]) == LAUNCHED
+    capsys.readouterr()
+    assert main(["train", "--model-dir", wider, *flags]) == 2
+    _one_error(capsys, "--resume-from", "of shape")

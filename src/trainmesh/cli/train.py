@@ -157,11 +157,15 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         from trainmesh.checkpoint.resume import check_intact, check_resume
         check_intact(cfg.save_dir, verify=launching)   # checksums once, by the launcher
         check_resume(cfg)  # errors only; the worker that resumes prints the notice
-    if cfg.resume_from and not cfg.model_dir:   # the built-in GPT of these flags, shape by shape
+    if cfg.resume_from:   # the model this run builds (on meta), shape by shape
         from trainmesh.checkpoint.resume import check_resume_from
-
-        from ..models.gpt import GPT
-        check_resume_from(cfg.resume_from, GPT(cfg.gpt_config(), device="meta"))
+        if cfg.model_dir:
+            from trainmesh.models.hf import build_on_meta
+            model = build_on_meta(cfg.model_dir)
+        else:
+            from ..models.gpt import GPT
+            model = GPT(cfg.gpt_config(), device="meta")
+        check_resume_from(cfg.resume_from, model)
     if cfg.init_from:   # every parameter of the GPT in the file, with its shape
         from trainmesh.engine.materialize import check_safetensors
 
