@@ -3,13 +3,12 @@
 Every rank builds the :class:`~trainmesh.parameter_server.PSEngine`; the servers serve until the
 trainers close, the trainers run the one training loop of :mod:`trainmesh.run.trainer` with it
 (each step once, on the trainer's slice of the global batch; rank 0 writes the metrics and the
-summary). What the parameter server has no use for stays off, as it always was: it keeps no
-checkpoint (refused before start), and its trainers neither evaluate nor trace nor write
-TensorBoard or a pipeline timeline.
+summary). What its loop does not produce is refused before any worker starts (the table's
+rows of :mod:`trainmesh.strategies.parameter_server`): checkpoints, evaluation, a trace,
+TensorBoard (and a pipeline timeline, which needs --pp > 1).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -31,8 +30,6 @@ def train_ps(cfg: TrainConfig, device: torch.device, loop: Callable[..., int]) -
     if engine.is_server:
         engine.serve()
         return 0
-    trainer = dataclasses.replace(cfg, eval_every=None, tensorboard=None, trace_out=None,
-                                  timeline_out=None)
-    code = loop(trainer, device, engine=engine)
+    code = loop(cfg, device, engine=engine)
     engine.close()
     return code

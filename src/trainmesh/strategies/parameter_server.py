@@ -46,6 +46,16 @@ RULES: tuple[Rule, ...] = (
          "tp, pp, cp, ep) or diloco", {"strategy": "ps", "dp": 2, "hub": True}, needs=("hub",)),
     Rule("--save-dir", lambda c, f: _ps(c) and f.saves, "is not supported with --strategy ps",
          {"strategy": "ps", "dp": 2, "saves": True}, needs=("saves",)),
+    # what its trainers' loop does not produce: refused rather than silently left unwritten
+    Rule("--eval-every", lambda c, f: _ps(c) and f.run.eval_every is not None,
+         "is not supported with --strategy ps: its trainers keep no held-out evaluation; leave "
+         "it unset", {"strategy": "ps", "dp": 2, "eval_every": 2}, needs=("run",)),
+    Rule("--trace-out", lambda c, f: _ps(c) and f.run.trace_out is not None,
+         "is not supported with --strategy ps: its trainers' pushes and pulls are not traced; "
+         "leave it unset", {"strategy": "ps", "dp": 2, "trace_out": "trace.json"}, needs=("run",)),
+    Rule("--tensorboard", lambda c, f: _ps(c) and f.run.tensorboard is not None,
+         "is not supported with --strategy ps: its metrics go to --metrics-out only; leave it "
+         "unset", {"strategy": "ps", "dp": 2, "tensorboard": "tb"}, needs=("run",)),
 )
 
 FEATURES: tuple[Feature, ...] = (
