@@ -157,23 +157,22 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
         from trainmesh.checkpoint.resume import check_intact, check_resume
         check_intact(cfg.save_dir, verify=launching)   # checksums once, by the launcher
         check_resume(cfg)  # errors only; the worker that resumes prints the notice
+    hub = None
+    if cfg.model_dir:   # transformers present, every parameter in model.safetensors
+        from trainmesh.engine.pretrained import check_model_dir
+        from trainmesh.models.hf import build_on_meta
+        hub = build_on_meta(cfg.model_dir)   # once, for this check and --resume-from's
+        check_model_dir(cfg.model_dir, hub, layout=cfg.parallel, seq_len=cfg.gpt_config().seq_len)
     if cfg.resume_from:   # the model this run builds (on meta), shape by shape
         from trainmesh.checkpoint.resume import check_resume_from
-        if cfg.model_dir:
-            from trainmesh.models.hf import build_on_meta
-            model = build_on_meta(cfg.model_dir)
-        else:
-            from ..models.gpt import GPT
-            model = GPT(cfg.gpt_config(), device="meta")
-        check_resume_from(cfg.resume_from, model)
+
+        from ..models.gpt import GPT
+        check_resume_from(cfg.resume_from, hub if hub is not None else GPT(cfg.gpt_config(), device="meta"))
     if cfg.init_from:   # every parameter of the GPT in the file, with its shape
         from trainmesh.engine.materialize import check_safetensors
 
         from ..models.gpt import GPT
         check_safetensors(cfg.init_from, GPT(cfg.gpt_config(), device="meta"))
-    if cfg.model_dir:   # transformers present, every parameter in model.safetensors
-        from trainmesh.engine.pretrained import check_model_dir
-        check_model_dir(cfg.model_dir, layout=cfg.parallel, seq_len=cfg.gpt_config().seq_len)
     if cfg.data != "synthetic":
         from trainmesh.data.corpus import make_datasets
         from trainmesh.data.prepare import quiet
