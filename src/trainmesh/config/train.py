@@ -27,6 +27,8 @@ else:  # pragma: no cover
 
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
+DOCUMENTS = ("stream", "packed")
+"""--documents' choices (docs/DATA.md)."""
 DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.3}
 SHAPE = {"layers": "n_layers", "d_model": "d_model", "heads": "n_heads", "seq_len": "seq_len",
          "vocab_size": "vocab_size", "experts": "n_experts", "top_k": "top_k",
@@ -68,6 +70,11 @@ class TrainConfig:
                                           "one, else bytes)", group="data")
     text_field: str = setting("text", "the field holding each document's text in JSON-lines, "
                                       "Parquet or saved-datasets --data", group="data")
+    documents: str = setting("stream", "stream: documents joined into one stream, sequences cut "
+                                       "from it; packed: each sequence holds whole documents and "
+                                       "pieces of long ones, attention and loss never cross a "
+                                       "document, positions restart at each (docs/DATA.md)",
+                             choices=DOCUMENTS, group="data")
     global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
                                     "microbatches", ge=1, group="optimisation")
     optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS, group="optimisation")
@@ -240,6 +247,13 @@ class TrainConfig:
                               "needs --model-dir (valid without it: bytes or bpe:VOCAB)")
         if bpe is not None and self.vocab_size is None:
             self.vocab_size = bpe
+        if self.documents == "packed" and not text and self.model_dir is None:
+            what = ("the synthetic language has no documents" if self.data == "synthetic" else
+                    "a token file is split into documents at the EOS id of --model-dir's "
+                    "tokenizer, and there is no --model-dir")
+            raise ConfigError("--documents", f"packed needs documents: {what}; valid: stream, or "
+                              "packed with text, JSON-lines, Parquet or datasets --data (a token "
+                              "file with --model-dir)")
         if not self.text_field:
             raise ConfigError("--text-field", "must name a field; got an empty string")
         records = suffix in (*JSONL_SUFFIXES, ".parquet") or Path(self.data).is_dir()
