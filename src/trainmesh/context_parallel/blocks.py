@@ -39,32 +39,60 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """(b, h, cq, hd) x (b, h, ck, hd) -> scaled scores (b, h, cq, ck), causal: upper -inf."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(b, h, cq, hd) x (b, h, ck, hd) -> scaled scores (b, h, cq, ck), causal: upper -inf;
+    ``mask`` (cq, ck) bool: -inf where False."""
     dt = _acc_dtype(q)
     s = torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
+        upper = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(upper, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask.to(s.device), float("-inf"))
     return s
 
 
+def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The (cq, ck) bool mask as the fused kernels' additive bias (b, h, cq, ck), q's dtype."""
+    if mask is None:
+        return None
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+    bias = bias.masked_fill(~mask.to(q.device), float("-inf"))
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a query row with no key in the block) as 0, to subtract safely."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                 fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 fused: bool = False, mask: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries ``q`` over the keys ``k``/values ``v`` of one block, all
-    (b, h, c, hd); ``causal``: the block is a diagonal one (same chunk). Returns
-    (out (b, h, cq, hd) in the accumulation dtype, lse (b, h, cq))."""
+    (b, h, c, hd); ``causal``: the block is a diagonal one (same chunk); ``mask``: (cq, ck)
+    bool, the pairs attended (packed documents, a sliding window). Returns (out (b, h, cq, hd)
+    in the accumulation dtype, lse (b, h, cq)); a query row with no key attended gives out 0,
+    lse -inf."""
     if fused:
+        bias = _bias(mask, q, k)
         if q.device.type == "cpu":
-            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, attn_mask=bias)
         else:
             out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-                q, k, v, None, True, 0.0, causal)
+                q, k, v, bias, True, 0.0, causal)
             lse = lse[..., : q.shape[-2]]
-        return out.to(_acc_dtype(q)), lse.to(_acc_dtype(q))
-    s = _scores(q, k, causal)
+        out, lse = out.to(_acc_dtype(q)), lse.to(_acc_dtype(q))
+        if mask is not None:                      # rows with no key: whatever the kernel gave
+            empty = ~mask.to(q.device).any(-1)    # (cq,)
+            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+            lse = lse.masked_fill(empty, float("-inf"))
+        return out, lse
+    s = _scores(q, k, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype)), lse
+    return torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), v.to(s.dtype)), lse
 
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
@@ -73,28 +101,33 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     if out is None or lse is None:
         return block_out, block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    out = torch.exp(lse - new_lse).unsqueeze(-1) * out + \
-        torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
+    safe = _finite(new_lse)                  # both -inf (no key yet): weights exp(-inf) = 0
+    out = torch.exp(lse - safe).unsqueeze(-1) * out + \
+        torch.exp(block_lse - safe).unsqueeze(-1) * block_out
     return out, new_lse
 
 
 def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          out: torch.Tensor, lse: torch.Tensor, *, causal: bool, fused: bool = False
+                          out: torch.Tensor, lse: torch.Tensor, *, causal: bool, fused: bool = False,
+                          mask: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of one block's share, given the queries' merged ``out`` and
-    ``lse`` (over every block) and ``dout`` = dL/d out."""
+    ``lse`` (over every block, hence finite) and ``dout`` = dL/d out; ``mask`` as in
+    :func:`attend_block`."""
     if fused:
         dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+        bias = _bias(mask, q, k)
         if q.device.type == "cpu":
             return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse.to(_acc_dtype(q)).contiguous(), 0.0, causal)
+                dout, q, k, v, out, lse.to(_acc_dtype(q)).contiguous(), 0.0, causal,
+                attn_mask=bias)
         pad = (-lse.shape[-1]) % 32          # the kernel's log-sum-exp is padded to 32 rows
         lse_p = F.pad(lse.float(), (0, pad)).contiguous()
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse_p, seed, seed, 0.0, [True, True, True, False], causal)
+            dout, q, k, v, bias, out, lse_p, seed, seed, 0.0, [True, True, True, False], causal)
         return dq, dk, dv
-    s = _scores(q, k, causal)
+    s = _scores(q, k, causal, mask)
     p = torch.exp(s - lse.unsqueeze(-1))                       # (b, h, cq, ck)
     dt = s.dtype
     dout, vv = dout.to(dt), v.to(dt)

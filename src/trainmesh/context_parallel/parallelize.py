@@ -16,12 +16,15 @@ from trainmesh.core.mesh import ParallelMesh
 from trainmesh.models.gpt import CausalAttention, Positions
 
 from .blocks import fused_available
+from .documents import gather_documents
 from .partition import zigzag_positions
 from .ring import MODES, Ring, ring_attention
 
 
 class ContextParallelAttention(nn.Module):
-    """Causal attention of this rank's zigzag share over the CP group's whole sequence."""
+    """Causal attention of this rank's zigzag share over the CP group's whole sequence; with
+    ``position_ids`` (this rank's zigzag share of a packed batch's, (b, 2c)), within each
+    document (their shares are gathered over the group: :mod:`.documents`)."""
 
     runs_collectives = True
     """Its forward exchanges K/V with the other CP ranks: ``--compile`` runs it eagerly between
@@ -31,8 +34,10 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.ring, self.mode, self.fused = ring, mode, fused
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.ring, mode=self.mode, fused=self.fused)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        docs = None if position_ids is None else gather_documents(position_ids, self.ring)
+        return ring_attention(q, k, v, self.ring, mode=self.mode, fused=self.fused, documents=docs)
 
     def extra_repr(self) -> str:
         return f"cp={self.ring.size}, mode={self.mode}, fused={self.fused}"

@@ -30,7 +30,7 @@ from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 
 from .blocks import attend_block, attend_block_backward, merge
-from .partition import chunk_ids
+from .documents import Piece, plan
 
 MODES = ("ring", "allgather")
 
@@ -87,28 +87,56 @@ class CommRing:
         return out
 
 
-def _pairs(qids: tuple[int, int], kids: tuple[int, int]):
-    """(query chunk a, key chunk b, diagonal?) of every pair that is not fully masked."""
-    for a, qc in enumerate(qids):
-        for b, kc in enumerate(kids):
-            if kc <= qc:
-                yield a, b, kc == qc
+class _Acc:
+    """The merged (out, lse) of one query chunk, built piece by piece (a piece may cover some
+    rows and positions of the chunk only; those it does not cover stay out 0, lse -inf)."""
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def add(self, p: Piece, o: torch.Tensor, lse: torch.Tensor, like: torch.Tensor) -> None:
+        whole = p.rows == slice(None) and p.q.start == 0 and p.q.stop == like.shape[2]
+        if self.out is None and whole:
+            self.out, self.lse = o, lse
+            return
+        if self.out is None or self.lse is None:
+            self.out = torch.zeros(like.shape, dtype=o.dtype, device=o.device)
+            self.lse = torch.full(like.shape[:-1], float("-inf"), dtype=lse.dtype, device=o.device)
+        if whole:
+            self.out, self.lse = merge(self.out, self.lse, o, lse)
+            return
+        out, new_lse = merge(self.out[p.rows, :, p.q], self.lse[p.rows, :, p.q], o, lse)
+        self.out[p.rows, :, p.q], self.lse[p.rows, :, p.q] = out, new_lse
+
+
+def _cut(t: torch.Tensor, rows: slice, pos: slice) -> torch.Tensor:
+    """Rows and positions (dim 2) of a (b, h, c, hd) chunk, contiguous for the kernels."""
+    if rows == slice(None) and pos.start == 0 and pos.stop == t.shape[2]:
+        return t
+    return t[rows, :, pos].contiguous()
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, mode: str, fused: bool):  # type: ignore[override]
+    def forward(ctx, q, k, v, ring: Ring, mode: str, fused: bool, docs, window):  # type: ignore[override]
         n, me = ring.size, ring.index
-        qids = chunk_ids(me, n)
         qs = q.chunk(2, dim=2)
-        acc: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None), (None, None)]
+        pieces = plan(docs, me, n, q.shape[2] // 2, window)
+        acc = [_Acc(), _Acc()]
 
         groups = q.shape[1] // k.shape[1]                   # grouped-query: q heads per k/v head
 
         def attend(kv: torch.Tensor, src: int) -> None:
             ks, vs = (_repeat(t, groups).chunk(2, dim=2) for t in kv)
-            for a, b, diag in _pairs(qids, chunk_ids(src, n)):
-                acc[a] = merge(*acc[a], *attend_block(qs[a], ks[b], vs[b], causal=diag, fused=fused))
+            for (a, j, b), ps in pieces.items():
+                if j != src:
+                    continue
+                for p in ps:
+                    o, lse = attend_block(_cut(qs[a], p.rows, p.q), _cut(ks[b], p.rows, p.k),
+                                          _cut(vs[b], p.rows, p.k), causal=p.kind == "causal",
+                                          fused=fused, mask=p.mask)
+                    acc[a].add(p, o, lse, qs[a])
 
         kv = torch.stack([k, v])                            # (2, b, h, 2c, hd)
         every = None
@@ -123,21 +151,20 @@ class _Attention(torch.autograd.Function):
                 every = ring.all_gather(kv)                 # (n, 2, b, h, 2c, hd)
                 for j in range(n):
                     attend(every[j], j)
-        out = torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)   # type: ignore[list-item]
-        lse = torch.cat([acc[0][1], acc[1][1]], dim=2)               # type: ignore[list-item]
+        out = torch.cat([acc[0].out, acc[1].out], dim=2).to(q.dtype)   # type: ignore[list-item]
+        lse = torch.cat([acc[0].lse, acc[1].lse], dim=2)               # type: ignore[list-item]
         if mode == "ring":
             ctx.save_for_backward(q, k, v, out, lse)
         else:
             ctx.save_for_backward(q, k, v, out, lse, every)
-        ctx.ring, ctx.mode, ctx.fused = ring, mode, fused
+        ctx.ring, ctx.mode, ctx.fused, ctx.pieces = ring, mode, fused, pieces
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, *rest = ctx.saved_tensors
-        ring, fused = ctx.ring, ctx.fused
+        ring, fused, pieces = ctx.ring, ctx.fused, ctx.pieces
         n, me = ring.size, ring.index
-        qids = chunk_ids(me, n)
         qs, dos, outs, lses = (t.chunk(2, dim=2) for t in (q, dout, out, lse))
         acc_dtype = lse.dtype
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -149,12 +176,19 @@ class _Attention(torch.autograd.Function):
             """dK/dV (2, b, h_kv, 2c, hd) of source ``src``'s block from this rank's queries."""
             ks, vs = (_repeat(t, groups).chunk(2, dim=2) for t in kv)
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
-            for a, b, diag in _pairs(qids, chunk_ids(src, n)):
-                gq, gk, gv = attend_block_backward(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a],
-                                                   causal=diag, fused=fused)
-                dqs[a].add_(gq)
-                dkv[0, :, :, b * c:(b + 1) * c].add_(_sum_groups(gk, groups))
-                dkv[1, :, :, b * c:(b + 1) * c].add_(_sum_groups(gv, groups))
+            for (a, j, b), ps in pieces.items():
+                if j != src:
+                    continue
+                for p in ps:
+                    gq, gk, gv = attend_block_backward(
+                        _cut(dos[a], p.rows, p.q), _cut(qs[a], p.rows, p.q),
+                        _cut(ks[b], p.rows, p.k), _cut(vs[b], p.rows, p.k),
+                        _cut(outs[a], p.rows, p.q), _cut(lses[a].unsqueeze(-1), p.rows, p.q)[..., 0],
+                        causal=p.kind == "causal", fused=fused, mask=p.mask)
+                    dqs[a][p.rows, :, p.q] += gq
+                    keys = slice(b * c + p.k.start, b * c + p.k.stop)
+                    dkv[0][p.rows, :, keys] += _sum_groups(gk, groups)
+                    dkv[1][p.rows, :, keys] += _sum_groups(gv, groups)
             return dkv
 
         if ctx.mode == "ring":
@@ -172,7 +206,7 @@ class _Attention(torch.autograd.Function):
         else:
             every = rest[0]
             dkv = ring.reduce_scatter(torch.stack([contributions(every[j], j) for j in range(n)]))
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -190,12 +224,17 @@ def _sum_groups(g: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
-                   mode: str = "ring", fused: bool = False) -> torch.Tensor:
+                   mode: str = "ring", fused: bool = False, documents: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's zigzag chunks of q (b, h, 2c, hd) and k, v (b, h_kv, 2c,
     hd; grouped-query attention when h_kv < h: each k/v head serves h / h_kv query heads in a
     row, and travels the ring once) over the whole sequence held by the ``ring``'s ranks;
     -> (b, h, 2c, hd). ``mode``: ``ring`` or ``allgather``; ``fused``: per-block fused kernels
-    (:func:`~.blocks.fused_available`)."""
+    (:func:`~.blocks.fused_available`); ``documents``: (b or 1, s) document id of every
+    position of the whole rows, the same on every rank (:func:`~.documents.gather_documents`):
+    attention stays within a document; ``window``: a query attends the keys less than
+    ``window`` positions back (a sliding window). Blocks with no attended pair are skipped
+    (:mod:`.documents`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
@@ -203,4 +242,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[2] % 2:
         raise ValueError(f"a CP rank holds two equal chunks of the sequence; got length {q.shape[2]}")
-    return _Attention.apply(q, k, v, ring, mode, fused)
+    if documents is not None:
+        documents = documents.detach().to("cpu", torch.int64)
+        if documents.shape[-1] != q.shape[2] * ring.size or documents.shape[0] not in (1, q.shape[0]):
+            raise ValueError(f"documents must be (batch or 1, {q.shape[2] * ring.size}); got "
+                             f"{tuple(documents.shape)}")
+        if bool((documents == documents[:, :1]).all()):
+            documents = None                     # one document per row: the plain causal plan
+    return _Attention.apply(q, k, v, ring, mode, fused, documents, window)

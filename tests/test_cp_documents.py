@@ -1,0 +1,181 @@
+"""Packed documents (and sliding windows) under context parallelism, in one process: the ring
+and the all-gather, their ranks emulated by threads (test_context_parallel.ThreadRing), against
+float64 attention with the block-diagonal causal mask, forward and backward; the block plan
+(pairs sharing no document skipped, pieces of one document unmasked) and the per-rank work.
+
+Documents cross every chunk boundary of the zigzag split (each of the 2·cp chunks is a rank's
+edge), one spans several chunks, and one starts exactly on a chunk's first token.
+
+Planted bugs this module catches (each seen failing with an assertion): a document start on a
+rank's chunk edge dropped (its document merged into the one before), a ring block skipped
+though its chunks shared a document (a long document's far key chunks).
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+
+import pytest
+import torch
+from test_context_parallel import ThreadRing
+from tolerances import assert_fp32_close, fp64_atol, scale_of
+
+from trainmesh.context_parallel import (
+    fused_available,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)
+from trainmesh.context_parallel.documents import (
+    document_ids,
+    gather_documents,
+    plan_pair,
+    rank_work,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def positions_of(lengths: list[int]) -> torch.Tensor:
+    """Position ids (s,) of documents of the given lengths packed in a row."""
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+def crossing_lengths(cp: int, c: int, seed: int) -> list[int]:
+    """Document lengths filling 2·cp·c tokens: a start strictly inside every chunk (so a
+    document crosses every chunk boundary), one document spanning three chunks, and one
+    starting exactly on a chunk's first token (a rank's edge)."""
+    g = torch.Generator().manual_seed(seed)
+    s = 2 * cp * c
+    starts = {0, 3 * c}                                      # chunk 3 starts a document
+    for chunk in range(2 * cp):
+        if chunk in (0, 1, 2):                               # one document over chunks 0-2
+            continue
+        starts.add(chunk * c + 1 + int(torch.randint(c - 1, (1,), generator=g)))
+    edges = sorted(starts) + [s]
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def reference(q, k, v, docs, window=None):
+    """float64 attention with the mask j <= i, same document, i - j < window."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    n = q.shape[2]
+    i, j = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+    allowed = (j <= i) & (docs.unsqueeze(-1) == docs.unsqueeze(-2))      # (b, s, s)
+    if window is not None:
+        allowed &= (i - j) < window
+    return torch.softmax(s.masked_fill(~allowed.unsqueeze(1), float("-inf")), dim=-1) @ v
+
+
+def run_ring(q, k, v, dout, position_ids, cp, mode, fused=False, window=None):
+    """(out, dq, dk, dv) of the whole sequence from ``cp`` emulated ranks, each holding its
+    zigzag share of ``position_ids`` and gathering the documents as the model's attention does."""
+    inboxes = [queue.Queue() for _ in range(cp)]
+    gathered: list = [None] * cp
+    barrier = threading.Barrier(cp)
+    results: list = [None] * cp
+    errors: list = []
+
+    def rank(r: int) -> None:
+        try:
+            mine = [shard_sequence(t, r, cp, dim=2).detach().requires_grad_() for t in (q, k, v)]
+            ring = ThreadRing(r, cp, inboxes, gathered, barrier)
+            docs = gather_documents(shard_sequence(position_ids, r, cp, dim=1), ring)
+            out = ring_attention(*mine, ring, mode=mode, fused=fused, documents=docs,
+                                 window=window)
+            out.backward(shard_sequence(dout, r, cp, dim=2))
+            results[r] = (out.detach(), *(t.grad for t in mine))
+        except BaseException as exc:   # reported by the main thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+    if errors:
+        raise errors[0]
+    return [unshard_sequence([res[i] for res in results], dim=2) for i in range(4)]
+
+
+def _check(cp, mode, position_ids, *, fused=False, window=None, heads=2, hd=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, s = position_ids.shape
+    dtype = torch.float32 if fused else torch.float64
+    q, k, v, dout = (torch.randn(b, heads, s, hd, generator=g, dtype=dtype) for _ in range(4))
+    want = [t.clone().double().requires_grad_() for t in (q, k, v)]
+    ref = reference(*want, document_ids(position_ids), window)
+    ref.backward(dout.double())
+    got = run_ring(q, k, v, dout, position_ids, cp, mode, fused=fused, window=window)
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, [ref.detach()] + [t.grad for t in want]):
+        if fused:
+            assert_fp32_close(a.double(), w, scale=scale_of([w]), terms=s * hd,
+                              what=f"cp {cp} {mode} {name}")
+        else:
+            err, atol = float((a - w).abs().max()), fp64_atol(scale_of([w]), s)
+            assert err <= atol, f"cp {cp} {mode}: {name} max error {err:.3e} > {atol:.3e}"
+
+
+@pytest.mark.parametrize("cp,mode", [(2, "ring"), (4, "ring"), (2, "allgather"), (4, "allgather")])
+def test_documents_crossing_every_boundary_equal_the_block_diagonal_mask(cp, mode):
+    """Two rows packed differently (each row gets its own pieces), float64."""
+    c = 6
+    rows = [positions_of(crossing_lengths(cp, c, seed)) for seed in (0, 1)]
+    _check(cp, mode, torch.stack(rows))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_rows_packed_alike_and_grouped_query_heads(cp):
+    """One packing shared by the batch's rows (pieces over all rows at once)."""
+    c = 5
+    row = positions_of(crossing_lengths(cp, c, 2))
+    _check(cp, "ring", torch.stack([row, row, row]), seed=3)
+
+
+@pytest.mark.skipif(not fused_available(torch.device("cpu")), reason="no fused CPU kernel with lse")
+@pytest.mark.parametrize("window", [None, 7])
+def test_fused_pieces_with_documents_and_a_window(window):
+    c = 8
+    row = positions_of(crossing_lengths(2, c, 4))
+    _check(2, "ring", torch.stack([row, positions_of([5, 27])]), fused=True, window=window)
+
+
+@pytest.mark.parametrize("cp,mode,window", [(2, "ring", 5), (4, "ring", 3), (4, "allgather", 9),
+                                            (2, "ring", 40)])
+def test_sliding_window_with_and_without_documents(cp, mode, window):
+    """A window shorter than a chunk, longer than one, and longer than the sequence."""
+    c = 6
+    stream = torch.arange(2 * cp * c).unsqueeze(0)
+    packed = positions_of(crossing_lengths(cp, c, 5)).unsqueeze(0)
+    _check(cp, mode, torch.cat([stream, packed]), window=window)
+
+
+def test_pairs_sharing_no_document_are_skipped_and_one_document_pieces_are_unmasked():
+    c = 4
+    docs = document_ids(positions_of([3, 6, 7]).unsqueeze(0))   # docs: 1x3, 2x6, 3x7 over 16
+    # chunk 3 (positions 12-15: doc 3) against chunk 0 (0-3: docs 1, 2): no shared document.
+    assert plan_pair(docs, 3, 0, c) == []
+    # chunk 2 (8: doc 2; 9-11: doc 3) against chunk 1 (4-7: doc 2): doc 2's query 8 x keys 4-7.
+    (p,) = plan_pair(docs, 2, 1, c)
+    assert (p.q, p.k, p.kind, p.mask) == (slice(0, 1), slice(0, 4), "full", None)
+    # the diagonal of chunk 2: doc 2's token alone, doc 3's three, each causal.
+    kinds = [(p.q, p.k, p.kind) for p in plan_pair(docs, 2, 2, c)]
+    assert kinds == [(slice(0, 1), slice(0, 1), "causal"), (slice(1, 4), slice(1, 4), "causal")]
+    assert plan_pair(docs, 1, 2, c) == []                       # the causal future
+
+
+def test_rank_work_counts_the_pairs_actually_attended():
+    """Without documents each rank computes 2cp-1 full blocks and 2 diagonal ones; with eight
+    equal documents per sequence aligned to nothing, the attended pairs are those of the
+    documents: 8 · L(L+1)/2 in all."""
+    cp, c = 4, 16
+    s = 2 * cp * c
+    plain = rank_work(None, cp, s)
+    assert [w["computed_pairs"] for w in plain] == [(2 * cp - 1) * c * c + c * (c + 1)] * cp
+    lengths = [5] + [s // 8] * 7 + [s // 8 - 5]
+    docs = document_ids(positions_of(lengths).unsqueeze(0))
+    work = rank_work(docs, cp, s)
+    assert sum(w["attended_pairs"] for w in work) == sum(n * (n + 1) // 2 for n in lengths)
+    assert all(w["computed_pairs"] == w["attended_pairs"] for w in work)   # no mask without window
