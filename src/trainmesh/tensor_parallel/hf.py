@@ -39,8 +39,13 @@ hold the split layers (a dense MLP, not the MoE block another pattern also match
 Each attention module whose projections are split gets ``parallel_input`` (q, k and v enter the
 region once) and ``local_heads`` (its head counts, and a copy of its ``config``, become this
 rank's: Phi-3 reads ``config.num_attention_heads`` in forward); an MLP with several column
-layers gets ``parallel_input``. Embeddings, norms and ``lm_head`` stay replicated (the loss is
-the model's own). GPT-2 declares no plan: its own is kept here (the fused ``Conv1D`` ``c_attn``
+layers gets ``parallel_input``. A module holding a gathered column layer
+(``colwise_gather_output``: OLMo 2/3's q, k and v, gathered whole for their norms over every
+head) gets ``parallel_input`` too, and keeps its head counts: under sequence parallelism its
+input is then gathered along the sequence before its own code reads the shape (its heads
+reshaped as ``(b, s, heads, d)``, the rotary tables of the whole sequence), and its row layer
+scatters the output back. Embeddings, norms and ``lm_head`` stay replicated (the loss is the
+model's own). GPT-2 declares no plan: its own is kept here (the fused ``Conv1D`` ``c_attn``
 split per q/k/v block, local head counts). Head counts must divide by tp (ConfigError naming
 ``tp``). Sequence parallelism adds entries drawn from the model's pipeline plan
 (:mod:`.hf_sequence`).
@@ -138,16 +143,21 @@ def _fuse(model: nn.Module, plan: dict[str, str | tuple[str, ...]], latent: list
             out[pattern] = "colwise_parts:" + ",".join(map(str, parts))
             out[split_input[0]] = "rowwise"
     columns: dict[str, int] = {}
+    gathered: set[str] = set()
     for pattern, style in out.items():
-        if isinstance(style, str) and style.startswith(("colwise", "colwise_parts")) and style != "colwise_gather":
+        if isinstance(style, str) and style.startswith("colwise"):
             columns[_parent(pattern)] = columns.get(_parent(pattern), 0) + 1
+            if style == "colwise_gather":
+                gathered.add(_parent(pattern))
     for parent_pattern, n in columns.items():
         found = first(parent_pattern)
         if found is None:
             continue
-        once = n > 1 or parent_pattern in {_parent(p) for p in latent}
+        once = n > 1 or parent_pattern in {_parent(p) for p in latent} or parent_pattern in gathered
         styles: tuple[str, ...] = ("parallel_input",) if once else ()
-        if _is_attention(*found):
+        split_heads = any(_parent(p) == parent_pattern and isinstance(s, str)
+                          and s.startswith("colwise") and s != "colwise_gather" for p, s in out.items())
+        if _is_attention(*found) and split_heads:      # gathered outputs keep every head
             styles += ("local_heads",)
         if styles:
             for parent in _holding(modules, parent_pattern, out):
