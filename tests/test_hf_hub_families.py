@@ -8,6 +8,8 @@ process run in the pytest process (loss within LOSS_ABS, grad norm within NORM_R
 - OLMo 2 and OLMo 3 under ``tp 2`` with sequence parallelism: their plan gathers q, k and v whole
   (``colwise_gather_output``, for their norms over every head), so the attention's input is
   gathered along the sequence before its own code reads the shape.
+- Ernie 4.5 (MoE) under ``dp 2 x ep 2``: its config.json counts its experts as
+  ``moe_num_experts``; its declared expert plan (``grouped_gemm``, ``ep_dispatch_experts``).
 
 Planted bugs this module catches (each seen failing with an assertion): the gathered attention
 not entered as one region under SP (the rank reports the rotary embedding's size mismatch).
@@ -31,7 +33,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
               bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
 CASES = {"olmo2 tp2-sp": ("olmo2", {"tp": 2, "sequence_parallel": True}),
-         "olmo3 tp2-sp": ("olmo3", {"tp": 2, "sequence_parallel": True})}
+         "olmo3 tp2-sp": ("olmo3", {"tp": 2, "sequence_parallel": True}),
+         "ernie4_5_moe dp2-ep2": ("ernie4_5_moe", {"dp": 2, "ep": 2})}
 
 
 def family_model(kind: str) -> torch.nn.Module:
@@ -42,6 +45,10 @@ def family_model(kind: str) -> torch.nn.Module:
     elif kind == "olmo3":
         model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
             **COMMON, sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
+    elif kind == "ernie4_5_moe":
+        model = transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(
+            **COMMON, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+            moe_num_shared_experts=1, moe_layer_start_index=0))
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -103,3 +110,18 @@ def test_hub_families_equal_one_process(dirs):
                 assert abs(loss - w_loss) <= LOSS_ABS, f"{what}: loss {loss} vs one process {w_loss}"
                 assert abs(norm - w_norm) <= NORM_REL * w_norm, \
                     f"{what}: grad_norm {norm} vs one process {w_norm}"
+
+
+def test_preflight_lets_the_fixed_families_launch(dirs, no_launch, capsys):
+    """`trainmesh train --model-dir` passes each case's layout before any worker (Ernie 4.5's
+    experts counted from config.json's moe_num_experts: it was told it has none)."""
+    from helpers import LAUNCHED
+
+    from trainmesh.cli import main
+    flags = {"tp": ["--tp", "2"], "sequence_parallel": ["--sequence-parallel"],
+             "dp": ["--dp", "2"], "ep": ["--ep", "2"]}
+    for name, (kind, layout) in CASES.items():
+        args = ["train", "--model-dir", dirs[kind], "--seq-len", str(SEQ), "--global-batch", "4",
+                "--steps", "2", *[f for key in layout for f in flags[key]]]
+        assert main(args) == LAUNCHED, (name, capsys.readouterr().err)
+    assert len(no_launch) == len(CASES)

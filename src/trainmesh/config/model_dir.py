@@ -9,14 +9,13 @@ from trainmesh.strategies import table
 
 
 def check_expert_count(config: dict[str, Any], ep: int) -> None:
-    """--ep > 1 spreads a mixture of experts' experts: the model must have some, ``ep`` must
-    divide them (ConfigError naming --ep)."""
-    if ep == 1:
-        return
+    """--ep > 1 spreads a mixture of experts' experts: ``ep`` must divide the count config.json
+    gives (ConfigError naming --ep). A config without a count field this reads is not taken
+    for a dense model: the model's expert plan, declared or inferred, decides (the preflight's
+    :func:`trainmesh.expert_parallel.hf.check_hf_ep`, naming what it could not place)."""
     experts = n_experts(config)
-    if not experts:
-        raise ConfigError("--ep", f"spreads the experts of a mixture of experts; the "
-                          f"{config.get('model_type')} model has none; valid: --ep 1")
+    if ep == 1 or not experts:
+        return
     if experts % ep:
         raise ConfigError("--ep", f"must divide the model's {experts} experts; got {ep}")
 

@@ -49,8 +49,9 @@ def max_positions(config: dict[str, Any]) -> int | None:
     return config.get("n_positions") or config.get("max_position_embeddings")
 
 
-EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
-"""config.json fields that count a mixture-of-experts layer's experts (Mixtral; Qwen-MoE; DeepSeek)."""
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""config.json fields that count a mixture-of-experts layer's experts (Mixtral; Qwen-MoE;
+DeepSeek; Ernie 4.5)."""
 
 
 def n_experts(config: dict[str, Any]) -> int:
