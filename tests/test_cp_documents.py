@@ -179,3 +179,49 @@ def test_rank_work_counts_the_pairs_actually_attended():
     work = rank_work(docs, cp, s)
     assert sum(w["attended_pairs"] for w in work) == sum(n * (n + 1) // 2 for n in lengths)
     assert all(w["computed_pairs"] == w["attended_pairs"] for w in work)   # no mask without window
+
+
+def _gemma3_window_dir(tmp) -> str:
+    """A tiny Gemma 3 (text): a sliding-window layer (window 6, shorter than the sequence and
+    crossing the chunks of --cp 2) and a full-attention one, matrices at std 0.2."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(tmp / "gemma3"))
+    return str(tmp / "gemma3")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sliding_window_hub_model_under_cp2_equals_one_process(tmp_path):
+    """Gemma 3 with a window (6) shorter than the sequence (16): --cp 2 trains like one process
+    for 20 steps (the run was refused before). One process: the engine `trainmesh train`
+    builds, in this process."""
+    from helpers import assert_equivalent, run_train, steps, train_config
+
+    from trainmesh.core.mesh import ParallelMesh
+    from trainmesh.data.corpus import make_datasets
+    from trainmesh.run.trainer import build_engine
+    directory = _gemma3_window_dir(tmp_path)
+    base = ["--model-dir", directory, "--seq-len", "16", "--global-batch", "2", "--steps", "20",
+            "--lr", "0.01", "--warmup-steps", "1", "--seed", "3"]
+    cfg = train_config(base)
+    engine = build_engine(cfg, torch.device("cpu"), ParallelMesh(local=True))
+    data, _ = make_datasets(cfg.data, vocab_size=cfg.vocab_size, seq_len=16, held_out=False)
+    ref = []
+    for step in range(1, 21):
+        loss = engine.train_step(data.batch(cfg.seed, step, 2))
+        ref.append({"event": "step", "step": step, "loss": loss,
+                    "grad_norm": engine.last["grad_norm"]})
+    proc, records = run_train([*base, "--cp", "2"], tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_equivalent(ref, steps(records))

@@ -6,19 +6,22 @@ CP group as an implementation and points the model at it; each CP rank holds its
 chunks of every sequence (the engine shards the batch), and:
 
 - **positions**: a forward pre-hook on the base model passes ``position_ids`` = the global
-  positions of the rank's chunks (unless the caller passes its own), so the model's own rotary
-  embedding (or learned positions) sees where each token sits in the whole sequence; a padding
-  mask (``attention_mask``) is refused there (the ring masks causally only);
+  positions of the rank's chunks (unless the caller passes its own: a packed batch's
+  ``position_ids``, sharded with the sequence, restart at every document), so the model's own
+  rotary embedding (or learned positions) sees where each token sits; a padding mask
+  (``attention_mask``) is refused there (the ring masks by documents and causally only);
 - **attention**: the function gets the rank's q (b, h, 2c, hd) and k, v (b, h_kv, 2c, hd) after
   the rotary embedding, and attends over the whole sequence causally by chunk index
-  (:func:`~.ring.ring_attention`); grouped-query k/v travel with their own head count; the
+  (:func:`~.ring.ring_attention`), within each document when the caller passed position ids
+  (the model hands them to the attention function; their shares are gathered over the CP group:
+  :mod:`.documents`), and within the layer's ``sliding_window`` (a query attends the keys less
+  than ``window`` positions back, as transformers' masks); grouped-query k/v travel with their own head count; the
   model's ``scaling`` is honoured (q scaled by ``scaling·sqrt(hd)``, the kernels' own scale
   being ``1/sqrt(hd)``). The mask the model would build is not needed (none is built);
 - **refused** (:func:`check_hf_context_parallel`, before any worker: ConfigError naming ``--cp``
   and the family): a family whose attention does not go through the interface, attention
-  logit soft-capping (Gemma2), attention sinks (gpt-oss), a sliding window shorter than the
-  sequence (a window at least as long as the sequence is the causal mask: exact), attention
-  dropout, bidirectional attention. The function checks the same at run time.
+  logit soft-capping (Gemma2), attention sinks (gpt-oss), attention dropout, bidirectional
+  attention. The function checks the same at run time.
 
 Imports core, comm, models and this package.
 """
@@ -36,13 +39,13 @@ from trainmesh.core.hf_plan import family
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.models.hf_attention import routes_attention, use_attention
 
+from .documents import gather_documents
 from .partition import zigzag_positions
 from .ring import MODES, Ring, ring_attention
 
 
 def _refusal(model: nn.Module, seq_len: int | None) -> str | None:
-    """Why the model's attention cannot be split over cp exactly, or None (``seq_len`` None:
-    the window is left to the run-time check)."""
+    """Why the model's attention cannot be split over cp exactly, or None."""
     config = getattr(model, "config", None)
     if not routes_attention(model):
         return "its attention does not go through transformers' attention interface"
@@ -54,12 +57,6 @@ def _refusal(model: nn.Module, seq_len: int | None) -> str | None:
         return "its attention logits are soft-capped (attn_logit_softcapping)"
     if any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters()):
         return "its attention has sinks (a learned logit per head)"
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    slides = isinstance(window, int) and (types is None or "sliding_attention" in types)
-    if slides and seq_len is not None and seq_len > window:
-        return (f"its sliding-window attention (window {window}) is shorter than the sequence "
-                f"({seq_len}); exact when --seq-len <= {window}")
     return None
 
 
@@ -73,10 +70,12 @@ def check_hf_context_parallel(model: nn.Module, seq_len: int | None) -> None:
 
 
 class _Positions:
-    """Forward pre-hook of the base model: the global positions of the rank's zigzag chunks."""
+    """Forward pre-hook of the base model: the global positions of the rank's zigzag chunks
+    (remembered, so the attention knows the positions as its own: one document per row)."""
 
     def __init__(self, rank: int, cp: int) -> None:
         self.rank, self.cp = rank, cp
+        self.made: torch.Tensor | None = None
 
     def __call__(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("attention_mask") is not None:
@@ -90,24 +89,26 @@ class _Positions:
             tokens = kwargs["inputs_embeds"]
         local = tokens.shape[1]
         positions = zigzag_positions(local, self.rank, self.cp, tokens.device)   # (s_local,)
-        return args, {**kwargs, "position_ids": positions.unsqueeze(0)}
+        self.made = positions.unsqueeze(0)
+        return args, {**kwargs, "position_ids": self.made}
 
 
 class _RingAttention:
     """The attention implementation trainmesh registers: causal attention of the rank's chunks
     over the CP group's whole sequence."""
 
-    def __init__(self, ring: Ring, mode: str, fused: bool, family: str) -> None:
+    def __init__(self, ring: Ring, mode: str, fused: bool, family: str, positions: _Positions) -> None:
         self.ring, self.mode, self.fused, self.family = ring, mode, fused, family
+        self.positions = positions
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: Any, *, scaling: float | None = None,
                  dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
         whole = query.shape[2] * self.ring.size
         window = kwargs.get("sliding_window")
+        window = window if isinstance(window, int) and window < whole else None
         unsupported = {"dropout": dropout, "softcap": kwargs.get("softcap"),
                        "s_aux": kwargs.get("s_aux"),
-                       "sliding_window": window if window is not None and window < whole else None,
                        "is_causal=False": kwargs.get("is_causal") is False or None}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
@@ -116,7 +117,12 @@ class _RingAttention:
         head_dim = query.shape[-1]
         if scaling is not None and not math.isclose(scaling, head_dim ** -0.5):
             query = query * (scaling * math.sqrt(head_dim))     # the kernels scale by 1/sqrt(hd)
-        out = ring_attention(query, key, value, self.ring, mode=self.mode, fused=self.fused)
+        position_ids = kwargs.get("position_ids")
+        docs = None
+        if position_ids is not None and position_ids is not self.positions.made:
+            docs = gather_documents(position_ids, self.ring)        # a packed batch's documents
+        out = ring_attention(query, key, value, self.ring, mode=self.mode, fused=self.fused,
+                             documents=docs, window=window)
         return out.transpose(1, 2).contiguous(), None            # (b, 2c, h, hd)
 
 
@@ -130,6 +136,7 @@ def apply_hf_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, 
     from .ring import CommRing
     ring = CommRing(comm, mesh)
     name = f"trainmesh_cp_{mode}_{id(ring):x}"    # one per ring: two meshes may share a process
-    use_attention(model, name, _RingAttention(ring, mode, fused, family(model)))
+    positions = _Positions(ring.index, ring.size)
+    use_attention(model, name, _RingAttention(ring, mode, fused, family(model), positions))
     base = getattr(model, "base_model", model)
-    base.register_forward_pre_hook(_Positions(ring.index, ring.size), with_kwargs=True)
+    base.register_forward_pre_hook(positions, with_kwargs=True)
