@@ -265,7 +265,7 @@ class TrainConfig:
         """How text --data becomes tokens: the keywords of
         :func:`~trainmesh.data.corpus.make_datasets` beside the data and its shape."""
         return {"tokenizer": self.tokenizer, "text_field": self.text_field,
-                "model_dir": self.model_dir}
+                "model_dir": self.model_dir, "documents": self.documents}
 
     @property
     def peak_lr(self) -> float:

@@ -5,7 +5,8 @@ takes its contiguous slice of rows (:func:`dp_slice`). Evaluation reads a held-o
 (:func:`make_datasets`): the last 5% of a token stream, or a disjoint seed stream of the
 synthetic language. Files are read window by window (:mod:`trainmesh.data.token_cache`), never
 loaded whole. A batch is a dict with ``input_ids`` and
-``labels`` (the next tokens), both (batch, seq) int64.
+``labels`` (the next tokens), both (batch, seq) int64; with ``--documents packed``
+(:mod:`trainmesh.data.packing`) also ``position_ids``, and -100 labels where a document ends.
 """
 from __future__ import annotations
 
@@ -75,12 +76,16 @@ class TokenStream:
     seq_len: int
 
     def batch(self, seed: int, step: int, batch_size: int) -> Batch:
+        _, rows_t = self.windows(seed, step, batch_size)
+        return {"input_ids": rows_t[:, :-1].contiguous(), "labels": rows_t[:, 1:].contiguous()}
+
+    def windows(self, seed: int, step: int, batch_size: int) -> tuple[list[int], torch.Tensor]:
+        """(where each starts, the windows (batch, seq + 1) int64) of step ``step``."""
         g = _generator(seed, step)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (batch_size,), generator=g)
         self.tokens.file.check()   # truncated or replaced since it was opened: DataError
         rows = np.stack([self.tokens.window(s, self.seq_len + 1) for s in starts.tolist()])
-        rows_t = torch.from_numpy(rows.astype(np.int64))      # (batch, seq + 1)
-        return {"input_ids": rows_t[:, :-1].contiguous(), "labels": rows_t[:, 1:].contiguous()}
+        return starts.tolist(), torch.from_numpy(rows.astype(np.int64))   # (batch, seq + 1)
 
 
 def load_tokens(path: str, tokenizer: str = "bytes", *, text_field: str = "text",
@@ -127,21 +132,32 @@ def split_tokens(tokens: TokenView, path: str, seq_len: int) -> tuple[TokenView,
 
 def make_datasets(data: str, *, vocab_size: int, seq_len: int, held_out: bool,
                   tokenizer: str = "bytes", text_field: str = "text", model_dir: str | None = None,
-                  progress: Begin = quiet):
+                  documents: str = "stream", progress: Begin = quiet):
     """(training set, evaluation set or None): with ``held_out``, a deterministic split that
     every rank and layout computes alike (see :func:`split_tokens`). ``tokenizer``,
     ``text_field`` and ``model_dir``: how text data becomes tokens (:func:`load_tokens`);
-    ``progress``: who is told of a tokenisation under way (:mod:`trainmesh.data.prepare`)."""
+    ``documents``: ``stream`` or ``packed`` (:mod:`trainmesh.data.packing`); ``progress``: who
+    is told of a tokenisation under way (:mod:`trainmesh.data.prepare`)."""
     if data == "synthetic":
+        if documents == "packed":
+            raise ConfigError("--documents", "packed needs documents; the synthetic language "
+                              "has none (valid with it: stream)")
         train = SyntheticCorpus(vocab_size, seq_len)
         return train, (SyntheticCorpus(vocab_size, seq_len, stream=_EVAL_STREAM) if held_out else None)
-    tokens = load_tokens(data, tokenizer, text_field=text_field, model_dir=model_dir,
-                         progress=progress)
+    if documents == "packed":
+        from trainmesh.data.packing import PackedStream, packed_tokens
+        tokens, starts = packed_tokens(data, tokenizer, text_field=text_field, model_dir=model_dir,
+                                       progress=progress)
+        stream = lambda view: PackedStream(TokenStream(view, seq_len), starts)   # noqa: E731
+    else:
+        tokens = load_tokens(data, tokenizer, text_field=text_field, model_dir=model_dir,
+                             progress=progress)
+        stream = lambda view: TokenStream(view, seq_len)   # noqa: E731
     check_tokens(tokens, data, vocab_size=vocab_size, seq_len=seq_len)
     if not held_out:
-        return TokenStream(tokens, seq_len), None
+        return stream(tokens), None
     train, val = split_tokens(tokens, data, seq_len)
-    return TokenStream(train, seq_len), TokenStream(val, seq_len)
+    return stream(train), stream(val)
 
 
 def resident_bytes(data: str, *, vocab_size: int, seq_len: int, global_batch: int) -> int:

@@ -148,7 +148,10 @@ def _check_ties_across_stages(model: nn.Module, planned: list[str], layout: Para
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """``(loss_sum, tokens)`` of a Hugging Face causal LM on a batch whose ``labels`` are the
-    next tokens already (trainmesh's data): cross-entropy over every token, as the built-in GPT.
+    next tokens already (trainmesh's data): cross-entropy over every token whose label is not
+    -100, as the built-in GPT. A packed batch's ``position_ids`` go to the model: its positions
+    restart at each document, and transformers' mask builder keeps attention within each
+    document it finds in them (sdpa, eager and the implementations that mask like them).
 
     A mixture of experts whose config asks for its router's load-balancing loss
     (``output_router_logits``, ``router_aux_loss_coef``) gets it in its gradient, per sequence
@@ -158,13 +161,15 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
     routes = _routes(model)
     aux = routes and router_loss_enabled(model)
     extra = {"output_router_logits": aux} if routes else {}
+    if "position_ids" in batch:   # packed documents: the family's mask keeps to each one
+        extra["position_ids"] = batch["position_ids"]
     out = model(input_ids=batch["input_ids"], use_cache=False, **extra)
     logits = out.logits                                                  # (b, s, vocab)
     if aux:
         logits = add_router_loss(model, out.router_logits, logits)
-    labels = batch["labels"]                                             # (b, s)
+    labels = batch["labels"]                                             # (b, s), -100 ignored
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-    return loss, labels.numel()
+    return loss, (labels != -100).sum()
 
 
 def _routes(model: nn.Module) -> bool:

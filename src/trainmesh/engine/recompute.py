@@ -45,18 +45,19 @@ def apply_recompute(model: nn.Module | Sequence[nn.Module], mode: str, *, segmen
         raise ConfigError("recompute", f"must be one of none, full, selective; got {mode!r}")
 
 
-def run_segments(layers: Sequence[nn.Module], x: Any, segment: int) -> Any:
-    """``x`` through ``layers`` in order, keeping for backward only each segment's input."""
+def run_segments(layers: Sequence[nn.Module], x: Any, segment: int, *extra: Any) -> Any:
+    """``x`` through ``layers`` in order, keeping for backward only each segment's input;
+    ``extra`` arguments go to every layer (a packed batch's position ids)."""
     if not torch.is_grad_enabled():
-        return _run_layers(layers, x)
+        return _run_layers(layers, x, *extra)
     for i in range(0, len(layers), segment):
-        x = checkpoint(partial(_run_layers, layers[i : i + segment]), x, use_reentrant=False)
+        x = checkpoint(partial(_run_layers, layers[i : i + segment]), x, *extra, use_reentrant=False)
     return x
 
 
-def _run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
+def _run_layers(layers: Sequence[nn.Module], x: Any, *extra: Any) -> Any:
     for layer in layers:
-        x = layer(x)
+        x = layer(x, *extra)
     return x
 
 
@@ -81,8 +82,8 @@ class Segmented:
     def __init__(self, layers: nn.Module, segment: int) -> None:
         self.layers, self.segment = layers, segment
 
-    def __call__(self, x: Any) -> Any:
-        return run_segments(list(self.layers), x, self.segment)
+    def __call__(self, x: Any, *extra: Any) -> Any:
+        return run_segments(list(self.layers), x, self.segment, *extra)
 
 
 def _wrap(module: nn.Module, method: str) -> None:

@@ -9,7 +9,10 @@ mixture of experts, ``blocks.{i}.mlp.router`` and ``blocks.{i}.mlp.experts.{e}.{
 its local head count from the width of ``q``, so a column-sharded ``q``/``k``/``v`` simply holds
 fewer heads. Two parameter-free submodules, ``embed.positions`` (:class:`Positions`) and
 ``blocks.{i}.attn.causal`` (:class:`CausalAttention`), are the seams context parallelism swaps
-(each rank then holds part of every sequence).
+(each rank then holds part of every sequence). Packed documents (``forward(..., position_ids=)``):
+the learned positions are indexed by ``position_ids``, and attention is causal within each
+document (:func:`document_mask`, SDPA with a boolean mask); the ids reach every block, and a
+pipeline stage's through :meth:`GPT.pipeline_forward`.
 
 The GPT carries its own parallel hints, so the parallel building blocks stay generic:
 ``tp_plan()`` (its Megatron tensor-parallel plan) and ``check_tp()`` (its shapes against a TP
@@ -164,12 +167,26 @@ class Positions(nn.Module):
         return torch.arange(s, device=device)
 
 
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(b, s) positions restarting at 0 at each document -> (b, 1, s, s) bool, True where query
+    i may attend key j: j <= i in the same document (block-diagonal causal)."""
+    doc = (position_ids == 0).cumsum(-1)                                 # (b, s)
+    s = position_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
+    return (doc.unsqueeze(-1) == doc.unsqueeze(-2)).logical_and(causal).unsqueeze(1)
+
+
 class CausalAttention(nn.Module):
     """Parameter-free core of attention: causal softmax(q k^T / sqrt(hd)) v over the sequence the
-    rank holds. Context parallelism swaps it for attention over the whole sequence."""
+    rank holds; given ``position_ids`` (packed documents), causal within each document only.
+    Context parallelism swaps it for attention over the whole sequence (taking the same
+    ``position_ids`` keyword)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (b, heads, s, hd)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (b, heads, s, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(position_ids))
 
 
 class Embedding(nn.Module):
@@ -180,8 +197,10 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model, _weight=torch.empty(cfg.seq_len, cfg.d_model))
         self.positions = Positions()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s, d)
-        return self.wte(idx) + self.wpe(self.positions(idx.shape[1], idx.device))
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # (b, s) -> (b, s, d); packed documents: each token's place in its document
+        pos = self.positions(idx.shape[1], idx.device) if position_ids is None else position_ids
+        return self.wte(idx) + self.wpe(pos)
 
 
 class Attention(nn.Module):
@@ -192,14 +211,17 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.causal = CausalAttention()
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention; (b, heads, s, hd) x3 -> (b, heads, s, hd). Selective recompute target."""
-        return self.causal(q, k, v)
+        if position_ids is None:   # the attention in place may not take the keyword
+            return self.causal(q, k, v)
+        return self.causal(q, k, v, position_ids=position_ids)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, d) -> (b, s, d)
-        b, s, _ = x.shape
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape                          # (b, s, d) -> (b, s, d)
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.q, self.k, self.v))
-        y = self.core(q, k, v)                     # (b, heads_local, s, hd)
+        y = self.core(q, k, v, position_ids)       # (b, heads_local, s, hd)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -220,8 +242,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp: nn.Module = moe if moe is not None else MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), position_ids)
         return x + self.mlp(self.ln2(x))
 
 
@@ -272,9 +294,9 @@ class GPT(nn.Module):
         ``GPT(..., device="meta")`` handed to the engine is materialised slice by slice)."""
         return init_value(name, shape, seed=self.seed, n_layers=self.cfg.n_layers, index=index)
 
-    def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def _run_blocks(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x)
+            x = block(x, position_ids)
         return x
 
     # ---------------------------------------------------------------- parallel hints
@@ -292,11 +314,24 @@ class GPT(nn.Module):
         """The ordered layers: embedding, each block, then final norm + head."""
         return [self.embed, *self.blocks, self.head]
 
+    def pipeline_forward(self, names: list[str], layers: list[nn.Module], x: torch.Tensor,
+                         microbatch=None) -> torch.Tensor:
+        """A pipeline stage's ``layers`` on ``x``: a packed microbatch's ``position_ids`` go to
+        the embedding and every block (they travel with the microbatch to every stage)."""
+        pos = microbatch.get("position_ids") if isinstance(microbatch, dict) else None
+        for layer in layers:
+            x = layer(x) if pos is None or isinstance(layer, Head) else layer(x, pos)
+        return x
+
     def pipeline_output(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None,
-                        labels: torch.Tensor | None = None):
+                        labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None):
         """What ``forward(input_ids, labels)`` returns given the last layer's ``logits``."""
         return logits if labels is None else self.criterion(logits, labels)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        logits = self.head(self.run_blocks(self.embed(input_ids)))   # (b, s, vocab)
-        return self.pipeline_output(logits, input_ids, labels)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
+        """``position_ids`` (packed documents, (b, s)): positions restart at each document and
+        attention stays within it; None: one sequence, positions 0..s-1."""
+        x = self.embed(input_ids) if position_ids is None else self.embed(input_ids, position_ids)
+        x = self.run_blocks(x) if position_ids is None else self.run_blocks(x, position_ids)
+        return self.pipeline_output(self.head(x), input_ids, labels)   # logits (b, s, vocab)
