@@ -181,6 +181,23 @@ def test_rank_work_counts_the_pairs_actually_attended():
     assert all(w["computed_pairs"] == w["attended_pairs"] for w in work)   # no mask without window
 
 
+def _one_process(flags: list[str], data_of, batch: int) -> list[dict]:
+    """The step records of the engine `trainmesh train FLAGS` builds, run in this process for
+    20 steps on ``data_of(config)``'s batches (the launcher's start-up spared)."""
+    from helpers import train_config
+
+    from trainmesh.core.mesh import ParallelMesh
+    from trainmesh.run.trainer import build_engine
+    cfg = train_config(flags)
+    engine = build_engine(cfg, torch.device("cpu"), ParallelMesh(local=True))
+    data, out = data_of(cfg), []
+    for step in range(1, 21):
+        loss = engine.train_step(data.batch(cfg.seed, step, batch))
+        out.append({"event": "step", "step": step, "loss": loss,
+                    "grad_norm": engine.last["grad_norm"]})
+    return out
+
+
 def _gemma3_window_dir(tmp) -> str:
     """A tiny Gemma 3 (text): a sliding-window layer (window 6, shorter than the sequence and
     crossing the chunks of --cp 2) and a full-attention one, matrices at std 0.2."""
@@ -206,22 +223,42 @@ def test_sliding_window_hub_model_under_cp2_equals_one_process(tmp_path):
     """Gemma 3 with a window (6) shorter than the sequence (16): --cp 2 trains like one process
     for 20 steps (the run was refused before). One process: the engine `trainmesh train`
     builds, in this process."""
-    from helpers import assert_equivalent, run_train, steps, train_config
+    from helpers import assert_equivalent, run_train, steps
 
-    from trainmesh.core.mesh import ParallelMesh
     from trainmesh.data.corpus import make_datasets
-    from trainmesh.run.trainer import build_engine
     directory = _gemma3_window_dir(tmp_path)
     base = ["--model-dir", directory, "--seq-len", "16", "--global-batch", "2", "--steps", "20",
             "--lr", "0.01", "--warmup-steps", "1", "--seed", "3"]
-    cfg = train_config(base)
-    engine = build_engine(cfg, torch.device("cpu"), ParallelMesh(local=True))
-    data, _ = make_datasets(cfg.data, vocab_size=cfg.vocab_size, seq_len=16, held_out=False)
-    ref = []
-    for step in range(1, 21):
-        loss = engine.train_step(data.batch(cfg.seed, step, 2))
-        ref.append({"event": "step", "step": step, "loss": loss,
-                    "grad_norm": engine.last["grad_norm"]})
+    ref = _one_process(base, lambda cfg: make_datasets(
+        cfg.data, vocab_size=cfg.vocab_size, seq_len=16, held_out=False)[0], 2)
     proc, records = run_train([*base, "--cp", "2"], tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_equivalent(ref, steps(records))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_boundary(tmp_path):
+    """`trainmesh train --cp 4 --documents packed` (the built-in GPT, the ring) trains 20 steps
+    like one process on the same packed batches; the data's short paragraphs put a document
+    across each of the 7 chunk edges of the cp 4 split in the first batch (checked)."""
+    from helpers import assert_equivalent, run_train, steps
+
+    from trainmesh.data.corpus import make_datasets
+    g = torch.Generator().manual_seed(0)
+    words = ["ab", "cde", "f", "ghij", "kl", "mnopq", "rs"]
+    paragraphs = [" ".join(words[int(i)] for i in torch.randint(7, (int(n),), generator=g))
+                  for n in torch.randint(1, 9, (300,), generator=g)]
+    data = tmp_path / "corpus.txt"
+    data.write_text("\n\n".join(paragraphs) + "\n")
+    base = ["--data", str(data), "--documents", "packed", "--seq-len", "64", "--layers", "2",
+            "--d-model", "32", "--heads", "4", "--global-batch", "4", "--steps", "20", "--seed", "1"]
+    train, _ = make_datasets(str(data), vocab_size=256, seq_len=64, held_out=False,
+                             documents="packed")
+    pos = train.batch(1, 1, 4)["position_ids"]
+    assert all(bool((pos[:, edge] != 0).any()) for edge in range(8, 64, 8)), pos
+    assert int((pos == 0).sum()) >= 4 * 4                      # several documents per row
+    ref = _one_process(base, lambda cfg: train, 4)
+    proc, records = run_train([*base, "--cp", "4"], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_equivalent(ref, steps(records))

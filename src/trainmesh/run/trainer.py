@@ -45,7 +45,7 @@ from trainmesh.observe.summary import summary_record
 from trainmesh.observe.tensorboard import TensorBoardLog
 from trainmesh.run import elastic
 from trainmesh.run.evaluation import make_evaluator
-from trainmesh.run.optimizers import no_decay, optimizer_factory
+from trainmesh.run.optimizers import describe_split, optimizer_factory, param_groups
 from trainmesh.run.schedule_lr import warmup_cosine
 from trainmesh.run.steps import LocalSteps, Records, StepPolicy, nonfinite_ends_run
 from trainmesh.run.trace import make_tracer
@@ -76,9 +76,12 @@ def build_model(cfg: TrainConfig) -> tuple[torch.nn.Module, LossFn, InitFn | Non
 
 def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> Engine:
     model, loss_fn, init_fn = build_model(cfg)
+    groups = param_groups(cfg, model)
+    if cfg.optimizer == "muon" and mesh.rank == 0:
+        log.info(describe_split(model, groups))
     return Engine(
         model, optimizer_factory(cfg, device), loss_fn, cfg.parallel, mesh=mesh,
-        param_groups=no_decay,
+        param_groups=groups,
         lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps),
         init_fn=init_fn, device=device)
 
