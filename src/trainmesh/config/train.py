@@ -25,11 +25,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
 DEVICES = ("auto", "cpu", "cuda")
 DOCUMENTS = ("stream", "packed")
 """--documents' choices (docs/DATA.md)."""
-DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.3}
+DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.3, "muon": 0.01}
 SHAPE = {"layers": "n_layers", "d_model": "d_model", "heads": "n_heads", "seq_len": "seq_len",
          "vocab_size": "vocab_size", "experts": "n_experts", "top_k": "top_k",
          "moe_every": "moe_every", "moe_hidden": "moe_hidden", "moe_aux_loss": "moe_aux_loss"}
@@ -77,7 +77,9 @@ class TrainConfig:
                              choices=DOCUMENTS, group="data")
     global_batch: int = setting(16, "sequences per optimizer step over all DP ranks and "
                                     "microbatches", ge=1, group="optimisation")
-    optimizer: str = setting("adamw", "adamw or sgd", choices=OPTIMIZERS, group="optimisation")
+    optimizer: str = setting("adamw", "adamw, sgd or muon (Muon on hidden weight matrices, "
+                                        "AdamW on the rest: docs/TRAINING.md)",
+                             choices=OPTIMIZERS, group="optimisation")
     lr: float | None = setting(None, "peak learning rate (default " + ", ".join(
         f"{v:g} for {k}" for k, v in DEFAULT_LR.items()) + ")", gt=0, group="optimisation")
     warmup_steps: int = setting(20, "linear warm-up steps before cosine decay", ge=0, group="optimisation")

@@ -78,6 +78,14 @@ class ShardStepper:
         holds now (a file store steps them one at a time)."""
         groups = optimizer.param_groups
         plans = [self._plan(group) for group in groups]
+        held = self._hold_idle(optimizer, groups)
+        try:
+            self._step(optimizer, groups, plans)
+        finally:
+            self._put_back(optimizer, held)
+
+    def _step(self, optimizer: torch.optim.Optimizer, groups: list[dict],
+              plans: list[list[_Class] | None]) -> None:
         if all(p is None or (len(p) <= 1 and all(c.whole for c in p)) for p in plans):
             for group, plan in zip(groups, plans):     # the usual step: whole shards, one call
                 if plan:
@@ -124,6 +132,8 @@ class ShardStepper:
         if params[0].grad is None:
             return []
         members = self.groups[gi]
+        if group.get("muon"):        # whole matrices: one call, idle members put back after it
+            return [_Class({}, [m for m in members if id(m.param) not in self.idle], whole=True)]
         by_history: dict[int, _Class] = {}
         for m in members:
             if id(m.param) not in self.idle:
@@ -132,6 +142,33 @@ class ShardStepper:
         if len(classes) == 1 and len(classes[0].members) == len(members):
             classes[0].whole = True
         return classes
+
+    def _hold_idle(self, optimizer: torch.optim.Optimizer, groups: list[dict]) -> list[tuple]:
+        """A group that must step whole (Muon's: its matrices are orthogonalised whole, the
+        collectives the same on every rank) steps its idle members too: their stretches of the
+        shard and of its moments are kept here and put back after the step."""
+        held = []
+        for group in groups:
+            params = group["params"]
+            gi = self._group_of.get(id(params[0])) if len(params) == 1 else None
+            if gi is None or not group.get("muon") or params[0].grad is None:
+                continue
+            shard = params[0]
+            state = optimizer.state.get(shard, {})
+            for m in self.groups[gi]:
+                if id(m.param) in self.idle:
+                    for idx in m.ranges:
+                        held.append((shard, idx, shard.data[idx].clone(),
+                                     {k: v[idx].clone() for k, v in state.items() if elementwise(v, shard)}))
+        return held
+
+    @staticmethod
+    def _put_back(optimizer: torch.optim.Optimizer, held: list[tuple]) -> None:
+        for shard, idx, value, moments in held:
+            shard.data[idx] = value
+            for k, v in optimizer.state.get(shard, {}).items():
+                if elementwise(v, shard):
+                    v[idx] = moments[k] if k in moments else 0   # born in this step: not yet here
 
     @staticmethod
     def _prime(optimizer: torch.optim.Optimizer, shard: nn.Parameter, cls: _Class) -> None:

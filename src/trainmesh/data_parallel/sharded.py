@@ -37,8 +37,11 @@ Groups = list[tuple[dict, list[tuple[str, nn.Parameter]]]]
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
-    """Refuse an optimizer ZeRO cannot shard (a class may opt in with ``elementwise = True``)."""
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or getattr(optimizer, "elementwise", False):
+    """Refuse an optimizer ZeRO cannot shard (a class may opt in with ``elementwise = True``;
+    one element-wise but for an ``orthogonalize`` hook, Muon, is given whole matrices there:
+    :mod:`.muon_owners`)."""
+    if (isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or getattr(optimizer, "elementwise", False)
+            or hasattr(optimizer, "orthogonalize")):
         return
     valid = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     raise ConfigError("optimizer", f"--zero {stage} updates flat shards that cut through parameters, "
@@ -195,6 +198,11 @@ class ShardedSync(GradSync):
         else:
             self.stepper.step(self.optimizer)
         self._after_step()
+
+    @abstractmethod
+    def _stretches(self, gi: int) -> list[tuple[Slot, Index, int, int]]:
+        """(slot, index into this rank's shard of group ``gi``, first element of the parameter
+        it holds, element count): every stretch of a parameter the shard holds."""
 
     @abstractmethod
     def _ranges(self, gi: int) -> dict[int, list[Index]]:

@@ -176,6 +176,10 @@ class FlatZero(ShardedSync):
             out.setdefault(id(pc.slot.param), []).append((pc.bucket, slice(pc.lo, pc.hi)))
         return out
 
+    def _stretches(self, gi: int) -> list[tuple[Slot, tuple[int, slice], int, int]]:
+        return [(pc.slot, (pc.bucket, slice(pc.lo, pc.hi)), pc.offset, pc.hi - pc.lo)
+                for pc in self.groups[gi].layout.shard_pieces()]
+
     # ---------------------------------------------------------------- checkpoints
     def _slots(self, gi: int) -> list[Slot]:
         return self.groups[gi].layout.slots

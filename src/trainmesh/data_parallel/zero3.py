@@ -355,6 +355,11 @@ class Zero3(ShardedSync):
                     slice(pc.shard_start + piece.lo, pc.shard_start + piece.hi))
         return out
 
+    def _stretches(self, gi: int) -> list[tuple[Slot, slice, int, int]]:
+        return [(piece.slot, slice(pc.shard_start + piece.lo, pc.shard_start + piece.hi),
+                 piece.offset, piece.hi - piece.lo)
+                for pc in self._group_pieces(gi) for piece in pc.layout.shard_pieces()]
+
     # ---------------------------------------------------------------- checkpoints
     def _group_pieces(self, gi: int) -> list[_Piece]:
         return [pc for unit in self.units for pc in unit.pieces if pc.group == gi]

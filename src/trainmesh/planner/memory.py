@@ -43,6 +43,8 @@ def bytes_per_param(precision: str, optimizer: str = "adamw") -> tuple[int, int,
     mixed = precision != "fp32"
     if optimizer == "adamw":
         return (2, 2, 12) if mixed else (4, 4, 8)
+    if optimizer == "muon":     # one moment (the momentum) on the hidden matrices, most of a model
+        return (2, 2, 8) if mixed else (4, 4, 4)
     return (2, 2, 4) if mixed else (4, 4, 0)
 
 

@@ -16,15 +16,16 @@ import torch
 from trainmesh.config.train import TrainConfig
 from trainmesh.models.gpt import GPT
 from trainmesh.parameter_server import PSEngine
-from trainmesh.run.optimizers import no_decay, optimizer_factory
+from trainmesh.run.optimizers import optimizer_factory, param_groups
 from trainmesh.run.schedule_lr import warmup_cosine
 
 
 def train_ps(cfg: TrainConfig, device: torch.device, loop: Callable[..., int]) -> int:
     """Ranks 0..dp-1 train, the rest serve (module docstring); ``loop``: the training loop
     (:func:`trainmesh.run.trainer._train`), run by the trainers with this rank's engine."""
-    engine = PSEngine(GPT(cfg.gpt_config(), seed=cfg.seed, device=device), optimizer_factory(cfg, device),
-                      lambda m, batch: m(**batch), cfg.parallel, param_groups=no_decay,
+    model = GPT(cfg.gpt_config(), seed=cfg.seed, device=device)
+    engine = PSEngine(model, optimizer_factory(cfg, device), lambda m, batch: m(**batch), cfg.parallel,
+                      param_groups=param_groups(cfg, model),
                       lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps,
                                                              total_steps=cfg.steps))
     if engine.is_server:

@@ -1,0 +1,165 @@
+"""Muon on the hidden weight matrices, AdamW on every other parameter: one optimizer object.
+
+:class:`MuonAdamW` steps parameter groups whose option ``muon`` is true with
+``torch.optim.Muon``'s update and the others with ``torch.optim.AdamW``'s (its functional
+kernel), so a strategy that hands the optimizer one flat shard per group (ZeRO) or a
+tensor-parallel shard keeps doing so. Per matrix, Muon's update is::
+
+    buf.lerp_(g, 1 - momentum)                              # element-wise: any shard of it
+    u = g.lerp(buf, momentum) if nesterov else buf          # element-wise
+    u = NS(u) * adjust(global shape)                        # needs the whole matrix
+    p.mul_(1 - lr * wd); p.add_(u, alpha=-lr)               # element-wise
+
+Only the Newton-Schulz iteration needs a whole matrix: the optimizer calls its
+``orthogonalize(param, u, group)`` hook, which a strategy replaces with one that assembles each
+matrix where it is cut (:mod:`.muon_owners`); the default orthogonalises ``u`` as held, right
+where every parameter is whole (one process, DDP). The momentum buffer (``momentum_buffer``)
+is laid out like the parameter, a moment as AdamW's ``exp_avg``: checkpoints, offload and
+resharding treat it as one.
+
+Which parameters take Muon: :func:`muon_options` (2-D hidden weights and stacked experts, each
+expert's matrix on its own; not embeddings, the output head, norms or biases).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
+from torch.optim._muon import _zeropower_via_newtonschulz
+from torch.optim.adamw import adamw
+
+Orthogonalize = Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]
+
+_NOT_HIDDEN = ("embed", "wte", "wpe", "lm_head", "head.out", "output.weight")
+
+
+def is_hidden_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether Muon takes parameter ``name`` of (global) ``shape``: a 2-D weight, or experts
+    stacked in one ``(E, a, b)`` tensor, that is not an embedding or the output head."""
+    if any(part in name for part in _NOT_HIDDEN):
+        return False
+    return len(shape) == 2 or (len(shape) == 3 and "expert" in name)
+
+
+def muon_options(shapes: Mapping[str, tuple[int, ...]],
+                 decay: Callable[[str], dict]) -> Callable[[str], dict]:
+    """Parameter-group options for :class:`MuonAdamW`: ``decay(name)`` (weight decay) plus
+    ``muon``, from the parameter's name and its whole-model shape (``shapes``)."""
+    def options(name: str) -> dict:
+        shape = shapes.get(name)
+        return {**decay(name), "muon": shape is not None and is_hidden_matrix(name, tuple(shape))}
+    return options
+
+
+def matrices(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a stack of matrices (m, a, b): one for a 2-D tensor, E for stacked experts."""
+    return t.reshape(-1, *t.shape[-2:])
+
+
+def adjust_ratio(shape: tuple[int, ...], fn: str | None) -> float:
+    """torch.optim.Muon's learning-rate factor for a matrix of ``shape`` (its last two dims)."""
+    a, b = shape[-2:]
+    if fn is None or fn == "original":
+        return math.sqrt(max(1, a / b))
+    if fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(a, b))
+    return 1.0
+
+
+def newton_schulz(u: torch.Tensor, group: Mapping) -> torch.Tensor:
+    """Orthogonalise each matrix of ``u`` (2-D, or stacked experts: each on its own) with the
+    group's coefficients and steps, scaled by its learning-rate factor (fp32 result)."""
+    ratio = adjust_ratio(tuple(u.shape), group["adjust_lr_fn"])
+    out = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+    for src, dst in zip(matrices(u), matrices(out)):     # never the E matrices as one
+        dst.copy_(_zeropower_via_newtonschulz(src, group["ns_coefficients"], group["ns_steps"],
+                                              group["eps"]))
+    return out.mul_(ratio)
+
+
+def ns_flops(shape: tuple[int, ...], steps: int = DEFAULT_NS_STEPS) -> int:
+    """Multiply-add FLOPs of the iteration on a matrix (or stacked matrices) of ``shape``: per
+    step the gram (2 m^2 n), its square (2 m^3) and the product (2 m^2 n), m the shorter side."""
+    count = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    m, n = sorted(shape[-2:])
+    return count * steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def local_orthogonalize(p: torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor:
+    """The hook where ``p`` is whole: the iteration on ``u`` as it is."""
+    return newton_schulz(u, group)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on groups with ``muon=True``, AdamW on the others (module docstring). Muon's
+    momentum, Nesterov flag, Newton-Schulz coefficients, steps and eps, and learning-rate
+    adjustment default to torch.optim.Muon's; ``lr`` and ``weight_decay`` are shared."""
+
+    needs_whole_params = True
+    """The engine must let it see whole matrices (through :attr:`orthogonalize`)."""
+
+    def __init__(self, params, lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999),
+                 adam_eps: float = 1e-8, weight_decay: float = 0.01, momentum: float = 0.95,
+                 nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+                 eps: float = EPS, ns_steps: int = DEFAULT_NS_STEPS,
+                 adjust_lr_fn: str | None = None) -> None:
+        defaults = {"lr": lr, "betas": betas, "adam_eps": adam_eps, "weight_decay": weight_decay,
+                    "momentum": momentum, "nesterov": nesterov, "ns_coefficients": ns_coefficients,
+                    "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn, "muon": False}
+        super().__init__(params, defaults)
+        self.orthogonalize: Orthogonalize = local_orthogonalize
+        """(param, u, group) -> NS(u) x learning-rate factor, laid out like ``param``."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["muon"]:
+                self._muon(group)
+            else:
+                self._adamw(group)
+        return loss
+
+    def _muon(self, group: dict) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(g, 1 - mu)
+            u = g.lerp(buf, mu) if group["nesterov"] else buf
+            update = self.orthogonalize(p, u, group)
+            p.mul_(1 - lr * wd)
+            p.add_(update.to(p.dtype), alpha=-lr)
+
+    def _adamw(self, group: dict) -> None:
+        params, grads, avgs, sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            avgs.append(state["exp_avg"])
+            sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw(params, grads, avgs, sqs, [], steps, foreach=True, amsgrad=False, beta1=beta1,
+              beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+              eps=group["adam_eps"], maximize=False)

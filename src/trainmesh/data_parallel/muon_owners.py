@@ -1,0 +1,164 @@
+"""Whole matrices for Muon's Newton-Schulz iteration wherever the layout cuts them.
+
+:class:`~.muon.MuonAdamW` keeps its momentum laid out like the parameters it steps (ZeRO's
+flat shards, tensor-parallel shards, offload's host shards) and asks its ``orthogonalize`` hook
+for ``NS(u)`` laid out the same way. :func:`install` sets the hook the layout needs:
+
+- **whole along DP** (one process, DDP, pipeline stages, experts on their ep rank, context
+  parallelism's replicas): every rank holds each whole gradient, so it runs the iteration on
+  its own matrices; handing each matrix to one owner would add a broadcast per matrix to save
+  compute only, and the step waits on the slowest rank either way.
+- **ZeRO 1-3, HSDP** (:class:`ShardOwners`): each matrix has one **owner** in the shard group,
+  chosen by balancing the iteration's FLOPs (greedy, largest first, from the shapes alone, so
+  every rank computes the same table). Per matrix, each rank fills its stretches of ``u`` into a
+  zeroed matrix and the group reduces it to the owner (a sum of disjoint pieces: exact), the owner
+  runs the iteration and broadcasts the result, and each rank copies its stretches back. The
+  transient memory is one matrix, not the model.
+- **tensor parallelism**: the matrix is gathered over tp (one all-gather) and orthogonalised
+  whole, and each TP rank keeps its slice. Distributing the iteration over tp instead would cost
+  a collective in every one of its 5 steps (the gram matrix's all-reduce) to save one gather.
+  Under ZeRO only the owner's TP group gathers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from trainmesh.core.layout import Group
+from trainmesh.core.placement import Placements
+
+from ..comm import Comm
+from .base import GradSync
+from .muon import newton_schulz, ns_flops
+
+Stretch = tuple[object, int, int]
+"""(index into the shard, first element of the parameter it holds, element count)."""
+
+
+def owners(shapes: Sequence[tuple[str, tuple[int, ...]]], ranks: int) -> dict[str, int]:
+    """Each matrix's owner among ``ranks``, balancing the iteration's FLOPs: largest first
+    (ties in the given order), each to the least loaded rank (ties: the lowest)."""
+    load = [0] * ranks
+    out: dict[str, int] = {}
+    order = sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i][1]), i))
+    for i in order:
+        r = min(range(ranks), key=lambda k: (load[k], k))
+        out[shapes[i][0]] = r
+        load[r] += ns_flops(shapes[i][1])
+    return out
+
+
+class TensorParallel:
+    """A matrix's tp shard -> its whole value over tp, and back (:class:`Placements`)."""
+
+    def __init__(self, comm: Comm, placements: Placements | None) -> None:
+        self.comm = comm
+        self.placements = placements
+        self.tp = comm.mesh.size(Group.tp)
+
+    def full_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        pl = self.placements.get(name) if self.placements is not None else None
+        return pl.full_shape if pl is not None and pl.tp_dim is not None else local
+
+    def orthogonalize(self, name: str, u: torch.Tensor, group: dict) -> torch.Tensor:
+        """NS of the whole matrix whose tp shard is ``u``; this rank's shard of the result."""
+        pl = self.placements.get(name) if self.placements is not None else None
+        if pl is None or pl.tp_dim is None or self.tp == 1:
+            return newton_schulz(u, group)
+        n, dim, local = self.tp, pl.tp_dim, tuple(u.shape)
+        gathered = torch.empty(n * u.numel(), dtype=u.dtype, device=u.device)
+        self.comm.all_gather(gathered, u.contiguous().view(-1), Group.tp)
+        gathered = gathered.view(n, *local)
+        full = torch.zeros(pl.full_shape, dtype=u.dtype, device=u.device)
+        width0 = pl.pieces(local)[0][dim]
+        step = width0.stop - width0.start
+        for r in range(n):
+            at = dataclasses.replace(pl, tp_start=r * step)
+            _scatter_pieces(full, gathered[r], at.pieces(local), dim)
+        whole = newton_schulz(full, group)
+        return torch.cat([whole[idx] for idx in pl.pieces(local)], dim=dim)
+
+
+def _scatter_pieces(full: torch.Tensor, local: torch.Tensor, pieces: list, dim: int) -> None:
+    at = 0
+    for idx in pieces:
+        w = idx[dim].stop - idx[dim].start
+        full[idx] = local.narrow(dim, at, w)
+        at += w
+
+
+class ShardOwners:
+    """The hook under ZeRO: owner-rank Newton-Schulz over the shard group (module docstring)."""
+
+    def __init__(self, sync, tp: TensorParallel) -> None:
+        self.sync, self.tp = sync, tp
+        self.comm: Comm = sync.comm
+        self.axis = sync.axis
+        self.ranks = self.comm.mesh.ranks(self.axis)
+        self.me = self.comm.mesh.index(self.axis)
+        self._owners: dict[str, int] | None = None
+        self.flops = 0
+        """The iteration's FLOPs this rank ran (the benchmark's balance)."""
+
+    def owner_table(self, groups: list[int]) -> dict[str, int]:
+        if self._owners is None:
+            slots = [(s.name, self.tp.full_shape(s.name, tuple(s.shape)))
+                     for gi in groups for s in self.sync._slots(gi)]
+            self._owners = owners(slots, len(self.ranks))
+        return self._owners
+
+    @torch.no_grad()
+    def __call__(self, p: torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor:
+        shards = self.sync.optimizer_params()
+        gi = next(i for i, sp in enumerate(shards) if sp is p)
+        muon = [i for i, g in enumerate(self.sync.optimizer.param_groups) if g.get("muon")]
+        table = self.owner_table(muon)
+        mine: dict[str, list[Stretch]] = {}
+        for slot, index, offset, n in self.sync._stretches(gi):
+            mine.setdefault(slot.name, []).append((index, offset, n))
+        out = torch.zeros(u.shape, dtype=torch.float32, device=u.device)
+        for slot in self.sync._slots(gi):            # the same order on every rank
+            owner = table[slot.name]
+            full = torch.zeros(slot.numel, dtype=u.dtype, device=u.device)
+            for index, offset, n in mine.get(slot.name, []):
+                full[offset : offset + n] = u[index]
+            self.comm.reduce(full, self.axis, dst=self.ranks[owner])
+            if owner == self.me:
+                result = self.tp.orthogonalize(slot.name, full.view(slot.shape), group)
+                self.flops += ns_flops(self.tp.full_shape(slot.name, tuple(slot.shape)), group["ns_steps"])
+                full = result.reshape(-1).to(full.dtype).contiguous()
+            self.comm.broadcast(full, self.axis, src=self.ranks[owner])
+            for index, offset, n in mine.get(slot.name, []):
+                out[index] = full[offset : offset + n]
+        return out
+
+
+def install(sync: GradSync, comm: Comm, placements: Placements | None) -> None:
+    """Give every optimizer that declares ``needs_whole_params`` and has an ``orthogonalize``
+    hook the one its part of the layout needs (module docstring)."""
+    from .composite import CompositeSync
+    from .sharded import ShardedSync
+    parts = sync.parts if isinstance(sync, CompositeSync) else [sync]
+    tp = TensorParallel(comm, placements)
+    for part in parts:
+        opt = part.optimizer
+        if opt is None or not hasattr(opt, "orthogonalize"):
+            continue
+        if isinstance(part, ShardedSync):
+            opt.orthogonalize = ShardOwners(part, tp)
+        elif tp.tp > 1:
+            opt.orthogonalize = _by_name(part, tp)
+
+
+def _by_name(sync: GradSync, tp: TensorParallel) -> Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]:
+    """Whole along DP: the tp gather of each parameter by its name."""
+    names: dict[int, str] = {id(p): n for n, p in sync.named_params}
+    if sync.master is not None:
+        names.update({id(m): n for m, (n, _) in zip(sync.master.masters, sync.named_params)})
+
+    def hook(p: nn.Parameter | torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor:
+        return tp.orthogonalize(names[id(p)], u, group)
+    return hook
