@@ -181,6 +181,16 @@ def test_rank_work_counts_the_pairs_actually_attended():
     assert all(w["computed_pairs"] == w["attended_pairs"] for w in work)   # no mask without window
 
 
+def _short_paragraphs(tmp) -> str:
+    """A text file of 300 paragraphs (documents) of 1-8 short words: a few per sequence."""
+    g = torch.Generator().manual_seed(0)
+    words = ["ab", "cde", "f", "ghij", "kl", "mnopq", "rs"]
+    paragraphs = [" ".join(words[int(i)] for i in torch.randint(7, (int(n),), generator=g))
+                  for n in torch.randint(1, 9, (300,), generator=g)]
+    (tmp / "corpus.txt").write_text("\n\n".join(paragraphs) + "\n")
+    return str(tmp / "corpus.txt")
+
+
 def _one_process(flags: list[str], data_of, batch: int) -> list[dict]:
     """The step records of the engine `trainmesh train FLAGS` builds, run in this process for
     20 steps on ``data_of(config)``'s batches (the launcher's start-up spared)."""
@@ -204,7 +214,7 @@ def _gemma3_window_dir(tmp) -> str:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
         sliding_window=6, layer_types=["sliding_attention", "full_attention"],
         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
@@ -220,17 +230,20 @@ def _gemma3_window_dir(tmp) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sliding_window_hub_model_under_cp2_equals_one_process(tmp_path):
-    """Gemma 3 with a window (6) shorter than the sequence (16): --cp 2 trains like one process
-    for 20 steps (the run was refused before). One process: the engine `trainmesh train`
-    builds, in this process."""
+    """Gemma 3 with a window (6) shorter than the sequence (32), on packed documents: --cp 2
+    trains like one process for 20 steps (the run was refused before), the ring taking the
+    window and the documents from the position ids the model hands its attention. One
+    process: the engine `trainmesh train` builds, in this process."""
     from helpers import assert_equivalent, run_train, steps
 
     from trainmesh.data.corpus import make_datasets
     directory = _gemma3_window_dir(tmp_path)
-    base = ["--model-dir", directory, "--seq-len", "16", "--global-batch", "2", "--steps", "20",
-            "--lr", "0.01", "--warmup-steps", "1", "--seed", "3"]
+    data = _short_paragraphs(tmp_path)
+    base = ["--model-dir", directory, "--data", data, "--tokenizer", "bytes", "--documents",
+            "packed", "--seq-len", "32", "--global-batch", "2", "--steps", "20", "--lr", "0.01",
+            "--warmup-steps", "1", "--seed", "3"]
     ref = _one_process(base, lambda cfg: make_datasets(
-        cfg.data, vocab_size=cfg.vocab_size, seq_len=16, held_out=False)[0], 2)
+        data, vocab_size=256, seq_len=32, held_out=False, documents="packed")[0], 2)
     proc, records = run_train([*base, "--cp", "2"], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_equivalent(ref, steps(records))
@@ -245,15 +258,10 @@ def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_bound
     from helpers import assert_equivalent, run_train, steps
 
     from trainmesh.data.corpus import make_datasets
-    g = torch.Generator().manual_seed(0)
-    words = ["ab", "cde", "f", "ghij", "kl", "mnopq", "rs"]
-    paragraphs = [" ".join(words[int(i)] for i in torch.randint(7, (int(n),), generator=g))
-                  for n in torch.randint(1, 9, (300,), generator=g)]
-    data = tmp_path / "corpus.txt"
-    data.write_text("\n\n".join(paragraphs) + "\n")
-    base = ["--data", str(data), "--documents", "packed", "--seq-len", "64", "--layers", "2",
+    data = _short_paragraphs(tmp_path)
+    base = ["--data", data, "--documents", "packed", "--seq-len", "64", "--layers", "2",
             "--d-model", "32", "--heads", "4", "--global-batch", "4", "--steps", "20", "--seed", "1"]
-    train, _ = make_datasets(str(data), vocab_size=256, seq_len=64, held_out=False,
+    train, _ = make_datasets(data, vocab_size=256, seq_len=64, held_out=False,
                              documents="packed")
     pos = train.batch(1, 1, 4)["position_ids"]
     assert all(bool((pos[:, edge] != 0).any()) for edge in range(8, 64, 8)), pos
