@@ -22,6 +22,7 @@ COMMANDS = {
     "launch": ".launch",
     "report": ".report",
     "coordinator": ".coordinator",
+    "verify": ".verify",
 }
 
 

@@ -40,13 +40,16 @@ STARTUP_TIMEOUT_S = 300.0
 
 
 def launch_fault_tolerant(cfg: TrainConfig, *, max_restarts: int,
-                          worker_setup: Callable[[], None] | None = None) -> int:
+                          worker_setup: Callable[[], None] | None = None,
+                          end_process_on_failure: bool = True) -> int:
     """Run the replicas and the coordinator until the last step; the exit code (a failure or a
-    signal ends this process right there, as :func:`~trainmesh.run.launch.launch_local`).
+    signal ends this process right there unless ``end_process_on_failure`` is False, as
+    :func:`~trainmesh.run.launch.launch_local`).
     The job's secret: a run on one host makes its own; across hosts it is given
     (``--secret-file`` or ``TRAINMESH_FT_SECRET``; none: :class:`ConfigError`, exit 2, before
     anything starts)."""
-    return launch(FaultTolerantLaunch(cfg), max_restarts=max_restarts, worker_setup=worker_setup)
+    return launch(FaultTolerantLaunch(cfg), max_restarts=max_restarts, worker_setup=worker_setup,
+                  end_process_on_failure=end_process_on_failure)
 
 
 class FaultTolerantLaunch(Launch):

@@ -45,7 +45,8 @@ class Strategy:
     loop itself."""
     launcher: str | None = None
     """``module:attribute`` of the function that launches its local run,
-    ``launcher(cfg, *, max_restarts, worker_setup)``: the one launcher with this strategy's
+    ``launcher(cfg, *, max_restarts, worker_setup, end_process_on_failure=True)``: the one
+    launcher with this strategy's
     hooks (:mod:`trainmesh.run.launch`; None: the plain launch, its default hooks)."""
 
     def load(self, what: str) -> Any:
