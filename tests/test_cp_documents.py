@@ -270,3 +270,27 @@ def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_bound
     proc, records = run_train([*base, "--cp", "4"], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_equivalent(ref, steps(records))
+
+
+def test_flops_count_attention_within_documents():
+    """MFU's count and the planner's: a token's attention spans its document (Σ L²/Σ L keys),
+    not the sequence; `trainmesh plan --document-len` lowers the step's compute by the
+    attention FLOPs of the documents left out, and refuses a length beyond --seq-len."""
+    from trainmesh.observe.flops import document_len, packed_flops_per_token, \
+        transformer_flops_per_token
+    from trainmesh.planner.shapes import ModelShape
+    from trainmesh.planner.steptime import flops_per_token
+    pos = torch.stack([positions_of([3, 5]), torch.arange(8)])
+    assert document_len(pos) == (9 + 25 + 64) / 16
+    whole = transformer_flops_per_token(1000, 2, 8, 16)
+    assert packed_flops_per_token(whole, n_layers=2, seq_len=8, d_model=16, attended=8) == whole
+    assert packed_flops_per_token(whole, n_layers=2, seq_len=8, d_model=16, attended=4.25) == \
+        transformer_flops_per_token(1000, 2, 4.25, 16)
+    shape = dict(params=10**9, layers=8, hidden=1024, heads=8, seq_len=8192)
+    plain, packed = ModelShape(**shape), ModelShape(**shape, document_len=1024)
+    assert (plain.attention_len, packed.attention_len) == (8192, 1024)
+    f = [flops_per_token(m.params, layers=8, hidden=1024, seq_len=m.attention_len, model=m)
+         for m in (plain, packed)]
+    assert f[0] - f[1] == 3 * 4 * 8 * 1024 * (8192 - 1024)     # fwd + bwd attention, per token
+    with pytest.raises(Exception, match="--document-len"):
+        ModelShape(**shape, document_len=9000)

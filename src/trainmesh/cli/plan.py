@@ -48,6 +48,9 @@ ADVISOR_MODEL: dict[str, tuple[Any, str]] = {
     "--params": (str, "parameter count, e.g. 7.5e9 or 7.5B (advisor; give the shape too)"),
     "--hidden": (int, "hidden size (advisor)"),
     "--micro-batch": (int, "sequences per microbatch per DP rank (advisor; default 1)"),
+    "--document-len": (float, "packed documents (--documents packed): their mean length in tokens, "
+                              "weighted by length (sum of L^2 / sum of L); attention FLOPs are "
+                              "counted within documents, not over --seq-len (advisor)"),
     "--model-dir": (str, "a Hugging Face model directory: shape, experts and the axes it has plans "
                          "for, from its config.json (advisor)"),
     "--kernels": (str, "whose kernels the activations are counted for: trainmesh (fused attention, "
@@ -211,7 +214,8 @@ def _shape(args: argparse.Namespace) -> tuple[Any, int | None, frozenset[str]]:
         base = asdict(shape)
     given = dict(params=parse_count("--params", args.params) if args.params is not None else None,
                  layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab_size,
-                 seq_len=args.seq_len, experts=args.experts, top_k=args.top_k)
+                 seq_len=args.seq_len, experts=args.experts, top_k=args.top_k,
+                 document_len=args.document_len)
     base.update({k: v for k, v in given.items() if v is not None})
     if base.get("experts") and not base.get("top_k"):
         base["top_k"] = 2
@@ -282,7 +286,8 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_na
     experts = (f", {model.experts} experts of {model.expert_width} in {model.moe_layer_count} layers, "
                f"top {model.top_k}, {model.active_params / 1e9:.3g}B active") if model.is_moe else ""
     out.print(f"[bold]trainmesh plan:[/bold] {model.params / 1e9:.4g}B params ({model.layers} "
-              f"layers, hidden {model.hidden}, {model.heads} heads, seq {model.seq_len}{experts}), "
+              f"layers, hidden {model.hidden}, {model.heads} heads, seq {model.seq_len}{experts}"
+              f"{_documents(model)}), "
               f"{cluster.gpus} x {gpu_name} ({nodes}, {fmt_bytes(cluster.gpu_mem_bytes)} each), "
               f"{precision}, global batch {result.global_batch}", highlight=False)
     out.print(f"[bold]Recommended:[/bold] {_layout_text(cfg)}: {fmt_bytes(rec.memory.total)} per GPU, "
@@ -330,12 +335,20 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_na
               "allocator's reserve; --json lists all[/dim]", highlight=False)
 
 
+def _documents(model: Any) -> str:
+    """The header's word on packed documents (attention counted within them)."""
+    if model.document_len is None:
+        return ""
+    return f", packed documents of {model.document_len:g} tokens (attention counted within them)"
+
+
 def _mfu(c: Any, model: Any, cluster: Any, result: Any) -> str:
     """Model FLOP/s per GPU and MFU the estimate implies (6N + attention, no recompute)."""
     from ..planner.steptime import flops_per_token
     tokens = result.global_batch * model.seq_len
     flops = tokens * flops_per_token(model.active_params, layers=model.layers, hidden=model.hidden,
-                                     seq_len=model.seq_len, model=model if model.has_shape else None)
+                                     seq_len=model.attention_len,
+                                     model=model if model.has_shape else None)
     per_gpu = flops / c.time.total / cluster.gpus
     return f"{per_gpu / 1e12:.0f} TFLOP/s per GPU ({per_gpu / cluster.peak_flops:.0%} MFU)"
 

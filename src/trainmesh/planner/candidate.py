@@ -188,7 +188,7 @@ def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, kernels: Ker
           traffic: Traffic, layers_total: int, hidden: int, split: _Split) -> StepTime:
     m = cfg.microbatches
     per_token = flops_per_token(model.active_params, layers=layers_total, hidden=hidden,
-                                seq_len=model.seq_len, recompute=cfg.recompute,
+                                seq_len=model.attention_len, recompute=cfg.recompute,
                                 model=model if model.has_shape else None, selective=kernels.selective)
     mb_compute = (model.tokens_per_microbatch * per_token / (cfg.pp * cfg.tp * cfg.cp)
                   / cluster.flops_per_s(cfg.precision))

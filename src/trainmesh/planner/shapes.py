@@ -65,6 +65,9 @@ class ModelShape:
     """Width of the shared experts of a MoE layer, summed (every token runs through them)."""
     moe_layers: int | None = None
     """Layers whose MLP is a mixture of experts (None: all of them when ``experts``)."""
+    document_len: float | None = None
+    """Packed documents: their mean length weighted by length (sum of L^2 over sum of L), the
+    keys a token's attention spans on average (None: one sequence of ``seq_len``)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--params", self.params), ("--layers", self.layers),
@@ -85,11 +88,20 @@ class ModelShape:
             raise ConfigError("--top-k", f"must be in 1..--experts ({self.experts}); got {self.top_k}")
         if self.moe_layers is not None and self.layers and not 0 <= self.moe_layers <= self.layers:
             raise ConfigError("moe_layers", f"must be in 0..{self.layers}; got {self.moe_layers}")
+        if self.document_len is not None and not 1 <= self.document_len <= self.seq_len:
+            raise ConfigError("--document-len", f"must be in 1..--seq-len ({self.seq_len}); "
+                                                f"got {self.document_len!r}")
 
     @property
     def has_shape(self) -> bool:
         """Whether layers, hidden and heads are all known (activations can be modelled)."""
         return None not in (self.layers, self.hidden, self.heads)
+
+    @property
+    def attention_len(self) -> float:
+        """The keys a token's attention is counted over: its document's length (packed
+        documents, weighted by length), else the whole sequence."""
+        return self.seq_len if self.document_len is None else self.document_len
 
     @property
     def tokens_per_microbatch(self) -> int:

@@ -63,7 +63,8 @@ def flops_per_token(params: float, *, layers: int | None, hidden: int | None, se
                     recompute: str = "none", model: ModelShape | None = None,
                     selective: str = "attention") -> float:
     """Training FLOPs per token (attention term omitted when the shape is unknown); ``params``
-    the parameters a token runs through (a mixture of experts: the active ones). With ``model``
+    the parameters a token runs through (a mixture of experts: the active ones); ``seq_len``
+    the keys a token attends (packed documents: :attr:`ModelShape.attention_len`). With ``model``
     the attention uses its query width and op-level selective recompute (``selective="op"``)
     its dropped matmuls (k, the output projection, the MLP's up or second matrix)."""
     width = model.q_dim if model is not None and model.has_shape else hidden
