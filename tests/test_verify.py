@@ -66,7 +66,11 @@ def test_the_bound_is_one_steps_rounding_doubling_per_step_capped_by_the_promise
     assert bound.loss(2, -4.0) == pytest.approx(8 * r, rel=1e-12)
     assert bound.grad_norm(40) == NORM_REL and bound.loss(40, 4.0) == LOSS_ABS
     assert Bound("fp32", 256).first == pytest.approx(2 * r, rel=1e-12)   # sqrt(n)
-    assert Bound("bf16", 64).first == pytest.approx(r * EPS["bf16"] / EPS["fp32"], rel=1e-12)
+    # 16 bits: one rounding of each stage's result, at every step, not capped by fp32's promise
+    bf16 = Bound("bf16", 10**6)
+    assert bf16.first == bf16.grad_norm(1) == bf16.grad_norm(9) == 16 * EPS["bf16"] == 0.0625
+    assert bf16.loss(9, 4.0) == 0.25 and Bound("fp16", 64).grad_norm(3) == 16 * 2.0 ** -11
+    assert Bound("fp32", 64).note() is None and "--precision fp32" in bf16.note()
     assert Bound("fp32", 64).relative(10**6) < math.inf
 
 
@@ -188,6 +192,7 @@ def test_verify_runs_the_layout_and_one_process_on_the_cut_model(granite, tmp_pa
     said = capsys.readouterr()
     assert "cut to its first 2 of 3 decoder layers" in said.err
     assert "running the layout (dp 2 " in said.err and "running one process, 5 steps" in said.err
+    assert "--precision bf16 rounds every result to 2^-8: the bound is 6.25% at every step" in said.err
     assert said.out.splitlines()[-1].startswith("trainmesh verify: PASS: dp 2 ")
     assert not Path(layout.model_dir).exists()   # the cut model lived as long as the runs
     fake_launch.off = 0.5

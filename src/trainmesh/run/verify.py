@@ -85,14 +85,19 @@ def verify(layout: Run, one: Run, bound: Bound, *, what: str,
     """Run both, print the table and the verdict; 0 when every step is within the bound, 1
     when one is not (or a run failed), 128 + the signal when stopped."""
     steps = layout.cfg.exit_after or layout.cfg.steps
+    if bound.note():
+        say(bound.note())
     for run in (layout, one):
         world = run.cfg.parallel.world_size
         say(f"running {run.name}{f' on {world} processes' if world > 1 else ''}, {steps} steps ...")
         code = launch(run, worker_setup)
+        if code >= 128:   # Ctrl-C or SIGTERM
+            say(f"{run.name} stopped (exit {code})")
+            return code
         if code:
             say(f"{run.name} failed (exit {code}); the end of its output:")
             show_log(run)
-            return code if code >= 128 else 1
+            return 1
     rows, unmatched = compare(one.records(), layout.records(), bound)
     sys.stdout.write(table(rows) + "\n")
     passed, line = verdict(rows, unmatched, what)

@@ -9,7 +9,8 @@ backward, loss), covered by :data:`SAFETY`. That is step 1's relative bound ``r`
 optimizer step carries what the weights already differ by and adds its own rounding; modelled as
 at most doubling the carried difference (:data:`GROWTH`), step k's quantities may differ by
 ``r * 2**(k-1)``: loss ``|L_k| * r * 2**(k-1)`` absolute, grad norm ``r * 2**(k-1)`` relative,
-each capped at the promise for training runs (loss 1e-3, grad norm 1e-3 relative).
+each capped at the promise for training runs (loss 1e-3, grad norm 1e-3 relative). In bf16 and
+fp16 the bound is one 16-bit rounding per stage, ``SAFETY * eps``, at every step.
 """
 from __future__ import annotations
 
@@ -42,21 +43,44 @@ class Bound:
     the vocabulary), whichever is larger."""
 
     @property
+    def sixteen_bit(self) -> bool:
+        """bf16 or fp16: every stage's result rounded to 16 bits (:meth:`relative`)."""
+        return self.precision != "fp32"
+
+    @property
     def first(self) -> float:
-        """Step 1's relative bound: ``SAFETY * eps * sqrt(terms)``."""
-        return SAFETY * EPS[self.precision] * math.sqrt(max(self.terms, 1))
+        """Step 1's relative bound: ``SAFETY * eps * sqrt(terms)``; in 16 bits ``SAFETY * eps``
+        (the sums accumulate in fp32, whose rounding is far below one 16-bit rounding of
+        their result)."""
+        terms = 1 if self.sixteen_bit else max(self.terms, 1)
+        return SAFETY * EPS[self.precision] * math.sqrt(terms)
 
     def relative(self, step: int) -> float:
-        """Step ``step``'s relative bound, before the cap: ``first * GROWTH**(step - 1)``."""
+        """Step ``step``'s relative bound, before the cap: ``first * GROWTH**(step - 1)``. In 16
+        bits ``first`` at every step: each step's results are rounded to 16 bits again, so what
+        the weights carry is of the size of that rounding (and the bound already as wide as
+        16 roundings of it)."""
+        if self.sixteen_bit:
+            return self.first
         return self.first * GROWTH ** min(step - 1, 1000)
 
     def loss(self, step: int, loss: float) -> float:
-        """Absolute bound on step ``step``'s loss difference, one process's loss being ``loss``."""
-        return min(LOSS_ABS, self.relative(step) * abs(loss))
+        """Absolute bound on step ``step``'s loss difference, one process's loss being ``loss``
+        (fp32: at most the promise)."""
+        bound = self.relative(step) * abs(loss)
+        return bound if self.sixteen_bit else min(LOSS_ABS, bound)
 
     def grad_norm(self, step: int) -> float:
-        """Relative bound on step ``step``'s grad-norm difference."""
-        return min(NORM_REL, self.relative(step))
+        """Relative bound on step ``step``'s grad-norm difference (fp32: at most the promise)."""
+        return self.relative(step) if self.sixteen_bit else min(NORM_REL, self.relative(step))
+
+    def note(self) -> str | None:
+        """What the bound means in 16 bits (None in fp32)."""
+        if not self.sixteen_bit:
+            return None
+        return (f"--precision {self.precision} rounds every result to 2^{math.log2(EPS[self.precision]):.0f}: "
+                f"the bound is {self.first:.2%} at every step, too wide to tell a small bug from "
+                "rounding; the same flags with --precision fp32 check the layout to fp32's rounding")
 
 
 @dataclass(frozen=True)
