@@ -144,6 +144,28 @@ def test_a_gpt2_is_cut_under_its_own_names(tmp_path):
     assert len(model.transformer.h) == 1
 
 
+def test_the_layer_list_without_a_pipeline_plan_is_the_module_list_as_long_as_the_count():
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from trainmesh.core.errors import ConfigError
+    from trainmesh.models.hf import params_on_meta
+    from trainmesh.models.hf_cut import layer_list
+    cfg = transformers.StableLmConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      max_position_embeddings=64)
+    with params_on_meta():
+        model = transformers.StableLmForCausalLM(cfg)   # declares no pipeline plan
+    assert getattr(model.config, "base_model_pp_plan", None) is None
+    assert layer_list(model) == "model.layers"
+    two = nn.Module()
+    two.config = SimpleNamespace(num_hidden_layers=2, model_type="two")
+    two.a, two.b = nn.ModuleList([nn.Linear(1, 1)] * 2), nn.ModuleList([nn.Linear(1, 1)] * 2)
+    with pytest.raises(ConfigError, match=r"--layers: cannot tell .* \['a', 'b'\]"):
+        layer_list(two)
+
+
 # ---------------------------------------------------------------- the CLI, in process
 
 
