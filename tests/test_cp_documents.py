@@ -254,9 +254,11 @@ def test_sliding_window_hub_model_under_cp2_equals_one_process(tmp_path):
 def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_boundary(tmp_path):
     """`trainmesh train --cp 4 --documents packed` (the built-in GPT, the ring) trains 20 steps
     like one process on the same packed batches; the data's short paragraphs put a document
-    across each of the 7 chunk edges of the cp 4 split in the first batch (checked)."""
-    from helpers import assert_equivalent, run_train, steps
+    across each of the 7 chunk edges of the cp 4 split in the first batch (checked); each rank's
+    cp bytes per step are the formula of docs/CONTEXT_PARALLEL.md with the position ids' gather."""
+    from helpers import assert_equivalent, run_train, steps, summary
 
+    from trainmesh.context_parallel import cp_bytes_per_layer
     from trainmesh.data.corpus import make_datasets
     data = _short_paragraphs(tmp_path)
     base = ["--data", data, "--documents", "packed", "--seq-len", "64", "--layers", "2",
@@ -270,6 +272,11 @@ def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_bound
     proc, records = run_train([*base, "--cp", "4"], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_equivalent(ref, steps(records))
+    # the ledger: the ring's K/V and each layer's gather of the position ids (b·s int64)
+    per_layer = cp_bytes_per_layer(cp=4, micro_batch=4, seq_len=64, d_model=32, documents=True)
+    assert per_layer["all_gather"] == 4 * 64 * 8
+    for rank in summary(records)["ranks"]:
+        assert rank["comm_bytes_per_step"]["cp"] == {op: 2 * b for op, b in per_layer.items()}
 
 
 def test_flops_count_attention_within_documents():

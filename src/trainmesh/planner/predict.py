@@ -122,14 +122,14 @@ def _ints(traffic: Traffic) -> dict[str, dict[str, int]]:
 
 def _stage_prediction(gpt: GPTConfig, layout: ParallelConfig, pp_rank: int, *, optimizer: str,
                       micro_batch: int, base_bytes: int, runtime_bytes: int, allocator: Allocator,
-                      host_resident: bool) -> RankPrediction:
+                      host_resident: bool, documents: bool = False) -> RankPrediction:
     """The prediction of a rank of pipeline stage ``pp_rank`` (rank and coordinates left to fill:
     the ranks of one stage hold, keep and send alike)."""
     held = rank_model(gpt, pp=layout.pp, tp=layout.tp, rank=pp_rank,
                       virtual_stages=layout.virtual_stages, ep=layout.ep)
     states = rank_bytes.device_states(held, layout, optimizer)
     stage = rank_bytes.stage(held, layout, gpt, micro_batch, pp_rank, allocator.threshold)
-    comm = _ints(rank_bytes.rank_traffic(held, layout, gpt, micro_batch, pp_rank))
+    comm = _ints(rank_bytes.rank_traffic(held, layout, gpt, micro_batch, pp_rank, documents))
     offloaded = rank_bytes.offloaded(held, layout, optimizer, states)
     host = offloaded["cpu"] if host_resident else 0
     peak = int(base_bytes + runtime_bytes + sum(states.values()) + host
@@ -142,14 +142,17 @@ def _stage_prediction(gpt: GPTConfig, layout: ParallelConfig, pp_rank: int, *, o
 def predict_layout(gpt: GPTConfig, layout: ParallelConfig, *, global_batch: int,
                    optimizer: str = "adamw", base_bytes: int,
                    runtime_bytes: int = RUNTIME_BYTES,
-                   allocator: Allocator = CPU, host_resident: bool = True) -> RunPrediction:
+                   allocator: Allocator = CPU, host_resident: bool = True,
+                   documents: bool = False) -> RunPrediction:
     """Per-rank predictions for ``layout`` of ``gpt`` at ``global_batch`` sequences per step, on
     workers whose footprint before the model is ``base_bytes``. ``host_resident``: the device
-    is the host (CPU), so states offloaded to host memory count in its peak."""
+    is the host (CPU), so states offloaded to host memory count in its peak; ``documents``:
+    packed batches."""
     micro_batch = global_batch // (layout.dp * layout.microbatches)
     stages = [_stage_prediction(gpt, layout, pp_rank, optimizer=optimizer, micro_batch=micro_batch,
                                 base_bytes=base_bytes, runtime_bytes=runtime_bytes,
-                                allocator=allocator, host_resident=host_resident)
+                                allocator=allocator, host_resident=host_resident,
+                                documents=documents)
               for pp_rank in range(layout.pp)]
     ranks = []
     for rank in range(layout.layout.world):   # every rank predicts as its pipeline stage does
@@ -192,7 +195,8 @@ def predict_run(cfg: Any, *, base_bytes: int | None = None, reserved: bool = Fal
     allocator = (CUDA if reserved else CUDA_ALLOCATED) if cuda else CPU
     return predict_layout(cfg.gpt_config(), cfg.parallel, global_batch=cfg.global_batch,
                           optimizer=cfg.optimizer, base_bytes=base_bytes, runtime_bytes=runtime,
-                          allocator=allocator, host_resident=not cuda)
+                          allocator=allocator, host_resident=not cuda,
+                          documents=getattr(cfg, "documents", "stream") == "packed")
 
 
 def _close(predicted: float, measured: float, rel: float) -> bool:

@@ -90,8 +90,9 @@ def init_peak(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: d
 
 
 def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batch: int,
-                 pp_rank: int) -> Traffic:
-    """Bytes per step a rank of pipeline stage ``pp_rank`` passes to each op, keyed by group."""
+                 pp_rank: int, documents: bool = False) -> Traffic:
+    """Bytes per step a rank of pipeline stage ``pp_rank`` passes to each op, keyed by group;
+    ``documents``: packed batches (cp gathers their position ids)."""
     e = element_bytes(layout.precision)
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
     replicas = layout.layout.size(Group.dp_cp)   # the gradient group: dp x cp
@@ -103,7 +104,7 @@ def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
         per_layer = cp_bytes_per_layer(
             cp=layout.cp, micro_batch=micro_batch, seq_len=gpt.seq_len, d_model=gpt.d_model,
             tp=layout.tp, mode=layout.cp_comm, elem_bytes=e,
-            forwards=1 if layout.recompute == "none" else 2)
+            forwards=1 if layout.recompute == "none" else 2, documents=documents)
         cp[Group.cp] = {op: b * held.blocks * m for op, b in per_layer.items()}
     parts = kind_parts(held, layout)   # the dense parameters over dp x cp (or HSDP's shard), experts over edp
     psi, shard = parts[0]
