@@ -48,6 +48,18 @@ MOE = ["--experts", "4", "--moe-aux-loss", "0.1"]
 """The MoE rows' model: every block's MLP a mixture of 4 experts (top 2), a load-balancing
 coefficient large enough that its gradient shows in the norm."""
 STEPS = 20
+MUON = ["muon", "--lr", "0.002"]
+"""The dense rows' optimizer (DiLoCo's: DILOCO_SGD; the MoE rows': AdamW): Muon, whose step
+covers AdamW's too (embeddings, norms, biases) and whose Newton-Schulz iteration needs each
+matrix whole, so these layouts are layouts of whole-matrix updates too (ZeRO owners, tp
+gathers); its one-process reference equals torch.optim.Muon + AdamW (tests/test_muon.py). The
+iteration runs in bf16, so the reduction-order rounding of a layout (1e-7) moves an element of
+an update by a bf16 step (2^-8) where its rounding flips: at lr 0.002 the grad norm stays within
+5e-5 of one process over 20 steps (at Muon's default 0.01 it reached 7e-4, too near 1e-3). A
+top-2 MoE model amplifies the same steps into a token's other expert choice (grad norm 1e-3 to
+2e-3 off at one step of twenty), so the MoE rows keep AdamW and the whole mesh routes every
+token to all 4 experts (MOE_ALL), its routing weights continuous."""
+MOE_ALL = [*MOE, "--top-k", "4"]
 DILOCO_SGD = ["sgd", "--grad-clip", "0", "--lr", "0.1"]
 """DiLoCo rows' optimizer (and their reference's): SGD without clipping, which DiLoCo with one
 inner step, outer lr 1 and no outer momentum follows exactly as DP. Not SGD's default lr 0.3:
@@ -398,7 +410,7 @@ def test_layout_matches_one_process(name, reference_run, tmp_path):
     settings = ROWS[name]
     moe = MOE if settings.get("experts", 0) > 0 else []
     diloco = settings.get("strategy") == "diloco"
-    optimizer = ["--optimizer", *(DILOCO_SGD if diloco else ["adamw"])]
+    optimizer = ["--optimizer", *(DILOCO_SGD if diloco else ["adamw"] if moe else MUON)]
     ref = reference_run([*one_process(optimizer[1]), *optimizer[2:], *moe])
     row = {k: v for k, v in settings.items() if k != "experts"}
     proc, run = run_train([*SMALL, *optimizer, *moe, *flags_of(row)], tmp_path, timeout=540)
@@ -415,10 +427,11 @@ def test_layout_matches_one_process(name, reference_run, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_whole_mesh_in_one_run(reference_run, tmp_path):
-    """MoE at dp 2 x ZeRO-3 x tp 2 + SP x pp 2 x cp 2 x ep 2: 16 processes, as one process."""
-    ref = reference_run([*one_process("adamw"), *MOE])
+    """MoE at dp 2 x ZeRO-3 x tp 2 + SP x pp 2 x cp 2 x ep 2: 16 processes, as one process,
+    with Muon (MUON)."""
+    ref = reference_run([*one_process(MUON[0]), *MUON[1:], *MOE_ALL])
     row = {k: v for k, v in WHOLE_MESH.items() if k != "experts"}
-    proc, run = run_train([*SMALL, "--optimizer", "adamw", *MOE, *flags_of(row)], tmp_path,
+    proc, run = run_train([*SMALL, "--optimizer", *MUON, *MOE_ALL, *flags_of(row)], tmp_path,
                           timeout=840)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_equivalent(ref, run)

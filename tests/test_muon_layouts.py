@@ -1,0 +1,95 @@
+"""--optimizer muon through `trainmesh train` where matrices are cut, against one process by
+loss, grad norm and the weights after 20 steps: ZeRO-3 with gradient accumulation, and a
+checkpoint of ZeRO-3 x tp 2 resumed under pp 2 x dp 2. The other layouts: test_layout_matrix.py,
+whose dense rows and whole mesh run Muon. lr 0.002 as there (why: its MUON).
+
+The weights' bound. Every layout feeds the iteration a momentum that differs from one
+process's by reduction-order rounding (~1e-7 relative); the iteration casts it to bf16, so where
+that rounding flips an element moves by one bf16 step, 2^-8 of itself, and the iteration's
+output by at most about as much (relative). A step's update is lr_t x factor x NS(u), whose
+entries are at most its spectral norm, below 1.5 for torch's quintic coefficients, times the
+learning-rate factor (here at most 2: sqrt(128 / 32)). So after T steps a weight is within
+2^-8 x 1.5 x 2 x sum_t lr_t of one process's (AdamW's parameters follow through the loss; their
+own update is at most lr_t per element). Each planted bug moves an update by its whole size,
+far past this (seen: 1e-2 and more).
+
+Planted bugs caught here (each seen failing with an assertion): the iteration run on a rank's
+shard instead of the whole matrix (install() leaving ZeRO's hook local); the owner's result not
+returned to one holder (rank 1 keeping its stretches of the update zero).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SMALL, assert_equivalent, run_train, steps
+from tolerances import LOSS_ABS, NORM_REL
+
+SHAPE = {"n_layers": 2, "d_model": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 64}
+MUON = ["--optimizer", "muon", "--lr", "0.002"]
+
+
+def _weights(step_dir) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    from trainmesh.models.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(**SHAPE), seed=0)
+    state = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    with warnings.catch_warnings():   # one process, no process group: as meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    return state["model"]
+
+
+def _bound(records: list[dict]) -> float:
+    return 2**-8 * 1.5 * 2 * sum(r["lr"] for r in steps(records))
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory) -> tuple[list[dict], Path]:
+    """The uninterrupted one-process run: (its records, its checkpoint directory)."""
+    tmp = tmp_path_factory.mktemp("one")
+    proc, records = run_train([*SMALL, *MUON, "--save-dir", str(tmp / "ck")], tmp, name="one")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return records, tmp / "ck"
+
+
+def _assert_weights_near(ref_dir: Path, run_dir: Path, records: list[dict]) -> None:
+    a, b = _weights(ref_dir / "step-00000020"), _weights(run_dir / "step-00000020")
+    bound = _bound(records)
+    worst = max(((a[k] - b[k]).abs().max().item(), k) for k in a)
+    assert worst[0] <= bound, f"{worst[1]} off one process by {worst[0]:.2e} > {bound:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zero3_with_accumulation_equals_one_process(one, tmp_path):
+    ref, ref_dir = one
+    proc, run = run_train([*SMALL, *MUON, "--dp", "2", "--zero", "3", "--microbatches", "2",
+                           "--save-dir", str(tmp_path / "ck")], tmp_path, name="zero3", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "optimizer: Muon on 12 hidden weight tensors" in proc.stdout + proc.stderr
+    assert_equivalent(ref, run)
+    _assert_weights_near(ref_dir, tmp_path / "ck", ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_checkpoint_of_zero3_tp2_resumes_under_pp2_dp2(one, tmp_path):
+    """Saved at step 10 by ZeRO-3 x tp 2 (momentum in flat shards of tp shards), resumed by
+    pp 2 x dp 2 (whole stage-local matrices): steps 11-20 as the uninterrupted one process."""
+    ref, ref_dir = one
+    ck = tmp_path / "ck"
+    proc, _ = run_train([*SMALL, *MUON, "--dp", "2", "--zero", "3", "--tp", "2", "--save-dir", str(ck),
+                         "--exit-after", "10"], tmp_path, name="first", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, run = run_train([*SMALL, *MUON, "--pp", "2", "--dp", "2", "--microbatches", "2",
+                           "--save-dir", str(ck), "--resume"], tmp_path, name="second", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in steps(run)] == list(range(11, 21))
+    for a, b in zip(steps(ref)[10:], steps(run)):
+        assert abs(a["loss"] - b["loss"]) <= LOSS_ABS, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= NORM_REL * a["grad_norm"], (a, b)
+    _assert_weights_near(ref_dir, ck, ref)
