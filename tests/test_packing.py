@@ -193,3 +193,21 @@ def test_a_packed_hub_step_equals_each_document_alone(packed_batch, family, atte
                     use_cache=False, tie_word_embeddings=False)
     config._attn_implementation = attention
     _assert_packing_equals_alone(cls[1](config), causal_lm_loss, packed_batch, terms=4 * SEQ * 128)
+
+
+@pytest.mark.parametrize("mode,segment", [("full", 1), ("full", 2), ("selective", 1)])
+def test_recomputation_keeps_the_documents(packed_batch, mode, segment):
+    """Recomputed in backward (whole blocks, segments of blocks, attention internals), a packed
+    step is the same step: the position ids reach the recomputed layers."""
+    from tolerances import SAME_KERNELS_ABS
+
+    from trainmesh.engine.recompute import apply_recompute
+    cfg = GPTConfig(vocab_size=256, seq_len=SEQ, d_model=32, n_layers=2, n_heads=4)
+    loss_fn = lambda m, b: m(**b)   # noqa: E731
+    plain = _step(GPT(cfg, seed=0), loss_fn, [packed_batch])
+    model = GPT(cfg, seed=0)
+    apply_recompute(model, mode, segment=segment)
+    again = _step(model, loss_fn, [packed_batch])
+    assert abs(float(plain[0]) - float(again[0])) <= SAME_KERNELS_ABS
+    for (name, _), a, b in zip(model.named_parameters(), plain[2], again[2]):
+        assert float((a - b).abs().max()) <= SAME_KERNELS_ABS, name

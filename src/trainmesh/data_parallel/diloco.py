@@ -6,6 +6,7 @@ its own slice of the global batch and steps θ_r, with no communication between 
 H (``inner_steps``) inner steps the replicas synchronise::
 
     Δ = mean_r (θ - θ_r)                  # the outer gradient: one all-reduce across replicas
+                                          # (weighted by their tokens where they differ)
     θ <- OuterSGD(θ, Δ)                   # torch.optim.SGD(nesterov=True), lr / momentum outer
     θ_r <- θ                              # every replica restarts from the new θ
 
@@ -46,6 +47,9 @@ REPLICA = "replica{}/"
 """Prefix of a replica's own tensors among a parameter's checkpointed states."""
 INNER_DONE = "inner_steps_done"
 """Checkpointed state: inner steps taken since the last synchronisation (per parameter, all equal)."""
+INNER_TOKENS = "inner_tokens"
+"""Checkpointed state where the replicas counted different tokens since the last synchronisation
+(packed documents): each replica's count (per parameter, all equal)."""
 
 
 def replica_axes(zero: int, cp: int) -> tuple[Group, Group]:
@@ -82,6 +86,9 @@ class DiLoCo(CompositeSync):
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.inner_done = 0
         """Inner steps since the last synchronisation."""
+        self.inner_tokens = [0.0] * self.n_replicas
+        """Each replica's tokens since the last synchronisation: the weights of its change in
+        the outer gradient."""
         self.synced = False
         """Whether the last :meth:`step` synchronised the replicas (an outer step)."""
         self.outer: list[torch.Tensor] = []
@@ -112,7 +119,9 @@ class DiLoCo(CompositeSync):
         return self.replica_slots(count)
 
     def token_total(self, tokens: float, sums: Sequence[float]) -> float:
-        """The mean over the replica's own tokens: its slot of :meth:`extra_sums`, summed."""
+        """The mean over the replica's own tokens: its slot of :meth:`extra_sums`, summed (every
+        replica's kept for the outer step's weights)."""
+        self.inner_tokens = [a + b for a, b in zip(self.inner_tokens, sums)]
         return sums[self.replica]
 
     def norm(self, counted: CountedFn, global_norm: Callable[[], float]) -> float:
@@ -153,10 +162,18 @@ class DiLoCo(CompositeSync):
                                for t, p in zip(self.outer, mine)])              # (this rank's Ψ,)
             nbytes = delta.numel() * delta.element_size()
             self.reductions.count(nbytes)                   # transient: comm_buffer_peak_bytes
+            counts, self.inner_tokens = self.inner_tokens, [0.0] * self.n_replicas
+            # replicas that counted different tokens (packed documents, whose ends count none)
+            # weigh by them: with H = 1 and SGD, sum_r n_r/N lr g_r/n_r = lr g/N, as DP
+            weighted = len(set(counts)) > 1
+            if weighted:
+                delta.mul_(counts[self.replica] / sum(counts))
             reduced = delta.to(self.device)
             self.comm.all_reduce(reduced, self.outer_axis)
             self.reductions.release(nbytes)
-            delta.copy_(reduced).div_(self.n_replicas)
+            delta.copy_(reduced)
+            if not weighted:
+                delta.div_(self.n_replicas)
             offset = 0
             for t in self.outer:
                 t.grad = delta[offset : offset + t.numel()].view_as(t)
@@ -195,6 +212,8 @@ class DiLoCo(CompositeSync):
         optim: dict[str, dict[str, torch.Tensor]] = {}
         for name in mine:
             states = optim[name] = {INNER_DONE: torch.tensor(self.inner_done, dtype=torch.int64)}
+            if len(set(self.inner_tokens)) > 1:
+                states[INNER_TOKENS] = torch.tensor(self.inner_tokens, dtype=torch.float64)
             if name in momentum:
                 states["outer_momentum"] = momentum[name]
             keys = sorted({k for h in everyone for k in h[name]})
@@ -235,6 +254,9 @@ class DiLoCo(CompositeSync):
         for t, v in zip(self.outer, self.inner.shards_from(params)):
             t.copy_(v)
         self.inner_done = int(optim[self.named_params[0][0]][INNER_DONE]) if self.named_params else 0
+        first = optim[self.named_params[0][0]] if self.named_params else {}
+        self.inner_tokens = (first[INNER_TOKENS].tolist() if INNER_TOKENS in first
+                             else [0.0] * self.n_replicas)
         if all("outer_momentum" in optim[n] for n, _ in self.named_params):
             moms = self.inner.shards_from({n: optim[n]["outer_momentum"] for n, _ in self.named_params})
             for t, m in zip(self.outer, moms):

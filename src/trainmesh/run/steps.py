@@ -24,6 +24,7 @@ import torch
 
 from trainmesh.core.step import StepReport
 from trainmesh.data.corpus import dp_slice
+from trainmesh.data.packing import documents_in
 from trainmesh.engine.engine import Engine
 from trainmesh.observe.progress import Progress
 from trainmesh.observe.tensorboard import TensorBoardLog
@@ -117,22 +118,27 @@ class LocalSteps:
     def summarize(self, summary: dict[str, Any]) -> dict[str, Any]:
         return summary
 
-    def _batch(self, step: int) -> dict[str, torch.Tensor]:
+    def _batch(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's rows of step ``step``, and what the step's row says of the global batch
+        (a packed batch's ``documents``)."""
         index, count = self.engine.batch_share()
-        batch = dp_slice(self.dataset.batch(self.seed, step, self.global_batch), index, count)
-        return {k: v.to(self.device) for k, v in batch.items()}
+        whole = self.dataset.batch(self.seed, step, self.global_batch)
+        docs = documents_in(whole)
+        batch = dp_slice(whole, index, count)
+        return {k: v.to(self.device) for k, v in batch.items()}, \
+            ({} if docs is None else {"documents": docs})
 
     def run(self, start: int, last: int, *, enabled: bool,
             before_step: Callable[[int], None] | None) -> Iterator[StepDone]:
         with Progress(total=last, enabled=enabled, start=start - 1) as bar:
             for step in range(start, last + 1):
-                batch = self._batch(step)
+                batch, row = self._batch(step)
                 if before_step is not None:
                     before_step(step)
                 t0 = time.perf_counter()
                 report = self.engine.step(batch)
                 dt = time.perf_counter() - t0
-                yield StepDone(step, report, t0, dt)
+                yield StepDone(step, report, t0, dt, row)
                 bar.update(step, loss=report.loss,
                            tokens_per_s=self.tokens / dt if dt > 0 else 0.0)
 
