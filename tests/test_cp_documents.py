@@ -301,3 +301,32 @@ def test_flops_count_attention_within_documents():
     assert f[0] - f[1] == 3 * 4 * 8 * 1024 * (8192 - 1024)     # fwd + bwd attention, per token
     with pytest.raises(Exception, match="--document-len"):
         ModelShape(**shape, document_len=9000)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_fused_blocks_with_a_mask_equal_the_math_path(device):
+    """A window's mask (one query row with no key at all among them) through the device's fused
+    kernel (CPU flash with a bias; CUDA memory-efficient with a 16-aligned bias) and the math
+    path: the same output, log-sum-exp (-inf on the empty row) and gradients."""
+    from trainmesh.context_parallel import attend_block, attend_block_backward
+    dev = torch.device(device)
+    if not fused_available(dev):
+        pytest.skip(f"no fused kernel returning the log-sum-exp on {device}")
+    g = torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(2, 4, 12, 16, generator=g).to(dev) for _ in range(2))
+    k, v = (torch.randn(2, 4, 9, 16, generator=g).to(dev) for _ in range(2))
+    i, j = torch.arange(12).unsqueeze(1) + 9, torch.arange(9).unsqueeze(0)
+    mask = (j <= i) & (i - j < 12)                                  # row 11: no key within 12
+    assert not bool(mask[-1].any()) and bool(mask.any(-1)[:-1].all())
+    o_m, l_m = attend_block(q, k, v, causal=False, mask=mask)
+    o_f, l_f = attend_block(q, k, v, causal=False, fused=True, mask=mask)
+    assert torch.isinf(l_m[..., -1]).all() and torch.isinf(l_f[..., -1]).all()
+    assert_fp32_close(o_f.cpu(), o_m.cpu(), scale=scale_of([v]), terms=9 * 16, what="out")
+    assert_fp32_close(l_f[..., :-1].cpu(), l_m[..., :-1].cpu(), scale=scale_of([l_m[..., :-1]]),
+                      terms=9 * 16, what="lse")
+    lse = l_m.clone()
+    lse[..., -1] = 0.0                    # as if other blocks gave the empty row its keys
+    grads_m = attend_block_backward(dout, q, k, v, o_m, lse, causal=False, mask=mask)
+    grads_f = attend_block_backward(dout, q, k, v, o_m, lse, causal=False, fused=True, mask=mask)
+    for name, f, m in zip(("dq", "dk", "dv"), grads_f, grads_m):
+        assert_fp32_close(f.float().cpu(), m.cpu(), scale=scale_of([m]), terms=9 * 16, what=name)

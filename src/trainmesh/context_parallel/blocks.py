@@ -54,12 +54,16 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool,
 
 
 def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """The (cq, ck) bool mask as the fused kernels' additive bias (b, h, cq, ck), q's dtype."""
+    """The (cq, ck) bool mask as the fused kernels' additive bias (b, h, cq, ck), q's dtype;
+    on CUDA its rows padded to 16 elements (the memory-efficient kernel's alignment), as
+    ``scaled_dot_product_attention`` pads a mask it hands that kernel."""
     if mask is None:
         return None
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-    bias = bias.masked_fill(~mask.to(q.device), float("-inf"))
-    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).contiguous()
+    cq, ck = mask.shape
+    pad = (-ck) % 16 if q.device.type == "cuda" else 0
+    bias = torch.zeros((q.shape[0], q.shape[1], cq, ck + pad), dtype=q.dtype, device=q.device)
+    bias[..., :ck].masked_fill_(~mask.to(q.device), float("-inf"))
+    return bias[..., :ck]
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
