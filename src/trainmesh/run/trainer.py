@@ -32,7 +32,7 @@ from trainmesh.data.corpus import make_datasets
 from trainmesh.engine.engine import Engine
 from trainmesh.engine.materialize import InitFn, returning_freed_memory
 from trainmesh.models.gpt import GPT
-from trainmesh.observe.flops import device_peak_tflops, mfu
+from trainmesh.observe.flops import device_peak_tflops, mfu, packed_flops_per_token
 from trainmesh.observe.layout import layout_record
 from trainmesh.observe.metrics import MetricsWriter, memory_now, memory_peak
 from trainmesh.observe.progress import (
@@ -185,7 +185,7 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
     first_loss = loss = eval_loss = float("nan")
     first_step = start
     saver = engine.async_saver() if cfg.async_save else None
-    timed = [0, 0.0]  # tokens, seconds: the run's throughput for the summary
+    timed: list = [0, 0.0, 0.0]  # tokens, seconds, FLOPs: the run's throughput for the summary
     for done in policy.run(start, last, enabled=rank0 and policy.summary,
                            before_step=tracer.before_step if tracer else None):
         step, report, t0, dt = done.step, done.report, done.t0, done.dt
@@ -196,9 +196,13 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
             first_loss, first_step = loss, step
         timed[0], timed[1] = timed[0] + tokens, timed[1] + dt
         tps = tokens / dt if dt > 0 else 0.0
+        flops = packed_flops_per_token(engine.flops_per_token, n_layers=gpt.n_layers,   # a packed
+                                       seq_len=gpt.seq_len, d_model=gpt.d_model,        # step: its
+                                       attended=done.row.get("document_len"))           # documents
+        timed[2] = None if flops is None or timed[2] is None else timed[2] + tokens * flops
         row = {"event": "step", "step": step, "loss": loss, "grad_norm": report.grad_norm,
                "lr": report.lr, "tokens": tokens, "step_time_s": dt, "tokens_per_s": tps,
-               "mfu": mfu(tps, engine.flops_per_token, peak, world),
+               "mfu": mfu(tps, flops, peak, world),
                **{k: v for k, v in report.metrics().items() if k not in ("loss", "grad_norm", "lr")},
                **done.row}
         if elastic_run:
@@ -220,9 +224,12 @@ def _train(cfg: TrainConfig, device: torch.device, policy_of: PolicyFactory | No
                                           "setup_mem_bytes": setup_mem,
                                           "peak_mem_bytes": memory_peak(device)})
     tps = timed[0] / timed[1] if timed[1] > 0 else 0.0
+    per_token = engine.flops_per_token          # a packed run: the mean of its steps' counts
+    if cfg.documents == "packed" and timed[0] and timed[2] is not None:
+        per_token = timed[2] / timed[0]
     summary = summary_record(cfg, final_loss=loss, steps=engine.step_count, ranks=ranks,
                              world_size=world, **fields, tokens_per_s=tps,
-                             mfu=mfu(tps, engine.flops_per_token, peak, world))
+                             mfu=mfu(tps, per_token, peak, world))
     summary = policy.summarize(summary)
     metrics.write(summary)
     board.close(summary)
