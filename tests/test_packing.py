@@ -94,6 +94,48 @@ def _decoder(path: Path, tokenizer: str):
     return lambda ids: tok.decode(ids)
 
 
+def test_a_text_file_packs_its_paragraphs_and_the_held_out_split_its_own(corpus, tmp_path):
+    """A text file's documents are its paragraphs (blank lines between); the held-out split's
+    windows are cut at the same index's starts."""
+    _, docs = corpus
+    text = tmp_path / "docs.txt"
+    text.write_text("\n\n\n".join(docs) + "\n")
+    train, held = make_datasets(str(text), vocab_size=256, seq_len=SEQ, held_out=True,
+                                documents="packed")
+    texts = [d + "\n\n" for d in docs]
+    for b in (train.batch(0, 1, 8), held.batch(0, 1, 8)):
+        for row, pos in enumerate(b["position_ids"]):
+            starts = (pos == 0).nonzero().flatten().tolist() + [SEQ]
+            for a, z in zip(starts, starts[1:]):
+                piece = bytes(b["input_ids"][row, a:z].tolist()).decode()
+                assert any(piece in t for t in texts) and (a == 0 or piece[0] in "XYZ"), piece
+    assert held.tokens.start > 0
+
+
+def test_the_model_tokenizer_s_documents_end_with_its_eos(tmp_path):
+    """--tokenizer model: the stream's cache split after each EOS; every document after the
+    first piece begins with the BOS its tokenizer prepends."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    docs = _docs(60, seed=2)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=60, special_tokens=[
+        "<unk>", "<s>", "</s>"], show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(tmp_path / "model")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    train, _ = make_datasets(str(data), vocab_size=60, seq_len=SEQ, held_out=False,
+                             tokenizer="model", model_dir=str(tmp_path / "model"), documents="packed")
+    b = train.batch(0, 1, 8)
+    ids, pos = b["input_ids"], b["position_ids"]
+    assert ((pos[:, 1:] == 0) == (ids[:, :-1] == 2)).all()          # a start follows each EOS
+    assert (ids[:, 1:][pos[:, 1:] == 0] == 1).all()                  # and is a BOS
+    assert ((b["labels"] == -100) == (ids == 2)).all()
+
+
 def test_a_token_file_is_split_after_each_eos_of_the_model_dir(tmp_path):
     """A token file's documents end with the --model-dir's EOS id (here its config.json's)."""
     ids = np.array([5, 6, 7, 2, 8, 9, 2, 2, 10, 11, 12, 13, 14, 2, 15, 16, 17, 18, 19, 20, 2, 21] * 4,
