@@ -255,11 +255,14 @@ def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_bound
     """`trainmesh train --cp 4 --documents packed` (the built-in GPT, the ring) trains 20 steps
     like one process on the same packed batches; the data's short paragraphs put a document
     across each of the 7 chunk edges of the cp 4 split in the first batch (checked); each rank's
-    cp bytes per step are the formula of docs/CONTEXT_PARALLEL.md with the position ids' gather."""
-    from helpers import assert_equivalent, run_train, steps, summary
+    cp bytes per step are the formula of docs/CONTEXT_PARALLEL.md with the position ids' gather;
+    each step's MFU counts the attention of that step's documents."""
+    from helpers import assert_equivalent, run_train, steps, summary, train_config
 
     from trainmesh.context_parallel import cp_bytes_per_layer
     from trainmesh.data.corpus import make_datasets
+    from trainmesh.models.gpt import GPT
+    from trainmesh.observe.flops import document_len
     data = _short_paragraphs(tmp_path)
     base = ["--data", data, "--documents", "packed", "--seq-len", "64", "--layers", "2",
             "--d-model", "32", "--heads", "4", "--global-batch", "4", "--steps", "20", "--seed", "1"]
@@ -269,9 +272,17 @@ def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_bound
     assert all(bool((pos[:, edge] != 0).any()) for edge in range(8, 64, 8)), pos
     assert int((pos == 0).sum()) >= 4 * 4                      # several documents per row
     ref = _one_process(base, lambda cfg: train, 4)
-    proc, records = run_train([*base, "--cp", "4"], tmp_path, timeout=240)
+    proc, records = run_train([*base, "--cp", "4", "--peak-tflops", "1"], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_equivalent(ref, steps(records))
+    # MFU counts the attention of each step's documents: s -> the step's sum L^2 / sum L
+    gpt = train_config(base).gpt_config()
+    whole = GPT(gpt).flops_per_token()
+    for row in steps(records):
+        attended = document_len(train.batch(1, row["step"], 4)["position_ids"])
+        assert row["document_len"] == attended < 64
+        flops = whole - 12 * gpt.n_layers * gpt.d_model * (64 - attended)
+        assert row["mfu"] == pytest.approx(row["tokens_per_s"] * flops / (4 * 1e12), rel=1e-12)
     # the ledger: the ring's K/V and each layer's gather of the position ids (b·s int64)
     per_layer = cp_bytes_per_layer(cp=4, micro_batch=4, seq_len=64, d_model=32, documents=True)
     assert per_layer["all_gather"] == 4 * 64 * 8

@@ -44,11 +44,12 @@ def document_len(position_ids: Any) -> float:
 
 
 def packed_flops_per_token(flops_per_token: float | None, *, n_layers: int, seq_len: int,
-                           d_model: int, attended: float) -> float | None:
+                           d_model: int, attended: float | None) -> float | None:
     """A ``6N + 12·L·s·d`` count with its attention term moved from the whole sequence
-    (``seq_len``) to the ``attended`` keys of a packed step (:func:`document_len`)."""
-    if flops_per_token is None:
-        return None
+    (``seq_len``) to the ``attended`` keys of a packed step (:func:`document_len`; None: the
+    count unchanged)."""
+    if flops_per_token is None or attended is None:
+        return flops_per_token
     return flops_per_token - 12.0 * n_layers * d_model * (seq_len - attended)
 
 

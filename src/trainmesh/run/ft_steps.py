@@ -34,6 +34,7 @@ from trainmesh.core.errors import CommTimeout
 from trainmesh.core.layout import Group
 from trainmesh.core.step import StepResult
 from trainmesh.data.packing import documents_in
+from trainmesh.observe.flops import document_len
 from trainmesh.engine.engine import Engine
 from trainmesh.fault_tolerance.inject import Injector
 from trainmesh.fault_tolerance.protocol import Decision, Outcome, Request, split_rows
@@ -81,6 +82,7 @@ class QuorumSteps:
         """The row of a step this replica computed whose commit it never learned (its coordinator
         died first): written, marked copied, once the live state it copies holds that step."""
         self._documents: int | None = None
+        self._document_len: float | None = None
         """Documents in the global batch of the step attempted (packed data; else None)."""
 
     # ---------------------------------------------------------------- the policy
@@ -212,7 +214,7 @@ class QuorumSteps:
         self.degraded += len(d.members) < self.cfg.parallel.replicas
         extra: dict[str, Any] = {"replicas": len(d.members)}
         if self._documents is not None:
-            extra["documents"] = self._documents
+            extra["documents"], extra["document_len"] = self._documents, self._document_len
         if "state_transfer_s" in row:
             extra["state_transfer_s"] = round(row["state_transfer_s"], 4)
         return StepDone(d.step, report, t0, time.perf_counter() - t0, extra,
@@ -312,6 +314,8 @@ class QuorumSteps:
         cfg, engine = self.cfg, self.engine
         batch = self.dataset.batch(cfg.seed, d.step, cfg.global_batch)
         self._documents = documents_in(batch)   # a packed batch's, for the step's row
+        if self._documents is not None:
+            self._document_len = document_len(batch["position_ids"])
         piece = d.replicas.index(self.replica) * self.shards + engine.mesh.index(Group.dp)
         start, end = split_rows(cfg.global_batch, len(d.members) * self.shards, piece)
         mine = {k: v[start:end].to(engine.device) for k, v in batch.items()}

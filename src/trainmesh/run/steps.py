@@ -26,6 +26,7 @@ from trainmesh.core.step import StepReport
 from trainmesh.data.corpus import dp_slice
 from trainmesh.data.packing import documents_in
 from trainmesh.engine.engine import Engine
+from trainmesh.observe.flops import document_len
 from trainmesh.observe.progress import Progress
 from trainmesh.observe.tensorboard import TensorBoardLog
 
@@ -120,13 +121,13 @@ class LocalSteps:
 
     def _batch(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's rows of step ``step``, and what the step's row says of the global batch
-        (a packed batch's ``documents``)."""
+        (a packed batch's ``documents`` and ``document_len``)."""
         index, count = self.engine.batch_share()
         whole = self.dataset.batch(self.seed, step, self.global_batch)
         docs = documents_in(whole)
         batch = dp_slice(whole, index, count)
-        return {k: v.to(self.device) for k, v in batch.items()}, \
-            ({} if docs is None else {"documents": docs})
+        return {k: v.to(self.device) for k, v in batch.items()}, ({} if docs is None else {
+            "documents": docs, "document_len": document_len(whole["position_ids"])})
 
     def run(self, start: int, last: int, *, enabled: bool,
             before_step: Callable[[int], None] | None) -> Iterator[StepDone]:
