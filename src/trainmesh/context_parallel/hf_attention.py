@@ -15,9 +15,10 @@ chunks of every sequence (the engine shards the batch), and:
   (:func:`~.ring.ring_attention`), within each document when the caller passed position ids
   (the model hands them to the attention function; their shares are gathered over the CP group:
   :mod:`.documents`), and within the layer's ``sliding_window`` (a query attends the keys less
-  than ``window`` positions back, as transformers' masks); grouped-query k/v travel with their own head count; the
-  model's ``scaling`` is honoured (q scaled by ``scaling·sqrt(hd)``, the kernels' own scale
-  being ``1/sqrt(hd)``). The mask the model would build is not needed (none is built);
+  than ``window`` positions back, as transformers' masks); grouped-query k/v travel with their
+  own head count; the model's ``scaling`` is honoured (q scaled by ``scaling·sqrt(hd)``, the
+  kernels' own scale being ``1/sqrt(hd)``). The mask the model would build is not needed (none
+  is built);
 - **refused** (:func:`check_hf_context_parallel`, before any worker: ConfigError naming ``--cp``
   and the family): a family whose attention does not go through the interface, attention
   logit soft-capping (Gemma2), attention sinks (gpt-oss), attention dropout, bidirectional
@@ -44,7 +45,7 @@ from .partition import zigzag_positions
 from .ring import MODES, Ring, ring_attention
 
 
-def _refusal(model: nn.Module, seq_len: int | None) -> str | None:
+def _refusal(model: nn.Module) -> str | None:
     """Why the model's attention cannot be split over cp exactly, or None."""
     config = getattr(model, "config", None)
     if not routes_attention(model):
@@ -60,10 +61,11 @@ def _refusal(model: nn.Module, seq_len: int | None) -> str | None:
     return None
 
 
-def check_hf_context_parallel(model: nn.Module, seq_len: int | None) -> None:
+def check_hf_context_parallel(model: nn.Module, seq_len: int | None = None) -> None:
     """Before any worker: ConfigError naming ``--cp`` and the family when the model's attention
-    cannot be split over cp exactly (module docstring)."""
-    why = _refusal(model, seq_len)
+    cannot be split over cp exactly (module docstring); ``seq_len`` limits nothing (a sliding
+    window shorter than the sequence runs under cp)."""
+    why = _refusal(model)
     if why is not None:
         raise ConfigError("--cp", f"the {family(model)} family cannot split its sequences over cp "
                           f"ranks: {why}; valid for it: --cp 1")
