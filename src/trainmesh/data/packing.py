@@ -25,9 +25,10 @@ cached beside the data. Its sources (:func:`packed_tokens`):
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,6 @@ def _eos_index(tokens: TokenView, model_dir: str, progress: Begin) -> TokenView:
     path = tokens.file.path
     tokenizer_files = [Path(model_dir) / n for n in TOKENIZER_FILES] + [Path(model_dir) / "config.json"]
     key = "-".join(fingerprint(str(f)) for f in tokenizer_files if f.is_file())
-    import hashlib
     stem = f"{Path(path).name}.docs-{hashlib.sha256(key.encode()).hexdigest()[:12]}-{fingerprint(path)}"
     index = cache_dir(path) / (stem + ".npy")
     if not index.exists():
@@ -209,7 +209,7 @@ def _encoded(data: str, fmt: str, vocab: int | None, text_field: str,
 
 
 def _write_documents(data: str, fmt: str, text_field: str, ids_path: Path, index: Path,
-                     dtype: np.dtype, encode, progress: Begin) -> None:
+                     dtype: np.dtype, encode: Callable[[str], np.ndarray], progress: Begin) -> None:
     """Stream every document's ids into ``ids_path`` and their lengths into a scratch file,
     then the starts (their running sum) into ``index``."""
     from trainmesh.data.documents import documents
