@@ -93,3 +93,74 @@ def test_a_checkpoint_of_zero3_tp2_resumes_under_pp2_dp2(one, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= LOSS_ABS, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= NORM_REL * a["grad_norm"], (a, b)
     _assert_weights_near(ref_dir, ck, ref)
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """A user's optimizer that needs whole parameters: each step moves a parameter by lr along
+    its gradient over the gradient's whole norm (a norm of a shard would differ); a gradient
+    below 1e-3 (attention's key bias, zero but for rounding) is not blown up to a unit step."""
+
+    needs_whole_params = True
+
+    def __init__(self, params, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / p.grad.norm().clamp_min(1e-3), alpha=-group["lr"])
+
+
+WHOLE_LAYOUTS = {"zero1": {"dp": 2, "zero": 1}, "zero3": {"dp": 2, "zero": 3}, "tp2": {"tp": 2}}
+
+
+def _whole_param_runs() -> dict:
+    """Rank 0 and 1 train the float64 GPT 3 steps with NormalizedSGD under each layout (its
+    class declaring needs_whole_params; ZeRO-3 also through tm.whole_params); rank 0 also in
+    one process. Returns each layout's weights' largest difference from one process."""
+    import trainmesh as tm
+    from trainmesh import Engine, ParallelConfig, ParallelMesh
+    from trainmesh.data.corpus import SyntheticCorpus
+    from trainmesh.models.gpt import GPT, GPTConfig
+    rank = torch.distributed.get_rank()
+    corpus = SyntheticCorpus(64, 16)
+
+    def train(cfg: ParallelConfig | None, factory) -> dict[str, torch.Tensor]:
+        mesh = ParallelMesh(local=True) if cfg is None else None
+        engine = Engine(GPT(GPTConfig(**SHAPE), seed=0).double(), factory, lambda m, b: m(**b),
+                        cfg or ParallelConfig(), mesh=mesh)
+        for k in range(3):
+            batch = corpus.batch(5, k, 8)
+            if cfg is not None and cfg.dp == 2:
+                batch = {key: v[4 * rank : 4 * rank + 4] for key, v in batch.items()}
+            engine.train_step(batch)
+        params, _ = engine.grad_sync.logical_state()
+        return params
+
+    out = {}
+    ref = train(None, NormalizedSGD) if rank == 0 else None
+    for name, fields in WHOLE_LAYOUTS.items():
+        for how, factory in (("declared", NormalizedSGD), ("wrapped", tm.whole_params(NormalizedSGD))):
+            if how == "wrapped" and name != "zero3":
+                continue
+            got = train(ParallelConfig(**fields), factory)
+            if rank == 0 and name != "tp2":
+                out[f"{name}-{how}"] = max(((got[k] - ref[k]).abs().max().item(), k) for k in ref)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_optimizer_needing_whole_parameters_gets_them_under_every_sharding():
+    """Float64, so the layouts differ from one process by reduction-order rounding only, but
+    the normalisation turns a gradient's relative rounding into the step's direction: where a
+    gradient is a sum that cancels (the final norm's bias: 2.3e-9 seen after 3 steps of 0.05)
+    that is up to n eps |terms| / |sum| of it. 1e-7 leaves that a 40x margin; a shard's own
+    norm moves a weight by a large part of a step (0.05)."""
+    from trainmesh.testing import run_distributed
+    res = run_distributed(_whole_param_runs, 2, timeout_s=280)[0]
+    assert set(res) == {"zero1-declared", "zero3-declared", "zero3-wrapped"}, res
+    for name, worst in res.items():
+        assert worst[0] <= 1e-7, (name, worst)

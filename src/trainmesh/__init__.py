@@ -15,10 +15,11 @@ from trainmesh.engine.engine import Engine
 from trainmesh.engine.pretrained import causal_lm_loss, from_pretrained
 
 from .comm import Comm, Ledger
+from .data_parallel.whole_params import whole_params
 from .parameter_server import PSEngine
 from .tensor_parallel.hf import hf_tp_plan
 
 __version__ = "0.1.0"
 __all__ = ["Comm", "CommTimeout", "ConfigError", "Engine", "Ledger", "ParallelConfig",
            "PSEngine", "ParallelMesh", "causal_lm_loss", "from_pretrained", "hf_tp_plan",
-           "init_distributed", "shutdown"]
+           "init_distributed", "shutdown", "whole_params"]

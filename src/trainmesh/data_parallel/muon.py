@@ -10,10 +10,10 @@ tensor-parallel shard keeps doing so. Per matrix, Muon's update is::
     u = NS(u) * adjust(global shape)                        # needs the whole matrix
     p.mul_(1 - lr * wd); p.add_(u, alpha=-lr)               # element-wise
 
-Only the Newton-Schulz iteration needs a whole matrix: the optimizer calls its
-``orthogonalize(param, u, group)`` hook, which a strategy replaces with one that assembles each
-matrix where it is cut (:mod:`.muon_owners`); the default orthogonalises ``u`` as held, right
-where every parameter is whole (one process, DDP). The momentum buffer (``momentum_buffer``)
+Only the Newton-Schulz iteration needs a whole matrix: the optimizer maps it over whole
+matrices through its ``wholes`` attribute, which the engine sets to what the layout needs
+(:mod:`.muon_owners`: ZeRO owners, tp gathers); the default, :class:`Local`, takes the tensors
+as held, right where every parameter is whole (one process, DDP). The momentum buffer (``momentum_buffer``)
 is laid out like the parameter, a moment as AdamW's ``exp_avg``: checkpoints, offload and
 resharding treat it as one.
 
@@ -29,8 +29,6 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 from torch.optim._muon import _zeropower_via_newtonschulz
 from torch.optim.adamw import adamw
-
-Orthogonalize = Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]
 
 _NOT_HIDDEN = ("embed", "wte", "wpe", "lm_head", "head.out", "output.weight")
 
@@ -82,14 +80,19 @@ def newton_schulz(u: torch.Tensor, group: Mapping) -> torch.Tensor:
 def ns_flops(shape: tuple[int, ...], steps: int = DEFAULT_NS_STEPS) -> int:
     """Multiply-add FLOPs of the iteration on a matrix (or stacked matrices) of ``shape``: per
     step the gram (2 m^2 n), its square (2 m^3) and the product (2 m^2 n), m the shorter side."""
+    if len(shape) < 2:                      # not a matrix (a whole-parameter optimizer's): its size
+        return max(1, math.prod(shape))
     count = math.prod(shape[:-2]) if len(shape) > 2 else 1
     m, n = sorted(shape[-2:])
     return count * steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def local_orthogonalize(p: torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor:
-    """The hook where ``p`` is whole: the iteration on ``u`` as it is."""
-    return newton_schulz(u, group)
+class Local:
+    """Where every parameter is whole (one process, DDP, ...): ``fn`` on the tensors as held."""
+
+    def map(self, p: torch.Tensor, tensors: list[torch.Tensor],
+            fn: Callable[[str | None, list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        return fn(None, tensors)
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -110,8 +113,13 @@ class MuonAdamW(torch.optim.Optimizer):
                     "momentum": momentum, "nesterov": nesterov, "ns_coefficients": ns_coefficients,
                     "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn, "muon": False}
         super().__init__(params, defaults)
-        self.orthogonalize: Orthogonalize = local_orthogonalize
-        """(param, u, group) -> NS(u) x learning-rate factor, laid out like ``param``."""
+        self.wholes = Local()
+        """Whole matrices where the layout cuts them: ``map(param, tensors, fn)`` applies
+        ``fn`` to each whole matrix of tensors laid out like ``param`` (:mod:`.muon_owners`)."""
+
+    def orthogonalize(self, p: torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor:
+        """NS(u) x learning-rate factor of each whole matrix, laid out like ``p``."""
+        return self.wholes.map(p, [u], lambda name, whole: newton_schulz(whole[0], group))
 
     @torch.no_grad()
     def step(self, closure=None):

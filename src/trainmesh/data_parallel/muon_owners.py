@@ -1,8 +1,10 @@
 """Whole matrices for Muon's Newton-Schulz iteration wherever the layout cuts them.
 
 :class:`~.muon.MuonAdamW` keeps its momentum laid out like the parameters it steps (ZeRO's
-flat shards, tensor-parallel shards, offload's host shards) and asks its ``orthogonalize`` hook
-for ``NS(u)`` laid out the same way. :func:`install` sets the hook the layout needs:
+flat shards, tensor-parallel shards, offload's host shards) and maps the iteration over whole
+matrices through its ``wholes`` attribute (``map(param, tensors, fn)``: ``fn`` of each whole
+matrix, the result laid out like ``param``); :class:`~.whole_params.WholeParams` maps a user's
+optimizer step the same way. :func:`install` sets the map the layout needs:
 
 - **whole along DP** (one process, DDP, pipeline stages, experts on their ep rank, context
   parallelism's replicas): every rank holds each whole gradient, so it runs the iteration on
@@ -25,14 +27,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 
 from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placements
 
 from ..comm import Comm
 from .base import GradSync
-from .muon import newton_schulz, ns_flops
+from .muon import Local, ns_flops
 
 Stretch = tuple[object, int, int]
 """(index into the shard, first element of the parameter it holds, element count)."""
@@ -51,8 +52,14 @@ def owners(shapes: Sequence[tuple[str, tuple[int, ...]]], ranks: int) -> dict[st
     return out
 
 
+WholeFn = Callable[[str | None, list[torch.Tensor]], torch.Tensor]
+"""(parameter name or None, whole tensors of one parameter) -> a whole tensor of its shape."""
+
+__all__ = ["ByName", "Local", "ShardOwners", "TensorParallel", "install", "owners"]
+
+
 class TensorParallel:
-    """A matrix's tp shard -> its whole value over tp, and back (:class:`Placements`)."""
+    """A parameter's tp shard -> its whole value over tp, and back (:class:`Placements`)."""
 
     def __init__(self, comm: Comm, placements: Placements | None) -> None:
         self.comm = comm
@@ -63,23 +70,41 @@ class TensorParallel:
         pl = self.placements.get(name) if self.placements is not None else None
         return pl.full_shape if pl is not None and pl.tp_dim is not None else local
 
-    def orthogonalize(self, name: str, u: torch.Tensor, group: dict) -> torch.Tensor:
-        """NS of the whole matrix whose tp shard is ``u``; this rank's shard of the result."""
+    def apply(self, name: str, tensors: list[torch.Tensor], fn: WholeFn) -> torch.Tensor:
+        """``fn`` of the whole parameters whose tp shards are ``tensors``; this rank's shard of
+        its result (one all-gather over tp per tensor)."""
         pl = self.placements.get(name) if self.placements is not None else None
         if pl is None or pl.tp_dim is None or self.tp == 1:
-            return newton_schulz(u, group)
-        n, dim, local = self.tp, pl.tp_dim, tuple(u.shape)
-        gathered = torch.empty(n * u.numel(), dtype=u.dtype, device=u.device)
-        self.comm.all_gather(gathered, u.contiguous().view(-1), Group.tp)
+            return fn(name, tensors)
+        local = tuple(tensors[0].shape)
+        whole = fn(name, [self._gather(pl, t) for t in tensors])
+        return torch.cat([whole[idx] for idx in pl.pieces(local)], dim=pl.tp_dim)
+
+    def _gather(self, pl, t: torch.Tensor) -> torch.Tensor:
+        n, dim, local = self.tp, pl.tp_dim, tuple(t.shape)
+        gathered = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
+        self.comm.all_gather(gathered, t.contiguous().view(-1), Group.tp)
         gathered = gathered.view(n, *local)
-        full = torch.zeros(pl.full_shape, dtype=u.dtype, device=u.device)
+        full = torch.zeros(pl.full_shape, dtype=t.dtype, device=t.device)
         width0 = pl.pieces(local)[0][dim]
         step = width0.stop - width0.start
         for r in range(n):
             at = dataclasses.replace(pl, tp_start=r * step)
             _scatter_pieces(full, gathered[r], at.pieces(local), dim)
-        whole = newton_schulz(full, group)
-        return torch.cat([whole[idx] for idx in pl.pieces(local)], dim=dim)
+        return full
+
+
+class ByName:
+    """Whole along DP, cut over tp: each parameter gathered over tp by its name."""
+
+    def __init__(self, sync: GradSync, tp: TensorParallel) -> None:
+        self.tp = tp
+        self.names: dict[int, str] = {id(p): n for n, p in sync.named_params}
+        if sync.master is not None:
+            self.names.update({id(m): n for m, (n, _) in zip(sync.master.masters, sync.named_params)})
+
+    def map(self, p: torch.Tensor, tensors: list[torch.Tensor], fn: WholeFn) -> torch.Tensor:
+        return self.tp.apply(self.names[id(p)], tensors, fn)
 
 
 def _scatter_pieces(full: torch.Tensor, local: torch.Tensor, pieces: list, dim: int) -> None:
@@ -91,7 +116,7 @@ def _scatter_pieces(full: torch.Tensor, local: torch.Tensor, pieces: list, dim: 
 
 
 class ShardOwners:
-    """The hook under ZeRO: owner-rank Newton-Schulz over the shard group (module docstring)."""
+    """Under ZeRO: each parameter whole at its owner rank of the shard group (module docstring)."""
 
     def __init__(self, sync, tp: TensorParallel) -> None:
         self.sync, self.tp = sync, tp
@@ -100,36 +125,41 @@ class ShardOwners:
         self.ranks = self.comm.mesh.ranks(self.axis)
         self.me = self.comm.mesh.index(self.axis)
         self._owners: dict[str, int] | None = None
-        self.flops = 0
-        """The iteration's FLOPs this rank ran (the benchmark's balance)."""
 
-    def owner_table(self, groups: list[int]) -> dict[str, int]:
+    def owner_table(self) -> dict[str, int]:
+        """Owners of every parameter of the groups that step whole, from the shapes alone."""
         if self._owners is None:
+            whole = [gi for gi, g in enumerate(self.sync.optimizer.param_groups)
+                     if g.get("muon") or g.get("whole")]
             slots = [(s.name, self.tp.full_shape(s.name, tuple(s.shape)))
-                     for gi in groups for s in self.sync._slots(gi)]
+                     for gi in whole for s in self.sync._slots(gi)]
             self._owners = owners(slots, len(self.ranks))
         return self._owners
 
     @torch.no_grad()
-    def __call__(self, p: torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor:
-        shards = self.sync.optimizer_params()
-        gi = next(i for i, sp in enumerate(shards) if sp is p)
-        muon = [i for i, g in enumerate(self.sync.optimizer.param_groups) if g.get("muon")]
-        table = self.owner_table(muon)
+    def map(self, p: torch.Tensor, tensors: list[torch.Tensor], fn: WholeFn) -> torch.Tensor:
+        """``fn`` of each parameter's whole ``tensors`` (laid out like the shard ``p``) at its
+        owner; its result returned to every holder's stretches (laid out like ``p``)."""
+        gi = next(i for i, sp in enumerate(self.sync.optimizer_params()) if sp is p)
+        table = self.owner_table()
         mine: dict[str, list[Stretch]] = {}
         for slot, index, offset, n in self.sync._stretches(gi):
             mine.setdefault(slot.name, []).append((index, offset, n))
-        out = torch.zeros(u.shape, dtype=torch.float32, device=u.device)
+        k = len(tensors)
+        out = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
         for slot in self.sync._slots(gi):            # the same order on every rank
             owner = table[slot.name]
-            full = torch.zeros(slot.numel, dtype=u.dtype, device=u.device)
+            full = torch.zeros(k, slot.numel, dtype=p.dtype, device=p.device)   # one reduce for all
             for index, offset, n in mine.get(slot.name, []):
-                full[offset : offset + n] = u[index]
+                for j, t in enumerate(tensors):
+                    full[j, offset : offset + n] = t[index]
             self.comm.reduce(full, self.axis, dst=self.ranks[owner])
             if owner == self.me:
-                result = self.tp.orthogonalize(slot.name, full.view(slot.shape), group)
-                self.flops += ns_flops(self.tp.full_shape(slot.name, tuple(slot.shape)), group["ns_steps"])
+                views = [full[j].view(slot.shape) for j in range(k)]
+                result = self.tp.apply(slot.name, views, fn)
                 full = result.reshape(-1).to(full.dtype).contiguous()
+            else:
+                full = full[0]
             self.comm.broadcast(full, self.axis, src=self.ranks[owner])
             for index, offset, n in mine.get(slot.name, []):
                 out[index] = full[offset : offset + n]
@@ -137,28 +167,18 @@ class ShardOwners:
 
 
 def install(sync: GradSync, comm: Comm, placements: Placements | None) -> None:
-    """Give every optimizer that declares ``needs_whole_params`` and has an ``orthogonalize``
-    hook the one its part of the layout needs (module docstring)."""
+    """Give every optimizer that declares ``needs_whole_params`` (and takes a ``wholes`` map:
+    :class:`~.muon.MuonAdamW`, :class:`~.muon.WholeParams`) the map its part of the layout
+    needs (module docstring)."""
     from .composite import CompositeSync
     from .sharded import ShardedSync
     parts = sync.parts if isinstance(sync, CompositeSync) else [sync]
     tp = TensorParallel(comm, placements)
     for part in parts:
         opt = part.optimizer
-        if opt is None or not hasattr(opt, "orthogonalize"):
+        if opt is None or not getattr(opt, "needs_whole_params", False) or not hasattr(opt, "wholes"):
             continue
         if isinstance(part, ShardedSync):
-            opt.orthogonalize = ShardOwners(part, tp)
+            opt.wholes = ShardOwners(part, tp)
         elif tp.tp > 1:
-            opt.orthogonalize = _by_name(part, tp)
-
-
-def _by_name(sync: GradSync, tp: TensorParallel) -> Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]:
-    """Whole along DP: the tp gather of each parameter by its name."""
-    names: dict[int, str] = {id(p): n for n, p in sync.named_params}
-    if sync.master is not None:
-        names.update({id(m): n for m, (n, _) in zip(sync.master.masters, sync.named_params)})
-
-    def hook(p: nn.Parameter | torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor:
-        return tp.orthogonalize(names[id(p)], u, group)
-    return hook
+            opt.wholes = ByName(part, tp)

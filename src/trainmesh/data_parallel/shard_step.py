@@ -132,7 +132,7 @@ class ShardStepper:
         if params[0].grad is None:
             return []
         members = self.groups[gi]
-        if group.get("muon"):        # whole matrices: one call, idle members put back after it
+        if group.get("muon") or group.get("whole"):   # whole matrices: one call, idle put back
             return [_Class({}, [m for m in members if id(m.param) not in self.idle], whole=True)]
         by_history: dict[int, _Class] = {}
         for m in members:
@@ -151,7 +151,7 @@ class ShardStepper:
         for group in groups:
             params = group["params"]
             gi = self._group_of.get(id(params[0])) if len(params) == 1 else None
-            if gi is None or not group.get("muon") or params[0].grad is None:
+            if gi is None or not (group.get("muon") or group.get("whole")) or params[0].grad is None:
                 continue
             shard = params[0]
             state = optimizer.state.get(shard, {})

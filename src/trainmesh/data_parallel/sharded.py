@@ -38,10 +38,10 @@ Groups = list[tuple[dict, list[tuple[str, nn.Parameter]]]]
 
 def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
     """Refuse an optimizer ZeRO cannot shard (a class may opt in with ``elementwise = True``;
-    one element-wise but for an ``orthogonalize`` hook, Muon, is given whole matrices there:
-    :mod:`.muon_owners`)."""
+    one that needs whole parameters and takes a ``wholes`` map, Muon or a wrapped optimizer, is
+    given them there: :mod:`.muon_owners`)."""
     if (isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or getattr(optimizer, "elementwise", False)
-            or hasattr(optimizer, "orthogonalize")):
+            or (getattr(optimizer, "needs_whole_params", False) and hasattr(optimizer, "wholes"))):
         return
     valid = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     raise ConfigError("optimizer", f"--zero {stage} updates flat shards that cut through parameters, "

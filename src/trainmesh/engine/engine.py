@@ -38,6 +38,7 @@ from trainmesh.data.corpus import split_microbatches
 from trainmesh.data_parallel import frozen_named_parameters, make_grad_sync, unique_named_parameters
 from trainmesh.data_parallel.base import OptimizerFactory
 from trainmesh.data_parallel.muon_owners import install as whole_matrices
+from trainmesh.data_parallel.whole_params import declared
 from trainmesh.data_parallel.readiness import reached
 from trainmesh.engine.accounting import Accounting
 from trainmesh.engine.checkpointing import Checkpointing
@@ -111,7 +112,7 @@ class Engine(Accounting, Checkpointing):
                                release=self.grad_sync.release,
                                **({"backward_from": self._pass_unreached}
                                   if cfg.find_unused_parameters else {}))
-        self.optimizer = self.grad_sync.build_optimizer(optimizer, param_groups)
+        self.optimizer = self.grad_sync.build_optimizer(declared(optimizer), param_groups)
         whole_matrices(self.grad_sync, self.comm, self.placements)   # Muon: NS on whole matrices
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
         self.moe = MoEMetrics(model_stats(model), self.comm)
