@@ -19,7 +19,7 @@ the strategy (:meth:`~trainmesh.data_parallel.base.GradSync.step_metrics`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -74,6 +74,10 @@ class StepHooks:
     release: Callable[[nn.Parameter], None] = lambda p: None
     """Pipelines: a gradient held back by ``expect_backwards`` is final now (summed over the
     pipeline ranks sharing its weight): the strategy reduces it as after its last backward."""
+    microbatch: Callable[[int], AbstractContextManager[None]] = lambda i: nullcontext()
+    """Context of every forward and backward pass of microbatch ``i`` (the step's index): where
+    its elements sit in the global batch, for layout-independent randomness
+    (:mod:`trainmesh.core.randomness`)."""
     backward_from: Callable[[torch.Tensor, "list[nn.Parameter] | None"], None] = lambda root, params: None
     """Called with the tensor each backward pass starts from and the parameters the pass goes
     through (None: all of this rank's; a pipeline pass: its chunk's), just before it: the

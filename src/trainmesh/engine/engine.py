@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from trainmesh.core.errors import ConfigError
 from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
+from trainmesh.core.randomness import Draws, drawing
 from trainmesh.core.step import Across, Executor, LossFn, StepHooks, StepReport, StepResult
 from trainmesh.data.corpus import split_microbatches
 from trainmesh.data_parallel import frozen_named_parameters, make_grad_sync, unique_named_parameters
@@ -42,6 +44,7 @@ from trainmesh.data_parallel.whole_params import declared
 from trainmesh.data_parallel.readiness import reached
 from trainmesh.engine.accounting import Accounting
 from trainmesh.engine.checkpointing import Checkpointing
+from trainmesh.engine.draws import microbatch_draws
 from trainmesh.engine.executor import build_executor
 from trainmesh.engine.materialize import InitFn
 from trainmesh.engine.moe_metrics import MoEMetrics, model_stats
@@ -50,6 +53,7 @@ from trainmesh.engine.partial_grads import complete_partial_grads, counted_in_no
 from trainmesh.engine.precision import Precision
 from trainmesh.engine.start import broadcast_from_root, keep_buffers_in_step, mark_duplicates, sharded_init
 from trainmesh.engine.train_state import TrainState
+from trainmesh.models.hf_random import install_draws
 from trainmesh.observe.flops import model_flops_per_token
 
 
@@ -62,7 +66,8 @@ class Engine(Accounting, Checkpointing):
                  param_groups: Callable[[str], dict] | None = None,
                  mesh: ParallelMesh | None = None, tp_plan: dict[str, str] | None = None,
                  broadcast_init: bool = True, flops_per_token: float | None = None,
-                 init_fn: InitFn | None = None, device: torch.device | str | None = None) -> None:
+                 init_fn: InitFn | None = None, device: torch.device | str | None = None,
+                 seed: int = 0) -> None:
         cfg = config or ParallelConfig()
         if getattr(model, "moe_stats", None) is not None and not cfg.find_unused_parameters:
             # an expert no token reached has no gradient that step (models/moe.py)
@@ -81,6 +86,11 @@ class Engine(Accounting, Checkpointing):
         self.precision = Precision(cfg, self.device)
         self.placements = Placements()
         """Each parameter's place on the mesh, by name (filled by the TP and pipeline split)."""
+        self.seed = seed
+        """The run's seed: dropout and router noise are drawn from it by position."""
+        self.random = install_draws(model)
+        """A Hugging Face model's dropout and router noise, now drawn by position (one line each)."""
+        self._draws: list[Draws | None] = []
         self.model = parallelize(model, cfg, mesh=self.mesh, comm=self.comm,
                                  placements=self.placements, device=self.device, tp_plan=tp_plan)
         self.executor: Executor = build_executor(self.model, loss_fn, cfg, self.comm, self.device)
@@ -109,7 +119,7 @@ class Engine(Accounting, Checkpointing):
         self.hooks = StepHooks(autocast=self.precision.autocast, scale_loss=self.precision.scale_loss,
                                before_backward=self.grad_sync.before_backward,
                                expect_backwards=self.grad_sync.expect_backwards,
-                               release=self.grad_sync.release,
+                               release=self.grad_sync.release, microbatch=self._microbatch,
                                **({"backward_from": self._pass_unreached}
                                   if cfg.find_unused_parameters else {}))
         self.optimizer = self.grad_sync.build_optimizer(declared(optimizer), param_groups)
@@ -166,6 +176,7 @@ class Engine(Accounting, Checkpointing):
         the training state changes: :meth:`apply` takes the step, :meth:`discard` drops it."""
         sync = self.grad_sync
         microbatches = self._cp_share(microbatches)
+        self._draws = self._microbatch_draws(microbatches)
         self.comm.ledger.begin_step()
         self.moe.begin_step(self.precision.loss_scale)
         loss_sum, count = self.executor.run(microbatches, self.hooks)
@@ -238,6 +249,16 @@ class Engine(Accounting, Checkpointing):
         from trainmesh.context_parallel import shard_batch
         return [shard_batch(mb, self.mesh.index(Group.cp), cp) for mb in microbatches]
 
+    def _microbatch_draws(self, microbatches: list) -> list[Draws | None]:
+        """Where each microbatch's elements sit in the global batch (:mod:`.draws`)."""
+        return microbatch_draws(microbatches, seed=self.seed, step=self.state.step,
+                                share=self.batch_share(), mesh=self.mesh,
+                                sequence_parallel=self.config.sequence_parallel, device=self.device)
+
+    def _microbatch(self, i: int) -> AbstractContextManager[None]:
+        """Around microbatch ``i``'s passes: its :class:`Draws`."""
+        return drawing(self._draws[i] if i < len(self._draws) else None)
+
     def _nonfinite(self, loss: float, norm: float, overflow: bool) -> str | None:
         """What makes this step non-finite (the same on every rank: all inputs are reduced)."""
         if not math.isfinite(loss):
@@ -253,6 +274,7 @@ class Engine(Accounting, Checkpointing):
         loss_sum, count = 0.0, 0.0
         for batch in batches:
             microbatches = self._cp_share(split_microbatches(batch, self.config.microbatches))
+            self._draws = self._microbatch_draws(microbatches)
             s, n = self.executor.evaluate(microbatches, self.hooks)
             loss_sum, count = loss_sum + s, count + n
         holds_loss = self.executor.holds_loss and self.mesh.index(Group.tp) == 0

@@ -36,11 +36,12 @@ class LocalExecutor:
         for i, mb in enumerate(microbatches):
             hooks.before_backward(is_last=i == len(microbatches) - 1)
             t0 = time.perf_counter()
-            with hooks.autocast():
-                loss_sum, count = as_sum_and_count(self.loss_fn(self.module, mb))
-            t1 = time.perf_counter()
-            hooks.backward_from(loss_sum, None)
-            hooks.scale_loss(loss_sum).backward()
+            with hooks.microbatch(i):
+                with hooks.autocast():
+                    loss_sum, count = as_sum_and_count(self.loss_fn(self.module, mb))
+                t1 = time.perf_counter()
+                hooks.backward_from(loss_sum, None)
+                hooks.scale_loss(loss_sum).backward()
             row += [TimedAction(Action("F", 0, i), t0, t1),
                     TimedAction(Action("B", 0, i), t1, time.perf_counter())]
             loss_total += float(loss_sum.detach())
@@ -52,8 +53,8 @@ class LocalExecutor:
     def evaluate(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
         """Forward only over every microbatch; (loss_sum, count) of this rank."""
         loss_total, count_total = 0.0, 0.0
-        for mb in microbatches:
-            with hooks.autocast():
+        for i, mb in enumerate(microbatches):
+            with hooks.microbatch(i), hooks.autocast():
                 loss_sum, count = as_sum_and_count(self.loss_fn(self.module, mb))
             loss_total += float(loss_sum)
             count_total += float(count)

@@ -191,14 +191,8 @@ class PipelineExecutor:
         self._loss, self._count = 0.0, 0.0
         row: list[TimedAction] = []
         for action in self.schedule.actions[self.rank]:
-            if action.kind == FORWARD:
-                row.append(self._forward(action, microbatches[action.microbatch], hooks))
-            elif action.kind == BACKWARD:
-                row.append(self._backward(action, hooks))
-            elif action.kind == BACKWARD_INPUT:
-                row.append(self._backward_input(action, hooks))
-            else:
-                row.append(self._backward_weight(action))
+            with hooks.microbatch(action.microbatch):
+                row.append(self._act(action, microbatches, hooks))
         self.p2p.finish()
         if self._kept or self._weights:
             raise RuntimeError(f"pipeline rank {self.rank}: activations never freed: "
@@ -208,6 +202,16 @@ class PipelineExecutor:
         rows[self.rank] = row
         self.last_timeline = Timeline(rows, self.schedule.virtual_stages, "s", self.schedule.name)
         return self._loss, self._count
+
+    def _act(self, action: Action, microbatches: list, hooks: StepHooks) -> TimedAction:
+        """One action of the schedule."""
+        if action.kind == FORWARD:
+            return self._forward(action, microbatches[action.microbatch], hooks)
+        if action.kind == BACKWARD:
+            return self._backward(action, hooks)
+        if action.kind == BACKWARD_INPUT:
+            return self._backward_input(action, hooks)
+        return self._backward_weight(action)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
@@ -225,7 +229,7 @@ class PipelineExecutor:
             s, batch = a.stage, microbatches[a.microbatch]
             first, last = self.schedule.is_first_stage(s), self.schedule.is_last_stage(s)
             x = self.io.input_of(batch) if first else p2p.take(("act", s, a.microbatch))
-            with hooks.autocast():
+            with hooks.microbatch(a.microbatch), hooks.autocast():
                 out = self.chunks[s](x, batch)             # (b, s, d) for the GPT
                 if last:
                     loss_sum, n = self.io.loss(out, batch)
