@@ -10,9 +10,19 @@ process run in the pytest process (loss within LOSS_ABS, grad norm within NORM_R
   gathered along the sequence before its own code reads the shape.
 - Ernie 4.5 (MoE) under ``dp 2 x ep 2``: its config.json counts its experts as
   ``moe_num_experts``; its declared expert plan (``grouped_gemm``, ``ep_dispatch_experts``).
+- StableLM under ``tp 2`` + SP and ``pp 2``: it declares no tensor-parallel or pipeline plan;
+  both are inferred from its modules (the tp plan checked on the first layer at start).
+- GraniteMoE, PhiMoE (router jitter 0 here) and Llama 4 under
+  ``pp 2``: their pipeline plans hold the head alone or nothing; the layer list is inferred.
+- OLMoE under ``pp 2`` and ``tp 2`` + SP: its pipeline plan holds the head alone (the layer
+  list inferred); its q/k/v gathered for their norms.
+- Llama 4 under ``tp 2``: its plan is read under its base model (``model``, though its
+  ``base_model_prefix`` says ``language_model``), its experts' ``packed_rowwise`` gate/up
+  (stored ``(E, in, out)``: dimension 2 split per half) and ``colwise`` down.
 
 Planted bugs this module catches (each seen failing with an assertion): the gathered attention
-not entered as one region under SP (the rank reports the rotary embedding's size mismatch).
+not entered as one region under SP (the rank reports the rotary embedding's size mismatch);
+``packed_rowwise`` mapped to dimension 1 (Llama 4 tp 2: the rank reports the shape mismatch).
 """
 from __future__ import annotations
 
@@ -28,13 +38,34 @@ from trainmesh.testing import run_distributed
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-STEPS, GLOBAL_BATCH, VOCAB, SEQ = 3, 4, 64, 16
+STEPS, GLOBAL_BATCH, VOCAB, SEQ = 2, 4, 64, 16
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
               bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+PP2 = {"pp": 2, "microbatches": 2}
+DENSE = {"cohere": ("CohereConfig", "CohereForCausalLM"), "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+         "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+         "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
+         "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 CASES = {"olmo2 tp2-sp": ("olmo2", {"tp": 2, "sequence_parallel": True}),
          "olmo3 tp2-sp": ("olmo3", {"tp": 2, "sequence_parallel": True}),
-         "ernie4_5_moe dp2-ep2": ("ernie4_5_moe", {"dp": 2, "ep": 2})}
+         "ernie4_5_moe dp2-ep2": ("ernie4_5_moe", {"dp": 2, "ep": 2}),
+         "stablelm tp2-sp": ("stablelm", {"tp": 2, "sequence_parallel": True}),
+         "stablelm pp2": ("stablelm", PP2),
+         "granitemoe pp2": ("granitemoe", PP2),
+         "phimoe pp2": ("phimoe", PP2),
+         "llama4 pp2": ("llama4", PP2),
+         "llama4 tp2": ("llama4", {"tp": 2}),
+         "olmoe pp2": ("olmoe", PP2),
+         "olmoe tp2-sp": ("olmoe", {"tp": 2, "sequence_parallel": True}),
+         "cohere tp2-sp": ("cohere", {"tp": 2, "sequence_parallel": True}),
+         "glm4 tp2-sp": ("glm4", {"tp": 2, "sequence_parallel": True}),
+         "starcoder2 pp2": ("starcoder2", PP2),
+         "seed_oss tp2-sp": ("seed_oss", {"tp": 2, "sequence_parallel": True}),
+         "gemma3_text tp2-sp": ("gemma3_text", {"tp": 2, "sequence_parallel": True}),
+         "dots1 dp2-ep2": ("dots1", {"dp": 2, "ep": 2}),
+         "glm4_moe dp2-ep2": ("glm4_moe", {"dp": 2, "ep": 2})}
 
 
 def family_model(kind: str) -> torch.nn.Module:
@@ -49,6 +80,30 @@ def family_model(kind: str) -> torch.nn.Module:
         model = transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(
             **COMMON, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
             moe_num_shared_experts=1, moe_layer_start_index=0))
+    elif kind == "stablelm":
+        model = transformers.StableLmForCausalLM(transformers.StableLmConfig(**COMMON))
+    elif kind == "granitemoe":
+        model = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(**COMMON, **MOE))
+    elif kind == "phimoe":
+        model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+            **COMMON, **MOE, router_jitter_noise=0.0))
+    elif kind == "llama4":
+        model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+            **COMMON, num_local_experts=4, intermediate_size_mlp=64, head_dim=8))
+    elif kind == "olmoe":
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **{**COMMON, "intermediate_size": 16}, num_experts=4, num_experts_per_tok=2))
+    elif kind in DENSE:
+        config_cls, model_cls = DENSE[kind]
+        extra = {"attention_dropout": 0.0} if kind == "seed_oss" else {}
+        extra |= {"head_dim": 8, "sliding_window": 8} if kind == "gemma3_text" else {}
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra))
+    elif kind in ("dots1", "glm4_moe"):
+        config_cls, model_cls = {"dots1": ("Dots1Config", "Dots1ForCausalLM"),
+                                 "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM")}[kind]
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
+            **COMMON, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1))
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -119,7 +174,8 @@ def test_preflight_lets_the_fixed_families_launch(dirs, no_launch, capsys):
 
     from trainmesh.cli import main
     flags = {"tp": ["--tp", "2"], "sequence_parallel": ["--sequence-parallel"],
-             "dp": ["--dp", "2"], "ep": ["--ep", "2"]}
+             "dp": ["--dp", "2"], "ep": ["--ep", "2"], "pp": ["--pp", "2"],
+             "microbatches": ["--microbatches", "2"]}
     for name, (kind, layout) in CASES.items():
         args = ["train", "--model-dir", dirs[kind], "--seq-len", str(SEQ), "--global-batch", "4",
                 "--steps", "2", *[f for key in layout for f in flags[key]]]

@@ -161,7 +161,7 @@ def preflight(cfg, *, local_ranks: int, launching: bool) -> None:
     if cfg.model_dir:   # transformers present, every parameter in model.safetensors
         from trainmesh.engine.pretrained import check_model_dir
         from trainmesh.models.hf import build_on_meta
-        hub = build_on_meta(cfg.model_dir)   # once, for this check and --resume-from's
+        hub = build_on_meta(cfg.model_dir, plans=cfg.plan_files())   # once: this check, --resume-from
         check_model_dir(cfg.model_dir, hub, layout=cfg.parallel, seq_len=cfg.gpt_config().seq_len)
     if cfg.resume_from:   # the model this run builds (on meta), shape by shape
         from trainmesh.checkpoint.resume import check_resume_from

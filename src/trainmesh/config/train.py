@@ -92,6 +92,17 @@ class TrainConfig:
                                           "this directory instead of the built-in GPT: config.json "
                                           "+ model.safetensors (or its shards), as save_pretrained writes (needs "
                                           "transformers); every axis its plans allow", path=True, group="model")
+    tp_plan: str | None = setting(None, "--model-dir's tensor-parallel plan from this JSON file (module "
+                                        "pattern -> style, as config.base_model_tp_plan), over the "
+                                        "declared or inferred one (docs/BRING_YOUR_OWN_MODEL.md)",
+                                  path=True, group="model")
+    pp_plan: str | None = setting(None, "--model-dir's pipeline plan from this JSON file (the base "
+                                        "model's modules -> [inputs, outputs], its decoder layer list "
+                                        "among them, as config.base_model_pp_plan)", path=True,
+                                  group="model")
+    ep_plan: str | None = setting(None, "--model-dir's expert-parallel plan from this JSON file "
+                                        "(pattern -> grouped_gemm / ep_dispatch_experts, as "
+                                        "config.base_model_ep_plan)", path=True, group="model")
     metrics_out: str | None = setting(None, "JSON-lines metrics file", path=True, group="observability")
     save_dir: str | None = setting(None, "checkpoint directory", path=True, group="checkpoints")
     save_every: int = setting(0, "save every N steps (0: only at the end)", ge=0, group="checkpoints")
@@ -187,6 +198,11 @@ class TrainConfig:
             raise ConfigError("--global-batch", f"must be divisible by dp x microbatches = {p.dp} x "
                               f"{p.microbatches} = {per}; got {self.global_batch}")
         gpt = self.gpt_config()  # the shape's own rules (heads divide d-model)
+        for flag, given in (("--tp-plan", self.tp_plan), ("--pp-plan", self.pp_plan),
+                            ("--ep-plan", self.ep_plan)):
+            if given is not None and self.model_dir is None:
+                raise ConfigError(flag, "is a plan for a Hugging Face model; needs --model-dir "
+                                  "(the built-in GPT has its own plans)")
         if self.model_dir is not None:   # its config.json sets the shape: other rules
             from trainmesh.config.model_dir import check_model_config
             self.vocab_size = check_model_config(self)
@@ -268,6 +284,11 @@ class TrainConfig:
         :func:`~trainmesh.data.corpus.make_datasets` beside the data and its shape."""
         return {"tokenizer": self.tokenizer, "text_field": self.text_field,
                 "model_dir": self.model_dir, "documents": self.documents}
+
+    def plan_files(self) -> Any:
+        """--tp-plan, --pp-plan, --ep-plan as :class:`~trainmesh.models.hf_plans.PlanFiles`."""
+        from trainmesh.models.hf_plans import PlanFiles
+        return PlanFiles(tp=self.tp_plan, pp=self.pp_plan, ep=self.ep_plan)
 
     @property
     def peak_lr(self) -> float:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hf_infer import not_inferred
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ def hf_structure(model: nn.Module, flag: str = "--pp") -> HFStructure:
     family when its plan cannot be honoured."""
     kind = family(model)
     plan = declared_pp_plan(model)
-    valid = "without --sequence-parallel" if flag == "--sequence-parallel" else f"{flag} 1"
+    valid = {"--sequence-parallel": "without --sequence-parallel",
+             "--pp-plan": "a plan naming the token embedding, the layer list and the final norm"
+             }.get(flag, f"{flag} 1")
 
     def refuse(why: str) -> ConfigError:
         return ConfigError(flag, f"the {kind} family's pipeline plan (config.base_model_pp_plan) "
@@ -88,7 +91,8 @@ def hf_structure(model: nn.Module, flag: str = "--pp") -> HFStructure:
 
     if plan is None:
         raise ConfigError(flag, f"the {kind} family declares no pipeline plan "
-                          f"(config.base_model_pp_plan); valid for it: {valid}")
+                          f"(config.base_model_pp_plan){not_inferred(model, 'pp')}; valid for "
+                          f"it: {valid}, or a plan of your own (--pp-plan FILE)")
     modules = dict(model.named_modules())
     missing = [name for name in plan if name not in modules]
     if missing:

@@ -21,26 +21,33 @@ transformers) so ``trainmesh train --model-dir`` refuses a bad directory before 
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hf_infer import not_inferred, plan_source
 from trainmesh.core.hf_plan import family
 from trainmesh.core.hf_routing import router_loss_enabled, router_modules
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
 from trainmesh.models.hf_attention import routes_attention
+from trainmesh.models.hf_plans import FLAGS, PlanFiles
 from trainmesh.models.hf_router import add_router_loss, attach_router_stats
 from trainmesh.models.hf_weights import CheckpointView
 
 
-def from_pretrained(path: str, *, field: str = FIELD) -> nn.Module:
+def from_pretrained(path: str, *, field: str = FIELD, plans: PlanFiles | None = None) -> nn.Module:
     """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
     parameters on the meta device, with ``init_parameter(name, shape, index)`` reading its
-    weights slice by slice (the engine calls it for what each rank holds)."""
-    model = build_on_meta(path, field=field)
+    weights slice by slice (the engine calls it for what each rank holds); its parallel plans
+    from ``plans``' files, else declared, else inferred from its modules
+    (:mod:`trainmesh.models.hf_plans`)."""
+    model = build_on_meta(path, field=field, plans=plans)
     model.init_parameter = pretrained_init(path, model, field=field)
     attach_router_stats(model)        # a mixture of experts that asks for its router's aux loss
     return model
@@ -71,24 +78,45 @@ def check_model_dir(path: str, model: nn.Module | None = None, *, field: str = F
         router_modules(model)
     if ep > 1:
         from trainmesh.expert_parallel.hf import check_hf_ep
-        check_hf_ep(model, ep)
+        with _naming_plan_file(model, "ep"):
+            check_hf_ep(model, ep)
     if tp > 1:
-        from trainmesh.tensor_parallel.hf_experts import check_expert_tp
+        _check_tp_plan(model, tp, ep)
+    if layout is not None:
+        check_hf_layout(model, layout, seq_len)
+
+
+@contextlib.contextmanager
+def _naming_plan_file(model: nn.Module, axis: str) -> Iterator[None]:
+    """A ConfigError inside names the plan file's flag (``--tp-plan``) when the plan came from
+    one: the file is what the user can fix."""
+    try:
+        yield
+    except ConfigError as exc:
+        if plan_source(model, axis) != "file":
+            raise
+        raise ConfigError(FLAGS[axis], f"{exc.field}: {exc.message}") from None
+
+
+def _check_tp_plan(model: nn.Module, tp: int, ep: int) -> None:
+    """The model's tensor-parallel plan (declared, a file's, or inferred) maps onto trainmesh's
+    styles at ``tp``; an inferred or a file's plan also splits the first layer as the unsplit
+    layer computes (:func:`trainmesh.tensor_parallel.hf_check.check_first_layer`)."""
+    from trainmesh.tensor_parallel.hf import declared_plan, hf_model_type, hf_tp_plan
+    from trainmesh.tensor_parallel.hf_check import check_first_layer
+    from trainmesh.tensor_parallel.hf_experts import check_expert_tp
+    with _naming_plan_file(model, "tp"):
         check_expert_tp(model, tp, ep=ep)
-        from trainmesh.tensor_parallel.hf import (
-            declared_plan,
-            hf_model_type,
-            hf_tp_plan,
-        )
         if hf_model_type(model) != "gpt2" and declared_plan(model) is None:
             raise ConfigError("--tp", f"{type(model).__name__} declares no tensor-parallel plan "
-                              "(config.base_model_tp_plan); valid for it: --tp 1 (dp and ZeRO)")
+                              f"(config.base_model_tp_plan){not_inferred(model, 'tp')}; valid "
+                              "for it: --tp 1 (dp and ZeRO), or a plan of your own (--tp-plan FILE)")
         try:
             hf_tp_plan(model)              # a declared style trainmesh cannot map: ConfigError
         except ConfigError as exc:
             raise ConfigError("--tp", exc.message) from None     # it names the family
-    if layout is not None:
-        check_hf_layout(model, layout, seq_len)
+        if plan_source(model, "tp") in ("inferred", "file"):
+            check_first_layer(model, tp)
 
 
 def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | None = None) -> None:
@@ -103,8 +131,9 @@ def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | Non
         from trainmesh.tensor_parallel.hf import hf_tp_plan
         from trainmesh.tensor_parallel.hf_experts import check_expert_tp
         from trainmesh.tensor_parallel.hf_sequence import sequence_parallel_plan
-        sequence_parallel_plan(model, hf_tp_plan(model))
-        check_expert_tp(model, layout.tp, ep=layout.ep, sequence_parallel=True)
+        with _naming_plan_file(model, "tp"):
+            sequence_parallel_plan(model, hf_tp_plan(model))
+            check_expert_tp(model, layout.tp, ep=layout.ep, sequence_parallel=True)
     if layout.recompute == "selective" and not routes_attention(model):
         raise ConfigError("--recompute", f"selective checkpoints the attention call; the "
                           f"{family(model)} family's attention does not go through transformers' "
@@ -115,7 +144,8 @@ def check_hf_layout(model: nn.Module, layout: ParallelConfig, seq_len: int | Non
     if layout.pp > 1:
         from trainmesh.pipeline_parallel.hf import check_hf_pipeline
         from trainmesh.pipeline_parallel.partition import check_stage_count
-        structure = check_hf_pipeline(model)
+        with _naming_plan_file(model, "pp"):
+            structure = check_hf_pipeline(model)
         check_stage_count(len(structure.ordered(model)), layout.pp * layout.virtual_stages)
         _check_ties_across_stages(model, structure.ordered(model), layout)
 

@@ -45,6 +45,7 @@ from torch import nn
 from trainmesh.comm import Comm
 from trainmesh.core.compat import in_backward
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hf_infer import base_name, not_inferred
 from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placement, Placements
 from trainmesh.models.moe import MoEStats
@@ -82,8 +83,8 @@ class ExpertsLayer:
 
 
 def _prefixed(model: nn.Module, pattern: str) -> str:
-    prefix = getattr(model, "base_model_prefix", "")
-    return f"{prefix}.{pattern}" if prefix and hasattr(model, prefix) else pattern
+    prefix = base_name(model)
+    return f"{prefix}.{pattern}" if prefix else pattern
 
 
 def expert_layers(model: nn.Module) -> list[ExpertsLayer]:
@@ -95,7 +96,8 @@ def expert_layers(model: nn.Module) -> list[ExpertsLayer]:
     the experts modules)."""
     plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
     if not plan:
-        raise _refuse(model, "its config declares no base_model_ep_plan (the experts to spread)")
+        raise _refuse(model, "its config declares no base_model_ep_plan (the experts to spread)"
+                      + not_inferred(model, "ep"))
     for pattern, style in plan.items():
         if style not in EP_STYLES:
             raise _refuse(model, f"its base_model_ep_plan gives {pattern!r} the style {style!r}, "

@@ -17,6 +17,8 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 
+from .hf_plans import PlanFiles, install_plans
+
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 """A sharded directory's index (``save_pretrained`` above ``max_shard_size``): tensor -> file."""
@@ -91,10 +93,12 @@ def transformers_module(field: str) -> Any:
     return transformers
 
 
-def build_on_meta(path: str, *, field: str = FIELD) -> nn.Module:
+def build_on_meta(path: str, *, field: str = FIELD, plans: PlanFiles | None = None) -> nn.Module:
     """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
-    parameters on the meta device (buffers real); ConfigError naming ``field`` when the
-    directory, its config or its weights file cannot make one."""
+    parameters on the meta device (buffers real), its parallel plans installed (``plans``'
+    files, else its declared ones, else inferred: :mod:`.hf_plans`); ConfigError naming
+    ``field`` when the directory, its config or its weights file cannot make one, or naming a
+    plan file's flag when that file cannot be used."""
     read_model_config(path, field)
     for weights in weight_files(path, field):
         check_weights_header(weights, field)
@@ -106,7 +110,8 @@ def build_on_meta(path: str, *, field: str = FIELD) -> nn.Module:
     except (ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(field, f"{path!r} is not a causal LM transformers can build: {first}") from None
-    return model.float()   # fp32 parameters whatever config.json's dtype: --precision sets the compute's
+    # fp32 parameters whatever config.json's dtype: --precision sets the compute's
+    return install_plans(model.float(), plans)
 
 
 def weight_files(path: str, field: str = FIELD) -> list[Path]:

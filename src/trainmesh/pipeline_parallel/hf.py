@@ -84,9 +84,12 @@ class _Recorder(nn.Module):
 class _Zeros(nn.Module):
     """Stands in for the input module on a stage that does not hold it: zeros of its width."""
 
-    def __init__(self, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.width, self.dtype = width, dtype
+        self.weight = torch.empty(0, width, dtype=dtype, device=device)
+        """Not a parameter: where the model's code looks for the device (Llama 4 moves the
+        token ids to ``embed_tokens.weight.device``)."""
 
     def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(*ids.shape, self.width, dtype=self.dtype, device=ids.device)  # (b, s, h)
@@ -219,7 +222,7 @@ class HFPipeline:
                 weight = next(iter(embed.parameters()))
                 e_parent, _, e_leaf = s.pre[0].rpartition(".")
                 with _swapped(self.model.get_submodule(e_parent) if e_parent else self.model,
-                              e_leaf, _Zeros(weight.shape[-1], weight.dtype)):
+                              e_leaf, _Zeros(weight.shape[-1], weight.dtype, self._ids(batch).device)):
                     self._run_base(batch)
         if last not in calls:
             raise ConfigError("pp", f"the {s.family} model's forward did not call decoder layer "

@@ -65,7 +65,7 @@ def build_model(cfg: TrainConfig) -> tuple[torch.nn.Module, LossFn, InitFn | Non
     model directory's weights."""
     if cfg.model_dir:
         from trainmesh.engine.pretrained import causal_lm_loss, from_pretrained
-        return from_pretrained(cfg.model_dir), causal_lm_loss, None
+        return from_pretrained(cfg.model_dir, plans=cfg.plan_files()), causal_lm_loss, None
     model = GPT(cfg.gpt_config(), seed=cfg.seed, device="meta")
     init_fn = None
     if cfg.init_from:

@@ -57,6 +57,7 @@ import copy
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hf_infer import base_name
 
 STYLE_MAP = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab_embedding",
              "replicated_with_grad_allreduce": "partial_grad",
@@ -96,8 +97,8 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str | tuple[str, ...]]:
     from fnmatch import fnmatchcase
 
     from .hf_experts import is_expert_entry
-    prefix = getattr(model, "base_model_prefix", "")
-    prefix = prefix + "." if prefix and prefix in names else ""
+    prefix = base_name(model)
+    prefix = prefix + "." if prefix else ""
     plan: dict[str, str | tuple[str, ...]] = {}
     for pattern, style in declared.items():
         if is_expert_entry(model, prefix + pattern, style):

@@ -14,7 +14,13 @@ Every rank keeps a slice of every expert, as a Megatron MLP is split:
 ``packed_colwise`` (a 3-D parameter)  dimension 1 holds gate then up: each half split over tp
                                       (``tp_dim=1``, ``tp_parts=2``); on an ``nn.Linear`` it is
                                       the module style ``colwise_parts:2`` (:mod:`.hf`)
-``colwise`` (a 3-D parameter)         dimension 1 (the experts' output features) split
+``packed_rowwise`` (a 3-D parameter)  dimension 2 holds gate then up, the experts stored
+                                      ``(E, in, out)`` (Llama 4's ``gate_up_proj``, multiplied
+                                      as ``x @ W``): each half split over tp (``tp_dim=2``)
+``colwise`` (a 3-D parameter)         dimension 1 split: the experts' output features, or the
+                                      input features of experts stored ``(E, in, out)`` (Llama
+                                      4's ``down_proj``, whose partial sums the module's output
+                                      sums)
 ``rowwise`` (a 3-D parameter)         dimension 2 (the experts' input features) split
 ``moe_tp_experts`` (the module)       its activations (``hidden_states``) and routing weights
                                       enter the region (fwd identity, bwd all-reduce: each rank's
@@ -41,12 +47,14 @@ no stacked experts is refused, naming ``--tp`` and the family.
 """
 from __future__ import annotations
 
+import inspect
 from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hf_infer import base_name
 from trainmesh.core.hf_routing import stacked_experts
 from trainmesh.core.placement import Placements
 
@@ -58,14 +66,15 @@ from .mappings import (
     reduce_scatter_to_sequence,
 )
 
-PARAM_STYLES = {"packed_colwise": (1, 2), "colwise": (1, 1), "rowwise": (2, 1)}
+PARAM_STYLES = {"packed_colwise": (1, 2), "packed_rowwise": (2, 2), "colwise": (1, 1),
+                "rowwise": (2, 1)}
 """Style on a stacked 3-D parameter -> (dimension split over tp, blocks split separately)."""
 MODULE_STYLE = "moe_tp_experts"
 
 
 def _prefixed(model: nn.Module, pattern: str) -> str:
-    prefix = getattr(model, "base_model_prefix", "")
-    return f"{prefix}.{pattern}" if prefix and hasattr(model, prefix) else pattern
+    prefix = base_name(model)
+    return f"{prefix}.{pattern}" if prefix else pattern
 
 
 def _declared(model: nn.Module) -> dict[str, str]:
@@ -131,6 +140,13 @@ def check_expert_tp(model: nn.Module, tp: int, *, ep: int = 1, sequence_parallel
                               f"{parts} part(s) is not divisible by --tp {tp}")
     stacked = stacked_experts(model)
     for owner in modules:
+        module = model.get_submodule(owner)
+        if sequence_parallel and len(inspect.signature(module.forward).parameters) < 3:
+            raise ConfigError("--sequence-parallel", f"{family}: {owner} "
+                              f"({type(module).__name__}) takes its tokens repeated once per "
+                              "expert (hidden_states only, no routing), so its rows cannot be "
+                              "gathered over tp by sequence; valid: --tp without "
+                              "--sequence-parallel")
         if owner not in stacked:         # its hooks sum outputs a whole module computes per rank
             raise ConfigError("--tp", f"{family}: its base_model_tp_plan gives {owner} "
                               f"({type(model.get_submodule(owner)).__name__}) the style "

@@ -1,0 +1,168 @@
+"""Plans inferred from a Hugging Face model's modules where its family declares none, and the
+first-layer check of a tensor-parallel plan at start (in this process, no launch).
+
+- The inferred tensor-parallel plans of Llama and Qwen3 are the plans those families declare
+  (the same module -> style pairs: q/k/v and gate/up by columns, o and down by rows, Qwen3's
+  per-head norms replicated with their gradient summed); StableLM's is the same shape.
+- The inferred pipeline plans of StableLM, GraniteMoE, PhiMoE and Llama 4 name the token
+  embedding, the layer list and the final norm, and read as the structure the pipeline cuts.
+- The inferred expert plans of GraniteMoE and PhiMoE are the ones they declare; Llama 4's
+  experts, which take no routing, are refused naming the module.
+- The first layer, split by a plan, against the unsplit layer: the inferred and the declared
+  plans pass; a projection split along the wrong dimension is refused naming the module.
+- `trainmesh train --model-dir` exits 2 before any worker where a plan cannot be inferred,
+  naming the module (StableLM's per-head norm list under tp, Llama 4's experts under ep, GPT-2's
+  position embedding under pp).
+
+Planted bugs this module catches (each seen failing with an assertion): the inferred output
+projection split by columns instead of rows (the plans differ from the declared ones).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+SEQ = 16
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+              bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8),
+    "stablelm": lambda: transformers.StableLmConfig(**COMMON),
+    "stablelm-qk-norms": lambda: transformers.StableLmConfig(**COMMON, qk_layernorm=True),
+    "granitemoe": lambda: transformers.GraniteMoeConfig(**COMMON, **MOE),
+    "phimoe": lambda: transformers.PhimoeConfig(**COMMON, **MOE),
+    "llama4": lambda: transformers.Llama4TextConfig(**COMMON, num_local_experts=4,
+                                                    intermediate_size_mlp=64, head_dim=8),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32,
+                                            n_layer=2, n_head=4)}
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]())
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("inferred")
+    out = {}
+    for kind in ("stablelm", "stablelm-qk-norms", "llama4", "gpt2", "granitemoe"):
+        _model(kind).save_pretrained(str(root / kind))
+        out[kind] = str(root / kind)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_inferred_tp_plan_is_the_declared_one(kind):
+    from trainmesh.core.hf_infer import infer_tp_plan
+    model = _model(kind)
+    declared = {p: s for p, s in model.config.base_model_tp_plan.items() if p.startswith("layers.")}
+    assert infer_tp_plan(model) == declared
+
+
+def test_stablelm_gets_the_plans_of_a_llama_shaped_decoder(dirs):
+    from trainmesh.core.hf_infer import plan_source
+    from trainmesh.core.hf_plan import hf_structure
+    from trainmesh.models.hf import build_on_meta
+    model = build_on_meta(dirs["stablelm"])
+    assert type(model.config).base_model_tp_plan is None       # declares none: inferred
+    attention = {f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"}
+    assert model.config.base_model_tp_plan == {
+        **attention, "layers.*.self_attn.o_proj": "rowwise", "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    assert [plan_source(model, a) for a in ("tp", "pp", "ep")] == ["inferred", "inferred", None]
+    s = hf_structure(model)
+    assert (s.pre, s.layers, s.post, s.head) == (("model.embed_tokens",), "model.layers",
+                                                 ("model.norm",), "lm_head")
+
+
+@pytest.mark.parametrize("kind", ["granitemoe", "phimoe", "llama4"])
+def test_moe_families_get_a_layer_list(kind):
+    from trainmesh.core.hf_plan import hf_structure
+    from trainmesh.models.hf_plans import install_plans
+    model = install_plans(_model(kind))
+    s = hf_structure(model)
+    assert (s.pre, s.layers, s.post, s.head) == (("model.embed_tokens",), "model.layers",
+                                                 ("model.norm",), "lm_head")
+
+
+@pytest.mark.parametrize("kind", ["granitemoe", "phimoe"])
+def test_inferred_ep_plan_is_the_declared_one(kind):
+    from trainmesh.core.hf_infer import infer_ep_plan
+    model = _model(kind)
+    assert infer_ep_plan(model) == dict(model.config.base_model_ep_plan)
+
+
+def test_experts_without_routing_are_refused_naming_the_module():
+    from trainmesh.core.hf_infer import Uninferable, infer_ep_plan
+    with pytest.raises(Uninferable) as err:
+        infer_ep_plan(_model("llama4"))
+    assert err.value.module == "model.layers.0.feed_forward.experts", err.value
+    assert "not the routing" in err.value.why
+
+
+def test_first_layer_check_passes_the_inferred_and_declared_plans(dirs, tmp_path):
+    from trainmesh.models.hf import build_on_meta
+    from trainmesh.tensor_parallel.hf_check import check_first_layer
+    check_first_layer(build_on_meta(dirs["stablelm"]), 2)
+    for kind in ("qwen3", "llama"):
+        _model(kind).save_pretrained(str(tmp_path / kind))
+        check_first_layer(build_on_meta(str(tmp_path / kind)), 2)
+
+
+@pytest.mark.parametrize("entry,style,words", [
+    ("self_attn.o_proj", "colwise", "no row layer of model.layers.0.self_attn sums"),
+    ("self_attn.q_proj", "rowwise", "cannot split model.layers.0.self_attn over 2 ranks"),
+    ("mlp.down_proj", "colwise", "no row layer of model.layers.0.mlp sums"),
+    ("mlp.gate_proj", "rowwise", "cannot split model.layers.0.mlp over 2 ranks")])
+def test_first_layer_check_refuses_a_split_along_the_wrong_dimension(dirs, entry, style, words):
+    from trainmesh.core.errors import ConfigError
+    from trainmesh.models.hf import build_on_meta
+    from trainmesh.tensor_parallel.hf_check import check_first_layer
+    model = build_on_meta(dirs["stablelm"])
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, f"layers.*.{entry}": style}
+    with pytest.raises(ConfigError) as err:
+        check_first_layer(model, 2)
+    assert err.value.field == "--tp" and words in err.value.message, err.value
+
+
+def test_first_layer_check_measures_the_difference(dirs):
+    """A split that runs but computes something else (the value heads of rank 1 read as rank
+    0's): refused with the difference against the float32 bound."""
+    from trainmesh.core.errors import ConfigError
+    from trainmesh.models.hf import build_on_meta
+    from trainmesh.tensor_parallel import hf_check
+    model = build_on_meta(dirs["stablelm"])
+    real = hf_check._Slice.__init__
+
+    def same_rows(self, linear, style, rank, tp):
+        real(self, linear, style, 0 if linear.out_features == 16 and style == "colwise" else rank, tp)
+    hf_check._Slice.__init__ = same_rows
+    try:
+        with pytest.raises(ConfigError, match=r"self_attn split over 2 ranks differs by .* \(float32 "
+                                              r"rounding allows"):
+            hf_check.check_first_layer(model, 2)
+    finally:
+        hf_check._Slice.__init__ = real
+
+
+def test_refusals_name_the_module_that_could_not_be_placed(dirs, no_launch, capsys):
+    from trainmesh.cli import main
+    base = ["train", "--seq-len", str(SEQ), "--global-batch", "4", "--steps", "2"]
+    cases = [("stablelm-qk-norms", ["--tp", "2"], "--tp",
+              "model.layers.0.self_attn.q_layernorm.norms.0"),
+             ("llama4", ["--dp", "2", "--ep", "2"], "--ep", "model.layers.0.feed_forward.experts"),
+             ("gpt2", ["--pp", "2"], "--pp", "transformer.wpe"),
+             ("llama4", ["--tp", "2", "--sequence-parallel"], "--sequence-parallel",
+              "model.layers.0.feed_forward.router")]
+    for kind, flags, flag, words in cases:
+        code = main([*base, "--model-dir", dirs[kind], *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err and f"error: {flag}:" in err[-1] and words in err[-1], (kind, flags, err)
+    assert not no_launch
