@@ -6,8 +6,10 @@ it keeps a fraction 1 - p within the binomial's spread; the numbers of a tensor 
 whole tensor's; the attention function's output of a share of the rows or heads is the share of
 the whole output; a hub model's dropout (Seed-OSS: attention and residual) and router noise
 (Mixtral's jitter, PhiMoE's sampling) on a share of the batch equal the share of the whole
-batch's forward (and GPT-2's attention, residual and embedding dropout). A slow test trains Seed-OSS (attention and residual dropout 0.1) through
-``trainmesh train --model-dir`` under dp 2 x tp 2 against one process.
+batch's forward (and GPT-2's attention, residual and embedding dropout); the ring's attention
+with dropout at cp 2 and 4 (ring, all-gather) equals one process's forward and backward. A slow
+test trains Seed-OSS (attention and residual dropout 0.1) through ``trainmesh train
+--model-dir`` under dp 2 x tp 2 and under cp 2 against one process.
 """
 from __future__ import annotations
 
@@ -74,13 +76,13 @@ def test_hidden_numbers_of_any_split_are_the_pieces_of_the_whole():
     assert torch.equal(flat, whole.reshape(B * S, F))
 
 
-def _attention(draws: Draws, q, k, v, heads: int):
+def _attention(draws: Draws, q, k, v, heads: int, scaling: float = 0.3):
     from trainmesh.models.hf_random import _DroppedAttention
     module = torch.nn.Module()
     module._trainmesh_site, module._trainmesh_heads = 11, heads
     causal = torch.full((S, S), float("-inf"), dtype=q.dtype).triu(1).expand(q.shape[0], 1, S, S)
     with drawing(draws):
-        return _DroppedAttention("sdpa")(module, q, k, v, causal, scaling=0.3, dropout=P)[0]
+        return _DroppedAttention("sdpa")(module, q, k, v, causal, scaling=scaling, dropout=P)[0]
 
 
 def test_attention_of_a_share_of_rows_or_heads_is_the_share_of_the_whole():
@@ -99,6 +101,64 @@ def test_attention_of_a_share_of_rows_or_heads_is_the_share_of_the_whole():
     plain = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
                                                              v.repeat_interleave(2, 1), is_causal=True, scale=0.3)
     assert (whole - plain.transpose(1, 2)).abs().max() > 1e-3                # dropped, not plain
+
+
+def _ring_with_dropout(q, k, v, dout, cp: int, mode: str):
+    """(out, dq, dk, dv) of the whole sequence from ``cp`` emulated ranks, each dropping by its
+    own Draws (its zigzag positions) through the cp attention's keep mask."""
+    import queue
+    import threading
+
+    from test_context_parallel import ThreadRing
+
+    from trainmesh.context_parallel.hf_attention import _dropout
+    from trainmesh.context_parallel.partition import shard_sequence, unshard_sequence
+    from trainmesh.context_parallel.ring import ring_attention
+    module = torch.nn.Module()
+    module._trainmesh_site, module._trainmesh_heads = 11, q.shape[1]
+    shares = [[shard_sequence(t, r, cp, dim=2) for t in (q, k, v, dout)] for r in range(cp)]
+    keeps = []
+    for r in range(cp):           # each rank's keep mask, built from its Draws before the threads
+        with drawing(Draws(3, 2, 0, B, positions=zigzag_positions(S // cp, r, cp))):
+            keeps.append(_dropout(module, shares[r][0], P))
+    inboxes, gathered = [queue.Queue() for _ in range(cp)], [None] * cp
+    barrier, results, errors = threading.Barrier(cp), [None] * cp, []
+
+    def rank(r: int) -> None:
+        try:
+            mine = [t.detach().requires_grad_() for t in shares[r][:3]]
+            out = ring_attention(*mine, ThreadRing(r, cp, inboxes, gathered, barrier), mode=mode,
+                                 keep=keeps[r])
+            out.backward(shares[r][3])
+            results[r] = (out.detach(), *(t.grad for t in mine))
+        except BaseException as exc:   # reported by the main thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+    if errors:
+        raise errors[0]
+    return [unshard_sequence([res[i] for res in results], dim=2) for i in range(4)]
+
+
+@pytest.mark.parametrize("cp,mode", [(2, "ring"), (4, "ring"), (2, "allgather")])
+def test_ring_attention_with_dropout_equals_one_process(cp, mode):
+    """cp ranks' ring attention with dropout: out and dq, dk, dv (float64, grouped-query) equal
+    one process's dropped attention (the math path the model registers) on the whole sequence."""
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(B, 4, S, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, 2, S, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    want = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _attention(_whole(), *want, 4, scaling=8 ** -0.5).transpose(1, 2)   # (b, h, s, hd)
+    ref.backward(dout)
+    got = _ring_with_dropout(q, k, v, dout, cp, mode)
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, [ref.detach()] + [t.grad for t in want]):
+        err = float((a - w).abs().max())
+        assert err <= 1e-12, f"cp {cp} {mode}: {name} max error {err:.3e}"
 
 
 def _family(kind: str) -> torch.nn.Module:
@@ -194,12 +254,13 @@ def _one_process(flags: list[str], steps: int) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_seed_oss_with_dropout_under_dp2_tp2_equals_one_process(tmp_path):
+@pytest.mark.timeout(400)
+def test_seed_oss_with_dropout_under_dp2_tp2_and_cp2_equals_one_process(tmp_path):
     """Seed-OSS with attention and residual dropout 0.1: `trainmesh train --model-dir` at dp 2 x
-    tp 2 (each rank its rows and its heads) follows one process with the same seed for 4 steps
-    (loss 1e-3 abs, grad norm 1e-3 rel; drawn from each rank's generator it differed by 2e-3 at
-    step 1). One process: the engine `trainmesh train` builds, in this process."""
+    tp 2 (each rank its rows and its heads) and at cp 2 (the ring dropping each block's pairs)
+    follows one process with the same seed for 4 steps (loss 1e-3 abs, grad norm 1e-3 rel;
+    drawn from each rank's generator it differed by 2e-3 at step 1). One process: the engine
+    `trainmesh train` builds, in this process."""
     from helpers import assert_equivalent, run_train, steps
     text = tmp_path / "corpus.txt"
     text.write_text("\n\n".join(f"paragraph {i}: " + "abc def ghij " * (i % 7 + 1) for i in range(200)))
@@ -207,6 +268,7 @@ def test_seed_oss_with_dropout_under_dp2_tp2_equals_one_process(tmp_path):
             "--seq-len", "16", "--global-batch", "4", "--steps", "4", "--lr", "0.01",
             "--warmup-steps", "1", "--seed", "3"]
     ref = _one_process(base, 4)
-    proc, records = run_train([*base, "--dp", "2", "--tp", "2"], tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_equivalent(ref, steps(records), min_steps=4)
+    for layout in (["--dp", "2", "--tp", "2"], ["--cp", "2"]):
+        proc, records = run_train([*base, *layout], tmp_path, timeout=240, name=layout[0][2:])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert_equivalent(ref, steps(records), min_steps=4)

@@ -72,14 +72,16 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                 fused: bool = False, mask: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 fused: bool = False, mask: torch.Tensor | None = None,
+                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries ``q`` over the keys ``k``/values ``v`` of one block, all
     (b, h, c, hd); ``causal``: the block is a diagonal one (same chunk); ``mask``: (cq, ck)
     bool, the pairs attended (packed documents, a sliding window). Returns (out (b, h, cq, hd)
     in the accumulation dtype, lse (b, h, cq)); a query row with no key attended gives out 0,
-    lse -inf."""
-    if fused:
+    lse -inf. ``keep`` (b, h, cq, ck): dropout's scaled keep mask on the probabilities (math
+    path): the block's out is its kept probabilities times v and its lse the undropped one, so
+    the merge gives the dropped attention over every key (its normalisation undropped)."""
+    if fused and keep is None:
         bias = _bias(mask, q, k)
         if q.device.type == "cpu":
             out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
@@ -96,7 +98,8 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
         return out, lse
     s = _scores(q, k, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), v.to(s.dtype)), lse
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    return torch.matmul(p if keep is None else p * keep.to(p.dtype), v.to(s.dtype)), lse
 
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
@@ -113,12 +116,13 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
 
 def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, lse: torch.Tensor, *, causal: bool, fused: bool = False,
-                          mask: torch.Tensor | None = None
+                          mask: torch.Tensor | None = None, keep: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of one block's share, given the queries' merged ``out`` and
-    ``lse`` (over every block, hence finite) and ``dout`` = dL/d out; ``mask`` as in
-    :func:`attend_block`."""
-    if fused:
+    ``lse`` (over every block, hence finite) and ``dout`` = dL/d out; ``mask`` and ``keep`` as
+    in :func:`attend_block`. With P the probabilities and D the keep mask (out = (D·P) v):
+    dv = (D·P)ᵀ dout, dS = P·(D·(dout vᵀ) - rowsum(dout·out))."""
+    if fused and keep is None:
         dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
         bias = _bias(mask, q, k)
         if q.device.type == "cpu":
@@ -135,8 +139,10 @@ def attend_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     p = torch.exp(s - lse.unsqueeze(-1))                       # (b, h, cq, ck)
     dt = s.dtype
     dout, vv = dout.to(dt), v.to(dt)
-    dv = torch.matmul(p.transpose(-1, -2), dout)
+    d = None if keep is None else keep.to(dt)
+    dv = torch.matmul((p if d is None else p * d).transpose(-1, -2), dout)
     dp = torch.matmul(dout, vv.transpose(-1, -2))
+    dp = dp if d is None else dp * d
     ds = p * (dp - (dout * out.to(dt)).sum(-1, keepdim=True)) * (1.0 / math.sqrt(q.shape[-1]))
     dq = torch.matmul(ds, k.to(dt))
     dk = torch.matmul(ds.transpose(-1, -2), q.to(dt))

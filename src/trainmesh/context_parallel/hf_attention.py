@@ -21,8 +21,12 @@ chunks of every sequence (the engine shards the batch), and:
   is built);
 - **refused** (:func:`check_hf_context_parallel`, before any worker: ConfigError naming ``--cp``
   and the family): a family whose attention does not go through the interface, attention
-  logit soft-capping (Gemma2), attention sinks (gpt-oss), attention dropout, bidirectional
-  attention. The function checks the same at run time.
+  logit soft-capping (Gemma2), attention sinks (gpt-oss), bidirectional attention. The
+  function checks the same at run time;
+- **dropout**: attention dropout is drawn by (row, head, query position, key position) from the
+  engine's :class:`~trainmesh.core.randomness.Draws` (:mod:`trainmesh.models.hf_random`), the
+  positions global: each block of the ring drops what one process drops for those pairs, and
+  the log-sum-exp merge keeps the normalisation over every key undropped.
 
 Imports core, comm, models and this package.
 """
@@ -38,11 +42,12 @@ from trainmesh.comm import Comm
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_plan import family
 from trainmesh.core.mesh import ParallelMesh
+from trainmesh.core.randomness import current, keep_mask
 from trainmesh.models.hf_attention import routes_attention, use_attention
 
 from .documents import gather_documents
 from .partition import zigzag_positions
-from .ring import MODES, Ring, ring_attention
+from .ring import MODES, Keep, Ring, ring_attention
 
 
 def _refusal(model: nn.Module) -> str | None:
@@ -52,8 +57,6 @@ def _refusal(model: nn.Module) -> str | None:
         return "its attention does not go through transformers' attention interface"
     if not getattr(config, "is_causal", True):
         return "its attention is bidirectional"
-    if getattr(config, "attention_dropout", 0.0):
-        return f"attention_dropout = {config.attention_dropout} (ring attention has no dropout)"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "its attention logits are soft-capped (attn_logit_softcapping)"
     if any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters()):
@@ -109,7 +112,7 @@ class _RingAttention:
         whole = query.shape[2] * self.ring.size
         window = kwargs.get("sliding_window")
         window = window if isinstance(window, int) and window < whole else None
-        unsupported = {"dropout": dropout, "softcap": kwargs.get("softcap"),
+        unsupported = {"softcap": kwargs.get("softcap"),
                        "s_aux": kwargs.get("s_aux"),
                        "is_causal=False": kwargs.get("is_causal") is False or None}
         bad = [k for k, v in unsupported.items() if v]
@@ -123,9 +126,29 @@ class _RingAttention:
         docs = None
         if position_ids is not None and position_ids is not self.positions.made:
             docs = gather_documents(position_ids, self.ring)        # a packed batch's documents
+        keep = _dropout(module, query, dropout) if dropout else None
         out = ring_attention(query, key, value, self.ring, mode=self.mode, fused=self.fused,
-                             documents=docs, window=window)
+                             documents=docs, window=window, keep=keep)
         return out.transpose(1, 2).contiguous(), None            # (b, 2c, h, hd)
+
+
+def _dropout(module: nn.Module, query: torch.Tensor, p: float) -> Keep:
+    """Attention dropout ``p`` of the rank's queries (b, h, 2c, hd), drawn by (global row, head,
+    query position, key position) (module docstring)."""
+    draws = current()
+    if draws is None:
+        raise RuntimeError("attention dropout under cp is drawn by position: run the model "
+                           "through the engine (its Draws per microbatch)")
+    b, h = query.shape[:2]
+    rows = draws.row_ids(b)
+    heads = draws.split(h, getattr(module, "_trainmesh_heads", h)).view(1, h, 1, 1)
+    site = getattr(module, "_trainmesh_site", 0)
+
+    def keep(sel: slice, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        u = draws.uniform(site, rows[sel].view(-1, 1, 1, 1), heads, qpos.view(1, 1, -1, 1),
+                          kpos.view(1, 1, 1, -1))
+        return keep_mask(u, p)                                    # (rows, h, cq, ck)
+    return keep
 
 
 def apply_hf_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, mode: str,

@@ -31,6 +31,7 @@ from trainmesh.core.mesh import ParallelMesh
 
 from .blocks import attend_block, attend_block_backward, merge
 from .documents import Piece, plan
+from .partition import chunk_ids
 
 MODES = ("ring", "allgather")
 
@@ -119,10 +120,11 @@ def _cut(t: torch.Tensor, rows: slice, pos: slice) -> torch.Tensor:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, mode: str, fused: bool, docs, window):  # type: ignore[override]
+    def forward(ctx, q, k, v, ring: Ring, mode: str, fused: bool, docs, window, keep):  # type: ignore[override]
         n, me = ring.size, ring.index
         qs = q.chunk(2, dim=2)
-        pieces = plan(docs, me, n, q.shape[2] // 2, window)
+        c = q.shape[2] // 2
+        pieces = plan(docs, me, n, c, window)
         acc = [_Acc(), _Acc()]
 
         groups = q.shape[1] // k.shape[1]                   # grouped-query: q heads per k/v head
@@ -135,7 +137,8 @@ class _Attention(torch.autograd.Function):
                 for p in ps:
                     o, lse = attend_block(_cut(qs[a], p.rows, p.q), _cut(ks[b], p.rows, p.k),
                                           _cut(vs[b], p.rows, p.k), causal=p.kind == "causal",
-                                          fused=fused, mask=p.mask)
+                                          fused=fused, mask=p.mask,
+                                          keep=_keep(keep, p, (me, a), (src, b), c, n, q.device))
                     acc[a].add(p, o, lse, qs[a])
 
         kv = torch.stack([k, v])                            # (2, b, h, 2c, hd)
@@ -157,13 +160,13 @@ class _Attention(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, out, lse)
         else:
             ctx.save_for_backward(q, k, v, out, lse, every)
-        ctx.ring, ctx.mode, ctx.fused, ctx.pieces = ring, mode, fused, pieces
+        ctx.ring, ctx.mode, ctx.fused, ctx.pieces, ctx.keep = ring, mode, fused, pieces, keep
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, *rest = ctx.saved_tensors
-        ring, fused, pieces = ctx.ring, ctx.fused, ctx.pieces
+        ring, fused, pieces, keep = ctx.ring, ctx.fused, ctx.pieces, ctx.keep
         n, me = ring.size, ring.index
         qs, dos, outs, lses = (t.chunk(2, dim=2) for t in (q, dout, out, lse))
         acc_dtype = lse.dtype
@@ -184,7 +187,8 @@ class _Attention(torch.autograd.Function):
                         _cut(dos[a], p.rows, p.q), _cut(qs[a], p.rows, p.q),
                         _cut(ks[b], p.rows, p.k), _cut(vs[b], p.rows, p.k),
                         _cut(outs[a], p.rows, p.q), _cut(lses[a].unsqueeze(-1), p.rows, p.q)[..., 0],
-                        causal=p.kind == "causal", fused=fused, mask=p.mask)
+                        causal=p.kind == "causal", fused=fused, mask=p.mask,
+                        keep=_keep(keep, p, (me, a), (src, b), c, n, q.device))
                     dqs[a][p.rows, :, p.q] += gq
                     keys = slice(b * c + p.k.start, b * c + p.k.stop)
                     dkv[0][p.rows, :, keys] += _sum_groups(gk, groups)
@@ -206,7 +210,25 @@ class _Attention(torch.autograd.Function):
         else:
             every = rest[0]
             dkv = ring.reduce_scatter(torch.stack([contributions(every[j], j) for j in range(n)]))
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+Keep = Callable[[slice, torch.Tensor, torch.Tensor], torch.Tensor]
+"""Attention dropout: ``keep(rows, q_positions, k_positions)`` -> the scaled keep mask
+(rows, h, cq, ck) of those rows of the micro-batch and those global positions."""
+
+
+def _keep(keep: Keep | None, p: Piece, query: tuple[int, int], key: tuple[int, int], c: int,
+          n: int, device: torch.device) -> torch.Tensor | None:
+    """A piece's keep mask: its query positions in chunk ``query`` = (rank, 0 or 1) and key
+    positions in chunk ``key``, as global positions (chunk id · c + position in the chunk)."""
+    if keep is None:
+        return None
+    q0 = chunk_ids(query[0], n)[query[1]] * c
+    k0 = chunk_ids(key[0], n)[key[1]] * c
+    qpos = torch.arange(q0 + p.q.start, q0 + p.q.stop, device=device)
+    kpos = torch.arange(k0 + p.k.start, k0 + p.k.stop, device=device)
+    return keep(p.rows, qpos, kpos)
 
 
 def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -225,7 +247,7 @@ def _sum_groups(g: torch.Tensor, groups: int) -> torch.Tensor:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
                    mode: str = "ring", fused: bool = False, documents: torch.Tensor | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, keep: Keep | None = None) -> torch.Tensor:
     """Causal attention of this rank's zigzag chunks of q (b, h, 2c, hd) and k, v (b, h_kv, 2c,
     hd; grouped-query attention when h_kv < h: each k/v head serves h / h_kv query heads in a
     row, and travels the ring once) over the whole sequence held by the ``ring``'s ranks;
@@ -233,7 +255,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     (:func:`~.blocks.fused_available`); ``documents``: (b or 1, s) document id of every
     position of the whole rows, the same on every rank (:func:`~.documents.gather_documents`):
     attention stays within a document; ``window``: a query attends the keys less than
-    ``window`` positions back (a sliding window). Blocks with no attended pair are skipped
+    ``window`` positions back (a sliding window); ``keep``: attention dropout (:data:`Keep`),
+    every block then on the math path. Blocks with no attended pair are skipped
     (:mod:`.documents`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -249,4 +272,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
                              f"{tuple(documents.shape)}")
         if bool((documents == documents[:, :1]).all()):
             documents = None                     # one document per row: the plain causal plan
-    return _Attention.apply(q, k, v, ring, mode, fused, documents, window)
+    return _Attention.apply(q, k, v, ring, mode, fused and keep is None, documents, window, keep)

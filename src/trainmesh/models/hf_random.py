@@ -11,7 +11,8 @@ probability set to 0 and the same operation applied from those numbers:
   transformers passes its attention function): the attention is registered again (:mod:`.hf_attention`) as the math
   path (scores, mask, softmax) whose probabilities (b, h, s_q, s_k) are dropped by (row, head,
   query position, key position) — heads tensor parallelism splits are this rank's share;
-  without dropout (evaluation) the model's own implementation runs;
+  without dropout (evaluation) the model's own implementation runs; under cp the ring's blocks
+  draw it by the same key (:mod:`trainmesh.context_parallel.hf_attention`);
 - **hidden dropout**: ``nn.Dropout`` modules, the ``residual_dropout`` of a module's output
   (Seed-OSS, Starcoder2) and the ``embedding_dropout`` of a base model's token embeddings
   (Starcoder2) by (row, token, feature) of the (batch, seq, features) output; a width other
@@ -167,7 +168,8 @@ class _DroppedAttention:
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         scores = _masked(scores, attention_mask, getattr(module, "is_causal", True))
-        probs = torch.softmax(scores.float(), dim=-1)                 # (b, h, s_q, s_k)
+        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)),
+                              dim=-1)                                 # (b, h, s_q, s_k)
         u = draws.uniform(getattr(module, "_trainmesh_site", 0),
                           draws.row_ids(b).view(b, 1, 1, 1),
                           draws.split(h, getattr(module, "_trainmesh_heads", h)).view(1, h, 1, 1),
