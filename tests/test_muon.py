@@ -161,3 +161,27 @@ def test_a_zero_shard_leaves_a_matrix_without_a_gradient_alone():
         theirs.zero_grad(set_to_none=True)
     for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
         assert torch.allclose(p, q, rtol=0, atol=0), (name, (p - q).abs().max().item())
+
+
+def test_the_planner_counts_muons_states_and_gathers():
+    """`trainmesh plan --optimizer muon` at dp 2 ZeRO-1 and tp 2: the momentum on the hidden
+    matrices and AdamW's two moments on the rest (plus its step counters), and per step the
+    owners' reduce and broadcast of every matrix (fp32) over dp, the tp gathers of the cut ones
+    (figures a run measured equal, by the summary's comm_bytes_per_step and model_state_bytes)."""
+    from trainmesh.config.parallel import ParallelConfig
+    from trainmesh.planner.predict import predict_layout
+    gpt = CFG.gpt_config()
+    model = GPT(gpt, seed=0, device="meta")
+    split = param_groups(CFG, model)
+    matrices = sum(p.numel() for n, p in model.named_parameters() if split(n)["muon"])
+    rest = sum(p.numel() for n, p in model.named_parameters() if not split(n)["muon"])
+    zero1 = predict_layout(gpt, ParallelConfig(dp=2, zero=1), global_batch=8, optimizer="muon",
+                           base_bytes=0).ranks[0]
+    assert zero1.comm_bytes_per_step["dp"]["reduce"] == 4 * matrices
+    assert zero1.comm_bytes_per_step["dp"]["broadcast"] == 4 * matrices
+    counters = zero1.model_state_bytes["optimizer"] - (4 * matrices + 8 * rest) // 2
+    assert 0 < counters <= 8, counters          # AdamW's step count per flat shard (4 bytes)
+    tp2 = predict_layout(gpt, ParallelConfig(tp=2), global_batch=8, optimizer="muon",
+                         base_bytes=0).ranks[0]
+    assert tp2.comm_bytes_per_step["tp"]["all_gather"] == 4 * matrices      # each gathered whole
+    assert "reduce" not in tp2.comm_bytes_per_step["dp"]

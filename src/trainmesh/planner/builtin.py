@@ -52,6 +52,11 @@ class RankModel:
     """MoE blocks on this rank."""
     partial_dense_params: int = 0
     """Of ``partial_grad_params``, those reduced over dp (not the experts, reduced over edp)."""
+    matrix_params: int = 0
+    """Of ``params``, the values of the hidden weight matrices (Muon's: attention, dense MLPs,
+    routers; its experts' matrices are ``expert_matrix_params``)."""
+    expert_matrix_params: int = 0
+    """Of ``expert_params``, the values of the experts' matrices."""
 
 
 def block_params(cfg: GPTConfig, tp: int) -> int:
@@ -90,7 +95,11 @@ def rank_model(cfg: GPTConfig, *, pp: int, tp: int, rank: int, virtual_stages: i
     dense_partial = 6 * cfg.d_model * blocks + 2 * cfg.d_model * int(last) \
         + moe * (cfg.n_experts * cfg.d_model - cfg.d_model)
     partial = dense_partial + experts
-    return RankModel(blocks, first, last, params, tensors, partial, experts, moe, dense_partial)
+    d, f = cfg.d_model, cfg.d_ff
+    matrices = (4 * d * d * blocks + 2 * d * f * (blocks - moe)) // tp + cfg.n_experts * d * moe
+    expert_matrices = moe * local * 2 * d * cfg.moe_hidden if moe else 0
+    return RankModel(blocks, first, last, params, tensors, partial, experts, moe, dense_partial,
+                     matrices, expert_matrices)
 
 
 def gpt_shape(cfg: GPTConfig, *, micro_batch: int = 1) -> ModelShape:

@@ -129,7 +129,8 @@ def _stage_prediction(gpt: GPTConfig, layout: ParallelConfig, pp_rank: int, *, o
                       virtual_stages=layout.virtual_stages, ep=layout.ep)
     states = rank_bytes.device_states(held, layout, optimizer)
     stage = rank_bytes.stage(held, layout, gpt, micro_batch, pp_rank, allocator.threshold)
-    comm = _ints(rank_bytes.rank_traffic(held, layout, gpt, micro_batch, pp_rank, documents))
+    comm = _ints(rank_bytes.rank_traffic(held, layout, gpt, micro_batch, pp_rank, documents,
+                                         optimizer=optimizer))
     offloaded = rank_bytes.offloaded(held, layout, optimizer, states)
     host = offloaded["cpu"] if host_resident else 0
     peak = int(base_bytes + runtime_bytes + sum(states.values()) + host

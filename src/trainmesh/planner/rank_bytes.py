@@ -15,13 +15,14 @@ from trainmesh.core.layout import Group
 from ..models.gpt import GPTConfig
 from .activations import TRAINMESH, inflight_stages
 from .builtin import RankModel, block_params, gpt_shape
-from .memory import element_bytes, model_states
+from .memory import bytes_per_param, element_bytes, model_states
 from .peak import StageMemory, comm_buffers, stage_memory
 from .traffic import (
     Traffic,
     data_parallel_ops,
     dp_ops,
     ep_ops,
+    muon_ops,
     other_ops,
     pp_ops,
     tp_ops,
@@ -56,7 +57,12 @@ def device_states(held: RankModel, layout: ParallelConfig, optimizer: str,
         out["params"] += int(st.params)
         out["grads"] += int(st.grads)
         out["optimizer"] += int(st.optimizer)
-    if optimizer == "adamw" and offload == "none":  # AdamW's step counters
+    if optimizer == "muon":      # its AdamW part keeps a second moment
+        for (psi, dp), matrices in zip(parts, (held.matrix_params, held.expert_matrix_params)):
+            rest = model_states(psi - matrices, dp=dp, zero=layout.zero, precision=precision,
+                                optimizer="muon", offload=offload, offload_params=layout.offload_params)
+            out["optimizer"] += int(rest.optimizer * 4 / bytes_per_param(precision, "muon")[2])
+    if optimizer in ("adamw", "muon") and offload == "none":  # AdamW's step counters
         out["optimizer"] += 4 * (held.tensors if layout.zero == 0 else len(parts))
     return out
 
@@ -90,9 +96,10 @@ def init_peak(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, states: d
 
 
 def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_batch: int,
-                 pp_rank: int, documents: bool = False) -> Traffic:
+                 pp_rank: int, documents: bool = False, optimizer: str = "adamw") -> Traffic:
     """Bytes per step a rank of pipeline stage ``pp_rank`` passes to each op, keyed by group;
-    ``documents``: packed batches (cp gathers their position ids)."""
+    ``documents``: packed batches (cp gathers their position ids); ``optimizer`` muon: its
+    Newton-Schulz gathers (:func:`~.traffic.muon_ops`; experts' over edp)."""
     e = element_bytes(layout.precision)
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
     replicas = layout.layout.size(Group.dp_cp)   # the gradient group: dp x cp
@@ -151,7 +158,23 @@ def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
     for axis, ops in sequence_sums(held, layout, gpt, micro_batch).items():
         out[axis] = {**out.get(axis, {})}
         out[axis]["all_reduce"] = out[axis].get("all_reduce", 0.0) + ops
+    if optimizer == "muon":
+        routers = gpt.n_experts * gpt.d_model * held.moe_blocks        # whole over tp
+        for axis, ops in muon_ops(matrices=held.matrix_params, tp_split=held.matrix_params - routers,
+                                  shard=parts[0][1],
+                                  zero=layout.zero, tp=layout.tp).items():
+            _merge(out, groups.reduce if axis == "dp" else Group.tp, ops)
+        if len(parts) > 1:      # the experts' matrices: owners over edp (whole over tp)
+            for _, ops in muon_ops(matrices=held.expert_matrix_params, tp_split=0, shard=parts[1][1],
+                                   zero=layout.zero, tp=1).items():
+                _merge(out, Group.edp, ops)
     return out
+
+
+def _merge(out: Traffic, key: str, ops: dict[str, float]) -> None:
+    out[key] = {**out.get(key, {})}
+    for op, b in ops.items():
+        out[key][op] = out[key].get(op, 0.0) + b
 
 
 def _partial_pieces(held: RankModel, layout: ParallelConfig) -> float:

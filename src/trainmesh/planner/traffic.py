@@ -32,6 +32,7 @@ q bytes per gathered parameter value (both the compute dtype by default), m micr
 * PP: per microbatch a rank sends and receives A (A/t with SP) once per boundary of each chunk
   it holds: pp.send = pp.recv = m*A*(chunks not last + chunks not first); for one chunk
   ``[stage < p-1] + [stage > 0]``.
+* Muon (``--optimizer muon``): :func:`muon_ops`.
 * other: per step the loss sum and token count (two float64) and the squared grad norm (one
   float32) are all-reduced over the world, 20 bytes (+4 for fp16's overflow flag): small.
 
@@ -181,6 +182,21 @@ def pp_ops(*, pp: int, rank: int, virtual_stages: int, microbatches: int, tokens
     _add(ops, "send", microbatches * boundaries * act)
     _add(ops, "recv", microbatches * boundaries * act)
     return ops
+
+
+def muon_ops(*, matrices: float, tp_split: float, shard: int, zero: int, tp: int) -> Traffic:
+    """Muon's Newton-Schulz gathers per step (docs/TRAINING.md, Optimizers), fp32: ``matrices``
+    hidden-matrix values this rank holds (its tp shards), ``tp_split`` of them cut over tp.
+    Under ZeRO (``shard`` ranks) each matrix is reduced into its owner and broadcast back:
+    dp.reduce + dp.broadcast 4 x matrices. Under tp each cut matrix is all-gathered whole, by
+    every rank without ZeRO, by its owner's tp group under ZeRO (1/shard of them on average)."""
+    out: Traffic = {}
+    if zero >= 1 and shard > 1:
+        out["dp"] = {"reduce": 4.0 * matrices, "broadcast": 4.0 * matrices}
+    if tp > 1 and tp_split > 0:
+        owned = 1 / shard if zero >= 1 else 1
+        out["tp"] = {"all_gather": 4.0 * tp * tp_split * owned}
+    return out
 
 
 def other_ops(*, world: int, precision: str) -> dict[str, float]:
