@@ -185,3 +185,29 @@ def test_the_planner_counts_muons_states_and_gathers():
                          base_bytes=0).ranks[0]
     assert tp2.comm_bytes_per_step["tp"]["all_gather"] == 4 * matrices      # each gathered whole
     assert "reduce" not in tp2.comm_bytes_per_step["dp"]
+
+
+def test_zero_with_offload_to_files_steps_as_one_process(tmp_path):
+    """ZeRO-2 on one rank with --offload nvme (the file store steps one group at a time) and
+    ZeRO-3 with --offload cpu, the GPT's split into three groups: bit for bit the one-process
+    Muon + AdamW (the same element-wise arithmetic on flat shards, each matrix assembled whole
+    by exact copies)."""
+    from trainmesh import Engine, ParallelConfig, ParallelMesh
+    from trainmesh.data.corpus import SyntheticCorpus
+    corpus = SyntheticCorpus(64, 16)
+
+    def run(cfg: ParallelConfig) -> dict[str, torch.Tensor]:
+        model = GPT(CFG.gpt_config(), seed=0)
+        engine = Engine(model, lambda ps: MuonAdamW(ps, lr=LR, betas=(0.9, 0.95)),
+                        lambda m, b: m(**b), cfg, param_groups=param_groups(CFG, model),
+                        mesh=ParallelMesh(local=True))
+        for k in range(3):
+            engine.train_step(corpus.batch(5, k, 4))
+        return engine.grad_sync.logical_state()[0]
+
+    want = run(ParallelConfig())
+    for cfg in (ParallelConfig(zero=2, offload="nvme", offload_dir=str(tmp_path)),
+                ParallelConfig(zero=3, offload="cpu")):
+        got = run(cfg)
+        for name, value in want.items():
+            assert torch.equal(got[name], value), (cfg.zero, name, (got[name] - value).abs().max().item())

@@ -124,24 +124,18 @@ class ShardOwners:
         self.axis = sync.axis
         self.ranks = self.comm.mesh.ranks(self.axis)
         self.me = self.comm.mesh.index(self.axis)
-        self._owners: dict[str, int] | None = None
-
-    def owner_table(self) -> dict[str, int]:
-        """Owners of every parameter of the groups that step whole, from the shapes alone."""
-        if self._owners is None:
-            whole = [gi for gi, g in enumerate(self.sync.optimizer.param_groups)
-                     if g.get("muon") or g.get("whole")]
-            slots = [(s.name, self.tp.full_shape(s.name, tuple(s.shape)))
-                     for gi in whole for s in self.sync._slots(gi)]
-            self._owners = owners(slots, len(self.ranks))
-        return self._owners
+        # built now, while the optimizer holds every group (a file store steps one at a time)
+        whole = [gi for gi, g in enumerate(sync.optimizer.param_groups) if g.get("muon") or g.get("whole")]
+        slots = [(s.name, tp.full_shape(s.name, tuple(s.shape))) for gi in whole for s in sync._slots(gi)]
+        self.table = owners(slots, len(self.ranks))
+        """Each parameter's owner (index in the shard group), from the shapes alone."""
 
     @torch.no_grad()
     def map(self, p: torch.Tensor, tensors: list[torch.Tensor], fn: WholeFn) -> torch.Tensor:
         """``fn`` of each parameter's whole ``tensors`` (laid out like the shard ``p``) at its
         owner; its result returned to every holder's stretches (laid out like ``p``)."""
-        gi = next(i for i, sp in enumerate(self.sync.optimizer_params()) if sp is p)
-        table = self.owner_table()
+        gi = self._group_of(p)
+        table = self.table
         mine: dict[str, list[Stretch]] = {}
         for slot, index, offset, n in self.sync._stretches(gi):
             mine.setdefault(slot.name, []).append((index, offset, n))
@@ -164,6 +158,13 @@ class ShardOwners:
             for index, offset, n in mine.get(slot.name, []):
                 out[index] = full[offset : offset + n]
         return out
+
+    def _group_of(self, p: torch.Tensor) -> int:
+        """The group whose shard (or fp32 master of it) ``p`` is."""
+        for gi, sp in enumerate(self.sync.optimizer_params()):
+            if sp is p:
+                return gi
+        raise LookupError("the optimizer stepped a tensor that is no shard of this strategy")
 
 
 def install(sync: GradSync, comm: Comm, placements: Placements | None) -> None:
