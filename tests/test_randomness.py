@@ -8,8 +8,9 @@ the whole output; a hub model's dropout (Seed-OSS: attention and residual) and r
 (Mixtral's jitter, PhiMoE's sampling) on a share of the batch equal the share of the whole
 batch's forward (and GPT-2's attention, residual and embedding dropout); the ring's attention
 with dropout at cp 2 and 4 (ring, all-gather) equals one process's forward and backward. A slow
-test trains Seed-OSS (attention and residual dropout 0.1) through ``trainmesh train
---model-dir`` under dp 2 x tp 2 and under cp 2 against one process.
+tests train through ``trainmesh train --model-dir`` against one process: Seed-OSS (attention and
+residual dropout 0.1) under dp 2 x tp 2 and under cp 2; PhiMoE (input jitter, sampled experts)
+under dp 2 x ep 2 x tp 2.
 """
 from __future__ import annotations
 
@@ -219,21 +220,28 @@ def test_a_hub_models_draws_on_a_share_of_the_batch_are_the_share_of_the_whole(k
     assert (evaluated - whole).abs().max() > 1e-6
 
 
-def _seed_oss_dir(tmp) -> str:
-    """A tiny Seed-OSS (attention and residual dropout 0.1, its defaults), matrices at std 0.2."""
+def _hub_dir(tmp, kind: str) -> str:
+    """A tiny saved ``kind``, matrices at std 0.2: Seed-OSS (attention and residual dropout 0.1,
+    its defaults) or PhiMoE (sampling among experts within 0.5 of the best, input jitter 0.1)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.SeedOssForCausalLM(transformers.SeedOssConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False))
-    assert model.config.attention_dropout == model.config.residual_dropout == 0.1
+    common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                  tie_word_embeddings=False)
+    if kind == "seed_oss":
+        model = transformers.SeedOssForCausalLM(transformers.SeedOssConfig(**common))
+        assert model.config.attention_dropout == model.config.residual_dropout == 0.1
+    else:
+        model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5,
+            input_jitter_noise=0.1))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2)
-    model.save_pretrained(str(tmp / "seed_oss"))
-    return str(tmp / "seed_oss")
+    model.save_pretrained(str(tmp / kind))
+    return str(tmp / kind)
 
 
 def _one_process(flags: list[str], steps: int) -> list[dict]:
@@ -253,22 +261,36 @@ def _one_process(flags: list[str], steps: int) -> list[dict]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_seed_oss_with_dropout_under_dp2_tp2_and_cp2_equals_one_process(tmp_path):
-    """Seed-OSS with attention and residual dropout 0.1: `trainmesh train --model-dir` at dp 2 x
-    tp 2 (each rank its rows and its heads) and at cp 2 (the ring dropping each block's pairs)
-    follows one process with the same seed for 4 steps (loss 1e-3 abs, grad norm 1e-3 rel;
-    drawn from each rank's generator it differed by 2e-3 at step 1). One process: the engine
-    `trainmesh train` builds, in this process."""
+def _check_layouts(tmp, kind: str, layouts: list[list[str]]) -> None:
+    """`trainmesh train --model-dir` of a tiny ``kind`` under each layout follows one process
+    with the same seed for 4 steps (loss 1e-3 abs, grad norm 1e-3 rel)."""
     from helpers import assert_equivalent, run_train, steps
-    text = tmp_path / "corpus.txt"
+    text = tmp / "corpus.txt"
     text.write_text("\n\n".join(f"paragraph {i}: " + "abc def ghij " * (i % 7 + 1) for i in range(200)))
-    base = ["--model-dir", _seed_oss_dir(tmp_path), "--data", str(text), "--tokenizer", "bytes",
+    base = ["--model-dir", _hub_dir(tmp, kind), "--data", str(text), "--tokenizer", "bytes",
             "--seq-len", "16", "--global-batch", "4", "--steps", "4", "--lr", "0.01",
             "--warmup-steps", "1", "--seed", "3"]
     ref = _one_process(base, 4)
-    for layout in (["--dp", "2", "--tp", "2"], ["--cp", "2"]):
-        proc, records = run_train([*base, *layout], tmp_path, timeout=240, name=layout[0][2:])
+    for layout in layouts:
+        proc, records = run_train([*base, *layout], tmp, timeout=240, name="-".join(layout)[2:])
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert_equivalent(ref, steps(records), min_steps=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_seed_oss_with_dropout_under_dp2_tp2_and_cp2_equals_one_process(tmp_path):
+    """Seed-OSS with attention and residual dropout 0.1 at dp 2 x tp 2 (each rank its rows and
+    its heads) and at cp 2 (the ring dropping each block's pairs) equals one process (drawn
+    from each rank's generator it differed by 2e-3 at step 1). One process: the engine
+    `trainmesh train` builds, in this process."""
+    _check_layouts(tmp_path, "seed_oss", [["--dp", "2", "--tp", "2"], ["--cp", "2"]])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_phimoe_router_noise_under_dp2_ep2_tp2_equals_one_process(tmp_path):
+    """PhiMoE's input jitter and sampling of experts at dp 2 x ep 2 x tp 2 (each rank its rows,
+    its experts, its heads) equals one process (drawn from each rank's generator: 5.6e-3 in
+    loss at step 1 at dp 2 x ep 2)."""
+    _check_layouts(tmp_path, "phimoe", [["--dp", "2", "--ep", "2", "--tp", "2"]])
