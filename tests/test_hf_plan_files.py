@@ -6,13 +6,14 @@
   readable, not JSON, not an object, a value of the wrong kind, a pattern naming no module, a
   style trainmesh does not map, a layout its plan cannot split, no --model-dir — exits 2 before
   any worker with one line naming the flag and what is wrong.
-- One `trainmesh train` launch: a StableLM (which declares no tensor-parallel plan) under
-  ``--tp 2 --tp-plan FILE`` splitting only its MLPs equals the one-process engine that
-  `trainmesh train` builds (loss 1e-3 abs, grad norm 1e-3 rel, 2 steps).
+- One world-2 launch of the engine `trainmesh train`'s workers build (``build_engine`` of the
+  run's config): a StableLM (which declares no tensor-parallel plan) under ``--tp 2 --tp-plan
+  FILE`` splitting only its MLPs holds its attention whole and its MLP split, and equals the
+  one-process engine (loss 1e-3 abs, grad norm 1e-3 rel, 2 steps).
 
 Planted bugs this module catches (each seen failing with an assertion): the plan files not
 handed to the workers (trainer's ``build_model`` without them: the workers split the inferred
-plan, and the checkpoint's metadata holds the attention's weights in two pieces).
+plan: rank 0 holds q_proj as (16, 32)).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import json
 
 import pytest
 import torch
-from helpers import LAUNCHED, run_train, step_differences, steps, train_config
+from helpers import LAUNCHED, step_differences, train_config
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -111,33 +112,33 @@ def test_a_good_plan_file_launches(dirs, tmp_path, no_launch):
     assert no_launch[0].tp_plan == tp and no_launch[0].plan_files().tp == tp
 
 
+def _curve(cfg, mesh=None) -> dict:
+    """STEPS steps of the engine `trainmesh train` builds for ``cfg`` (its workers' build_engine),
+    and the local shapes of layer 0's q_proj and gate_proj."""
+    from trainmesh.data.corpus import make_datasets
+    from trainmesh.run.trainer import build_engine
+    mesh = mesh if mesh is not None else cfg.parallel.build_mesh()
+    engine = build_engine(cfg, torch.device("cpu"), mesh)
+    data, _ = make_datasets(cfg.data, vocab_size=cfg.vocab_size, seq_len=SEQ, held_out=False)
+    curve = [(engine.train_step(data.batch(cfg.seed, step, BATCH)), engine.last["grad_norm"])
+             for step in range(1, STEPS + 1)]
+    layer = engine.model.get_submodule("model.layers.0")
+    return {"curve": curve, "q_proj": tuple(layer.self_attn.q_proj.weight.shape),
+            "gate_proj": tuple(layer.mlp.gate_proj.weight.shape)}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tp_with_a_plan_file_equals_one_process(dirs, tmp_path):
-    """The workers build the model with the file's plan (the attention stays whole: the
-    checkpoint's placements show it), and train as one process."""
+    """The workers' engine is built with the file's plan (the attention stays whole on each
+    rank, the MLP split), and trains as one process."""
     from trainmesh.core.mesh import ParallelMesh
-    from trainmesh.data.corpus import make_datasets
-    from trainmesh.run.trainer import build_engine
+    from trainmesh.testing import run_distributed
     tp = _file(tmp_path, "tp.json", MLP_ONLY)
-    cfg = train_config(["--model-dir", dirs["stablelm"], *BASE])
-    engine = build_engine(cfg, torch.device("cpu"), ParallelMesh(local=True))
-    data, _ = make_datasets(cfg.data, vocab_size=cfg.vocab_size, seq_len=SEQ, held_out=False)
-    want = [(engine.train_step(data.batch(cfg.seed, step, BATCH)), engine.last["grad_norm"])
-            for step in range(1, STEPS + 1)]
-    save = tmp_path / "ckpt"
-    proc, records = run_train(["--model-dir", dirs["stablelm"], *BASE, "--tp", "2", "--tp-plan", tp,
-                               "--save-dir", str(save)], tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    curve = [(r["loss"], r["grad_norm"]) for r in steps(records)]
-    failures = step_differences(want, curve, "stablelm --tp 2 --tp-plan")
-    assert len(curve) == STEPS and not failures, "\n".join(failures) or curve
-    import torch.distributed.checkpoint as dcp
-    step = next(p for p in save.iterdir() if p.is_dir())
-    chunks = {k.rpartition("layers.0.")[2]: len(v.chunks)
-              for k, v in dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata.items()
-              if k.startswith("model.") and "layers.0." in k and k.endswith("proj.weight")}
-    assert chunks == {"self_attn.q_proj.weight": 1, "self_attn.k_proj.weight": 1,   # whole
-                      "self_attn.v_proj.weight": 1, "self_attn.o_proj.weight": 1,
-                      "mlp.gate_proj.weight": 2, "mlp.up_proj.weight": 2,          # one per rank
-                      "mlp.down_proj.weight": 2}, chunks
+    want = _curve(train_config(["--model-dir", dirs["stablelm"], *BASE]), ParallelMesh(local=True))
+    cfg = train_config(["--model-dir", dirs["stablelm"], *BASE, "--tp", "2", "--tp-plan", tp])
+    for rank, got in run_distributed(_curve, 2, cfg, timeout_s=200).items():
+        # q_proj whole (32, 32); gate_proj's 64 output features split: (32, 32)
+        assert (got["q_proj"], got["gate_proj"]) == ((32, 32), (32, 32)), (rank, got)
+        failures = step_differences(want["curve"], got["curve"], f"rank {rank} --tp 2 --tp-plan")
+        assert not failures, "\n".join(failures)
