@@ -102,6 +102,7 @@ class _OutputDropout:
     def __init__(self, p: float, site: int, width: int) -> None:
         self.p, self.site, self.width = p, site, width
 
+    @torch.compiler.disable   # eager: the keys (site, step, rows) are not graph constants
     def __call__(self, module: nn.Module, _args: Any, output: Any) -> Any:
         if not module.training:
             return output
@@ -122,6 +123,7 @@ class _InputJitter:
     def __init__(self, j: float, site: int, width: int) -> None:
         self.j, self.site, self.width = j, site, width
 
+    @torch.compiler.disable   # eager: the keys (site, step, rows) are not graph constants
     def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
         if not module.training or not args:
             return None
@@ -148,6 +150,7 @@ class _DroppedAttention:
     def __init__(self, inner: str) -> None:
         self.inner = inner
 
+    @torch.compiler.disable   # eager: the keys (site, step, rows) are not graph constants
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: Any, *, scaling: float | None = None,
                  dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -202,6 +205,7 @@ class _DrawnCalls(TorchFunctionMode):
         super().__init__()
         self.inner, self.site, self.calls = forward, site, 0
 
+    @torch.compiler.disable   # eager: the keys (site, step, rows) are not graph constants
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if current() is None:
             return self.inner(*args, **kwargs)
