@@ -63,6 +63,8 @@ ROWS = [
     row("train --config {notjson}", 2, "--config"), row("train --config {bad_toml}", 2, "--config"),
     row("train --config {negative_toml}", 2, "--dp"), row("train --config {nan_toml}", 2, "--lr"),
     row("train --config {dir}", 2, "--config"), row("train --config {binary}", 2, "--config"),
+    row("verify --config {missing}", 2, "--config"), row("verify --config {bad_toml}", 2, "--config"),
+    row("verify --model-dir {missing} --layers 1", 2, "--model-dir"),
     row("train --data {missing}", 2, "--data"), row("train --data {empty}", 2, "--data"),
     row("train --data {dir}", 2, "--data"), row("train --data {binary}", 2, "--vocab-size"),
     row("train --data {ckpt_dense}", 2, "--data"),
@@ -99,6 +101,8 @@ ROWS = [
         2, "--micro-batch"),
     row("plan --params 7B --gpus 8 --layers 32 --hidden 0 --heads 32 --seq-len 2048", 2, "--hidden"),
     row("plan --model llama3-8b --gpus 8 --gpus-per-node 0", 2, "--gpus-per-node"),
+    row("plan --model tiny --document-len 0", 2, "--document-len"),
+    row("plan --model tiny --document-len 1e9", 2, "--document-len"),
     row("plan --model llama3-8b --gpus 8 --gpu-mem -80GB", 2, "--gpu-mem"),
     row("plan --model llama3-8b --gpus 8 --gpu-mem lots", 2, "--gpu-mem"),
     row("plan --model llama3-8b --gpus 8 --intra-node-bw inf", 2, "--intra-node-bw"),
@@ -233,7 +237,8 @@ def _plan_flags() -> list[str]:
     return keep()
 
 
-GENERATED = [*generated("train", list(FLAGS)), *generated("plan", _plan_flags(), ("--model", "tiny"))]
+GENERATED = [*generated("train", list(FLAGS)), *generated("verify", list(FLAGS)),
+             *generated("plan", _plan_flags(), ("--model", "tiny"))]
 
 
 # ---------------------------------------------------------------- the files the rows name
