@@ -173,11 +173,15 @@ class _DroppedAttention:
         scores = _masked(scores, attention_mask, getattr(module, "is_causal", True))
         probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)),
                               dim=-1)                                 # (b, h, s_q, s_k)
-        u = draws.uniform(getattr(module, "_trainmesh_site", 0),
-                          draws.row_ids(b).view(b, 1, 1, 1),
-                          draws.split(h, getattr(module, "_trainmesh_heads", h)).view(1, h, 1, 1),
-                          draws.tokens(sq).view(1, 1, sq, 1), draws.tokens(sk).view(1, 1, 1, sk))
-        probs = (probs * keep_mask(u, dropout)).to(value.dtype)
+        site, rows = getattr(module, "_trainmesh_site", 0), draws.row_ids(b).view(b, 1, 1, 1)
+        heads = draws.split(h, getattr(module, "_trainmesh_heads", h))
+        qpos, kpos = draws.tokens(sq).view(1, 1, sq, 1), draws.tokens(sk).view(1, 1, 1, sk)
+        keep = torch.empty_like(probs)
+        step = max(1, (1 << 24) // max(1, b * sq * sk))   # heads per hash: its int64 temporaries bounded
+        for i in range(0, h, step):
+            u = draws.uniform(site, rows, heads[i:i + step].view(1, -1, 1, 1), qpos, kpos)
+            keep[:, i:i + step] = keep_mask(u, dropout)
+        probs = (probs * keep).to(value.dtype)
         return (probs @ value).transpose(1, 2).contiguous(), None    # (b, s_q, h, hd)
 
 
