@@ -81,6 +81,7 @@ class Zero3(ShardedSync):
         self._chunks: dict[tuple[int, int], torch.Tensor] = {}   # (id(unit), piece) -> landed grads
         self._grads_freed = False            # the flat gradient shards' storage is released
         self._next: _Unit | None = None      # the unit of backward to prefetch (_prefetch)
+        self._unreached: dict[int, list[nn.Parameter]] = {}   # id(unit) -> passing when it opens
 
     # ---------------------------------------------------------------- set-up
     @torch.no_grad()
@@ -207,6 +208,7 @@ class Zero3(ShardedSync):
                     self._next = nxt                      # prefetch the next unit of backward
                     self._prefetch()
                 break
+        self._open_unreached(unit)
 
     def _prefetch(self) -> None:
         """Start gathering the next unit of backward once no reduce-scatter of a whole unit is
@@ -241,14 +243,29 @@ class Zero3(ShardedSync):
         return bufs
 
     def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
-        """Only in units the pass takes part in (some parameter reached): a unit it does not
-        reach at all is reduced at the end of the backward, in unit order, as before."""
+        """In a unit the pass reaches, the parameters it does not reach pass at once. A unit
+        it does not reach at all (an expert no row of this rank's microbatch chose, which a
+        peer's rows may have) passes when its backward opens (:meth:`_open_unreached`): where
+        a peer that reached it is inside that unit's backward, so both reduce it at the same
+        place of the group's sequence — not earlier, nor at the end of the backward."""
+        self._unreached = {}
         for unit in self.units:
-            if any(id(p) in reached for p in unit.params):
-                for p in unit.params:
-                    if id(p) not in reached and (among is None or id(p) in among):
-                        self.readiness.passed(p)
-                        self.bucketer.give(p)   # nothing staged: its part of the buffer stays 0
+            passing = [p for p in unit.params
+                       if id(p) not in reached and (among is None or id(p) in among)]
+            if not any(id(p) in reached for p in unit.params):
+                if passing:
+                    self._unreached[id(unit)] = passing
+                continue
+            for p in passing:
+                self.readiness.passed(p)
+                self.bucketer.give(p)   # nothing staged: its part of the buffer stays 0
+
+    def _open_unreached(self, unit: _Unit) -> None:
+        """The unit's backward opens (the gradient reached its outputs): if this pass reaches
+        none of its parameters, they pass now (:meth:`pass_unreached`)."""
+        for p in self._unreached.pop(id(unit), ()):
+            self.readiness.passed(p)
+            self.bucketer.give(p)
 
     def _post_backward(self, unit: _Unit) -> None:
         """Reduce-scatter the unit's gradients into the gradient shards; free the unit."""

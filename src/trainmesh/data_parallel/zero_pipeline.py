@@ -115,10 +115,11 @@ class PipelineZero3(Zero3):
 
         def hook(_: Any) -> None:
             nonlocal opened
+            self._gathered(unit)
             if not opened:
                 opened = True
                 self._open[id(unit)] += 1
-            self._gathered(unit)
+                self._open_unreached(unit)
         return hook
 
     def _post_backward(self, unit: _Unit) -> None:
