@@ -113,13 +113,18 @@ class MuonAdamW(torch.optim.Optimizer):
                     "momentum": momentum, "nesterov": nesterov, "ns_coefficients": ns_coefficients,
                     "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn, "muon": False}
         super().__init__(params, defaults)
+        self.flops_run = 0
+        """The iteration's FLOPs this rank has run (an owner runs its matrices' only)."""
         self.wholes = Local()
         """Whole matrices where the layout cuts them: ``map(param, tensors, fn)`` applies
         ``fn`` to each whole matrix of tensors laid out like ``param`` (:mod:`.muon_owners`)."""
 
     def orthogonalize(self, p: torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor:
         """NS(u) x learning-rate factor of each whole matrix, laid out like ``p``."""
-        return self.wholes.map(p, [u], lambda name, whole: newton_schulz(whole[0], group))
+        def iterate(name: str | None, whole: list[torch.Tensor]) -> torch.Tensor:
+            self.flops_run += ns_flops(tuple(whole[0].shape), group["ns_steps"])
+            return newton_schulz(whole[0], group)
+        return self.wholes.map(p, [u], iterate)
 
     @torch.no_grad()
     def step(self, closure=None):
