@@ -299,6 +299,8 @@ ALLOWED = {
     "cli/launch.py": "the launch environment: a TP group within srun's tasks per node",
     "engine/pretrained.py": "what a hub model's declared plans allow (the model built on meta)",
     "tensor_parallel/hf_experts.py": "what a hub model's declared plans allow",
+    "tensor_parallel/hf_check.py": "an inferred or file tp plan checked on the model's first "
+                                   "layer at start: the model's arithmetic, not the layout's",
     "context_parallel/hf_attention.py": "what a hub model's attention allows",
     "context_parallel/parallelize.py": "a model given to the Python API without attention to split",
     "expert_parallel/hf.py": "what a hub model's declared expert plan allows",
