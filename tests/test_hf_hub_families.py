@@ -1,28 +1,34 @@
-"""Hub families whose plans needed more than reading: each against one process, from its
-directory as ``trainmesh train --model-dir`` builds it (``from_pretrained``: the plans it
-declares, those inferred where it declares none).
+"""Hub families on every axis, each against one process, from its directory as ``trainmesh
+train --model-dir`` builds it (``from_pretrained``: the plans it declares, those inferred where
+it declares none).
 
 One world-2 launch of the Python API runs every case below for STEPS AdamW steps against the one
 process run in the pytest process (loss within LOSS_ABS, grad norm within NORM_REL):
 
-- OLMo 2 and OLMo 3 under ``tp 2`` with sequence parallelism: their plan gathers q, k and v whole
-  (``colwise_gather_output``, for their norms over every head), so the attention's input is
-  gathered along the sequence before its own code reads the shape.
-- Ernie 4.5 (MoE) under ``dp 2 x ep 2``: its config.json counts its experts as
-  ``moe_num_experts``; its declared expert plan (``grouped_gemm``, ``ep_dispatch_experts``).
-- StableLM under ``tp 2`` + SP and ``pp 2``: it declares no tensor-parallel or pipeline plan;
-  both are inferred from its modules (the tp plan checked on the first layer at start).
-- GraniteMoE, PhiMoE (router jitter 0 here) and Llama 4 under
-  ``pp 2``: their pipeline plans hold the head alone or nothing; the layer list is inferred.
-- OLMoE under ``pp 2`` and ``tp 2`` + SP: its pipeline plan holds the head alone (the layer
-  list inferred); its q/k/v gathered for their norms.
-- Llama 4 under ``tp 2``: its plan is read under its base model (``model``, though its
-  ``base_model_prefix`` says ``language_model``), its experts' ``packed_rowwise`` gate/up
-  (stored ``(E, in, out)``: dimension 2 split per half) and ``colwise`` down.
+- the dense families (OLMo 2, OLMo 3, StableLM, Gemma 3, Cohere, GLM-4, Starcoder2, Seed-OSS)
+  under ``tp 2``, ``tp 2`` + SP, ``pp 2`` (2 microbatches), ``cp 2`` and ``dp 2`` ZeRO-3 with
+  selective recomputation;
+- the mixtures of experts (Ernie 4.5, GraniteMoE, Llama 4, dots.llm1, PhiMoE, GLM-4-MoE) under
+  ``dp 2 x ep 2``, ``tp 2``, ``tp 2`` + SP, ``pp 2``, ``cp 2`` and ``dp 2`` ZeRO-3; OLMoE
+  under ``pp 2`` and ``tp 2`` + SP.
+
+What these cover that needed more than reading a plan: OLMo 2/3's and OLMoE's q/k/v gathered
+whole for their norms (``colwise_gather_output``: the attention's input gathered along the
+sequence before its own code reads the shape); Ernie 4.5's experts counted as
+``moe_num_experts``, and its shared experts called on the flattened tokens (under SP their
+column layer gathers rows), its router's correction bias a part of the router; StableLM's tp
+and pp plans, Llama 4's pp and ep plans and GraniteMoE's, PhiMoE's and OLMoE's layer lists
+inferred; Llama 4's plan read under its base model (``model``, though its
+``base_model_prefix`` says ``language_model``), its experts' ``packed_rowwise`` gate/up (stored
+``(E, in, out)``: dimension 2 split per half), and its experts taking the tokens in
+expert-major blocks: dispatched over ep by their non-zero rows, gathered block by block under
+SP, its router (which transformers does not record) per token there. Router jitter and attention
+dropout are 0 here (test_randomness draws them).
 
 Planted bugs this module catches (each seen failing with an assertion): the gathered attention
 not entered as one region under SP (the rank reports the rotary embedding's size mismatch);
-``packed_rowwise`` mapped to dimension 1 (Llama 4 tp 2: the rank reports the shape mismatch).
+``packed_rowwise`` mapped to dimension 1 (Llama 4 tp 2: the rank reports the shape mismatch);
+Llama 4's chosen rows sent in token order instead of expert order (dp 2 x ep 2 differs).
 """
 from __future__ import annotations
 
@@ -48,24 +54,19 @@ DENSE = {"cohere": ("CohereConfig", "CohereForCausalLM"), "glm4": ("Glm4Config",
          "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
          "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
-CASES = {"olmo2 tp2-sp": ("olmo2", {"tp": 2, "sequence_parallel": True}),
-         "olmo3 tp2-sp": ("olmo3", {"tp": 2, "sequence_parallel": True}),
-         "ernie4_5_moe dp2-ep2": ("ernie4_5_moe", {"dp": 2, "ep": 2}),
-         "stablelm tp2-sp": ("stablelm", {"tp": 2, "sequence_parallel": True}),
-         "stablelm pp2": ("stablelm", PP2),
-         "granitemoe pp2": ("granitemoe", PP2),
-         "phimoe pp2": ("phimoe", PP2),
-         "llama4 pp2": ("llama4", PP2),
-         "llama4 tp2": ("llama4", {"tp": 2}),
-         "olmoe pp2": ("olmoe", PP2),
-         "olmoe tp2-sp": ("olmoe", {"tp": 2, "sequence_parallel": True}),
-         "cohere tp2-sp": ("cohere", {"tp": 2, "sequence_parallel": True}),
-         "glm4 tp2-sp": ("glm4", {"tp": 2, "sequence_parallel": True}),
-         "starcoder2 pp2": ("starcoder2", PP2),
-         "seed_oss tp2-sp": ("seed_oss", {"tp": 2, "sequence_parallel": True}),
-         "gemma3_text tp2-sp": ("gemma3_text", {"tp": 2, "sequence_parallel": True}),
-         "dots1 dp2-ep2": ("dots1", {"dp": 2, "ep": 2}),
-         "glm4_moe dp2-ep2": ("glm4_moe", {"dp": 2, "ep": 2})}
+TP2, TP2_SP, CP2 = {"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"cp": 2}
+DENSE_AXES = {"tp2": TP2, "tp2-sp": TP2_SP, "pp2": PP2, "cp2": CP2,
+              "dp2-zero3-selective": {"dp": 2, "zero": 3, "recompute": "selective"}}
+MOE_AXES = {"dp2-ep2": {"dp": 2, "ep": 2}, "tp2": TP2, "tp2-sp": TP2_SP, "pp2": PP2, "cp2": CP2,
+            "dp2-zero3": {"dp": 2, "zero": 3}}
+DENSE_FAMILIES = ("olmo2", "olmo3", "stablelm", "gemma3_text", "cohere", "glm4", "starcoder2",
+                  "seed_oss")
+MOE_FAMILIES = ("ernie4_5_moe", "granitemoe", "llama4", "dots1", "phimoe", "glm4_moe")
+CASES = {**{f"{kind} {axis}": (kind, layout) for kind in DENSE_FAMILIES
+            for axis, layout in DENSE_AXES.items()},
+         **{f"{kind} {axis}": (kind, layout) for kind in MOE_FAMILIES
+            for axis, layout in MOE_AXES.items()},
+         "olmoe pp2": ("olmoe", PP2), "olmoe tp2-sp": ("olmoe", TP2_SP)}
 
 
 def family_model(kind: str) -> torch.nn.Module:
@@ -173,11 +174,11 @@ def test_preflight_lets_the_fixed_families_launch(dirs, no_launch, capsys):
     from helpers import LAUNCHED
 
     from trainmesh.cli import main
-    flags = {"tp": ["--tp", "2"], "sequence_parallel": ["--sequence-parallel"],
-             "dp": ["--dp", "2"], "ep": ["--ep", "2"], "pp": ["--pp", "2"],
-             "microbatches": ["--microbatches", "2"]}
+    def flags(key: str, value: Any) -> list[str]:
+        flag = "--" + key.replace("_", "-")
+        return [flag] if value is True else [flag, str(value)]
     for name, (kind, layout) in CASES.items():
         args = ["train", "--model-dir", dirs[kind], "--seq-len", str(SEQ), "--global-batch", "4",
-                "--steps", "2", *[f for key in layout for f in flags[key]]]
+                "--steps", "2", *[f for key, value in layout.items() for f in flags(key, value)]]
         assert main(args) == LAUNCHED, (name, capsys.readouterr().err)
     assert len(no_launch) == len(CASES)

@@ -7,12 +7,13 @@ first-layer check of a tensor-parallel plan at start (in this process, no launch
 - The inferred pipeline plans of StableLM, GraniteMoE, PhiMoE and Llama 4 name the token
   embedding, the layer list and the final norm, and read as the structure the pipeline cuts.
 - The inferred expert plans of GraniteMoE and PhiMoE are the ones they declare; Llama 4's
-  experts, which take no routing, are refused naming the module.
+  experts, which take their tokens in expert-major blocks, get one; with a bias they are
+  refused naming the module.
 - The first layer, split by a plan, against the unsplit layer: the inferred and the declared
   plans pass; a projection split along the wrong dimension is refused naming the module.
 - `trainmesh train --model-dir` exits 2 before any worker where a plan cannot be inferred,
-  naming the module (StableLM's per-head norm list under tp, Llama 4's experts under ep, GPT-2's
-  position embedding under pp).
+  naming the module (StableLM's per-head norm list under tp, GPT-2's position embedding under
+  pp).
 
 Planted bugs this module catches (each seen failing with an assertion): the inferred output
 projection split by columns instead of rows (the plans differ from the declared ones).
@@ -52,7 +53,7 @@ def _model(kind: str) -> torch.nn.Module:
 def dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("inferred")
     out = {}
-    for kind in ("stablelm", "stablelm-qk-norms", "llama4", "gpt2", "granitemoe"):
+    for kind in ("stablelm", "stablelm-qk-norms", "gpt2", "granitemoe"):
         _model(kind).save_pretrained(str(root / kind))
         out[kind] = str(root / kind)
     return out
@@ -99,12 +100,20 @@ def test_inferred_ep_plan_is_the_declared_one(kind):
     assert infer_ep_plan(model) == dict(model.config.base_model_ep_plan)
 
 
-def test_experts_without_routing_are_refused_naming_the_module():
+def test_experts_in_expert_major_blocks_get_a_plan_and_biased_ones_are_refused():
+    """Llama 4's experts take the tokens alone (repeated per expert, scaled by the router's
+    scores): dispatched by their non-zero rows, which needs experts without biases."""
     from trainmesh.core.hf_infer import Uninferable, infer_ep_plan
+    model = _model("llama4")
+    assert infer_ep_plan(model) == {"layers.*.feed_forward.experts": "ep_dispatch_experts",
+                                    "layers.*.feed_forward.experts.gate_up_proj": "grouped_gemm",
+                                    "layers.*.feed_forward.experts.down_proj": "grouped_gemm"}
+    experts = model.model.layers[0].feed_forward.experts
+    experts.bias = torch.nn.Parameter(torch.zeros(4, 32))          # (E, d): a zero row -> bias
     with pytest.raises(Uninferable) as err:
-        infer_ep_plan(_model("llama4"))
+        infer_ep_plan(model)
     assert err.value.module == "model.layers.0.feed_forward.experts", err.value
-    assert "not the routing" in err.value.why
+    assert "neither the routing" in err.value.why
 
 
 def test_first_layer_check_passes_the_inferred_and_declared_plans(dirs, tmp_path):
@@ -157,10 +166,7 @@ def test_refusals_name_the_module_that_could_not_be_placed(dirs, no_launch, caps
     base = ["train", "--seq-len", str(SEQ), "--global-batch", "4", "--steps", "2"]
     cases = [("stablelm-qk-norms", ["--tp", "2"], "--tp",
               "model.layers.0.self_attn.q_layernorm.norms.0"),
-             ("llama4", ["--dp", "2", "--ep", "2"], "--ep", "model.layers.0.feed_forward.experts"),
-             ("gpt2", ["--pp", "2"], "--pp", "transformer.wpe"),
-             ("llama4", ["--tp", "2", "--sequence-parallel"], "--sequence-parallel",
-              "model.layers.0.feed_forward.router")]
+             ("gpt2", ["--pp", "2"], "--pp", "transformer.wpe")]
     for kind, flags, flag, words in cases:
         code = main([*base, "--model-dir", dirs[kind], *flags])
         err = capsys.readouterr().err.strip().splitlines()

@@ -21,7 +21,8 @@ relative to the base model) from what the modules are:
 - **expert parallel** (:func:`infer_ep_plan`): each module holding stacked experts
   (:func:`~trainmesh.core.hf_routing.stacked_experts`) is ``ep_dispatch_experts`` and each of
   its parameters ``grouped_gemm`` — when its forward takes the routing
-  ``(hidden_states, top_k_index, top_k_weights)``.
+  ``(hidden_states, top_k_index, top_k_weights)``, or takes ``hidden_states`` alone in
+  expert-major blocks, the routing applied before it, and holds stacked matrices only (Llama 4).
 
 Where a module cannot be placed, :class:`Uninferable` names it and why (the callers' refusal,
 exit 2 before any worker). The tensor-parallel plan is checked on the first layer against the
@@ -215,10 +216,14 @@ def infer_ep_plan(model: nn.Module) -> dict[str, str]:
     for name in names:
         module = model.get_submodule(name)
         arguments = list(inspect.signature(module.forward).parameters)
-        if len(arguments) < 3:
+        own = list(module.parameters(recurse=False))
+        blocks = len(arguments) == 1 and all(p.dim() == 3 for p in own)   # Llama 4's form
+        if len(arguments) < 3 and not blocks:
             raise Uninferable(name, f"({type(module).__name__}) takes ({', '.join(arguments)}), "
-                              "not the routing (hidden_states, top_k_index, top_k_weights): its "
-                              "tokens cannot be dispatched to the ranks holding their experts")
+                              "neither the routing (hidden_states, top_k_index, top_k_weights) "
+                              "nor expert-major blocks of bias-free experts (hidden_states "
+                              "alone): its tokens cannot be dispatched to the ranks holding "
+                              "their experts")
         local = name[len(base) + 1:] if base else name
         pattern = re.sub(rf"^{re.escape(layers)}\.\d+\.", f"{layers}.*.", local)
         plan[pattern] = "ep_dispatch_experts"

@@ -21,6 +21,10 @@ are honoured here, for every family that declares them:
   received through the module's own forward (its ``num_experts`` now ``E/ep``, the rows' local
   expert ids, top-1, weight 1), the outputs return by the reverse all-to-all and each token's
   output is the gate-weighted sum of its k slots.
+- an experts module taking only ``hidden_states`` (Llama 4: the tokens repeated once per
+  expert, scaled by the router's scores, in expert-major blocks) is run by
+  :class:`~.hf_blocks.BlockDispatch`: its non-zero rows are the chosen slots, exchanged the
+  same way.
 
 The routing is the model's own: its router, top-k, gate normalisation (Mixtral's softmax then
 renormalised top-k, DeepSeek-V3's grouped sigmoid with its correction bias and scaling,
@@ -51,6 +55,7 @@ from trainmesh.core.placement import Placement, Placements
 from trainmesh.models.moe import MoEStats
 
 from .dispatch import ExpertExchange
+from .hf_blocks import BlockDispatch, takes_blocks
 
 EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")
 """The expert-parallel styles of ``base_model_ep_plan`` trainmesh honours."""
@@ -116,9 +121,10 @@ def expert_layers(model: nn.Module) -> list[ExpertsLayer]:
         if not isinstance(n, int) or n < 1:
             raise _refuse(model, f"{name} ({type(module).__name__}) has no num_experts")
         arguments = list(inspect.signature(module.forward).parameters)
-        if len(arguments) < 3:
-            raise _refuse(model, f"{name} ({type(module).__name__}) does not take (hidden_states, "
-                          "top_k_index, top_k_weights): its experts get no routing to dispatch")
+        if len(arguments) < 3 and not takes_blocks(module):
+            raise _refuse(model, f"{name} ({type(module).__name__}) takes neither (hidden_states, "
+                          "top_k_index, top_k_weights) nor expert-major blocks of bias-free "
+                          "experts (hidden_states alone): its experts get no routing to dispatch")
         own = [f"{name}.{local}" for local, _ in module.named_parameters()]
         for full in own:
             if full not in split:
@@ -210,6 +216,7 @@ def shard_hf_experts(model: nn.Module, comm: Comm, placements: Placements) -> No
             record = placements.get(full) or Placement(full_shape=tuple(p.shape))
             placements.record(full, dataclasses.replace(record, expert=True, ep_dim=0, ep_start=start))
         layer.module.num_experts = local
-        layer.module.forward = Dispatch(layer.module.forward, ExpertExchange(comm, layer.n_experts),
-                                        layer.n_experts, local, index,
-                                        lambda: getattr(model, "moe_stats", None))
+        kind = BlockDispatch if takes_blocks(layer.module) else Dispatch
+        layer.module.forward = kind(layer.module.forward, ExpertExchange(comm, layer.n_experts),
+                                    layer.n_experts, local, index,
+                                    lambda: getattr(model, "moe_stats", None))

@@ -35,7 +35,8 @@ parameter the plan leaves whole (a bias would be added on every rank, then summe
 stored transposed or with gate and up interleaved (a packed split would cut the wrong features),
 a split dimension not divisible by tp. Under sequence parallelism the router runs on this
 rank's chunk of the tokens, between the tensor-parallel regions, and the experts' region
-gathers its rows over tp (the hook's docstring). Under expert parallelism (ep > 1)
+gathers its rows over tp (the hook's docstring; Llama 4's experts, taking the tokens in
+expert-major blocks, each expert's block). Under expert parallelism (ep > 1)
 the experts are spread over ep instead (:mod:`trainmesh.expert_parallel.hf`) and stay whole on
 every TP rank, as the built-in GPT's: these styles are then not applied.
 
@@ -141,12 +142,6 @@ def check_expert_tp(model: nn.Module, tp: int, *, ep: int = 1, sequence_parallel
     stacked = stacked_experts(model)
     for owner in modules:
         module = model.get_submodule(owner)
-        if sequence_parallel and len(inspect.signature(module.forward).parameters) < 3:
-            raise ConfigError("--sequence-parallel", f"{family}: {owner} "
-                              f"({type(module).__name__}) takes its tokens repeated once per "
-                              "expert (hidden_states only, no routing), so its rows cannot be "
-                              "gathered over tp by sequence; valid: --tp without "
-                              "--sequence-parallel")
         if owner not in stacked:         # its hooks sum outputs a whole module computes per rank
             raise ConfigError("--tp", f"{family}: its base_model_tp_plan gives {owner} "
                               f"({type(model.get_submodule(owner)).__name__}) the style "
@@ -185,8 +180,13 @@ def _hook_experts(module: nn.Module, state: TPState) -> None:
     import inspect
     names = list(inspect.signature(module.forward).parameters)[:3]
     sp, comm, axis = state.sequence_parallel, state.comm, state.axis
+    blocks = len(names) == 1          # Llama 4: (E·T/tp, d), the tokens in expert-major blocks
+    experts = int(getattr(module, "num_experts", 1))
 
     def enter(i: int, x: Any) -> Any:
+        if sp and blocks:             # each expert's block gathered: (E, T/tp, d) -> (E, T, d)
+            return gather_from_sequence(x.view(experts, -1, x.shape[-1]), comm, axis,
+                                        dim=1).reshape(-1, x.shape[-1])
         if sp:                        # hidden_states (T/tp, d), top_k_index, top_k_weights (T/tp, k)
             return gather_from_sequence(x, comm, axis, dim=0)
         return copy_to_region(x, comm, axis) if i != 1 else x
@@ -203,6 +203,9 @@ def _hook_experts(module: nn.Module, state: TPState) -> None:
         return tuple(args), kwargs
 
     def leave(_m: nn.Module, _a: Any, out: Any) -> Any:
+        if sp and blocks:             # (E, T, d) partial sums -> this rank's (E, T/tp, d)
+            return reduce_scatter_to_sequence(out.view(experts, -1, out.shape[-1]), comm, axis,
+                                              dim=1).reshape(-1, out.shape[-1])
         if sp:
             return reduce_scatter_to_sequence(out, comm, axis, dim=0)
         return reduce_from_region(out, comm, axis)

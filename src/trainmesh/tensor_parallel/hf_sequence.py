@@ -16,11 +16,12 @@ layer norms), and the final norm.
 
 The plan allows SP when everything that runs on chunks is per token: a module with parameters
 outside every region must hold 1-D parameters only (a norm), be a mixture of experts' router
-(the module transformers records ``router_logits`` from: it scores each token alone) or hold
-its stacked experts (recognised by their parameters,
-:func:`~trainmesh.core.hf_routing.stacked_experts`: each token through the experts chosen for
-it) — each gets its gradient summed over tp like a norm's. Stacked experts the plan splits over
-tp are a region of their own (:mod:`.hf_experts`); those it leaves whole (transformers 5.25
+(the module transformers records ``router_logits`` from: it scores each token alone; its
+parts too, Ernie 4.5's correction bias), a linear layer of a mixture of experts' block (Llama
+4's router, which transformers does not record) or hold its stacked experts (recognised by
+their parameters, :func:`~trainmesh.core.hf_routing.stacked_experts`: each token through the
+experts chosen for it) — each gets its gradient summed over tp like a norm's. Stacked experts
+the plan splits over tp are a region of their own (:mod:`.hf_experts`); those it leaves whole (transformers 5.25
 declares no tensor-parallel style for them) run on the rank's chunk. A module holding another
 matrix (an attention or MLP the plan leaves whole, a convolution over the sequence) is a
 ConfigError naming ``--sequence-parallel`` and the family, as is a family without a pipeline
@@ -51,6 +52,12 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan) -> dict[str, tuple[str,
     regions += expert_entries(model)[1]           # stacked experts split over tp: their region
     router, _ = router_logits_of(model)           # a mixture of experts' router: per token
     experts = stacked_experts(model)               # whole on every rank: per token too
+    routers = [n for n, m in model.named_modules()
+               if isinstance(router, type) and isinstance(m, router)]
+    blocks = {e.rpartition(".")[0] for e in experts}     # an MoE block routes each token alone:
+    routers += [n for n, m in model.named_modules()     # its linear layers (Llama 4's router)
+                if isinstance(m, nn.Linear) and n.rpartition(".")[0] in blocks]
+    routers += experts
 
     def within(name: str, names: list[str]) -> bool:
         return any(name == r or name.startswith(r + ".") for r in names)
@@ -63,7 +70,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan) -> dict[str, tuple[str,
             own = list(module.parameters(recurse=False))
             if not own or within(name, regions):
                 continue
-            per_token = isinstance(router, type) and isinstance(module, router) or within(name, experts)
+            per_token = within(name, routers)     # a router and its parts, experts
             if any(p.dim() != 1 for p in own) and not per_token:
                 raise ConfigError(FLAG, f"the {structure.family} family's {name} "
                                   f"({type(module).__name__}) runs on the whole sequence outside "

@@ -67,14 +67,14 @@ class TPState:
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The f operator: a replicated (SP: sequence-sharded) activation -> the region's input."""
-        if self.sequence_parallel:
-            return gather_from_sequence(x, self.comm, self.axis)    # (b, s/n, h) -> (b, s, h)
+        if self.sequence_parallel:       # (b, s/n, h) -> (b, s, h); tokens flattened (T/n, h) by rows
+            return gather_from_sequence(x, self.comm, self.axis, dim=0 if x.dim() == 2 else 1)
         return copy_to_region(x, self.comm, self.axis)              # (b, s, h), bwd all-reduce
 
     def leave(self, y: torch.Tensor) -> torch.Tensor:
         """The g operator: partial sums -> complete activations (SP: of this rank's chunk)."""
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence(y, self.comm, self.axis)  # (b, s, h) -> (b, s/n, h)
+        if self.sequence_parallel:       # (b, s, h) -> (b, s/n, h); (T, h) -> (T/n, h)
+            return reduce_scatter_to_sequence(y, self.comm, self.axis, dim=0 if y.dim() == 2 else 1)
         return reduce_from_region(y, self.comm, self.axis)
 
     def shard(self, full: torch.Tensor, dim: int, parts: int | tuple[int, ...] = 1
