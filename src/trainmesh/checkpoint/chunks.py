@@ -271,6 +271,10 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _lookup(self.state_dict, index)
 
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        """A non-tensor value (an optimizer's number) read with the weights-only unpickler."""
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
 
 def tensor_meta(md: object) -> TensorStorageMetadata | None:
     return md if isinstance(md, TensorStorageMetadata) else None

@@ -6,7 +6,9 @@ parameters (the fp32 masters in mixed precision) and for each element-wise optim
 (fresh shard-shaped tensors); per-parameter scalars (step counts) are read whole. So a rank
 holds nothing beyond its own shards while loading. Strategies without flat shards (DDP, whose
 every rank holds whole tensors along dp; DiLoCo, which spreads its replicas' states itself) read
-their tensors whole along dp and take them through ``load_logical_state``.
+their tensors whole along dp and take them through ``load_logical_state``. An optimizer stepped
+on whole parameters (:mod:`trainmesh.data_parallel.whole_params`) has its states of each
+parameter read whole by the rank that will step it.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from trainmesh.checkpoint.local_state import (
 from trainmesh.comm import Comm
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
+from trainmesh.data_parallel.composite import CompositeSync
 from trainmesh.data_parallel.sharded import ShardedSync
 
 Missing = Callable[[str], Exception]
@@ -68,11 +71,16 @@ def load_plan(md: dict[str, Any], grad_sync: GradSync, comm: Comm, placements: P
         return meta
     with ExitStack() as stack:
         for sync in leaves(grad_sync):
+            # an optimizer stepped on whole parameters: the strategy holds none of its states
+            whole = hasattr(sync.optimizer, "load_whole_state") and not isinstance(sync, CompositeSync)
+            theirs = {} if whole else states           # DiLoCo's: not yet (API.md)
             if isinstance(sync, ShardedSync):
                 stack.enter_context(sync.resident())
-                finish.append(_sharded(sync, comm, placements, states, meta_of, targets))
+                finish.append(_sharded(sync, comm, placements, theirs, meta_of, targets))
             else:
-                finish.append(_whole(sync, comm, placements, states, meta_of, targets))
+                finish.append(_whole(sync, comm, placements, theirs, meta_of, targets))
+            if theirs is not states:
+                finish.append(_whole_param_states(sync, md, targets))
         yield targets, lambda: [f() for f in finish] and None
 
 
@@ -128,3 +136,24 @@ def _whole(sync: GradSync, comm: Comm, placements: Placements, states: dict[str,
                                                               dtype=smeta.properties.dtype)
             targets[f"{STATE}{name}.{key}"] = whole_chunks(name, t, comm, placements) if same else t
     return lambda: sync.load_logical_state(params, optim)
+
+
+def _whole_param_states(sync: GradSync, md: dict[str, Any],
+                        targets: dict[str, Any]) -> Callable[[], None]:
+    """An optimizer stepped on whole parameters: the saved states (tensors, numbers) of the
+    parameters this rank will step, read whole (nothing of the others); returns what hands
+    them to it once read."""
+    opt = sync.optimizer
+    names = set([m.name for group in sync.stepper.groups for m in group] if isinstance(sync, ShardedSync)
+                else [name for name, _ in sync.named_params])
+    read: dict[str, list[str]] = {}
+    for fqn, meta in md.items():
+        name, _, key = fqn[len(STATE):].rpartition(".")
+        if not fqn.startswith(STATE) or name not in names or not opt.owns(name):
+            continue
+        read.setdefault(name, []).append(key)
+        shape = tensor_meta(meta)
+        targets[fqn] = (None if shape is None      # a number: the planner puts it here
+                        else torch.empty(tuple(shape.size), dtype=shape.properties.dtype))
+    return lambda: opt.load_whole_state({name: {k: targets[f"{STATE}{name}.{k}"] for k in keys}
+                                         for name, keys in read.items()})

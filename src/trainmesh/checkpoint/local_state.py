@@ -4,7 +4,9 @@ Keys follow ``torch.distributed.checkpoint.state_dict.get_state_dict`` flattened
 it (torchtitan's layout): ``model.<name>`` for every parameter, frozen parameter and persistent
 buffer under its single-process name; ``optimizer.state.<name>.<key>`` (``exp_avg``,
 ``exp_avg_sq``, ``step``, ``momentum_buffer``, ...); ``optimizer.param_groups.<i>.<option>``
-and ``optimizer.param_groups.<i>.params`` (the names in group ``i``), written by rank 0.
+and ``optimizer.param_groups.<i>.params`` (the names in group ``i``), written by rank 0. An
+optimizer stepped on whole parameters (:mod:`trainmesh.data_parallel.whole_params`) gives its
+states whole, from the rank that steps each parameter.
 
 Each value is a :class:`~.chunks.Chunks` of views into what the rank holds — ZeRO's flat shards
 cut into boxes, placed in the global tensor through the tp / ep slicing — so nothing is copied
@@ -21,6 +23,7 @@ import torch
 
 from trainmesh.checkpoint.chunks import Chunks, GlobalMap, flat_boxes, tp_ep_map
 from trainmesh.comm import Comm
+from trainmesh.core.errors import ConfigError
 from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
@@ -133,8 +136,13 @@ def save_state(grad_sync: GradSync, comm: Comm, placements: Placements,
     collectives, in the same order on every rank). ``tied``: alias -> name of a weight the
     model holds under several names, saved under each (a PyTorch ``state_dict`` has them all)."""
     out: dict[str, Any] = {}
+    refused: str | None = None
     with ExitStack() as stack:
         for sync in leaves(grad_sync):
+            try:
+                _whole_param_state(sync, out)
+            except ConfigError as exc:   # said on every rank, after the gather below
+                refused = str(exc)
             if isinstance(sync, ShardedSync):
                 stack.enter_context(sync.resident())
                 _sharded_state(sync, comm, placements, out)
@@ -151,10 +159,26 @@ def save_state(grad_sync: GradSync, comm: Comm, placements: Placements,
         for alias, name in sorted((tied or {}).items()):   # under each name, as state_dict()
             if MODEL + name in out:
                 out[MODEL + alias] = out[MODEL + name]
-        groups = comm.all_gather_object(param_groups(grad_sync))          # collective: small
+        everyone = comm.all_gather_object((param_groups(grad_sync), refused))   # collective: small
+        why = next((r for _, r in everyone if r is not None), None)
+        if why is not None:
+            field, _, message = why.partition(": ")
+            raise ConfigError(field, message)
         if comm.mesh.rank == 0:
-            out.update(merge_groups(groups))
+            out.update(merge_groups([groups for groups, _ in everyone]))
         yield out
+
+
+def _whole_param_state(sync: GradSync, out: dict[str, Any]) -> None:
+    """An optimizer stepped on whole parameters: its states of the parameters this rank steps,
+    whole (``optimizer.state.<name>.<key>``: tensors, and numbers as DCP keeps non-tensor
+    values; the strategy itself holds none of them)."""
+    whole_state = getattr(sync.optimizer, "whole_state", None)
+    if whole_state is None or isinstance(sync, CompositeSync):   # DiLoCo: not yet (API.md)
+        return
+    for name, state in whole_state().items():
+        for key, v in sorted(state.items()):
+            out[f"{STATE}{name}.{key}"] = _whole(GlobalMap.whole(v.shape), v) if torch.is_tensor(v) else v
 
 
 def param_groups(grad_sync: GradSync) -> list[tuple[dict[str, Any], list[str]]]:

@@ -106,6 +106,10 @@ class ByName:
     def map(self, p: torch.Tensor, tensors: list[torch.Tensor], fn: WholeFn) -> torch.Tensor:
         return self.tp.apply(self.names[id(p)], tensors, fn)
 
+    def owns(self, name: str) -> bool:
+        """Every rank steps each parameter it holds."""
+        return True
+
 
 def _scatter_pieces(full: torch.Tensor, local: torch.Tensor, pieces: list, dim: int) -> None:
     at = 0
@@ -159,6 +163,10 @@ class ShardOwners:
                 out[index] = full[offset : offset + n]
         return out
 
+    def owns(self, name: str) -> bool:
+        """Whether this rank is parameter ``name``'s owner (its whole TP group is)."""
+        return self.table.get(name) == self.me
+
     def _group_of(self, p: torch.Tensor) -> int:
         """The group whose shard (or fp32 master of it) ``p`` is."""
         for gi, sp in enumerate(self.sync.optimizer_params()):
@@ -181,5 +189,5 @@ def install(sync: GradSync, comm: Comm, placements: Placements | None) -> None:
             continue
         if isinstance(part, ShardedSync):
             opt.wholes = ShardOwners(part, tp)
-        elif tp.tp > 1:
+        elif tp.tp > 1 or hasattr(opt, "whole_state"):   # a user's optimizer: states by name
             opt.wholes = ByName(part, tp)

@@ -12,8 +12,14 @@ its states, is built per parameter where it steps (its owner), at its first step
 options (the learning rate a schedule sets included) follow the wrapper's. Element-wise
 optimizers keep stepping flat shards as they are.
 
-Not yet: such an optimizer's states are not in checkpoints (they live with each parameter's
-owner, not in the shard layout a checkpoint gathers); a resumed run starts them afresh.
+Checkpoints: the user's optimizer's states of each parameter are saved whole, under the
+parameter's single-process name as ``get_state_dict`` names a plain optimizer's
+(``optimizer.state.<name>.<key>``, of any shape: factored moments too; a Python number as DCP
+keeps one, pickled), written by the rank that steps it (:meth:`WholeParams.whole_state`). On
+load, under any layout, the rank that will step a parameter reads its states whole and the
+user's optimizer built at its first step takes them through ``load_state_dict``
+(:meth:`WholeParams.load_whole_state`). Not yet: DiLoCo's checkpoints and a fault-tolerant
+replica's copy of a live one do not carry them.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from trainmesh.core.errors import ConfigError
 
 from .muon import Local
 
@@ -41,6 +49,8 @@ class WholeParams(torch.optim.Optimizer):
         """Set by the engine for the layout (:func:`~.muon_owners.install`)."""
         self.inner: dict[Any, tuple[nn.Parameter, torch.optim.Optimizer]] = {}
         """Per parameter stepped here: (its whole copy, the user's optimizer over it)."""
+        self.pending: dict[str, dict[str, Any]] = {}
+        """Per parameter: states loaded from a checkpoint, taken at its first step here."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -62,13 +72,49 @@ class WholeParams(torch.optim.Optimizer):
         value, grad = whole
         if key not in self.inner:
             copy = nn.Parameter(value.clone())
-            self.inner[key] = (copy, self.factory([{**options, "params": [copy]}]))
+            opt = self.factory([{**options, "params": [copy]}])
+            saved = self.pending.pop(key, None)
+            if saved is not None:
+                state = opt.state_dict()
+                opt.load_state_dict({**state, "state": {0: saved}})
+            self.inner[key] = (copy, opt)
         copy, opt = self.inner[key]
         opt.param_groups[0].update(options)          # the schedule's lr of this step
         copy.data.copy_(value)
         copy.grad = grad.clone()
         opt.step()
         return copy.detach().clone()
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank steps parameter ``name`` (and so holds its states)."""
+        owns = getattr(self.wholes, "owns", None)
+        return owns is None or owns(name)
+
+    def whole_state(self) -> dict[str, dict[str, Any]]:
+        """The user's optimizer's states of the parameters this rank steps, by parameter name
+        (those loaded and not stepped since too): {name: {state key: whole tensor or number}}."""
+        out = {name: dict(state) for name, state in self.pending.items()}
+        for key, (copy, opt) in self.inner.items():
+            if isinstance(key, str) and opt.state.get(copy):
+                out[key] = {k: _saved(v, f"{type(opt).__name__}'s state {k!r} of {key}")
+                            for k, v in opt.state[copy].items()}
+        return out
+
+    def load_whole_state(self, states: dict[str, dict[str, Any]]) -> None:
+        """Take a checkpoint's states of the parameters this rank steps (the others' start
+        afresh); each goes to the user's optimizer when it is built, at the parameter's next
+        step here."""
+        self.inner.clear()
+        self.pending = {name: dict(state) for name, state in states.items()}
+
+
+def _saved(value: Any, what: str) -> Any:
+    """An optimizer state as a checkpoint holds it: a tensor, or a number or None (as DCP keeps
+    a non-tensor value); anything else is refused naming it."""
+    if value is None or torch.is_tensor(value) or isinstance(value, bool | int | float):
+        return value
+    raise ConfigError("optimizer", f"{what} is a {type(value).__name__}; a checkpoint holds "
+                      "an optimizer's tensors, numbers and None")
 
 
 def whole_params(factory: Factory) -> Factory:

@@ -1,0 +1,163 @@
+"""A user's optimizer that needs whole parameters keeps its states across a checkpoint: saved
+at ZeRO-3 dp 2 (each parameter's states whole, written by its owner), resumed under tp 2 and in
+one process, it continues as the uninterrupted one-process run.
+
+The optimizer (FactoredAdam below) has the states such optimizers have: a momentum shaped like
+the parameter, Adafactor's factored second moment of a matrix (a row and a column vector, not
+the parameter's shape) and a step count that is a Python int. Started afresh at the resume,
+its bias correction and moments restart and the next update moves each weight by about lr
+(0.01); kept, the runs differ by reduction-order rounding only (float64).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+SHAPE = {"n_layers": 2, "d_model": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 64}
+STEPS, SAVED = 6, 3
+
+
+class FactoredAdam(torch.optim.Optimizer):
+    """Adam with Adafactor's factored second moment on matrices (row and column means of g^2,
+    their outer product over their mean), on other tensors the usual one; eps 1e-8 keeps a
+    gradient that is zero but for rounding (attention's key bias) from a unit step."""
+
+    needs_whole_params = True
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, st = p.grad, self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p)
+                    if p.dim() == 2:
+                        st["row"], st["col"] = p.new_zeros(p.shape[0]), p.new_zeros(p.shape[1])
+                    else:
+                        st["exp_avg_sq"] = torch.zeros_like(p)
+                st["step"] += 1
+                st["exp_avg"].lerp_(g, 0.1)
+                if p.dim() == 2:
+                    st["row"].lerp_((g * g).mean(1), 0.01)
+                    st["col"].lerp_((g * g).mean(0), 0.01)
+                    v = torch.outer(st["row"], st["col"]) / st["row"].mean().clamp_min(1e-30)
+                else:
+                    v = st["exp_avg_sq"].lerp_(g * g, 0.01)
+                m_hat = st["exp_avg"] / (1 - 0.9 ** st["step"])
+                v_hat = v / (1 - 0.99 ** st["step"])
+                p.add_(m_hat / (v_hat.sqrt() + 1e-8), alpha=-group["lr"])
+
+
+def _runs(directory: str) -> dict:
+    """Rank 0 and 1: one process STEPS steps (rank 0); ZeRO-3 dp 2 SAVED steps, saved; that
+    checkpoint resumed at tp 2, and in one process (rank 0), to step STEPS. Returns each
+    resumed run's largest weight difference from one process and what was saved."""
+    from trainmesh import Engine, ParallelConfig, ParallelMesh
+    from trainmesh.checkpoint.sharded import read_metadata
+    from trainmesh.data.corpus import SyntheticCorpus
+    from trainmesh.models.gpt import GPT, GPTConfig
+    rank = torch.distributed.get_rank()
+    corpus = SyntheticCorpus(64, 16)
+
+    def engine(cfg: ParallelConfig | None) -> Engine:
+        mesh = ParallelMesh(local=True) if cfg is None else None
+        return Engine(GPT(GPTConfig(**SHAPE), seed=0).double(), FactoredAdam, lambda m, b: m(**b),
+                      cfg or ParallelConfig(), mesh=mesh)
+
+    def train(e: Engine, first: int, last: int, dp: int) -> dict[str, torch.Tensor]:
+        for k in range(first, last):
+            batch = corpus.batch(5, k, 8)
+            if dp == 2:
+                batch = {key: v[4 * rank : 4 * rank + 4] for key, v in batch.items()}
+            e.train_step(batch)
+        return e.full_state_dict()      # collective: every rank of the run
+
+    out: dict = {}
+    ref = train(engine(None), 0, STEPS, 1) if rank == 0 else None
+    zero3 = engine(ParallelConfig(dp=2, zero=3))
+    train(zero3, 0, SAVED, 2)
+    saved = zero3.save(f"{directory}/ck")
+    out["held"] = sorted(zero3.optimizer.whole_state())     # this rank's: those it owns
+    tp2 = engine(ParallelConfig(tp=2))
+    tp2.load(f"{directory}/ck")
+    got = train(tp2, SAVED, STEPS, 1)
+    if rank == 0:
+        md = read_metadata(saved).state_dict_metadata
+        out["saved"] = {k: (tuple(m.size), m.properties.dtype) if hasattr(m, "size") else type(m).__name__
+                        for k, m in md.items() if k.startswith("optimizer.state.blocks.0.mlp.fc")}
+        out["tp2"] = max(((got[k] - v).abs().max().item(), k) for k, v in ref.items())
+        one = engine(None)
+        one.load(f"{directory}/ck")
+        got = train(one, SAVED, STEPS, 1)
+        out["one"] = max(((got[k] - v).abs().max().item(), k) for k, v in ref.items())
+        first = engine(None)                      # one process saved, one process resumed
+        train(first, 0, SAVED, 1)
+        first.save(f"{directory}/ck1")
+        again = engine(None)
+        again.load(f"{directory}/ck1")
+        got = train(again, SAVED, STEPS, 1)
+        out["same"] = max(((got[k] - v).abs().max().item(), k) for k, v in ref.items())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_whole_param_optimizers_states_resume_under_another_layout(tmp_path):
+    """What a checkpoint adds must be nothing: one process saved and resumed is bit for bit
+    the uninterrupted run (the same ops on the same states, the int step included). Across
+    layouts the bound is the one a layout itself is held to against one process (1e-7, as the
+    whole-parameter test of test_muon_layouts: float64, each update m / sqrt(v) scale-free, so
+    a gradient's relative reduction-order rounding becomes the update's, where a gradient is a
+    cancelling sum n eps |terms| / |sum|); a state lost or wrong moves weights by about lr
+    (1e-2)."""
+    from trainmesh.testing import run_distributed
+    ranks = run_distributed(_runs, 2, str(tmp_path), timeout_s=280)
+    res = ranks[0]
+    # each parameter's states at one rank of ZeRO-3's two, both ranks holding some
+    assert ranks[0]["held"] and ranks[1]["held"], ranks
+    assert not set(ranks[0]["held"]) & set(ranks[1]["held"]), ranks
+    assert len(ranks[0]["held"]) + len(ranks[1]["held"]) == 37, ranks   # the GPT's parameters
+    fc = "optimizer.state.blocks.0.mlp.fc"
+    assert res["saved"] == {f"{fc}.weight.exp_avg": ((128, 32), torch.float64),
+                            f"{fc}.weight.row": ((128,), torch.float64),
+                            f"{fc}.weight.col": ((32,), torch.float64),
+                            f"{fc}.weight.step": "BytesStorageMetadata",   # an int
+                            f"{fc}.bias.exp_avg": ((128,), torch.float64),
+                            f"{fc}.bias.exp_avg_sq": ((128,), torch.float64),
+                            f"{fc}.bias.step": "BytesStorageMetadata"}, res["saved"]
+    assert res["same"][0] == 0, res["same"]     # the same ops on the same states: bit for bit
+    for layout in ("tp2", "one"):
+        assert res[layout][0] <= 1e-7, (layout, res[layout])
+
+
+def test_a_state_a_checkpoint_cannot_hold_is_refused_naming_it():
+    """A state that is neither a tensor nor a number: the save refuses it in one line (on every
+    rank: local_state gathers the refusal with the groups before any file is written)."""
+    from trainmesh.core.errors import ConfigError
+    from trainmesh.data_parallel.whole_params import WholeParams
+
+    class Tagged(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step(closure)
+            for p in self.param_groups[0]["params"]:
+                self.state[p]["note"] = "warm"
+
+    class Named:                                   # the engine's map where nothing is cut
+        def map(self, p, tensors, fn):
+            return fn("w", tensors)
+
+    w = torch.nn.Parameter(torch.ones(2, 2))
+    opt = WholeParams([w], lambda ps: Tagged(ps, lr=0.1))
+    opt.wholes = Named()
+    w.grad = torch.ones(2, 2)
+    opt.step()
+    with pytest.raises(ConfigError, match=r"optimizer: Tagged's state 'note' of w is a str"):
+        opt.whole_state()
+    opt.load_whole_state({"w": {"momentum_buffer": torch.full((2, 2), 3.0)}})
+    assert torch.equal(opt.whole_state()["w"]["momentum_buffer"], torch.full((2, 2), 3.0))
