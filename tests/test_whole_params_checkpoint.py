@@ -1,6 +1,7 @@
 """A user's optimizer that needs whole parameters keeps its states across a checkpoint: saved
-at ZeRO-3 dp 2 (each parameter's states whole, written by its owner), resumed under tp 2 and in
-one process, it continues as the uninterrupted one-process run.
+at ZeRO-3 dp 2 (each parameter's states whole, written by its owner), resumed under ZeRO-1 dp 2
+(read by each parameter's new owner), tp 2 and in one process, it continues as the
+uninterrupted one-process run.
 
 The optimizer (FactoredAdam below) has the states such optimizers have: a momentum shaped like
 the parameter, Adafactor's factored second moment of a matrix (a row and a column vector, not
@@ -56,7 +57,7 @@ class FactoredAdam(torch.optim.Optimizer):
 
 def _runs(directory: str) -> dict:
     """Rank 0 and 1: one process STEPS steps (rank 0); ZeRO-3 dp 2 SAVED steps, saved; that
-    checkpoint resumed at tp 2, and in one process (rank 0), to step STEPS. Returns each
+    checkpoint resumed at ZeRO-1 dp 2, at tp 2, and in one process (rank 0), to step STEPS. Returns each
     resumed run's largest weight difference from one process and what was saved."""
     from trainmesh import Engine, ParallelConfig, ParallelMesh
     from trainmesh.checkpoint.sharded import read_metadata
@@ -84,6 +85,12 @@ def _runs(directory: str) -> dict:
     train(zero3, 0, SAVED, 2)
     saved = zero3.save(f"{directory}/ck")
     out["held"] = sorted(zero3.optimizer.whole_state())     # this rank's: those it owns
+    zero1 = engine(ParallelConfig(dp=2, zero=1))    # read by the new owners only
+    zero1.load(f"{directory}/ck")
+    out["read"] = sorted(zero1.optimizer.whole_state())
+    got = train(zero1, SAVED, STEPS, 2)
+    if rank == 0:
+        out["zero1"] = max(((got[k] - v).abs().max().item(), k) for k, v in ref.items())
     tp2 = engine(ParallelConfig(tp=2))
     tp2.load(f"{directory}/ck")
     got = train(tp2, SAVED, STEPS, 1)
@@ -123,6 +130,9 @@ def test_a_whole_param_optimizers_states_resume_under_another_layout(tmp_path):
     assert ranks[0]["held"] and ranks[1]["held"], ranks
     assert not set(ranks[0]["held"]) & set(ranks[1]["held"]), ranks
     assert len(ranks[0]["held"]) + len(ranks[1]["held"]) == 37, ranks   # the GPT's parameters
+    # resumed at ZeRO-1 dp 2: each parameter's states read by its one new owner
+    assert not set(ranks[0]["read"]) & set(ranks[1]["read"]), ranks
+    assert len(ranks[0]["read"]) + len(ranks[1]["read"]) == 37, ranks
     fc = "optimizer.state.blocks.0.mlp.fc"
     assert res["saved"] == {f"{fc}.weight.exp_avg": ((128, 32), torch.float64),
                             f"{fc}.weight.row": ((128,), torch.float64),
@@ -132,7 +142,7 @@ def test_a_whole_param_optimizers_states_resume_under_another_layout(tmp_path):
                             f"{fc}.bias.exp_avg_sq": ((128,), torch.float64),
                             f"{fc}.bias.step": "BytesStorageMetadata"}, res["saved"]
     assert res["same"][0] == 0, res["same"]     # the same ops on the same states: bit for bit
-    for layout in ("tp2", "one"):
+    for layout in ("zero1", "tp2", "one"):
         assert res[layout][0] <= 1e-7, (layout, res[layout])
 
 
