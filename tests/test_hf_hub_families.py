@@ -28,7 +28,12 @@ dropout are 0 here (test_randomness draws them).
 Planted bugs this module catches (each seen failing with an assertion): the gathered attention
 not entered as one region under SP (the rank reports the rotary embedding's size mismatch);
 ``packed_rowwise`` mapped to dimension 1 (Llama 4 tp 2: the rank reports the shape mismatch);
-Llama 4's chosen rows sent in token order instead of expert order (dp 2 x ep 2 differs).
+Llama 4's chosen rows sent in token order instead of expert order (dp 2 x ep 2 differs; the
+fast block test: every output element); its rows padded at the wrong block offsets (the fast
+block test); its blocks gathered by rows under SP (tp 2 + SP differs).
+
+The fast test beside: Llama 4's MoE block with its experts run by the block dispatch equals
+transformers' block, forward and gradients, in float64.
 """
 from __future__ import annotations
 
@@ -182,3 +187,33 @@ def test_preflight_lets_the_fixed_families_launch(dirs, no_launch, capsys):
                 "--steps", "2", *[f for key, value in layout.items() for f in flags(key, value)]]
         assert main(args) == LAUNCHED, (name, capsys.readouterr().err)
     assert len(no_launch) == len(CASES)
+
+
+def test_llama4_blocks_are_computed_from_their_chosen_rows():
+    """Llama 4's MoE block with its experts run by BlockDispatch (an exchange that keeps every
+    expert here) equals the block as transformers runs it, forward and every gradient, float64,
+    two experts per token: the zero rows of the experts a token did not choose contribute
+    nothing, and the padding to one block width changes no row."""
+    from trainmesh.expert_parallel.hf_blocks import BlockDispatch
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                           intermediate_size_mlp=64, head_dim=8)
+    block = transformers.models.llama4.modeling_llama4.Llama4TextMoe(config).double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    x = torch.randn(2, 8, 32, dtype=torch.float64, requires_grad=True)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        out = block(x)[0]
+        out.pow(2).sum().backward()
+        grads = (x.grad.clone(), *(p.grad.clone() for p in block.parameters()))
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        return (out.detach(), *grads)
+
+    want = run()
+    exchange = lambda rows, counts, compute: (compute(rows, counts.tolist()), rows.shape[0])
+    block.experts.forward = BlockDispatch(block.experts.forward, exchange, 4, 4, 0, lambda: None)
+    for got, expected in zip(run(), want):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
