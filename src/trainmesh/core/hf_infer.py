@@ -204,8 +204,8 @@ def infer_pp_plan(model: nn.Module) -> tuple[dict[str, tuple], dict[str, tuple]]
 
 def infer_ep_plan(model: nn.Module) -> dict[str, str]:
     """The expert-parallel plan of a model that declares none (module docstring); Uninferable
-    naming the experts module whose forward does not take the routing, or the model when no
-    module holds stacked experts."""
+    naming the experts module whose forward takes neither the routing nor bias-free
+    expert-major blocks, or the model when no module holds stacked experts."""
     base = base_name(model)
     names = stacked_experts(model)
     if not names:

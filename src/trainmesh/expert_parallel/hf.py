@@ -32,8 +32,8 @@ GPT-OSS's softmax over the top-k logits) run before the experts module is called
 rank's own tokens. What the plan does not name stays dense: routers, shared experts (Qwen2-MoE's
 ``shared_expert``, DeepSeek-V3's ``shared_experts``), DeepSeek-V3's first dense layers —
 replicated and reduced over dp like every dense parameter. A family whose plan uses another
-style, or whose experts module does not take the routing as its arguments, is refused
-(ConfigError naming ``--ep`` and the family). Imports core and comm (and models' MoE statistics).
+style, or whose experts module takes neither the routing as its arguments nor bias-free
+expert-major blocks, is refused (ConfigError naming ``--ep`` and the family). Imports core and comm (and models' MoE statistics).
 """
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def expert_layers(model: nn.Module) -> list[ExpertsLayer]:
     """The experts modules the model's ``base_model_ep_plan`` names, in model order, each with
     its stacked parameters; ConfigError naming ``--ep`` and the family for a plan that cannot
     be honoured (none declared, another style, an experts module without ``num_experts`` or not
-    taking ``(hidden_states, top_k_index, top_k_weights)``, a parameter of it left whole, a
+    taking ``(hidden_states, top_k_index, top_k_weights)`` nor bias-free expert-major blocks
+    (:func:`~.hf_blocks.takes_blocks`), a parameter of it left whole, a
     stacked parameter whose first dimension is not its expert count, a split parameter outside
     the experts modules)."""
     plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
