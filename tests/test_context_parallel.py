@@ -68,8 +68,10 @@ def reference(q, k, v):
     return torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v
 
 
-def run_ring(q, k, v, dout, cp: int, mode: str, fused: bool = False):
-    """(out, dq, dk, dv) of the whole sequence, computed by ``cp`` emulated ranks."""
+def emulate_ranks(cp: int, body) -> list[torch.Tensor]:
+    """Run ``body(r, ring)`` for the ``cp`` emulated ranks, each in a thread with its
+    :class:`ThreadRing`; each returns its (out, dq, dk, dv) shares; the whole sequence's four
+    tensors, unsharded. A rank's error is raised here (the others' barrier aborted)."""
     inboxes = [queue.Queue() for _ in range(cp)]
     gathered: list = [None] * cp
     barrier = threading.Barrier(cp)
@@ -78,11 +80,7 @@ def run_ring(q, k, v, dout, cp: int, mode: str, fused: bool = False):
 
     def rank(r: int) -> None:
         try:
-            mine = [shard_sequence(t, r, cp, dim=2).detach().requires_grad_() for t in (q, k, v)]
-            ring = ThreadRing(r, cp, inboxes, gathered, barrier)
-            out = ring_attention(*mine, ring, mode=mode, fused=fused)
-            out.backward(shard_sequence(dout, r, cp, dim=2))
-            results[r] = (out.detach(), *(t.grad for t in mine))
+            results[r] = body(r, ThreadRing(r, cp, inboxes, gathered, barrier))
         except BaseException as exc:   # reported by the main thread
             errors.append(exc)
             barrier.abort()
@@ -95,6 +93,16 @@ def run_ring(q, k, v, dout, cp: int, mode: str, fused: bool = False):
     if errors:
         raise errors[0]
     return [unshard_sequence([res[i] for res in results], dim=2) for i in range(4)]
+
+
+def run_ring(q, k, v, dout, cp: int, mode: str, fused: bool = False):
+    """(out, dq, dk, dv) of the whole sequence, computed by ``cp`` emulated ranks."""
+    def body(r, ring):
+        mine = [shard_sequence(t, r, cp, dim=2).detach().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*mine, ring, mode=mode, fused=fused)
+        out.backward(shard_sequence(dout, r, cp, dim=2))
+        return (out.detach(), *(t.grad for t in mine))
+    return emulate_ranks(cp, body)
 
 
 def _inputs(seq: int, dtype=torch.float64, seed: int = 0):

@@ -13,19 +13,16 @@ though its chunks shared a document (a long document's far key chunks).
 from __future__ import annotations
 
 import math
-import queue
-import threading
 
 import pytest
 import torch
-from test_context_parallel import ThreadRing
+from test_context_parallel import emulate_ranks
 from tolerances import assert_fp32_close, fp64_atol, scale_of
 
 from trainmesh.context_parallel import (
     fused_available,
     ring_attention,
     shard_sequence,
-    unshard_sequence,
 )
 from trainmesh.context_parallel.documents import (
     document_ids,
@@ -71,33 +68,13 @@ def reference(q, k, v, docs, window=None):
 def run_ring(q, k, v, dout, position_ids, cp, mode, fused=False, window=None):
     """(out, dq, dk, dv) of the whole sequence from ``cp`` emulated ranks, each holding its
     zigzag share of ``position_ids`` and gathering the documents as the model's attention does."""
-    inboxes = [queue.Queue() for _ in range(cp)]
-    gathered: list = [None] * cp
-    barrier = threading.Barrier(cp)
-    results: list = [None] * cp
-    errors: list = []
-
-    def rank(r: int) -> None:
-        try:
-            mine = [shard_sequence(t, r, cp, dim=2).detach().requires_grad_() for t in (q, k, v)]
-            ring = ThreadRing(r, cp, inboxes, gathered, barrier)
-            docs = gather_documents(shard_sequence(position_ids, r, cp, dim=1), ring)
-            out = ring_attention(*mine, ring, mode=mode, fused=fused, documents=docs,
-                                 window=window)
-            out.backward(shard_sequence(dout, r, cp, dim=2))
-            results[r] = (out.detach(), *(t.grad for t in mine))
-        except BaseException as exc:   # reported by the main thread
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=50)
-    if errors:
-        raise errors[0]
-    return [unshard_sequence([res[i] for res in results], dim=2) for i in range(4)]
+    def body(r, ring):
+        mine = [shard_sequence(t, r, cp, dim=2).detach().requires_grad_() for t in (q, k, v)]
+        docs = gather_documents(shard_sequence(position_ids, r, cp, dim=1), ring)
+        out = ring_attention(*mine, ring, mode=mode, fused=fused, documents=docs, window=window)
+        out.backward(shard_sequence(dout, r, cp, dim=2))
+        return (out.detach(), *(t.grad for t in mine))
+    return emulate_ranks(cp, body)
 
 
 def _check(cp, mode, position_ids, *, fused=False, window=None, heads=2, hd=8, seed=0):

@@ -107,13 +107,10 @@ def test_attention_of_a_share_of_rows_or_heads_is_the_share_of_the_whole():
 def _ring_with_dropout(q, k, v, dout, cp: int, mode: str):
     """(out, dq, dk, dv) of the whole sequence from ``cp`` emulated ranks, each dropping by its
     own Draws (its zigzag positions) through the cp attention's keep mask."""
-    import queue
-    import threading
-
-    from test_context_parallel import ThreadRing
+    from test_context_parallel import emulate_ranks
 
     from trainmesh.context_parallel.hf_attention import _dropout
-    from trainmesh.context_parallel.partition import shard_sequence, unshard_sequence
+    from trainmesh.context_parallel.partition import shard_sequence
     from trainmesh.context_parallel.ring import ring_attention
     module = torch.nn.Module()
     module._trainmesh_site, module._trainmesh_heads = 11, q.shape[1]
@@ -122,28 +119,12 @@ def _ring_with_dropout(q, k, v, dout, cp: int, mode: str):
     for r in range(cp):           # each rank's keep mask, built from its Draws before the threads
         with drawing(Draws(3, 2, 0, B, positions=zigzag_positions(S // cp, r, cp))):
             keeps.append(_dropout(module, shares[r][0], P))
-    inboxes, gathered = [queue.Queue() for _ in range(cp)], [None] * cp
-    barrier, results, errors = threading.Barrier(cp), [None] * cp, []
-
-    def rank(r: int) -> None:
-        try:
-            mine = [t.detach().requires_grad_() for t in shares[r][:3]]
-            out = ring_attention(*mine, ThreadRing(r, cp, inboxes, gathered, barrier), mode=mode,
-                                 keep=keeps[r])
-            out.backward(shares[r][3])
-            results[r] = (out.detach(), *(t.grad for t in mine))
-        except BaseException as exc:   # reported by the main thread
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=50)
-    if errors:
-        raise errors[0]
-    return [unshard_sequence([res[i] for res in results], dim=2) for i in range(4)]
+    def body(r, ring):
+        mine = [t.detach().requires_grad_() for t in shares[r][:3]]
+        out = ring_attention(*mine, ring, mode=mode, keep=keeps[r])
+        out.backward(shares[r][3])
+        return (out.detach(), *(t.grad for t in mine))
+    return emulate_ranks(cp, body)
 
 
 @pytest.mark.parametrize("cp,mode", [(2, "ring"), (4, "ring"), (2, "allgather")])
