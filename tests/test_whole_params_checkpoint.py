@@ -1,7 +1,9 @@
 """A user's optimizer that needs whole parameters keeps its states across a checkpoint: saved
 at ZeRO-3 dp 2 (each parameter's states whole, written by its owner), resumed under ZeRO-1 dp 2
 (read by each parameter's new owner), tp 2 and in one process, it continues as the
-uninterrupted one-process run.
+uninterrupted one-process run. Under DiLoCo (each replica's states its own) a save and resume
+is the uninterrupted DiLoCo run, and a fault-tolerant replica that copies a live one's state
+(in one process, and ZeRO-3's shards) continues as the live one.
 
 The optimizer (FactoredAdam below) has the states such optimizers have: a momentum shaped like
 the parameter, Adafactor's factored second moment of a matrix (a row and a column vector, not
@@ -85,6 +87,23 @@ def _runs(directory: str) -> dict:
     train(zero3, 0, SAVED, 2)
     saved = zero3.save(f"{directory}/ck")
     out["held"] = sorted(zero3.optimizer.whole_state())     # this rank's: those it owns
+    copy3 = engine(ParallelConfig(dp=2, zero=3))    # a fault-tolerant replica's live copy
+    _copied(zero3, copy3)
+    a, b = train(zero3, SAVED, STEPS, 2), train(copy3, SAVED, STEPS, 2)
+    if rank == 0:
+        out["live"] = max(((a[k] - v).abs().max().item(), k) for k, v in b.items())
+    diloco = ParallelConfig(dp=2, strategy="diloco", inner_steps=2)   # an outer step at 2, 4, 6
+    whole = train(engine(diloco), 0, STEPS, 2)
+    first = engine(diloco)
+    train(first, 0, SAVED, 2)
+    dck = first.save(f"{directory}/diloco")
+    again = engine(diloco)
+    again.load(f"{directory}/diloco")
+    got = train(again, SAVED, STEPS, 2)
+    if rank == 0:
+        out["diloco"] = max(((got[k] - v).abs().max().item(), k) for k, v in whole.items())
+        md = read_metadata(dck).state_dict_metadata
+        out["diloco_saved"] = sorted(k for k in md if k.startswith("optimizer.state.blocks.0.mlp.fc.bias"))
     zero1 = engine(ParallelConfig(dp=2, zero=1))    # read by the new owners only
     zero1.load(f"{directory}/ck")
     out["read"] = sorted(zero1.optimizer.whole_state())
@@ -142,6 +161,13 @@ def test_a_whole_param_optimizers_states_resume_under_another_layout(tmp_path):
                             f"{fc}.bias.exp_avg_sq": ((128,), torch.float64),
                             f"{fc}.bias.step": "BytesStorageMetadata"}, res["saved"]
     assert res["same"][0] == 0, res["same"]     # the same ops on the same states: bit for bit
+    assert res["live"][0] == 0, res["live"]     # ZeRO-3's live copy (its shards), likewise
+    assert res["diloco"][0] == 0, res["diloco"]   # DiLoCo saved mid-round and resumed, likewise
+    bias = "optimizer.state.blocks.0.mlp.fc.bias"
+    assert res["diloco_saved"] == sorted(
+        [f"{bias}.inner_steps_done", f"{bias}.outer_momentum"]
+        + [f"{bias}.replica{r}/{k}" for r in (0, 1) for k in ("param", "exp_avg", "exp_avg_sq", "step")]), \
+        res["diloco_saved"]
     for layout in ("zero1", "tp2", "one"):
         assert res[layout][0] <= 1e-7, (layout, res[layout])
 
@@ -171,3 +197,47 @@ def test_a_state_a_checkpoint_cannot_hold_is_refused_naming_it():
         opt.whole_state()
     opt.load_whole_state({"w": {"momentum_buffer": torch.full((2, 2), 3.0)}})
     assert torch.equal(opt.whole_state()["w"]["momentum_buffer"], torch.full((2, 2), 3.0))
+
+
+def _copied(source, receiver) -> None:
+    """``receiver`` takes ``source``'s live state as a fault-tolerant replica does: described
+    by the header's layout, flattened into one buffer per dtype, cut up again on arrival."""
+    from trainmesh.fault_tolerance.transfer import flatten, state_layout, unflatten
+    params, optim = source.live_state()
+    layout = state_layout(params, optim)
+    sent = flatten([t for _, t in params] + [optim[name][k] for name, k, _, _ in layout])
+    mine = receiver.live_state()[0]
+    shapes = [(t.shape, t.dtype) for _, t in mine] + [(torch.Size(s), getattr(torch, d))
+                                                        for _, _, s, d in layout]
+    got = unflatten(shapes, lambda i, buf: buf.copy_(sent[i]))
+    optim_got: dict = {}
+    for (name, k, _, _), t in zip(layout, got[len(mine):]):
+        optim_got.setdefault(name, {})[k] = t
+    receiver.load_live_state({n: t for (n, _), t in zip(mine, got)}, optim_got, source.trainer_state())
+
+
+def test_a_replica_copying_a_live_one_takes_its_whole_param_states():
+    """A fault-tolerant replica that copies a live one's state gets the user's optimizer's
+    states too (the momentum, the factored moments, the int step back as an int): trained on
+    from there, it is the live one bit for bit (the same ops on the same states). Started afresh
+    instead, its first update moves each weight by about lr (module docstring)."""
+    from trainmesh import Engine, ParallelConfig, ParallelMesh
+    from trainmesh.data.corpus import SyntheticCorpus
+    from trainmesh.models.gpt import GPT, GPTConfig
+    corpus = SyntheticCorpus(64, 16)
+
+    def engine() -> Engine:
+        return Engine(GPT(GPTConfig(**SHAPE), seed=0).double(), FactoredAdam, lambda m, b: m(**b),
+                      ParallelConfig(), mesh=ParallelMesh(local=True))
+    live, fresh = engine(), engine()
+    for k in range(SAVED):
+        live.train_step(corpus.batch(5, k, 8))
+    _copied(live, fresh)
+    taken = dict(fresh.optimizer.pending)
+    for k in range(SAVED, STEPS):
+        for e in (live, fresh):
+            e.train_step(corpus.batch(5, k, 8))
+    a, b = live.full_state_dict(), fresh.full_state_dict()
+    worst = max(((a[k] - v).abs().max().item(), k) for k, v in b.items())
+    assert worst[0] == 0, worst
+    assert len(taken) == 37 and all(type(s["step"]) is int for s in taken.values())   # as it was

@@ -8,7 +8,7 @@ holds nothing beyond its own shards while loading. Strategies without flat shard
 every rank holds whole tensors along dp; DiLoCo, which spreads its replicas' states itself) read
 their tensors whole along dp and take them through ``load_logical_state``. An optimizer stepped
 on whole parameters (:mod:`trainmesh.data_parallel.whole_params`) has its states of each
-parameter read whole by the rank that will step it.
+parameter read whole by the rank that will step it (under DiLoCo, its own replica's).
 """
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ from trainmesh.checkpoint.local_state import (
     global_map,
     leaves,
     local_shape,
+    replica_prefix,
 )
 from trainmesh.comm import Comm
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
-from trainmesh.data_parallel.composite import CompositeSync
 from trainmesh.data_parallel.sharded import ShardedSync
+from trainmesh.data_parallel.whole_params import whole_parts
 
 Missing = Callable[[str], Exception]
 
@@ -72,16 +73,25 @@ def load_plan(md: dict[str, Any], grad_sync: GradSync, comm: Comm, placements: P
     with ExitStack() as stack:
         for sync in leaves(grad_sync):
             # an optimizer stepped on whole parameters: the strategy holds none of its states
-            whole = hasattr(sync.optimizer, "load_whole_state") and not isinstance(sync, CompositeSync)
-            theirs = {} if whole else states           # DiLoCo's: not yet (API.md)
+            # (DiLoCo: its own states, but none of its replica strategy's)
+            parts, prefix = whole_parts(sync), replica_prefix(sync)
+            theirs = states if not parts else {} if not prefix else \
+                {n: {k: m for k, m in d.items() if not _replicas_own(k)} for n, d in states.items()}
             if isinstance(sync, ShardedSync):
                 stack.enter_context(sync.resident())
                 finish.append(_sharded(sync, comm, placements, theirs, meta_of, targets))
             else:
                 finish.append(_whole(sync, comm, placements, theirs, meta_of, targets))
-            if theirs is not states:
-                finish.append(_whole_param_states(sync, md, targets))
+            for part in parts:
+                finish.append(_whole_param_states(part, md, targets, prefix))
         yield targets, lambda: [f() for f in finish] and None
+
+
+def _replicas_own(key: str) -> bool:
+    """A DiLoCo replica's state of its replica strategy's optimizer (``replica<r>/<key>``),
+    not its parameters (``replica<r>/param``)."""
+    head, slash, rest = key.partition("/")
+    return bool(slash) and head.startswith("replica") and rest != "param"
 
 
 def _sharded(sync: ShardedSync, comm: Comm, placements: Placements, states: dict[str, dict[str, Any]],
@@ -138,22 +148,23 @@ def _whole(sync: GradSync, comm: Comm, placements: Placements, states: dict[str,
     return lambda: sync.load_logical_state(params, optim)
 
 
-def _whole_param_states(sync: GradSync, md: dict[str, Any],
-                        targets: dict[str, Any]) -> Callable[[], None]:
+def _whole_param_states(sync: GradSync, md: dict[str, Any], targets: dict[str, Any],
+                        prefix: str = "") -> Callable[[], None]:
     """An optimizer stepped on whole parameters: the saved states (tensors, numbers) of the
-    parameters this rank will step, read whole (nothing of the others); returns what hands
-    them to it once read."""
+    parameters this rank will step, read whole (nothing of the others; under DiLoCo its own
+    replica's, ``prefix``); returns what hands them to it once read."""
     opt = sync.optimizer
     names = set([m.name for group in sync.stepper.groups for m in group] if isinstance(sync, ShardedSync)
                 else [name for name, _ in sync.named_params])
     read: dict[str, list[str]] = {}
     for fqn, meta in md.items():
         name, _, key = fqn[len(STATE):].rpartition(".")
-        if not fqn.startswith(STATE) or name not in names or not opt.owns(name):
+        if not fqn.startswith(STATE) or name not in names or not opt.owns(name) \
+                or not key.startswith(prefix) or (prefix and key == prefix + "param"):
             continue
         read.setdefault(name, []).append(key)
         shape = tensor_meta(meta)
         targets[fqn] = (None if shape is None      # a number: the planner puts it here
                         else torch.empty(tuple(shape.size), dtype=shape.properties.dtype))
-    return lambda: opt.load_whole_state({name: {k: targets[f"{STATE}{name}.{k}"] for k in keys}
-                                         for name, keys in read.items()})
+    return lambda: opt.load_whole_state({name: {k[len(prefix):]: targets[f"{STATE}{name}.{k}"]
+                                                for k in keys} for name, keys in read.items()})

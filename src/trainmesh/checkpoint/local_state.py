@@ -6,7 +6,7 @@ buffer under its single-process name; ``optimizer.state.<name>.<key>`` (``exp_av
 ``exp_avg_sq``, ``step``, ``momentum_buffer``, ...); ``optimizer.param_groups.<i>.<option>``
 and ``optimizer.param_groups.<i>.params`` (the names in group ``i``), written by rank 0. An
 optimizer stepped on whole parameters (:mod:`trainmesh.data_parallel.whole_params`) gives its
-states whole, from the rank that steps each parameter.
+states whole, from the rank that steps each parameter (under DiLoCo, per replica).
 
 Each value is a :class:`~.chunks.Chunks` of views into what the rank holds — ZeRO's flat shards
 cut into boxes, placed in the global tensor through the tp / ep slicing — so nothing is copied
@@ -28,8 +28,10 @@ from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel.base import GradSync
 from trainmesh.data_parallel.composite import CompositeSync
+from trainmesh.data_parallel.diloco import REPLICA, DiLoCo
 from trainmesh.data_parallel.shard_step import elementwise
 from trainmesh.data_parallel.sharded import ShardedSync
+from trainmesh.data_parallel.whole_params import whole_optimizers
 from trainmesh.tensor_parallel.state import shard_dim, shard_parts
 
 MODEL, STATE, GROUPS = "model.", "optimizer.state.", "optimizer.param_groups."
@@ -172,13 +174,20 @@ def save_state(grad_sync: GradSync, comm: Comm, placements: Placements,
 def _whole_param_state(sync: GradSync, out: dict[str, Any]) -> None:
     """An optimizer stepped on whole parameters: its states of the parameters this rank steps,
     whole (``optimizer.state.<name>.<key>``: tensors, and numbers as DCP keeps non-tensor
-    values; the strategy itself holds none of them)."""
-    whole_state = getattr(sync.optimizer, "whole_state", None)
-    if whole_state is None or isinstance(sync, CompositeSync):   # DiLoCo: not yet (API.md)
-        return
-    for name, state in whole_state().items():
-        for key, v in sorted(state.items()):
-            out[f"{STATE}{name}.{key}"] = _whole(GlobalMap.whole(v.shape), v) if torch.is_tensor(v) else v
+    values; the strategy itself holds none of them). Under DiLoCo each replica's own, as
+    ``<name>.replica<r>/<key>`` (written by that replica's ranks: no gather)."""
+    prefix = replica_prefix(sync)
+    for opt in whole_optimizers(sync):
+        for name, state in opt.whole_state().items():
+            for key, v in sorted(state.items()):
+                out[f"{STATE}{name}.{prefix}{key}"] = (_whole(GlobalMap.whole(v.shape), v)
+                                                       if torch.is_tensor(v) else v)
+
+
+def replica_prefix(sync: GradSync) -> str:
+    """Where ``sync``'s replica keeps its own states among a parameter's: DiLoCo's
+    ``replica<r>/``, else nothing."""
+    return REPLICA.format(sync.replica) if isinstance(sync, DiLoCo) else ""
 
 
 def param_groups(grad_sync: GradSync) -> list[tuple[dict[str, Any], list[str]]]:

@@ -18,8 +18,10 @@ parameter's single-process name as ``get_state_dict`` names a plain optimizer's
 keeps one, pickled), written by the rank that steps it (:meth:`WholeParams.whole_state`). On
 load, under any layout, the rank that will step a parameter reads its states whole and the
 user's optimizer built at its first step takes them through ``load_state_dict``
-(:meth:`WholeParams.load_whole_state`). Not yet: DiLoCo's checkpoints and a fault-tolerant
-replica's copy of a live one do not carry them.
+(:meth:`WholeParams.load_whole_state`). Under DiLoCo each replica's states are saved and read
+back under ``replica<r>/<key>`` (as DiLoCo's own per-replica states). A fault-tolerant
+replica's copy of a live one carries them too (:func:`live_states`, :func:`load_live_states`:
+the tensors by name, a number as a 0-d tensor whose key says its type).
 """
 from __future__ import annotations
 
@@ -115,6 +117,72 @@ def _saved(value: Any, what: str) -> Any:
         return value
     raise ConfigError("optimizer", f"{what} is a {type(value).__name__}; a checkpoint holds "
                       "an optimizer's tensors, numbers and None")
+
+
+LIVE = "whole/"
+"""Prefix of a parameter's name among the live state's optimizer entries (:func:`live_states`)."""
+_KINDS = {"t": None, "i": int, "f": float, "b": bool, "n": type(None)}
+"""A live entry's key ``<kind>:<state key>``: a tensor, or a number (int, float, bool) or None
+travelling as a 0-d tensor (None: an empty one) and taken back as what it was."""
+
+
+def whole_parts(sync: Any) -> list[Any]:
+    """``sync`` or those of its parts (DiLoCo's replica strategy, the dense and expert parts)
+    whose optimizer steps whole parameters."""
+    if isinstance(getattr(sync, "optimizer", None), WholeParams):
+        return [sync]
+    return [p for part in getattr(sync, "parts", []) for p in whole_parts(part)]
+
+
+def whole_optimizers(sync: Any) -> list[WholeParams]:
+    """The optimizers stepped on whole parameters of ``sync`` and of its parts."""
+    return [part.optimizer for part in whole_parts(sync)]
+
+
+def live_states(sync: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """The whole-parameter states this rank holds, as live-state entries: {``whole/<name>``:
+    {``<kind>:<key>``: a tensor of its own}} (copies: a replica copying them in the same
+    process shares nothing with this one)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for opt in whole_optimizers(sync):
+        for name, state in opt.whole_state().items():
+            entry = out[LIVE + name] = {}
+            for k, v in state.items():
+                if torch.is_tensor(v):
+                    entry[f"t:{k}"] = v.detach().clone()
+                elif v is None:
+                    entry[f"n:{k}"] = torch.zeros(0)
+                else:
+                    kind = "b" if isinstance(v, bool) else "i" if isinstance(v, int) else "f"
+                    entry[f"{kind}:{k}"] = torch.tensor(v, dtype={"b": torch.bool, "i": torch.int64,
+                                                                  "f": torch.float64}[kind])
+    return out
+
+
+def load_live_states(sync: Any, optim: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Take :func:`live_states` of the same rank of another replica (the same layout: each
+    parameter's states go to the optimizer that steps it here; the others' start afresh)."""
+    for opt in whole_optimizers(sync):
+        states = {}
+        for entry, values in optim.items():
+            name = entry[len(LIVE):]
+            if not entry.startswith(LIVE) or not opt.owns(name) or not _holds(opt, name):
+                continue
+            states[name] = {k[2:]: _taken(k[0], v) for k, v in values.items()}
+        opt.load_whole_state(states)
+
+
+def _holds(opt: WholeParams, name: str) -> bool:
+    names = getattr(opt.wholes, "names", None)      # ByName: this part's parameters by id
+    return names is None or name in names.values()
+
+
+def _taken(kind: str, value: torch.Tensor) -> Any:
+    if kind == "t":
+        return value.clone()
+    if kind == "n":
+        return None
+    return _KINDS[kind](value.item())
 
 
 def whole_params(factory: Factory) -> Factory:

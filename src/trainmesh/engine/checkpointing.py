@@ -21,6 +21,7 @@ from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placements
 from trainmesh.data_parallel import untrained_state
 from trainmesh.data_parallel.base import GradSync
+from trainmesh.data_parallel.whole_params import LIVE, live_states, load_live_states
 from trainmesh.engine.train_state import TrainState
 
 Tensors = dict[str, torch.Tensor]
@@ -97,13 +98,17 @@ class Checkpointing:
 
     def live_state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Tensors]]:
         """What this rank hands a replica that copies the live state: the strategy's
-        (:meth:`~trainmesh.data_parallel.base.GradSync.live_state`); with
+        (:meth:`~trainmesh.data_parallel.base.GradSync.live_state`) and a user's
+        whole-parameter optimizer's states (``whole/<name>`` entries,
+        :func:`~trainmesh.data_parallel.whole_params.live_states`); with
         :meth:`trainer_state`, all a rejoining replica needs."""
-        return self.grad_sync.live_state()
+        params, optim = self.grad_sync.live_state()
+        return params, {**optim, **live_states(self.grad_sync)}   # a user's whole-param optimizer   # a user's whole-param optimizer   # a user's whole-param optimizer
 
     def load_live_state(self, params: Tensors, optim: dict[str, Tensors],
                         trainer: dict[str, Any]) -> None:
         """Take another replica's :meth:`live_state` (the same layout) and its trainer state
         (collective where the strategy makes its parameters whole again)."""
-        self.grad_sync.load_live_state(params, optim)
+        self.grad_sync.load_live_state(params, {k: v for k, v in optim.items() if not k.startswith(LIVE)})
+        load_live_states(self.grad_sync, optim)
         self.state.load_state_dict(trainer)

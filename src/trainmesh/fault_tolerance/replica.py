@@ -55,7 +55,7 @@ from .protocol import (
     parse_next,
     parse_state,
 )
-from .transfer import flatten, unflatten
+from .transfer import flatten, state_layout, unflatten
 
 CONNECT_TRY_S = 0.5
 """How long one attempt to reach a coordinator address waits."""
@@ -402,8 +402,7 @@ class QuorumClient:
                    optim: dict[str, dict[str, torch.Tensor]], trainer: dict[str, Any]) -> None:
         """The source (each of its ranks): describe the state in the store, with its training
         state, then send the tensors to the same rank of every receiver."""
-        layout = [[name, k, list(t.shape), str(t.dtype).removeprefix("torch.")]
-                  for name, _ in params for k, t in sorted(optim.get(name, {}).items())]
+        layout = state_layout(params, optim)
         self.set(key("state", decision.quorum, self.rank), StateHeader(layout, trainer), decision.quorum)
         flat = flatten([t for _, t in params] + [optim[name][k] for name, k, _, _ in layout])
         for r in decision.receivers:

@@ -3,8 +3,20 @@ dtype (:func:`flatten`), cut up again on arrival (:func:`unflatten`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+
+def state_layout(params: list[tuple[str, torch.Tensor]], optim: dict[str, dict[str, torch.Tensor]]
+                 ) -> list[list[Any]]:
+    """``[name, optimizer key, shape, dtype]`` per optimizer tensor, in the order they travel
+    (after the parameters): the parameters' states in the parameters' order, then entries of
+    names that are no parameter here (a whole-parameter optimizer's ``whole/<name>``)."""
+    names = [name for name, _ in params]
+    names += sorted(set(optim) - set(names))
+    return [[name, k, list(t.shape), str(t.dtype).removeprefix("torch.")]
+            for name in names for k, t in sorted(optim.get(name, {}).items())]
 
 
 def flatten(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
