@@ -41,7 +41,10 @@ from .train import add_train_flags, given_flags
 # The prediction mode takes the `trainmesh train` flags the model of a run uses (one table:
 # train_config.FLAGS); the advisor shares the shape ones and adds its own.
 SHARED = ("--layers", "--heads", "--seq-len", "--vocab-size", "--global-batch", "--precision",
-          "--peak-tflops", "--gpu", "--experts", "--top-k")
+          "--peak-tflops", "--gpu", "--experts", "--top-k", "--optimizer", "--tp-plan", "--pp-plan",
+          "--ep-plan")
+PLAN_FILES = ("--tp-plan", "--pp-plan", "--ep-plan")
+"""A Hugging Face model's plan files: with --model-dir only (the run's flags)."""
 PLAN_GROUPS = ("layout", "model", "precision & memory")
 OWN = ("--model", "--model-dir", "--peak-tflops", "--gpu")   # declared here, for both modes
 ADVISOR_MODEL: dict[str, tuple[Any, str]] = {
@@ -165,7 +168,7 @@ def _advise(args: argparse.Namespace) -> int:
     if precision not in PRECISIONS:
         raise ConfigError("--precision", f"must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     row = gpu(args.gpu or DEFAULT_GPU)
-    model, batch, axes = _shape(args)
+    model, batch, axes, plan_notes = _shape(args)
     cluster = _cluster(args, row)
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError("--global-batch", f"must be a positive integer; got {args.global_batch}")
@@ -178,9 +181,10 @@ def _advise(args: argparse.Namespace) -> int:
         cal = calibrate(args.calibrate, model, cluster, kernels)
         cluster = replace(cluster, efficiency=cal.efficiency, memory_scale=cal.memory_scale)
         source = cal.source
+    optimizer = args.optimizer or "adamw"
     result = plan(model, cluster, precision=precision, global_batch=batch, axes_allowed=axes,
-                  kernels=kernels, efficiency_source=source)
-    notes = list(result.notes)
+                  kernels=kernels, efficiency_source=source, optimizer=optimizer)
+    notes = [*result.notes, *plan_notes]
     if args.gpu is None:
         notes.insert(0, f"no --gpu: assuming {row.name} ({fmt_bytes(cluster.gpu_mem_bytes)}, "
                         f"{cluster.peak_flops / 1e12:g} TFLOP/s 16-bit peak); --list-gpus shows others")
@@ -189,14 +193,15 @@ def _advise(args: argparse.Namespace) -> int:
             sys.stderr.write(f"trainmesh plan: note: {note}\n")
         print(json.dumps(result.to_json()))
         return 0
-    _print_plan(result, model, result.cluster, precision, gpu_name=row.name, notes=notes)
+    _print_plan(result, model, result.cluster, precision, gpu_name=row.name, notes=notes,
+                optimizer=optimizer)
     return 0
 
 
-def _shape(args: argparse.Namespace) -> tuple[Any, int | None, frozenset[str]]:
+def _shape(args: argparse.Namespace) -> tuple[Any, int | None, frozenset[str], list[str]]:
     """(the model's shape, the global batch: --global-batch, the published run's, or None, the
-    model-parallel axes it has plans for). Without layers, hidden and heads activations cannot
-    be estimated: exit 2 naming them."""
+    model-parallel axes it has plans for, notes on them). Without layers, hidden and heads
+    activations cannot be estimated: exit 2 naming them."""
     from dataclasses import asdict
 
     from ..planner import model_dir
@@ -205,12 +210,18 @@ def _shape(args: argparse.Namespace) -> tuple[Any, int | None, frozenset[str]]:
     base: dict[str, Any] = {}
     batch = args.global_batch
     axes = frozenset({"tp", "pp", "cp", "ep"})
+    notes: list[str] = []
+    files = _given(args, PLAN_FILES)
+    if files and args.model_dir is None:
+        raise ConfigError(files[0], "is a plan for a Hugging Face model; needs --model-dir")
     if args.model is not None:
         pub = published(args.model)
         base = asdict(pub.shape)
         batch = batch if batch is not None else pub.global_batch
     if args.model_dir is not None:
-        shape, axes, _ = model_dir.read(args.model_dir)
+        from ..models.hf_plans import PlanFiles
+        plans = PlanFiles(tp=args.tp_plan, pp=args.pp_plan, ep=args.ep_plan)
+        shape, axes, _, notes = model_dir.read(args.model_dir, plans)
         base = asdict(shape)
     given = dict(params=parse_count("--params", args.params) if args.params is not None else None,
                  layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab_size,
@@ -226,7 +237,7 @@ def _shape(args: argparse.Namespace) -> tuple[Any, int | None, frozenset[str]]:
         raise ConfigError(missing[0], f"the advisor needs the model's shape to count activations: "
                                       f"give {', '.join(missing)} (or --model NAME for a published "
                                       "shape, `trainmesh plan --help` lists them)")
-    return model, batch, axes
+    return model, batch, axes, notes
 
 
 def _kernels(name: str | None) -> Any:
@@ -278,7 +289,7 @@ def _layout_text(cfg: Any) -> str:
 
 
 def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_name: str,
-                notes: list[str]) -> None:
+                notes: list[str], optimizer: str = "adamw") -> None:
     out = console()
     rec = result.recommended
     cfg = rec.layout
@@ -289,7 +300,8 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_na
               f"layers, hidden {model.hidden}, {model.heads} heads, seq {model.seq_len}{experts}"
               f"{_documents(model)}), "
               f"{cluster.gpus} x {gpu_name} ({nodes}, {fmt_bytes(cluster.gpu_mem_bytes)} each), "
-              f"{precision}, global batch {result.global_batch}", highlight=False)
+              f"{precision}{'' if optimizer == 'adamw' else ', ' + optimizer}, "
+              f"global batch {result.global_batch}", highlight=False)
     out.print(f"[bold]Recommended:[/bold] {_layout_text(cfg)}: {fmt_bytes(rec.memory.total)} per GPU, "
               f"est. {fmt_seconds(rec.time.total)} per step, {_mfu(rec, model, cluster, result)}",
               highlight=False)
@@ -327,7 +339,7 @@ def _print_plan(result: Any, model: Any, cluster: Any, precision: str, *, gpu_na
     if narrow:
         out.print(f"[dim]{out.width} columns: params, grads, optim, activ and comm/step left out "
                   "(a wider terminal or --json shows them)[/dim]", highlight=False)
-    _print_offload(result, model, cluster, out)
+    _print_offload(result, model, cluster, out, optimizer)
     for note in notes:
         out.print(f"[dim]note: {note}[/dim]", highlight=False)
     out.print(f"[dim]{len(result.candidates)} layouts considered: the recommended first, then the "
@@ -353,7 +365,7 @@ def _mfu(c: Any, model: Any, cluster: Any, result: Any) -> str:
     return f"{per_gpu / 1e12:.0f} TFLOP/s per GPU ({per_gpu / cluster.peak_flops:.0%} MFU)"
 
 
-def _print_offload(result: Any, model: Any, cluster: Any, out: Console) -> None:
+def _print_offload(result: Any, model: Any, cluster: Any, out: Console, optimizer: str) -> None:
     """What offloading the recommended layout's optimizer (ZeRO >= 1) to host memory or NVMe
     would free per GPU and cost per step."""
     from ..planner.candidate import evaluate
@@ -363,7 +375,8 @@ def _print_offload(result: Any, model: Any, cluster: Any, out: Console) -> None:
     base = replace(rec.layout, zero=max(rec.layout.zero, 1), sequence_parallel=False)  # SP: not with offload
     parts = []
     for kind in ("cpu", "nvme"):
-        c = evaluate(replace(base, offload=kind, offload_params=base.zero == 3), model, cluster)
+        c = evaluate(replace(base, offload=kind, offload_params=base.zero == 3), model, cluster,
+                     optimizer=optimizer)
         parts.append(f"{kind} frees {fmt_bytes(rec.memory.total - c.memory.total)} per GPU for "
                      f"{fmt_seconds(c.time.total - rec.time.total)} more per step")
     out.print(f"[bold]Offload (ZeRO-{base.zero}):[/bold] {'; '.join(parts)}", highlight=False)

@@ -93,15 +93,17 @@ def transformers_module(field: str) -> Any:
     return transformers
 
 
-def build_on_meta(path: str, *, field: str = FIELD, plans: PlanFiles | None = None) -> nn.Module:
+def build_on_meta(path: str, *, field: str = FIELD, plans: PlanFiles | None = None,
+                  weights: bool = True) -> nn.Module:
     """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
     parameters on the meta device (buffers real), its parallel plans installed (``plans``'
     files, else its declared ones, else inferred: :mod:`.hf_plans`); ConfigError naming
-    ``field`` when the directory, its config or its weights file cannot make one, or naming a
-    plan file's flag when that file cannot be used."""
+    ``field`` when the directory, its config or (``weights``: the planner reads config.json
+    alone) its weights file cannot make one, or naming a plan file's flag when that file
+    cannot be used."""
     read_model_config(path, field)
-    for weights in weight_files(path, field):
-        check_weights_header(weights, field)
+    for file in weight_files(path, field) if weights else []:
+        check_weights_header(file, field)
     transformers = transformers_module(field)
     try:
         config = transformers.AutoConfig.from_pretrained(path)

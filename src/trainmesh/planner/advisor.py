@@ -117,11 +117,12 @@ def _notes(model: ModelShape, global_batch: int, defaulted_batch: bool) -> list[
     return notes
 
 
-def _single_gpu_bytes(model: ModelShape, cluster: Cluster, precision: str, kernels: Kernels) -> float:
+def _single_gpu_bytes(model: ModelShape, cluster: Cluster, precision: str, kernels: Kernels,
+                      optimizer: str = "adamw") -> float:
     """Least memory the unsharded model needs on one GPU, over the recompute options."""
     recomputes = RECOMPUTE if model.has_shape else ("none",)
-    return min(evaluate(ParallelConfig(precision=precision, recompute=r), model, cluster, kernels).memory.total
-               for r in recomputes)
+    return min(evaluate(ParallelConfig(precision=precision, recompute=r), model, cluster, kernels,
+                        optimizer=optimizer).memory.total for r in recomputes)
 
 
 def _first(ranked: list[Candidate], keep: Callable[[ParallelConfig], bool]) -> Candidate | None:
@@ -135,7 +136,7 @@ def _score(problem: Problem, kernels: Kernels) -> list[Candidate]:
     scored = []
     for group in groups(problem):
         for cfg in group:
-            c = evaluate(cfg, problem.model, problem.cluster, kernels)
+            c = evaluate(cfg, problem.model, problem.cluster, kernels, optimizer=problem.optimizer)
             scored.append(c)
             if c.fits:
                 break
@@ -156,15 +157,16 @@ def resolve_efficiency(cluster: Cluster, model: ModelShape, source: str | None =
 def plan(model: ModelShape, cluster: Cluster, *, precision: str = "bf16",
          global_batch: int | None = None, kernels: Kernels = TRAINMESH,
          axes_allowed: frozenset[str] = frozenset({"tp", "pp", "cp", "ep"}),
-         efficiency_source: str | None = None) -> Plan:
+         efficiency_source: str | None = None, optimizer: str = "adamw") -> Plan:
     """Enumerate, score and rank layouts of ``model`` on ``cluster``; recommend one. Without an
     efficiency on ``cluster`` the published runs' (:mod:`.efficiency`) is assumed and said;
-    ``efficiency_source`` says where a given one comes from (a calibration run)."""
+    ``efficiency_source`` says where a given one comes from (a calibration run); ``optimizer``
+    (adamw, sgd, muon) sets the optimizer states and Muon's step (:func:`~.candidate.evaluate`)."""
     defaulted = global_batch is None
     batch = global_batch or GLOBAL_BATCH_PER_GPU * cluster.gpus * model.micro_batch
     cluster, efficiency = resolve_efficiency(cluster, model, efficiency_source)
     problem = Problem(model, cluster, precision, batch, axes_allowed,
-                      model.layers or nominal_shape(model.params)[0])
+                      model.layers or nominal_shape(model.params)[0], optimizer)
     scored = _score(problem, kernels)
     if not scored:
         raise ConfigError("--global-batch", f"{batch} sequences split evenly over no layout of "
@@ -175,7 +177,8 @@ def plan(model: ModelShape, cluster: Cluster, *, precision: str = "bf16",
               + sorted((c for c in scored if not c.fits), key=lambda c: c.memory.total))
     rec = _recommend(ranked, cluster)
     mesh = [c for c in ranked if c.layout.strategy == "mesh"]
-    facts = Facts(cluster=cluster, single_gpu_bytes=_single_gpu_bytes(model, cluster, precision, kernels),
+    facts = Facts(cluster=cluster,
+                  single_gpu_bytes=_single_gpu_bytes(model, cluster, precision, kernels, optimizer),
                   best_ddp=_first(ranked, lambda cfg: cfg.dp == cluster.gpus and cfg.zero == 0),
                   best_dp_only=_first(ranked, lambda cfg: cfg.dp == cluster.gpus),
                   fits_without_offload=any(c.fits and c.layout.offload == "none" for c in mesh),

@@ -14,6 +14,10 @@ on every TP rank) and reduced over the other ``edp = dp x cp / ep``. Per MoE lay
 microbatch each token goes to its k experts and back through the ``ep`` all-to-all
 (forward and backward, routing taken as balanced); FLOPs count the active parameters.
 
+Muon (``optimizer="muon"``): its hidden matrices (:meth:`~.shapes.ModelShape.hidden_matrices`)
+keep one moment, the other parameters AdamW's two (:func:`~.memory.model_states`), and the step
+adds the Newton-Schulz iteration and the owners' collectives (:func:`muon_work`).
+
 When the model's shape is not given, activations are 0 and a nominal shape (``h = 128*L``,
 ``Psi = 12*L*h^2``, the proportions of GPT-3 and Llama) sizes the TP/PP traffic, the attention
 FLOPs and the ``pp <= layers`` limit.
@@ -28,6 +32,7 @@ from trainmesh.config.parallel import ParallelConfig
 from trainmesh.context_parallel.traffic import cp_bytes_per_layer
 from trainmesh.core.axes import kind_groups
 from trainmesh.core.layout import Group
+from trainmesh.data_parallel.muon import ns_flops
 
 from .activations import TRAINMESH, Kernels, inflight_stages
 from .cluster import Cluster
@@ -41,6 +46,7 @@ from .traffic import (
     dp_ops,
     empty,
     ep_ops,
+    muon_ops,
     other_ops,
     pp_ops,
     ring_factor,
@@ -111,23 +117,43 @@ class _Split:
     experts: float
     dense_group: int
     expert_group: int
+    dense_matrices: float = 0.0
+    """Of ``dense``, the hidden matrices' values (Muon's)."""
+    expert_matrices: float = 0.0
+    """Of ``experts``, the experts' matrices' values."""
+
+
+def matrices(model: ModelShape) -> list[tuple[int, tuple[int, int], bool]]:
+    """Muon's matrices of the whole model (:meth:`~.shapes.ModelShape.hidden_matrices`); without
+    a shape, the nominal one's: per layer four h x h and two h x 4h."""
+    if model.has_shape:
+        return model.hidden_matrices()
+    layers, hidden = _shape(model)
+    return [(4 * layers, (hidden, hidden), False), (2 * layers, (hidden, 4 * hidden), False)]
 
 
 def _split(model: ModelShape, cfg: ParallelConfig) -> _Split:
     experts = model.expert_params
     dense = (model.params - experts) / (cfg.pp * cfg.tp)
+    kinds = matrices(model)
+    # latent attention taken as full heads can count more than the dense parameters: at most all
+    dense_m = min(sum(n * a * b for n, (a, b), e in kinds if not e), model.params - experts)
+    expert_m = min(sum(n * a * b for n, (a, b), e in kinds if e), experts)
     layout = cfg.layout   # dense states over their reduce group (dp x cp, or HSDP's shard)
     return _Split(dense, experts / (cfg.pp * cfg.ep),
-                  layout.size(kind_groups(layout, "dense").reduce), layout.size(Group.edp))
+                  layout.size(kind_groups(layout, "dense").reduce), layout.size(Group.edp),
+                  dense_m / (cfg.pp * cfg.tp), expert_m / (cfg.pp * cfg.ep))
 
 
-def _states(split: _Split, cfg: ParallelConfig) -> tuple[ModelStates, float]:
+def _states(split: _Split, cfg: ParallelConfig, optimizer: str = "adamw") -> tuple[ModelStates, float]:
     """(the rank's model states, of which its experts' bytes); DiLoCo adds the outer step's
     parameters and momentum (8 bytes per parameter, counted with the optimizer)."""
     kw = dict(zero=cfg.zero, precision=cfg.precision, offload=cfg.offload,
-              offload_params=cfg.offload_params)
-    dense = model_states(split.dense, dp=split.dense_group, **kw)   # type: ignore[arg-type]
-    experts = model_states(split.experts, dp=split.expert_group, **kw)   # type: ignore[arg-type]
+              offload_params=cfg.offload_params, optimizer=optimizer)
+    dense = model_states(split.dense, dp=split.dense_group, matrices=split.dense_matrices,
+                         **kw)   # type: ignore[arg-type]
+    experts = model_states(split.experts, dp=split.expert_group, matrices=split.expert_matrices,
+                           **kw)   # type: ignore[arg-type]
     outer = 8 * (split.dense + split.experts) if cfg.strategy == "diloco" else 0.0
     return (ModelStates(dense.params + experts.params, dense.grads + experts.grads,
                         dense.optimizer + experts.optimizer + outer), experts.total)
@@ -219,6 +245,37 @@ def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, kernels: Ker
                      zero=cfg.zero, offload_s=offload)
 
 
+def muon_work(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
+              split: _Split) -> tuple[Traffic, float, float]:
+    """(traffic, Newton-Schulz FLOPs, seconds) of Muon's step on a rank: the iteration on each
+    matrix it iterates, whole (under tp every rank of the iterating TP group runs it on the
+    gathered matrix), its pipeline stage's share; under ZeRO only the matrices it owns, the
+    owners balanced by FLOPs (the mean over the shard group; experts' over edp). The owners'
+    reduce and broadcast and the tp gathers (:func:`~.traffic.muon_ops`) and the iteration
+    follow the backward: none of it overlapped."""
+    kinds = matrices(model)
+    owners = (lambda group: group) if cfg.zero >= 1 else (lambda group: 1)
+    dense = sum(n * ns_flops(shape) for n, shape, e in kinds if not e)
+    experts = sum(n * ns_flops(shape) for n, shape, e in kinds if e)
+    flops = (dense / cfg.pp / owners(split.dense_group)
+             + experts / (cfg.pp * cfg.ep) / owners(split.expert_group))
+    hsdp = _hsdp_groups(cfg)
+    shard_axis = hsdp[0][0] if hsdp else "dp"
+    traffic: Traffic = {}
+    for axis, ops in muon_ops(matrices=split.dense_matrices, tp_split=split.dense_matrices,
+                              shard=split.dense_group, zero=cfg.zero, tp=cfg.tp).items():
+        traffic[shard_axis if axis == "dp" else axis] = ops
+    if split.experts:   # the experts' matrices: owners over edp, whole over tp
+        for ops in muon_ops(matrices=split.expert_matrices, tp_split=0, shard=split.expert_group,
+                            zero=cfg.zero, tp=1).values():
+            traffic["edp"] = ops
+    dp_bw = cluster.bandwidth(cfg.dp * cfg.cp * cfg.tp)
+    comm = (wire_bytes(traffic.get(shard_axis, {}), split.dense_group) / dp_bw
+            + wire_bytes(traffic.get("edp", {}), split.expert_group) / dp_bw
+            + wire_bytes(traffic.get("tp", {}), cfg.tp) / cluster.bandwidth(cfg.tp))
+    return traffic, flops, flops / cluster.flops_per_s("bf16") + comm   # the iteration runs in bf16
+
+
 def _buffers(cfg: ParallelConfig, split: _Split, layers_total: int, model: ModelShape) -> float:
     """Communication memory at the peak (:func:`~.peak.comm_buffers`); a ZeRO-3 unit is one
     layer's parameters, or the embedding (the head) when larger."""
@@ -237,16 +294,16 @@ def _buffers(cfg: ParallelConfig, split: _Split, layers_total: int, model: Model
 
 
 def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster,
-             kernels: Kernels = TRAINMESH) -> Candidate:
-    """Score ``cfg`` for ``model`` on ``cluster`` (mixed-precision or fp32 Adam), its
-    activations counted as ``kernels`` keep them; without an efficiency on ``cluster``, the
-    published runs' (:func:`~.efficiency.assumed_efficiency`)."""
+             kernels: Kernels = TRAINMESH, *, optimizer: str = "adamw") -> Candidate:
+    """Score ``cfg`` for ``model`` on ``cluster`` (mixed-precision or fp32 ``optimizer``:
+    adamw, sgd or muon), its activations counted as ``kernels`` keep them; without an
+    efficiency on ``cluster``, the published runs' (:func:`~.efficiency.assumed_efficiency`)."""
     if cluster.efficiency is None:
         from .efficiency import assumed_efficiency
         cluster = replace(cluster, efficiency=assumed_efficiency(cluster.gpu, model.active_params).efficiency)
     layers_total, hidden = _shape(model)
     split = _split(model, cfg)
-    states, expert_bytes = _states(split, cfg)
+    states, expert_bytes = _states(split, cfg, optimizer)
     best: tuple[float, float, float, Traffic] | None = None
     for rank in sorted({0, cfg.pp - 1}):
         layers = _stage_layers(layers_total, cfg.pp, rank)
@@ -274,6 +331,15 @@ def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster,
     memory = MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
                              activations=live, overhead=cluster.framework_overhead_bytes + buffers,
                              fragmentation=(scaled - 1) * dynamic)
+    time = _time(model, cfg, cluster, kernels, traffic, layers_total, hidden, split)
+    if optimizer == "muon":
+        extra, _, seconds = muon_work(model, cfg, cluster, split)
+        time = replace(time, optimizer_s=seconds)
+        traffic = {**traffic}
+        for axis, ops in extra.items():
+            traffic[axis] = {**traffic.get(axis, {})}
+            for op, b in ops.items():
+                traffic[axis][op] = traffic[axis].get(op, 0.0) + b
     wire = {"dp": wire_bytes(traffic["dp"], cfg.dp * cfg.cp), "tp": wire_bytes(traffic["tp"], cfg.tp),
             "cp": wire_bytes(traffic.get("cp", {}), cfg.cp),
             "pp": wire_bytes(traffic["pp"], cfg.pp),
@@ -281,6 +347,5 @@ def evaluate(cfg: ParallelConfig, model: ModelShape, cluster: Cluster,
             "edp": wire_bytes(traffic.get("edp", {}), split.expert_group),
             "other": wire_bytes(traffic["other"], cfg.world_size),
             **{axis: wire_bytes(traffic[axis], n) for axis, n in _hsdp_groups(cfg) if axis in traffic}}
-    time = _time(model, cfg, cluster, kernels, traffic, layers_total, hidden, split)
     return Candidate(cfg, memory, traffic, wire, time, memory.total <= cluster.gpu_mem_bytes,
                      expert_bytes)

@@ -69,12 +69,18 @@ def shard(psi: float, n: int) -> float:
 
 
 def model_states(psi: float, *, dp: int, zero: int, precision: str, optimizer: str = "adamw",
-                 offload: str = "none", offload_params: bool = True) -> ModelStates:
-    """GPU bytes of model states for a rank whose DP group replicates ``psi`` parameters."""
+                 offload: str = "none", offload_params: bool = True,
+                 matrices: float | None = None) -> ModelStates:
+    """GPU bytes of model states for a rank whose DP group replicates ``psi`` parameters.
+    Muon: ``matrices`` of them are its hidden matrices (None: all); AdamW steps the others,
+    whose second moment adds 4 bytes each (sharded as the rest)."""
     p, g, o = bytes_per_param(precision, optimizer)
     params = p * (shard(psi, dp) if zero >= 3 else psi)
     grads = g * (shard(psi, dp) if zero >= 2 else psi)
     optim = o * (shard(psi, dp) if zero >= 1 else psi)
+    if optimizer == "muon" and matrices is not None:
+        rest = psi - matrices
+        optim += 4 * (shard(rest, dp) if zero >= 1 else rest)
     if offload != "none":
         optim = 0.0
         if zero >= 3 and offload_params:

@@ -15,9 +15,13 @@ Reads ``config.json`` (nothing is built, no weights are read) into a :class:`~.s
   (DeepSeek), ``mlp_only_layers`` and ``decoder_sparse_step`` (Qwen-MoE).
 * the parameter count from these shapes (embeddings, attention with its key/value heads, MLPs or
   experts and router, norms, the head unless tied).
-* plans: the axes the model declares plans for (``base_model_tp_plan``, ``base_model_pp_plan``,
-  ``base_model_ep_plan`` of its transformers config class, when transformers knows the
-  ``model_type``); tp, pp and ep are only enumerated where a plan exists, cp always.
+* plans: the ones ``trainmesh train`` would train with, chosen by the same function
+  (:func:`trainmesh.models.hf_plans.install_plans` on the model built on the meta device from
+  config.json, no weights read): a plan file's (``--tp-plan``, ``--pp-plan``, ``--ep-plan``),
+  else the declared one, else one inferred from the modules. tp, pp and ep are only enumerated
+  where there is a plan, cp always; where none can be inferred a note names the module that
+  could not be placed (:func:`plan_axes`). Without transformers, the plans config.json itself
+  declares.
 
 A directory without a ``config.json`` or whose fields cannot make a shape exits 2 naming
 ``--model-dir``.
@@ -32,6 +36,7 @@ from .shapes import ModelShape
 
 FLAG = "--model-dir"
 PLANS = {"tp": "base_model_tp_plan", "pp": "base_model_pp_plan", "ep": "base_model_ep_plan"}
+KINDS = {"tp": "tensor-parallel", "pp": "pipeline", "ep": "expert-parallel"}
 
 
 def _int(config: dict[str, Any], *names: str) -> int | None:
@@ -106,7 +111,8 @@ def shape_from_config(config: dict[str, Any], *, path: str = "") -> ModelShape:
 
 
 def declared_axes(config: dict[str, Any]) -> frozenset[str]:
-    """The model-parallel axes the model declares plans for (module doc), with cp."""
+    """The model-parallel axes the model declares plans for, with cp (without transformers:
+    what config.json and the config class say, nothing inferred)."""
     declared = {axis for axis, key in PLANS.items() if config.get(key)}
     try:
         import transformers
@@ -117,10 +123,42 @@ def declared_axes(config: dict[str, Any]) -> frozenset[str]:
     return frozenset(declared | {"cp"})
 
 
-def read(path: str) -> tuple[ModelShape, frozenset[str], dict[str, Any]]:
-    """(shape, declared axes, config.json) of a model directory."""
+def plan_axes(path: str, config: dict[str, Any], files: Any = None,
+              experts: int = 0) -> tuple[frozenset[str], list[str]]:
+    """(the axes the model has plans for, with cp; notes): the plans ``trainmesh train`` takes
+    (module doc), ``files`` a :class:`~trainmesh.models.hf_plans.PlanFiles`. A note says where
+    a plan was inferred and, where none could be, which module inference could not place (ep
+    only for a mixture of ``experts``)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return declared_axes(config), ["transformers is not installed: tp, pp and ep are "
+                                       "offered only where config.json declares a plan"]
+    from trainmesh.core.hf_infer import not_inferred, plan_source
+    from trainmesh.models.hf import build_on_meta
+    model = build_on_meta(path, field=FLAG, plans=files, weights=False)
+    axes, notes = {"cp"}, []
+    for axis, kind in KINDS.items():
+        source = plan_source(model, axis)
+        if source is not None:
+            axes.add(axis)
+        if source == "inferred" and (axis != "ep" or experts):
+            checked = " (trainmesh train checks it on the first layer at start)" if axis == "tp" else ""
+            notes.append(f"{axis}: {type(model).__name__} declares no {kind} plan; the one "
+                         f"inferred from its modules is offered{checked}")
+        elif source is None and (axis != "ep" or experts):
+            notes.append(f"{axis}: not offered: {type(model).__name__} declares no {kind} plan"
+                         f"{not_inferred(model, axis)}; --{axis}-plan FILE gives one")
+    return frozenset(axes), notes
+
+
+def read(path: str, files: Any = None) -> tuple[ModelShape, frozenset[str], dict[str, Any], list[str]]:
+    """(shape, the axes it has plans for, config.json, notes on its plans) of a model directory;
+    ``files``: the plan files (:func:`plan_axes`)."""
     from trainmesh.config.model_dir import check_causal_lm
     from trainmesh.models.hf import read_model_config
     config = read_model_config(path, FLAG)
     check_causal_lm(config, path, FLAG)   # what trainmesh train refuses, plan refuses too
-    return shape_from_config(config, path=path), declared_axes(config), config
+    shape = shape_from_config(config, path=path)
+    axes, notes = plan_axes(path, config, files, shape.experts)
+    return shape, axes, config, notes

@@ -15,6 +15,10 @@ A mixture of experts (``experts`` E > 0) replaces the MLP of ``moe_layers`` laye
 all) by a router and E experts of width ``expert_ffn``, each token running through ``top_k`` of
 them, plus ``shared_ffn`` of always-on shared experts (DeepSeek, Qwen-MoE). ``params`` counts
 every expert; :attr:`ModelShape.active_params` (what a token runs through) sets the FLOPs.
+
+Muon (``--optimizer muon``) takes the hidden weight matrices (:meth:`ModelShape.hidden_matrices`:
+attention projections, MLPs, routers, each expert's matrices; not embeddings, head, norms or
+biases), the same split ``trainmesh train`` makes.
 """
 from __future__ import annotations
 
@@ -166,3 +170,20 @@ class ModelShape:
             return self.params
         idle = self.moe_layer_count * (self.experts - self.top_k) * self.mlp_params(self.expert_width)
         return self.params - idle
+
+    def hidden_matrices(self) -> list[tuple[int, tuple[int, int], bool]]:
+        """Muon's matrices of the whole model: (how many, (rows, columns), routed expert's)
+        per kind: each layer's q, k, v and output projections, a dense layer's MLP (gated:
+        three matrices, else two), a MoE layer's router, each routed expert's matrices and the
+        shared experts'. Latent attention is taken as full heads (module doc of
+        :mod:`.model_dir`)."""
+        assert self.hidden and self.layers and self.has_shape
+        h, layers, moe = self.hidden, self.layers, self.moe_layer_count
+        per_mlp = 3 if self.gated else 2
+        kinds = [(layers, (self.q_dim, h), False), (2 * layers, (self.kv_dim, h), False),
+                 (layers, (h, self.q_dim), False),
+                 ((layers - moe) * per_mlp, (self.ffn_width, h), False),
+                 (moe, (self.experts, h), False),
+                 (moe * self.experts * per_mlp, (self.expert_width, h), True),
+                 (moe * per_mlp if self.shared_ffn else 0, (self.shared_ffn or 1, h), False)]
+        return [k for k in kinds if k[0]]

@@ -46,6 +46,8 @@ class Problem:
     """Model-parallel axes the model declares plans for (``--model-dir``); all by default."""
     max_layers: int = 0
     """``pp`` at most this (the layers, or the nominal count without a shape)."""
+    optimizer: str = "adamw"
+    """The optimizer whose states and step the layouts are scored with (adamw, sgd, muon)."""
 
 
 def _divisors(n: int) -> list[int]:

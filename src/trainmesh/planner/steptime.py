@@ -23,6 +23,12 @@ exposed. Overlap is taken as perfect within its window; real frameworks hide 70-
 host runs the optimizer; at ZeRO-3 parameter shards also stream in before every forward and
 backward. None of it is taken as overlapped.
 
+**Muon** (``--optimizer muon``): at the optimizer step, the Newton-Schulz iteration
+(:func:`trainmesh.data_parallel.muon.ns_flops`: ``ns_steps x (4 m^2 n + 2 m^3)`` per m x n
+matrix, m <= n, run in bf16) on the matrices the rank iterates, and the owners' reduce and
+broadcast and the tp gathers (:func:`.traffic.muon_ops`): none overlapped
+(:func:`trainmesh.planner.candidate.muon_work`).
+
 Collective time is wire bytes (ring, see :mod:`.traffic`) over the group's bandwidth.
 """
 from __future__ import annotations
@@ -53,10 +59,14 @@ class StepTime:
     """Data-parallel / ZeRO communication not hidden behind compute."""
     offload_s: float
     """Host copies and the host optimizer step."""
+    optimizer_s: float = 0.0
+    """Muon: the Newton-Schulz iteration on the matrices this rank iterates and the owners'
+    reduce, broadcast and tp gathers (at the optimizer step, after the backward: exposed)."""
 
     @property
     def total(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_s + self.pp_s + self.dp_s + self.offload_s
+        return (self.compute_s + self.bubble_s + self.tp_s + self.pp_s + self.dp_s + self.offload_s
+                + self.optimizer_s)
 
 
 def flops_per_token(params: float, *, layers: int | None, hidden: int | None, seq_len: int,
@@ -110,7 +120,7 @@ def offload_seconds(psi_shard: float, *, zero: int, microbatches: int, value_byt
 
 def step_time(*, mb_compute_s: float, microbatches: int, pp: int, schedule: str,
               virtual_stages: int, tp_mb_s: float, pp_mb_s: float, dp_s: dict[str, float],
-              zero: int, offload_s: float = 0.0) -> StepTime:
+              zero: int, offload_s: float = 0.0, optimizer_s: float = 0.0) -> StepTime:
     """Assemble a :class:`StepTime` from per-microbatch stage costs and per-step DP traffic."""
     slots = pipeline_slots(schedule, microbatches=microbatches, pp=pp, virtual_stages=virtual_stages)
     return StepTime(compute_s=microbatches * mb_compute_s,
@@ -118,4 +128,4 @@ def step_time(*, mb_compute_s: float, microbatches: int, pp: int, schedule: str,
                     tp_s=slots * tp_mb_s, pp_s=slots * pp_mb_s,
                     dp_s=dp_exposed(dp_s, zero=zero, microbatches=microbatches,
                                     mb_compute_s=mb_compute_s),
-                    offload_s=offload_s)
+                    offload_s=offload_s, optimizer_s=optimizer_s)
