@@ -145,3 +145,21 @@ def test_advisor_and_cli_score_every_layout_with_muon(capsys):
 
 def json_key(c: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(c["layout"].items()))
+
+
+def test_calibrating_on_a_muon_run_takes_its_step_out_of_the_efficiency(tmp_path):
+    """A run trained with Muon measured S seconds per step: calibrated with optimizer="muon",
+    the planner's step time for the run's own layout (Muon's step included) is S again."""
+    import json
+
+    from trainmesh.planner.calibrate import calibrate
+    cfg = ParallelConfig(dp=16, zero=1, microbatches=4, precision="bf16")
+    path = tmp_path / "run.jsonl"
+    steps = [{"event": "step", "step": i, "tokens": 64 * 8192, "step_time_s": 9.0} for i in (1, 2)]
+    summ = {"event": "summary", "params": LLAMA8B.params, "layout": cfg.layout_record(),
+            "ranks": [{"rank": 0, "peak_mem_bytes": 60 * 2**30}]}
+    path.write_text("\n".join(json.dumps(r) for r in [*steps, summ]) + "\n")
+    model = replace(LLAMA8B, seq_len=8192)
+    cal = calibrate(str(path), model, replace(CLUSTER, efficiency=None), optimizer="muon")
+    run = evaluate(cfg, model, replace(CLUSTER, efficiency=cal.efficiency), optimizer="muon")
+    assert run.time.optimizer_s > 0 and run.time.total == pytest.approx(9.0, rel=1e-6)

@@ -176,12 +176,12 @@ def _advise(args: argparse.Namespace) -> int:
     if args.model_dir is not None and args.kernels is None:   # trainmesh runs transformers' modules
         kernels = replace(kernels, rmsnorm="eager")
     source = None
-    if args.calibrate is not None:
+    optimizer = args.optimizer or "adamw"
+    if args.calibrate is not None:   # a run of --optimizer: its step time holds Muon's step
         from ..planner.calibrate import calibrate
-        cal = calibrate(args.calibrate, model, cluster, kernels)
+        cal = calibrate(args.calibrate, model, cluster, kernels, optimizer)
         cluster = replace(cluster, efficiency=cal.efficiency, memory_scale=cal.memory_scale)
         source = cal.source
-    optimizer = args.optimizer or "adamw"
     result = plan(model, cluster, precision=precision, global_batch=batch, axes_allowed=axes,
                   kernels=kernels, efficiency_source=source, optimizer=optimizer)
     notes = [*result.notes, *plan_notes]

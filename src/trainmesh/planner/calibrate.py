@@ -30,20 +30,21 @@ CALIBRATE_FLAG = "--calibrate"
 
 
 def step_seconds(layout: ParallelConfig, model: ModelShape, cluster: Cluster,
-                 kernels: Kernels = TRAINMESH) -> float:
-    return evaluate(layout, model, cluster, kernels).time.total
+                 kernels: Kernels = TRAINMESH, optimizer: str = "adamw") -> float:
+    return evaluate(layout, model, cluster, kernels, optimizer=optimizer).time.total
 
 
 def implied_efficiency(layout: ParallelConfig, model: ModelShape, cluster: Cluster,
-                       measured_s: float, kernels: Kernels = TRAINMESH) -> float:
+                       measured_s: float, kernels: Kernels = TRAINMESH,
+                       optimizer: str = "adamw") -> float:
     """The efficiency at which the planner's step time for ``layout`` is ``measured_s`` (clamped
     to (0.01, 1]: a step faster than the model allows at peak reads as 1)."""
     lo, hi = 0.01, 1.0
-    if step_seconds(layout, model, replace(cluster, efficiency=hi), kernels) >= measured_s:
+    if step_seconds(layout, model, replace(cluster, efficiency=hi), kernels, optimizer) >= measured_s:
         return hi
     for _ in range(50):
         mid = (lo + hi) / 2
-        if step_seconds(layout, model, replace(cluster, efficiency=mid), kernels) > measured_s:
+        if step_seconds(layout, model, replace(cluster, efficiency=mid), kernels, optimizer) > measured_s:
             lo = mid
         else:
             hi = mid
@@ -111,9 +112,11 @@ def _layout(summary: dict[str, Any]) -> ParallelConfig:
         raise ConfigError(CALIBRATE_FLAG, f"the run's layout is not one trainmesh takes: {exc}") from None
 
 
-def calibrate(path: str, model: ModelShape, cluster: Cluster, kernels: Kernels = TRAINMESH) -> Calibration:
+def calibrate(path: str, model: ModelShape, cluster: Cluster, kernels: Kernels = TRAINMESH,
+              optimizer: str = "adamw") -> Calibration:
     """The efficiency and memory scale a measured run implies for ``model`` on ``cluster``'s
-    accelerators (the run's own layout on its own number of GPUs)."""
+    accelerators (the run's own layout on its own number of GPUs), the run trained with
+    ``optimizer`` (Muon's step is part of its measured step time)."""
     summary, steps = read_run(path)
     params = summary.get("params")
     if not isinstance(params, int) or abs(params - model.params) > 0.02 * model.params:
@@ -128,8 +131,9 @@ def calibrate(path: str, model: ModelShape, cluster: Cluster, kernels: Kernels =
     gpus = layout.world_size
     run_cluster = replace(cluster, gpus=gpus, gpus_per_node=min(cluster.gpus_per_node, gpus),
                           efficiency=None, memory_scale=1.0)
-    eff = implied_efficiency(layout, run_model, run_cluster, step_s, kernels)
-    scored = evaluate(layout, run_model, replace(run_cluster, efficiency=eff, fragmentation=1.0), kernels)
+    eff = implied_efficiency(layout, run_model, run_cluster, step_s, kernels, optimizer)
+    scored = evaluate(layout, run_model, replace(run_cluster, efficiency=eff, fragmentation=1.0), kernels,
+                      optimizer=optimizer)
     measured = max((r.get("peak_mem_bytes") or 0) for r in summary.get("ranks", []) if isinstance(r, dict))
     mem = scored.memory
     dynamic = mem.activations + mem.overhead - cluster.framework_overhead_bytes
