@@ -80,3 +80,25 @@ def test_a_plan_file_is_read_as_the_run_reads_it(dirs, tmp_path, capsys):
                  ["--model", "llama3-8b", "--tp-plan", str(plan)]):
         code, out, err = run_cli(capsys, ["plan", *argv, *ADVISE])
         assert code == 2 and out == "" and "--tp-plan" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_large_model_is_read_without_allocating_its_weights(tmp_path):
+    """DeepSeek-V3's widths (256 experts of 2048 x 7168: one stacked gate/up tensor is 30 GB
+    in fp32) cut to 2 layers: the model is built with every tensor on the meta device, so
+    reading its plans allocates none of it (made on the CPU first, this machine refuses
+    the 30 GB)."""
+    path = tmp_path / "deepseek"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 2,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "hidden_act": "silu"}))
+    try:
+        outcome = model_dir.read(str(path))
+    except RuntimeError as exc:    # the allocator's refusal
+        outcome = exc
+    assert not isinstance(outcome, Exception), outcome
+    assert {"tp", "pp", "ep"} <= outcome[1]
