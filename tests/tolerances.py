@@ -168,6 +168,9 @@ HF SP: norm gradients not summed over tp      test_hf_axes: layout_trains_like_o
                                               (tp2-sp, grad_norm)
 HF selective recompute not checkpointing      test_hf_axes: selective_recompute_... (call count)
 GQA ring: k/v heads repeated tiled            test_context_parallel: grouped_query_ring_...
+a float64 model's gradients reduced, its loss  test_fp64_layouts: float64_layouts_equal_... (a
+  (plain or vocab-parallel) or its grad norm    weight 1e-8 or a norm 2e-8 off, bound ~1e-13)
+  computed in float32
 ============================================  ==================================================
 """
 from __future__ import annotations

@@ -142,15 +142,17 @@ class DDP(GradSync):
 
     def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         # DP replicas hold identical reduced gradients: only DP rank 0 contributes.
-        total = torch.zeros((), dtype=torch.float32, device=self.buffer.device)
+        # in float32 at least (a float64 model's norm in float64)
+        total = torch.zeros((), dtype=torch.promote_types(self.buffer.dtype, torch.float32),
+                            device=self.buffer.device)
         if self.comm.mesh.index(self.axis) != 0:
             return total
         params = [p for name, p in self.named_params if counted(name, p)]
         if len(params) == len(self.named_params):   # everything counts: one pass over the buffer
-            flat = self.buffer.float()
+            flat = self.buffer.to(total.dtype)
             return torch.dot(flat, flat) * self._pending_sq()
         for p in params:
-            total += p.grad.float().pow(2).sum()
+            total += p.grad.to(total.dtype).pow(2).sum()
         return total * self._pending_sq()
 
     def reduced_grads(self) -> list[torch.Tensor]:

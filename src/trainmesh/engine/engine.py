@@ -88,6 +88,9 @@ class Engine(Accounting, Checkpointing):
         """Each parameter's place on the mesh, by name (filled by the TP and pipeline split)."""
         self.seed = seed
         """The run's seed: dropout and router noise are drawn from it by position."""
+        self.norm_dtype = (torch.float64 if any(p.dtype == torch.float64 for p in model.parameters())
+                           else torch.float32)
+        """The squared gradient norm's dtype on the wire: float32, a float64 model's float64."""
         self.random = install_draws(model)
         """A Hugging Face model's dropout and router noise, now drawn by position (one line each)."""
         self._draws: list[Draws | None] = []
@@ -289,6 +292,6 @@ class Engine(Accounting, Checkpointing):
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient, each logical parameter counted once."""
-        sq = self.local_grad_sq_sum().reshape(1).to(torch.float32)
+        sq = self.local_grad_sq_sum().reshape(1).to(self.norm_dtype)
         self.comm.all_reduce(sq, Group.world)
         return math.sqrt(float(sq))

@@ -89,7 +89,10 @@ class Precision:
         self.name = cfg.precision
         self.device = device
         self.compute_dtype = DTYPES[cfg.precision]
-        self.reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else self.compute_dtype
+        # the compute dtype; under fp32 that is the model's own (None: a float64 model's
+        # gradients are reduced in float64, not cast to float32 and back)
+        self.reduce_dtype = (torch.float32 if cfg.reduce_dtype == "fp32"
+                             else None if self.compute_dtype == torch.float32 else self.compute_dtype)
         self.scaler = (LossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
                        if cfg.precision == "fp16" else None)
         self.skipped = False

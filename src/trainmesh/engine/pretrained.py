@@ -198,7 +198,9 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
     if aux:
         logits = add_router_loss(model, out.router_logits, logits)
     labels = batch["labels"]                                             # (b, s), -100 ignored
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    logits = logits.flatten(0, 1)                        # at least float32 (float64 kept)
+    loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                           labels.flatten(), reduction="sum")
     return loss, (labels != -100).sum()
 
 

@@ -261,8 +261,10 @@ class CrossEntropySum(nn.Module):
     """(logits, labels) -> (sum of token losses, number of counted tokens); label -100 ignored."""
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum",
-                               ignore_index=-100)
+        # at least float32 (16-bit logits widened; a float64 model's kept float64)
+        logits = logits.flatten(0, -2)
+        loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                               labels.flatten(), reduction="sum", ignore_index=-100)
         return loss, (labels != -100).sum()
 
 

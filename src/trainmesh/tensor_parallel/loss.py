@@ -22,12 +22,12 @@ from .layers import TPState
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """(N, V/n) local logits, (N,) labels -> scalar loss sum (fp32)."""
+    """(N, V/n) local logits, (N,) labels -> scalar loss sum (fp32, or fp64 for fp64 logits)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, comm: Comm, axis: str,
                 ignore_index: int) -> torch.Tensor:
-        z = logits.float()                                        # (N, V/n)
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))   # (N, V/n), >= fp32
         width = z.shape[-1]
         start = comm.mesh.index(axis) * width
         m = z.max(dim=-1).values                                  # (N,)

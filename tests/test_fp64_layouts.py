@@ -1,0 +1,118 @@
+"""A float64 model stays float64 on every layout's path: its loss, its gradients' reduction
+(DDP, ZeRO), the vocab-parallel loss under tp and the gradient norm the step clips by. So its
+layouts equal one process to float64 rounding, not float32's: one step of the float64 GPT
+under dp 2 (DDP, ZeRO-1, ZeRO-3), tp 2 (+ SP), pp 2 and cp 2, clipped by the norm, moves every
+weight as one process does within fp64_atol.
+
+Where one of them ran in float32 (the default reduce dtype, float32 under fp32 precision, cast
+a float64 model's gradients to float32 for the all-reduce and back; both cross-entropies cast
+the logits to float32) the layouts differed from one process by ~1e-7 of a step, which an
+optimizer that normalises its update (Adam, a normalised SGD) shows as it is.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerances import fp64_atol
+
+SHAPE = {"n_layers": 2, "d_model": 32, "n_heads": 4, "seq_len": 16, "vocab_size": 64}
+BATCH = 8
+LAYOUTS = {"dp2": {"dp": 2}, "dp2-zero1": {"dp": 2, "zero": 1}, "dp2-zero3": {"dp": 2, "zero": 3},
+           "tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sequence_parallel": True},
+           "pp2": {"pp": 2, "microbatches": 2}, "cp2": {"cp": 2}}
+CLIP = 1.0
+"""Below the step's gradient norm (1.6): the update is g * CLIP / norm, so the norm counts."""
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1.0)    # the update is the (clipped) gradient itself
+
+
+def _one_step() -> dict:
+    """Both ranks: one clipped SGD step of the float64 GPT in one process and under each
+    layout. Returns {layout: (largest weight difference from one process over the parameters
+    this rank holds, |loss difference|, |grad-norm difference|)} and the one process's
+    (largest update, loss, grad norm, parameter count, the float64 norm of a plain backward's
+    gradients) under "one"."""
+    from trainmesh import Engine, ParallelConfig, ParallelMesh
+    from trainmesh.data.corpus import SyntheticCorpus
+    from trainmesh.models.gpt import GPT, GPTConfig
+    rank = torch.distributed.get_rank()
+    batch = SyntheticCorpus(64, 16).batch(5, 0, BATCH)
+
+    def step(fields: dict | None):
+        model = GPT(GPTConfig(**SHAPE), seed=0).double()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        cfg = ParallelConfig(**(fields or {}), grad_clip=CLIP)
+        engine = Engine(model, _sgd, lambda m, b: m(**b), cfg,
+                        mesh=ParallelMesh(local=True) if fields is None else None)
+        mine = batch
+        if cfg.dp == 2:
+            mine = {k: v[rank * BATCH // 2 : (rank + 1) * BATCH // 2] for k, v in batch.items()}
+        report = engine.step(mine)
+        after = engine.full_state_dict()      # collective; a pipeline stage's own parameters
+        return {k: after[k] - before[k] for k in before if k in after}, report.loss, report.grad_norm
+
+    plain = GPT(GPTConfig(**SHAPE), seed=0).double()   # the norm by hand, in float64
+    loss_sum, count = plain(**batch)
+    (loss_sum / count).backward()
+    exact = sum(float(p.grad.pow(2).sum()) for p in plain.parameters()) ** 0.5
+    ref, loss, norm = step(None)
+    out = {"one": (max(float(u.abs().max()) for u in ref.values()), loss, norm,
+                   sum(u.numel() for u in ref.values()), exact)}
+    for name, fields in LAYOUTS.items():
+        got, got_loss, got_norm = step(fields)
+        assert got, (name, "no parameters")
+        out[name] = (max(float((got[k] - ref[k]).abs().max()) for k in got),
+                     abs(got_loss - loss), abs(got_norm - norm))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_float64_layouts_equal_one_process_to_float64_rounding():
+    """Each update is a gradient (sums over the batch's 128 tokens of products through inner
+    sums at most 4 * d_model = 128 wide: 128 * 128 terms) of magnitude <= the largest update
+    of one process, times CLIP / norm; the loss a sum over 128 tokens; the norm a sum of the
+    model's 30k squares. fp64_atol of those: ~3e-13 for the updates. Any float32 link in the
+    chain errs by float32 rounding, ~1e-8 of the update (seen: 4e-10 and more), 1000x above."""
+    from trainmesh.testing import run_distributed
+    ranks = run_distributed(_one_step, 2, timeout_s=280)
+    scale, loss, norm, params, exact = ranks[0]["one"]
+    assert abs(norm - exact) <= fp64_atol(exact, params), ("one process's grad norm", norm, exact)
+    terms = BATCH * SHAPE["seq_len"] * 4 * SHAPE["d_model"]
+    for name in LAYOUTS:
+        for rank, res in ranks.items():
+            weights, dloss, dnorm = res[name]
+            assert weights <= fp64_atol(scale, terms), (name, rank, "weights", weights, scale)
+            assert dloss <= fp64_atol(loss, BATCH * SHAPE["seq_len"]), (name, rank, "loss", dloss)
+            assert dnorm <= fp64_atol(norm, max(params, terms)), (name, rank, "grad norm", dnorm)
+
+
+def test_a_float64_models_loss_is_float64():
+    """The loss of a float64 GPT is computed in float64 (16-bit logits are widened to float32,
+    float64 ones kept): the cross-entropy of its float64 logits, to float64 rounding."""
+    import torch.nn.functional as F
+
+    from trainmesh.models.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(**SHAPE), seed=0).double()
+    ids = torch.arange(2 * 16).reshape(2, 16) % 64
+    with torch.no_grad():
+        loss, count = model(input_ids=ids, labels=ids.roll(-1, 1))
+        logits = model(input_ids=ids)
+    assert loss.dtype == torch.float64, loss.dtype
+    want = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="sum")
+    assert abs(float(loss) - float(want)) <= fp64_atol(float(want), int(count)), (loss, want)
+
+
+def test_gradients_are_reduced_in_their_own_dtype_under_fp32():
+    """Under fp32 precision the default reduce dtype is the gradients' own (None: a float64
+    model's are not cast to float32 for the reduction); bf16 and fp16 reduce in their compute
+    dtype, and --reduce-dtype fp32 in float32."""
+    from trainmesh import ParallelConfig
+    from trainmesh.engine.precision import Precision
+    cpu = torch.device("cpu")
+    assert Precision(ParallelConfig(), cpu).reduce_dtype is None
+    assert Precision(ParallelConfig(reduce_dtype="fp32"), cpu).reduce_dtype == torch.float32
+    assert Precision(ParallelConfig(precision="bf16"), cpu).reduce_dtype == torch.bfloat16
+    assert Precision(ParallelConfig(precision="bf16", reduce_dtype="fp32"), cpu).reduce_dtype == torch.float32
