@@ -31,7 +31,9 @@ from torch import nn
 
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.randomness import Draws, drawing
 from trainmesh.core.step import StepReport
+from trainmesh.models.hf_random import install_draws
 
 from ..comm.ledger import Ledger
 from .client import PSClient, shard_by_bytes
@@ -45,10 +47,15 @@ class PSEngine:
     def __init__(self, model: nn.Module, optimizer: Callable[[Any], torch.optim.Optimizer],
                  loss_fn: Callable[[nn.Module, Any], Any], config: ParallelConfig, *,
                  param_groups: Callable[[str], dict] | None = None,
-                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None) -> None:
+                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 seed: int = 0) -> None:
         if config.strategy != "ps":
             raise ConfigError("strategy", "PSEngine needs ParallelConfig(strategy='ps')")
         self.config, self.model, self.loss_fn = config, model, loss_fn
+        self.seed = seed
+        """The run's seed: a Hugging Face model's dropout and router noise are drawn from it by
+        position, as the mesh's engine draws them (:mod:`trainmesh.models.hf_random`)."""
+        self.random = install_draws(model)
         self.n_trainers, world = config.dp, dist.get_world_size()
         if world != config.world_size:
             raise ConfigError("dp+ps-servers", f"{config.dp}+{config.ps_servers} must equal the world size {world}")
@@ -137,16 +144,36 @@ class PSEngine:
         """Backward of the loss sum over this trainer's microbatches; -> (loss sum, count)."""
         from trainmesh.data.corpus import split_microbatches
         parts = split_microbatches(batch, self.config.microbatches) if isinstance(batch, dict) else [batch]
+        draws = self._draws(parts)
         loss_sum, count = 0.0, 0.0
-        for mb in parts:
-            out = self.loss_fn(self.model, mb)
-            total, n = out if isinstance(out, tuple) else (out, 1.0)   # a mean loss weighs 1
-            total.backward()
+        for mb, drawn in zip(parts, draws):
+            with drawing(drawn):          # the global rows of this trainer's microbatch
+                out = self.loss_fn(self.model, mb)
+                total, n = out if isinstance(out, tuple) else (out, 1.0)   # a mean loss weighs 1
+                total.backward()
             loss_sum, count = loss_sum + float(total.detach()), count + float(n)
         for p in self.model.parameters():   # an unused parameter pushes zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         return loss_sum, count
+
+    def _draws(self, parts: list) -> list[Draws | None]:
+        """Where each microbatch's elements sit in the step's global batch, as the mesh's
+        engine says it (:mod:`trainmesh.engine.draws`): this trainer's rows start at its index
+        x its rows, its microbatches follow one another; whole sequences (None for a microbatch
+        without a (batch, seq) tensor)."""
+        def shape(mb: Any) -> torch.Size | None:
+            parts = mb.values() if isinstance(mb, dict) else mb if isinstance(mb, (tuple, list)) else [mb]
+            return next((t.shape for t in parts if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+        shapes = [shape(mb) for mb in parts]
+        row0 = self.rank * sum(s[0] for s in shapes if s is not None)
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        out: list[Draws | None] = []
+        for s in shapes:
+            out.append(None if s is None else Draws(self.seed, self.step_count - 1, row0, s[0],
+                                                     torch.arange(s[1], device=device)))
+            row0 += 0 if s is None else s[0]
+        return out
 
     def _clip_coef(self, norm: float) -> float:
         clip = self.config.grad_clip

@@ -27,7 +27,8 @@ def train_ps(cfg: TrainConfig, device: torch.device, loop: Callable[..., int]) -
     engine = PSEngine(model, optimizer_factory(cfg, device), lambda m, batch: m(**batch), cfg.parallel,
                       param_groups=param_groups(cfg, model),
                       lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps,
-                                                             total_steps=cfg.steps))
+                                                             total_steps=cfg.steps),
+                      seed=cfg.seed)
     if engine.is_server:
         engine.serve()
         return 0
