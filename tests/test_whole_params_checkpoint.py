@@ -241,3 +241,31 @@ def test_a_replica_copying_a_live_one_takes_its_whole_param_states():
     worst = max(((a[k] - v).abs().max().item(), k) for k, v in b.items())
     assert worst[0] == 0, worst
     assert len(taken) == 37 and all(type(s["step"]) is int for s in taken.values())   # as it was
+
+
+def test_a_live_copy_takes_back_each_number_as_the_type_it_was():
+    """A live copy's numbers travel as 0-d tensors: each comes back as the int, float, bool or
+    None it was (an int step read back as a tensor would change the optimizer's arithmetic),
+    a tensor as a tensor of its own."""
+    from trainmesh.data_parallel.whole_params import LIVE, WholeParams, live_states, load_live_states
+
+    class Named:                                   # the engine's map where nothing is cut
+        def map(self, p, tensors, fn):
+            return fn("w", tensors)
+
+    class Part:
+        def __init__(self, opt):
+            self.optimizer = opt
+
+    state = {"step": 3, "scale": 0.1, "warm": True, "none": None, "m": torch.full((2,), 3.0)}
+    source = WholeParams([torch.nn.Parameter(torch.ones(2))], lambda ps: torch.optim.SGD(ps, lr=0.1))
+    source.load_whole_state({"w": state})
+    sent = live_states(Part(source))
+    assert set(sent) == {LIVE + "w"}
+    receiver = WholeParams([torch.nn.Parameter(torch.ones(2))], lambda ps: torch.optim.SGD(ps, lr=0.1))
+    receiver.wholes = Named()
+    load_live_states(Part(receiver), {**sent, "shard0": {}})
+    got = receiver.whole_state()["w"]
+    assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in state.items()}, got
+    assert {k: v for k, v in got.items() if k != "m"} == {k: v for k, v in state.items() if k != "m"}
+    assert torch.equal(got["m"], state["m"]) and got["m"] is not state["m"]
