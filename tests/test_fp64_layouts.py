@@ -116,3 +116,22 @@ def test_gradients_are_reduced_in_their_own_dtype_under_fp32():
     assert Precision(ParallelConfig(reduce_dtype="fp32"), cpu).reduce_dtype == torch.float32
     assert Precision(ParallelConfig(precision="bf16"), cpu).reduce_dtype == torch.bfloat16
     assert Precision(ParallelConfig(precision="bf16", reduce_dtype="fp32"), cpu).reduce_dtype == torch.float32
+
+
+def test_a_float64_hub_models_loss_is_float64():
+    """The same for a Hugging Face causal LM through ``tm.causal_lm_loss``."""
+    import torch.nn.functional as F
+    transformers = pytest.importorskip("transformers")
+
+    import trainmesh as tm
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)).double()
+    ids = torch.arange(2 * 16).reshape(2, 16) % 64
+    with torch.no_grad():
+        loss, count = tm.causal_lm_loss(model, {"input_ids": ids, "labels": ids.roll(-1, 1)})
+        logits = model(input_ids=ids).logits
+    assert loss.dtype == torch.float64, loss.dtype
+    want = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="sum")
+    assert abs(float(loss) - float(want)) <= fp64_atol(float(want), int(count)), (loss, want)
