@@ -32,6 +32,17 @@ Llama 4's chosen rows sent in token order instead of expert order (dp 2 x ep 2 d
 fast block test: every output element); its rows padded at the wrong block offsets (the fast
 block test); its blocks gathered by rows under SP (tp 2 + SP differs).
 
+The gaps seen are float32 rounding, not a layout's error: Ernie 4.5 in float64 (experts run
+eagerly: grouped_mm takes no float64) under tp 2 equals one process exactly over 10 steps of
+this AdamW, its step-1 gradients included, and under cp 2 within 3.5e-8 in the loss (its router
+is float32 by transformers' own code, so its gradient is a float32 sum over each rank's tokens).
+In float32, AdamW's first step moves each element by lr g / (|g| + 1e-8): one element of layer
+1's k_proj has a gradient of -8.8e-9 on the first batch (float64; the next smallest: 7.7e-5),
+below float32's rounding of its sum, so its float32 value is rounding in size and sign and its
+first step differs from one process's by 7.7e-3 under tp 2 (5.2e-3 under cp 2), every other
+element by at most 3e-8; the loss then differs by 5e-5 at step 2 and at most 2.9e-4 over 10
+steps, within LOSS_ABS.
+
 The fast test beside: Llama 4's MoE block with its experts run by the block dispatch equals
 transformers' block, forward and gradients, in float64.
 """
