@@ -21,8 +21,12 @@ family. Imports core only (transformers not at all: the plan is read from the mo
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
@@ -121,3 +125,20 @@ def hf_structure(model: nn.Module, flag: str = "--pp") -> HFStructure:
     if outside:
         raise refuse(f"parameters {outside[:3]} lie outside every module it names")
     return HFStructure(kind, base, pre, layers, post, heads[0])
+
+
+@contextmanager
+def swapped(parent: nn.Module, leaf: str, stand_in: nn.Module) -> Iterator[None]:
+    """``parent.<leaf>`` is ``stand_in`` inside (no hooks of the original run): a stage's or a
+    check's stand-in for a child of the structure."""
+    original = parent._modules[leaf]
+    parent._modules[leaf] = stand_in
+    try:
+        yield
+    finally:
+        parent._modules[leaf] = original
+
+
+def first_output(out: Any) -> torch.Tensor:
+    """A decoder layer's hidden states (transformers 5 returns them; older ones a tuple)."""
+    return out[0] if isinstance(out, (tuple, list)) else out

@@ -26,15 +26,15 @@ Imports core only.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
-from trainmesh.core.hf_plan import HFStructure, hf_structure
+from trainmesh.core.hf_plan import HFStructure, first_output, hf_structure, swapped
 from trainmesh.core.hf_routing import router_loss_enabled
 
 from .hf_routing import RouterTap, empty, pack, unpack
@@ -95,20 +95,6 @@ class _Zeros(nn.Module):
         return torch.zeros(*ids.shape, self.width, dtype=self.dtype, device=ids.device)  # (b, s, h)
 
 
-@contextmanager
-def _swapped(parent: nn.Module, leaf: str, stand_in: nn.Module) -> Iterator[None]:
-    """``parent.<leaf>`` is ``stand_in`` inside (no hooks of the original run)."""
-    original = parent._modules[leaf]
-    parent._modules[leaf] = stand_in
-    try:
-        yield
-    finally:
-        parent._modules[leaf] = original
-
-
-def _first(out: Any) -> torch.Tensor:
-    """A decoder layer's hidden states (transformers 5 returns them; older ones a tuple)."""
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class HFPipeline:
@@ -162,7 +148,7 @@ class HFPipeline:
             for name, layer in zip(names, layers):
                 if name in self._layer_index:
                     args, kwargs = calls[self._layer_index[name]]
-                    x = _first(layer(x, *args[1:], **kwargs))
+                    x = first_output(layer(x, *args[1:], **kwargs))
                 elif name in s.post:
                     x = layer(x)
                 # the input modules ran in the capture; the head runs in pipeline_output
@@ -214,14 +200,14 @@ class HFPipeline:
         calls: dict[int, tuple] = {}
         recorders = nn.ModuleList(_Recorder(layer, i, calls, last) for i, layer in enumerate(layers))
         parent, _, leaf = s.layers.rpartition(".")
-        with _swapped(self.model.get_submodule(parent) if parent else self.model, leaf, recorders):
+        with swapped(self.model.get_submodule(parent) if parent else self.model, leaf, recorders):
             if holds_input:
                 self._run_base(batch)
             else:
                 embed = self.model.get_submodule(s.pre[0])
                 weight = next(iter(embed.parameters()))
                 e_parent, _, e_leaf = s.pre[0].rpartition(".")
-                with _swapped(self.model.get_submodule(e_parent) if e_parent else self.model,
+                with swapped(self.model.get_submodule(e_parent) if e_parent else self.model,
                               e_leaf, _Zeros(weight.shape[-1], weight.dtype, self._ids(batch).device)):
                     self._run_base(batch)
         if last not in calls:

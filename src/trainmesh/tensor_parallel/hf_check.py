@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_infer import base_name, layer_list, plan_source
+from trainmesh.core.hf_plan import first_output, swapped
 
 from .hf import hf_tp_plan, localize_config
 from .plan import HEAD_ATTRS, fused_parts, resolve
@@ -88,18 +87,6 @@ def _real(layer: nn.Module) -> nn.Module:
     return real
 
 
-@contextmanager
-def _swapped(parent: nn.Module, leaf: str, stand_in: nn.Module) -> Iterator[None]:
-    original = parent._modules[leaf]
-    parent._modules[leaf] = stand_in
-    try:
-        yield
-    finally:
-        parent._modules[leaf] = original
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _record_units(model: nn.Module, real: nn.Module, units: list[str]) -> dict[str, tuple]:
@@ -117,7 +104,7 @@ def _record_units(model: nn.Module, real: nn.Module, units: list[str]) -> dict[s
             seen[unit] = (args, kwargs)
 
         def post(_m, _args, _kwargs, out, unit=unit):
-            seen[unit] = (*seen[unit], _first_tensor(out))
+            seen[unit] = (*seen[unit], first_output(out))
         module = real.get_submodule(unit)
         hooks += [module.register_forward_pre_hook(pre, with_kwargs=True),
                   module.register_forward_hook(post, with_kwargs=True)]
@@ -125,7 +112,7 @@ def _record_units(model: nn.Module, real: nn.Module, units: list[str]) -> dict[s
     ids = torch.randint(0, 2, (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
     try:
         hidden = _Hidden(embed.weight.shape[-1])
-        with _swapped(root, layers, stand_ins), _swapped(root, embed_leaf, hidden):
+        with swapped(root, layers, stand_ins), swapped(root, embed_leaf, hidden):
             with torch.no_grad():
                 try:
                     root(input_ids=ids, use_cache=False)
@@ -208,7 +195,7 @@ def check_first_layer(model: nn.Module, tp: int) -> None:
         try:
             with torch.no_grad():
                 parts = [_rank_unit(real.get_submodule(unit), inside, r, tp) for r in range(tp)]
-                got = sum(_first_tensor(part(*args, **kwargs)) for part in parts)
+                got = sum(first_output(part(*args, **kwargs)) for part in parts)
             err = float((got - want).abs().max())
         except (RuntimeError, ValueError, IndexError) as exc:
             raise ConfigError("--tp", f"the {kind} family's {source} tensor-parallel plan cannot "
