@@ -86,6 +86,24 @@ def _attention(draws: Draws, q, k, v, heads: int, scaling: float = 0.3):
         return _DroppedAttention("sdpa")(module, q, k, v, causal, scaling=scaling, dropout=P)[0]
 
 
+def test_attention_sinks_take_part_in_the_softmax_only():
+    """GPT-OSS's sinks (``s_aux``: one logit per head, dropped after the softmax): at a dropout
+    too small to drop anything, the drawn attention equals the family's own eager attention."""
+    oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from trainmesh.models.hf_random import _DroppedAttention
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, 4, S, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups, module.training = torch.randn(4, generator=g, dtype=torch.float64), 1, False
+    module._trainmesh_site, module._trainmesh_heads = 11, 4
+    causal = torch.full((S, S), float("-inf"), dtype=q.dtype).triu(1).expand(B, 1, S, S)
+    want = oss.eager_attention_forward(module, q, k, v, causal, scaling=0.3)[0]
+    with drawing(_whole()):
+        got = _DroppedAttention("eager")(module, q, k, v, causal, scaling=0.3, dropout=1e-300,
+                                          s_aux=module.sinks)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_attention_of_a_share_of_rows_or_heads_is_the_share_of_the_whole():
     """(b, s, h, hd) outputs in float64: dp's rows and tp's heads (grouped-query k/v: each tp
     rank its kv head) equal the pieces of one process's; each probability kept with 1 - p."""

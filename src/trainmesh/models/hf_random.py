@@ -159,8 +159,6 @@ class _DroppedAttention:
             fn = implementation(self.inner, module)
             return fn(module, query, key, value, attention_mask, scaling=scaling,
                       dropout=dropout, **kwargs)
-        if kwargs.get("s_aux") is not None:
-            raise NotImplementedError("attention dropout with attention sinks (s_aux)")
         b, h, sq, hd = query.shape                                    # (b, h, s_q, hd)
         sk = key.shape[2]
         if key.shape[1] != h:                                         # grouped-query k/v
@@ -171,8 +169,12 @@ class _DroppedAttention:
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         scores = _masked(scores, attention_mask, getattr(module, "is_causal", True))
-        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)),
-                              dim=-1)                                 # (b, h, s_q, s_k)
+        logits = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        sinks = kwargs.get("s_aux")
+        if sinks is not None:   # attention sinks (gpt-oss): one more logit per head, in the softmax only
+            sink = sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(b, -1, sq, 1)
+            logits = torch.cat([logits, sink], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :sk]              # (b, h, s_q, s_k)
         site, rows = getattr(module, "_trainmesh_site", 0), draws.row_ids(b).view(b, 1, 1, 1)
         heads = draws.split(h, getattr(module, "_trainmesh_heads", h))
         qpos, kpos = draws.tokens(sq).view(1, 1, sq, 1), draws.tokens(sk).view(1, 1, 1, sk)
