@@ -8,6 +8,9 @@ Where one of them ran in float32 (the default reduce dtype, float32 under fp32 p
 a float64 model's gradients to float32 for the all-reduce and back; both cross-entropies cast
 the logits to float32) the layouts differed from one process by ~1e-7 of a step, which an
 optimizer that normalises its update (Adam, a normalised SGD) shows as it is.
+
+In process: DiLoCo's outer step and replica norm, the parameter server's push, shard and
+pull, and the router statistics of a mixture of experts keep float64 too.
 """
 from __future__ import annotations
 
@@ -135,3 +138,80 @@ def test_a_float64_hub_models_loss_is_float64():
     assert loss.dtype == torch.float64, loss.dtype
     want = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="sum")
     assert abs(float(loss) - float(want)) <= fp64_atol(float(want), int(count)), (loss, want)
+
+
+def _step_in_process(model: torch.nn.Module, batch: dict, **fields) -> dict:
+    """One clipped SGD step of ``model`` in this process under ``fields``; its state after."""
+    from trainmesh import Engine, ParallelConfig, ParallelMesh
+    engine = Engine(model, _sgd, lambda m, b: m(**b), ParallelConfig(**fields, grad_clip=CLIP),
+                    mesh=ParallelMesh(local=True))
+    engine.step(batch)
+    return engine.full_state_dict()
+
+
+def test_diloco_keeps_a_float64_model_in_float64():
+    """DiLoCo with one inner step, outer lr 1 and no momentum is plain DP (θ <- θ - (θ - θ_r)):
+    one replica's clipped step of the float64 GPT equals one process's within fp64_atol. The
+    replica's squared norm (what it clips by) in float32 errs by 2.4e-9, θ and Δ in float32 by
+    6e-8: 1e4x above."""
+    from trainmesh.data.corpus import SyntheticCorpus
+    from trainmesh.models.gpt import GPT, GPTConfig
+    batch = SyntheticCorpus(64, 16).batch(5, 0, BATCH)
+    ref = _step_in_process(GPT(GPTConfig(**SHAPE), seed=0).double(), batch)
+    got = _step_in_process(GPT(GPTConfig(**SHAPE), seed=0).double(), batch, strategy="diloco",
+                           inner_steps=1, outer_lr=1.0, outer_momentum=0.0)
+    before = GPT(GPTConfig(**SHAPE), seed=0).double().state_dict()
+    scale = max(float((ref[k] - before[k]).abs().max()) for k in ref)
+    terms = BATCH * SHAPE["seq_len"] * 4 * SHAPE["d_model"]
+    worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+    assert worst <= fp64_atol(scale, terms), ("weights", worst, scale)
+
+
+class _Here:
+    """An RRef to a server in this process (what its RPC entry points ask of one)."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def local_value(self):
+        return self.server
+
+
+def test_the_parameter_server_keeps_a_float64_model_in_float64():
+    """A trainer's flat gradient, the server's shard, its sync step and the shard it answers
+    with keep float64: one trainer's step is p - g / tokens exactly as float64 computes it.
+    Each value differs from its float32 rounding by up to 2^-24 of itself (they were sent and
+    held as float32): any float32 link breaks the equality."""
+    from trainmesh.comm.ledger import Ledger
+    from trainmesh.parameter_server import ParameterServer, PSClient
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    bias = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    weight.grad, bias.grad = torch.randn_like(weight), torch.randn_like(bias)
+    named = [("weight", weight), ("bias", bias)]
+    client = PSClient(named, [], [["weight", "bias"]], Ledger(), first_server_rank=1)
+    grads = client._flat_grads(0)
+    assert torch.equal(grads, torch.cat([weight.grad.reshape(-1), bias.grad])), "pushed gradients"
+    server = ParameterServer(n_trainers=1, mode="sync", optimizer=_sgd)
+    here = _Here(server)
+    held = ParameterServer.load(here, [(n, p.detach()) for n, p in named])
+    tokens = 3.0
+    sq, _, _ = ParameterServer.push(here, 1, grads, 0.0, tokens).wait()
+    flat, _ = ParameterServer.update_and_pull(here, 1, 1.0)
+    want = torch.cat([weight.reshape(-1), bias]).detach() - grads / tokens
+    assert flat.dtype == torch.float64 and torch.equal(flat, want), (flat - want).abs().max()
+    assert abs(sq - float(grads.div(tokens).pow(2).sum())) <= fp64_atol(sq, 15), sq
+    assert held == 15 * 8, ("bytes held", held)
+
+
+def test_a_float64_routers_statistics_are_float64():
+    """The per-sequence router statistics of float64 router logits (what the aux loss is made
+    of) are float64: each sequence's probability sums equal float64's own softmax and sum of
+    them exactly (they were float32: off by ~1e-8 of each sum)."""
+    from trainmesh.core.hf_routing import layers_routing
+    logits = torch.randn(2 * 16, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    routing = layers_routing([logits, 2 * logits], [0, 1], 2, 2, None)        # 2 sequences of 16
+    want = sum(x.softmax(-1).view(2, 16, 4).sum(1) for x in (logits, 2 * logits))
+    assert routing.probs.dtype == routing.rows.dtype == torch.float64, routing.probs.dtype
+    assert torch.equal(routing.probs, want), (routing.probs - want).abs().max()
+    assert routing.slots.sum() == 2 * 2 * 16 * 2 and routing.rows.tolist() == [32.0, 32.0]

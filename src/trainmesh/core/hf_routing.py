@@ -85,9 +85,10 @@ def router_modules(model: nn.Module) -> list[str]:
 @dataclass
 class Routing:
     """What the aux loss needs of a forward's routing, per sequence of its ``b``: slots per
-    expert (b, E), no gradient; router probability sums per expert (b, E), fp32 or wider, with
-    gradient; rows (b,), MoE layers × the sequence's tokens they saw here. The layers pool by
-    adding (a pipeline stage adds its layers' to what the previous stages carried)."""
+    expert (b, E), no gradient; router probability sums per expert (b, E), fp32 or wider (a
+    float64 model's float64), with gradient; rows (b,), MoE layers × the sequence's tokens they
+    saw here. The layers pool by adding (a pipeline stage adds its layers' to what the previous
+    stages carried)."""
 
     slots: torch.Tensor
     probs: torch.Tensor
@@ -100,11 +101,12 @@ class Routing:
 def sequence_routing(router_logits: tuple[torch.Tensor, ...], batch: int, top_k: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sequence of this rank's ``batch`` sequences: (slots per expert (b, E), no gradient;
-    router probability sums per expert (b, E), fp32; slots per expert of each layer (L, E)),
-    the layers pooled as transformers pools them. Each logits tensor is ``(b·s, E)``."""
+    router probability sums per expert (b, E), in float32 at least (float64 logits' in float64);
+    slots per expert of each layer (L, E)), the layers pooled as transformers pools them. Each logits tensor is ``(b·s, E)``."""
     slots, probs, per_layer = 0.0, 0.0, []
     for logits in router_logits:
-        p = logits.float().softmax(-1).view(batch, -1, logits.shape[-1])     # (b, s, E)
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        p = wide.softmax(-1).view(batch, -1, logits.shape[-1])                # (b, s, E)
         chosen = p.topk(top_k, dim=-1).indices                               # (b, s, k)
         hits = torch.zeros_like(p).scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=p.dtype))
         slots = slots + hits.detach().sum(1)                                  # (b, E)

@@ -15,8 +15,9 @@ A replica may itself be several ranks (docs/DILOCO.md): the tp x pp x cp ranks o
 its tp x pp ranks). Inside, the replica's own strategy runs unchanged (:attr:`DiLoCo.inner`: DDP
 over ``cp``, or ZeRO over ``dp_shard``: its reductions never leave the replica); across
 replicas, each rank's outer step covers what its inner optimizer updates — its tp/pp slice, its
-ZeRO shard — in fp32 whatever the precision (the fp32 masters), all-reduced with the ranks
-holding the same piece in the other replicas (``outer_axis``: ``dp``, or ``dp_replicate``).
+ZeRO shard — in fp32 at least whatever the precision (the fp32 masters; a float64 model's in
+float64), all-reduced with the ranks holding the same piece in the other replicas
+(``outer_axis``: ``dp``, or ``dp_replicate``).
 
 The inner optimizers' states stay per replica (never averaged). With H = 1, outer lr 1, outer
 momentum 0 and plain SGD inside, θ <- mean_r(θ - lr g_r) = θ - lr mean_r g_r: plain DP. No
@@ -69,6 +70,11 @@ def wrap(cfg: Any, comm: Comm, options: SyncOptions, build: Callable[[SyncOption
                   outer_momentum=cfg.outer_momentum)
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` in float32 at least: a 16-bit model's θ in float32, a float64 model's kept."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class DiLoCo(CompositeSync):
     """A replica's own strategy ``inner`` (steps every step) and the outer Nesterov step on the
     averaged change across replicas every ``inner_steps`` steps (module docstring)."""
@@ -97,11 +103,11 @@ class DiLoCo(CompositeSync):
     # ---------------------------------------------------------------- set-up
     def build_optimizer(self, factory: OptimizerFactory,
                         options: Callable[[str], dict] | None) -> torch.optim.Optimizer:
-        """The replica's inner optimizer; θ: an fp32 copy of what it updates (this rank's
-        slice or shard), stepped by the outer Nesterov SGD."""
+        """The replica's inner optimizer; θ: a copy of what it updates (this rank's slice or
+        shard) in fp32 at least (a float64 model's in float64), stepped by the outer Nesterov SGD."""
         optimizer = super().build_optimizer(factory, options)
         with torch.no_grad(), self.inner.resident():
-            self.outer = [t.detach().to(torch.float32, copy=True) for t in self.inner.optimizer_params()]
+            self.outer = [t.detach().to(_wide(t.dtype), copy=True) for t in self.inner.optimizer_params()]
         self.outer_optimizer = torch.optim.SGD(self.outer, lr=self.outer_lr, momentum=self.outer_momentum,
                                                nesterov=self.outer_momentum > 0)
         return optimizer
@@ -135,9 +141,10 @@ class DiLoCo(CompositeSync):
     def local_norm(self, counted: CountedFn) -> float:
         """This replica's gradient norm (what it clips by; its ranks' parts summed, one world
         all-reduce of a value per replica); inf on every rank when any replica's is non-finite,
-        so that all skip or stop together."""
-        slots = torch.zeros(self.n_replicas, dtype=torch.float32)
-        slots[self.replica] = self.inner.grad_sq_sum(counted).reshape(()).float().cpu()
+        so that all skip or stop together; in float32 at least (a float64 model's in float64)."""
+        mine = self.inner.grad_sq_sum(counted).reshape(())
+        slots = torch.zeros(self.n_replicas, dtype=_wide(mine.dtype))
+        slots[self.replica] = mine.to(slots.dtype).cpu()
         self.comm.all_reduce(slots, Group.world)
         if not bool(torch.isfinite(slots).all()):
             return math.inf
@@ -158,7 +165,7 @@ class DiLoCo(CompositeSync):
         assert self.outer_optimizer is not None, "build_optimizer first"
         with self.inner.resident():
             mine = self.inner.optimizer_params()
-            delta = torch.cat([(t - p.to(t.device, torch.float32)).reshape(-1)
+            delta = torch.cat([(t - p.to(t.device, t.dtype)).reshape(-1)
                                for t, p in zip(self.outer, mine)])              # (this rank's Ψ,)
             nbytes = delta.numel() * delta.element_size()
             self.reductions.count(nbytes)                   # transient: comm_buffer_peak_bytes

@@ -4,7 +4,8 @@ A trainer keeps a full replica for compute. Each server owns a set of whole para
 by :func:`shard_by_bytes` (the same plan on every process). Per step a trainer pushes, to each
 server, one flat tensor of its shard's gradients and pulls one flat tensor of its parameters;
 both are booked in the communication ledger on the axis ``ps`` (ops ``push`` and ``pull``), so
-``comm_bytes_per_step["ps"]`` is 4Ψ + 4Ψ per trainer per step in fp32.
+``comm_bytes_per_step["ps"]`` is 4Ψ + 4Ψ per trainer per step in fp32 (a shard travels in
+:func:`~trainmesh.parameter_server.server.flat_dtype`: a float64 model's in float64, 8Ψ + 8Ψ).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from ..comm.ledger import Ledger
-from .server import ParameterServer
+from .server import ParameterServer, flat_dtype
 
 
 def shard_by_bytes(named: list[tuple[str, torch.Tensor]], servers: int) -> list[list[str]]:
@@ -40,6 +41,8 @@ class PSClient:
         self.rrefs, self.ledger, self.first_rank = rrefs, ledger, first_server_rank
         self.shards = [[by_name[n] for n in names] for names in plan]
         self.names = plan
+        self.dtypes = [flat_dtype(shard) for shard in self.shards]
+        """The dtype each server holds its shard in, which its gradients travel in."""
 
     # ---------------------------------------------------------------- plumbing
     def _book(self, op: str, t: torch.Tensor) -> None:
@@ -58,7 +61,7 @@ class PSClient:
         return out
 
     def _flat_grads(self, s: int, scale: float = 1.0) -> torch.Tensor:
-        flat = torch.cat([p.grad.reshape(-1) for p in self.shards[s]]).float().cpu()   # (Ψ_s,) on CPU
+        flat = torch.cat([p.grad.reshape(-1).to(self.dtypes[s]) for p in self.shards[s]]).cpu()   # (Ψ_s,)
         return flat.mul_(scale) if scale != 1.0 else flat
 
     @torch.no_grad()

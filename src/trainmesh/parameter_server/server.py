@@ -1,7 +1,7 @@
 """One parameter server: a shard of the parameters and their optimizer, served over RPC.
 
-A server keeps its shard as one flat fp32 buffer (the parameters are views into it, so a pull
-is one tensor) with a gradient buffer beside it, and an ordinary torch optimizer over the views.
+A server keeps its shard as one flat buffer in float32 at least (:func:`flat_dtype`: a float64
+model's in float64; the parameters are views into it, so a pull is one tensor) with a gradient buffer beside it, and an ordinary torch optimizer over the views.
 Trainers call its static methods through ``rpc_async`` with the server's :class:`RRef`:
 
 - sync: ``push`` adds a trainer's gradient (of its loss *sum*) and token count for a step; the
@@ -17,8 +17,9 @@ Trainers call its static methods through ``rpc_async`` with the server's :class:
 """
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,13 @@ _LOCAL: dict[str, "ParameterServer"] = {}   # this process's server, the entry p
 def local_server() -> "ParameterServer":
     """This process's server (called over ``rpc.remote`` to hand trainers an RRef to it)."""
     return _LOCAL["server"]
+
+
+def flat_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The dtype a shard is held and sent in, by server and trainers alike: its parameters' in
+    float32 at least (16-bit parameters get fp32 values and optimizer states, float64 ones keep
+    theirs)."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
 
 
 @dataclass
@@ -75,7 +83,8 @@ class ParameterServer:
         """Take the shard's initial values (from trainer 0) and build the optimizer; returns bytes."""
         self = rref.local_value()
         with self.lock:
-            self.flat = torch.cat([t.detach().reshape(-1).float() for _, t in named])   # (Ψ_s,)
+            dtype = flat_dtype(t for _, t in named)
+            self.flat = torch.cat([t.detach().reshape(-1).to(dtype) for _, t in named])   # (Ψ_s,)
             self.grad = torch.zeros_like(self.flat)
             views, offset = [], 0
             for name, t in named:
@@ -88,7 +97,7 @@ class ParameterServer:
             self.optimizer = make_opt([{**opts, "params": [p for _, p in ps]} for opts, ps in groups])
             self.scheduler = make_sched(self.optimizer) if make_sched else None
             self.lr = self.optimizer.param_groups[0]["lr"]
-        return self.flat.numel() * 4
+        return self.flat.numel() * self.flat.element_size()
 
     @staticmethod
     def pull(rref: rpc.RRef) -> torch.Tensor:
@@ -104,7 +113,8 @@ class ParameterServer:
         states = self.optimizer.state.values() if self.optimizer else []
         optim = sum(v.numel() * v.element_size() for st in states for v in st.values()
                     if torch.is_tensor(v) and v.dim() > 0)
-        return {"params": self.flat.numel() * 4, "grads": self.grad.numel() * 4, "optimizer": optim,
+        return {"params": self.flat.numel() * self.flat.element_size(),
+                "grads": self.grad.numel() * self.grad.element_size(), "optimizer": optim,
                 "peak_mem_bytes": memory_peak(torch.device("cpu"))}
 
     # ---------------------------------------------------------------- sync
