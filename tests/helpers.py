@@ -243,3 +243,27 @@ def check_one_replica_restarted(records: list[dict], *, ranks: int, degraded: in
     assert [r["restarts"] for r in s["ranks"]] == [0, 1]
     ft = s["fault_tolerance"]
     assert ft["failed_attempts"] == 1 and ft["degraded_steps"] == degraded, ft
+
+
+def widened(model, std: float = 0.2):
+    """``model`` with every matrix redrawn at ``std`` (transformers draws 0.02), from the
+    global generator: attention far from uniform and each expert's output large, so that a
+    weight, an expert or a position read in another's place shows in the loss."""
+    import torch
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+    return model
+
+
+def saved_models(tmp_path_factory, name: str, build, kinds) -> dict[str, str]:
+    """A module fixture's hub models: each of ``kinds`` built by ``build(kind)`` and written
+    with ``save_pretrained`` into its own directory of a fresh temporary ``name`` folder;
+    {kind: directory}."""
+    root = tmp_path_factory.mktemp(name)
+    out = {}
+    for kind in kinds:
+        build(kind).save_pretrained(str(root / kind))
+        out[kind] = str(root / kind)
+    return out

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LAUNCHED, run_train, step_differences, steps, train_config
+from helpers import LAUNCHED, run_train, saved_models, step_differences, steps, train_config, widened
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -65,21 +65,12 @@ def family_model(kind: str, **extra) -> torch.nn.Module:
     if kind in ("qwen3", "gemma2"):
         common["head_dim"] = 8
     model = model_cls(config_cls(**{**common, **extra}))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    return model
+    return widened(model)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("hfaxes")
-    out = {}
-    for kind in FAMILIES:
-        family_model(kind).save_pretrained(str(root / kind))
-        out[kind] = str(root / kind)
-    return out
+    return saved_models(tmp_path_factory, "hfaxes", family_model, FAMILIES)
 
 
 def _config(directory: str, flags: list[str]):

@@ -87,6 +87,7 @@ CASES = {**{f"{kind} {axis}": (kind, layout) for kind in DENSE_FAMILIES
 
 def family_model(kind: str) -> torch.nn.Module:
     """A tiny random ``kind`` (matrices at std 0.2: attention far from uniform)."""
+    from helpers import widened       # here: the workers import this module, not helpers
     torch.manual_seed(0)
     if kind == "olmo2":
         model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**COMMON))
@@ -123,21 +124,14 @@ def family_model(kind: str) -> torch.nn.Module:
             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1))
     else:
         raise ValueError(kind)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    return model
+    return widened(model)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("hubfamilies")
-    out = {}
-    for kind in sorted({kind for kind, _ in CASES.values()}):
-        family_model(kind).save_pretrained(str(root / kind))
-        out[kind] = str(root / kind)
-    return out
+    from helpers import saved_models
+    kinds = sorted({kind for kind, _ in CASES.values()})
+    return saved_models(tmp_path_factory, "hubfamilies", family_model, kinds)
 
 
 def _batch(step: int, dp_rank: int = 0, dp: int = 1) -> dict[str, torch.Tensor]:

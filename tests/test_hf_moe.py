@@ -48,7 +48,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_train, steps, summary, train_config
+from helpers import run_train, saved_models, steps, summary, train_config, widened
 from tolerances import LOSS_ABS, NORM_REL, fp32_atol, scale_of
 
 transformers = pytest.importorskip("transformers")
@@ -100,21 +100,12 @@ def moe_model(kind: str) -> torch.nn.Module:
         config = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=8,
                                              shared_expert_intermediate_size=24, num_experts=12)
         model = transformers.Qwen2MoeForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    return model
+    return widened(model)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("hfmoe")
-    out = {}
-    for kind in FAMILIES:
-        moe_model(kind).save_pretrained(str(root / kind))
-        out[kind] = str(root / kind)
-    return out
+    return saved_models(tmp_path_factory, "hfmoe", moe_model, FAMILIES)
 
 
 def _config(directory: str, flags: list[str]):
