@@ -15,7 +15,7 @@ from torch import nn
 
 from trainmesh.config.train import TrainConfig
 from trainmesh.data_parallel.muon import MuonAdamW, is_hidden_matrix, newton_schulz, ns_flops
-from trainmesh.data_parallel.muon_owners import owners
+from trainmesh.data_parallel.muon_owners import owners, tp_owners
 from trainmesh.models.gpt import GPT
 from trainmesh.run.optimizers import describe_split, no_decay, param_groups
 
@@ -131,6 +131,24 @@ def test_owners_balance_the_iterations_flops():
     assert ns_flops((3, 16, 8)) == 3 * ns_flops((16, 8))
 
 
+def test_tp_owners_compose_with_zeros():
+    """tp 2 x a ZeRO group of 2 over the GPT-2-small-like matrices: ZeRO's table as without tp,
+    and among each ZeRO owner's tp ranks the tp owners of its matrices: each of the 4 ranks
+    within 1.25x of the mean (a quarter of the FLOPs), the same table from the same list."""
+    shapes = [(f"b{i}.{k}", s) for i in range(12)
+              for k, s in (("q", (768, 768)), ("k", (768, 768)), ("v", (768, 768)),
+                           ("proj", (768, 768)), ("fc", (3072, 768)), ("out", (768, 3072)))]
+    zero = owners(shapes, 2)
+    tp = tp_owners(shapes, zero, 2)
+    assert set(tp) == set(zero) and set(tp.values()) == {0, 1}
+    load = [[0, 0], [0, 0]]
+    for name, shape in shapes:
+        load[zero[name]][tp[name]] += ns_flops(shape)
+    mean = sum(ns_flops(s) for _, s in shapes) / 4
+    assert max(max(row) for row in load) <= 1.25 * mean, load
+    assert tp_owners(shapes, zero, 2) == tp
+
+
 def test_a_zero_shard_leaves_a_matrix_without_a_gradient_alone():
     """ZeRO-1 on one rank (the flat shard and its stepper, in process): a layer unused in a
     step keeps its value and momentum, as torch.optim.Muon leaves a parameter without a
@@ -166,8 +184,9 @@ def test_a_zero_shard_leaves_a_matrix_without_a_gradient_alone():
 def test_the_planner_counts_muons_states_and_gathers():
     """`trainmesh plan --optimizer muon` at dp 2 ZeRO-1 and tp 2: the momentum on the hidden
     matrices and AdamW's two moments on the rest (plus its step counters), and per step the
-    owners' reduce and broadcast of every matrix (fp32) over dp, the tp gathers of the cut ones
-    (figures a run measured equal, by the summary's comm_bytes_per_step and model_state_bytes)."""
+    owners' reduce and broadcast of every matrix (fp32) over dp, the tp gathers to the owner and
+    scatters back of the cut ones, each booked as the whole matrix (figures a run measured
+    equal, by the summary's comm_bytes_per_step and model_state_bytes)."""
     from trainmesh.config.parallel import ParallelConfig
     from trainmesh.planner.predict import predict_layout
     gpt = CFG.gpt_config()
@@ -183,7 +202,9 @@ def test_the_planner_counts_muons_states_and_gathers():
     assert 0 < counters <= 8, counters          # AdamW's step count per flat shard (4 bytes)
     tp2 = predict_layout(gpt, ParallelConfig(tp=2), global_batch=8, optimizer="muon",
                          base_bytes=0).ranks[0]
-    assert tp2.comm_bytes_per_step["tp"]["all_gather"] == 4 * matrices      # each gathered whole
+    assert tp2.comm_bytes_per_step["tp"]["gather"] == 4 * matrices          # each gathered whole
+    assert tp2.comm_bytes_per_step["tp"]["scatter"] == 4 * matrices
+    assert "all_gather" not in tp2.comm_bytes_per_step["tp"]
     assert "reduce" not in tp2.comm_bytes_per_step["dp"]
 
 

@@ -173,3 +173,61 @@ def test_an_optimizer_needing_whole_parameters_gets_them_under_every_sharding():
     bound = WHOLE_STEPS * 0.05 * 2 * fp64_atol(norm, terms) / 1e-3
     for name, worst in res.items():
         assert worst[0] <= bound, (name, worst, bound)
+
+
+TP_STEPS = 2
+
+
+def _muon_tp_runs() -> dict:
+    """Rank 0 and 1 train the float64 GPT TP_STEPS Muon steps at tp 2, with the tp owners
+    (each cut matrix iterated at one tp rank) and with every tp rank iterating every matrix on
+    the gathered whole (the path a user's optimizer takes, :class:`ByName`). Returns this
+    rank's iteration FLOPs and its weights' largest difference between the two paths, and the
+    FLOPs of each matrix once (what one TP group must iterate in all)."""
+    from trainmesh import Engine, ParallelConfig
+    from trainmesh.data.corpus import SyntheticCorpus
+    from trainmesh.data_parallel import muon_owners
+    from trainmesh.data_parallel.muon import MuonAdamW, is_hidden_matrix, muon_options, ns_flops
+    from trainmesh.models.gpt import GPT, GPTConfig
+    corpus = SyntheticCorpus(64, 16)
+
+    def train(owned: bool) -> tuple[dict[str, torch.Tensor], int, int]:
+        model = GPT(GPTConfig(**SHAPE), seed=0).double()
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        once = sum(ns_flops(s) for n, s in shapes.items() if is_hidden_matrix(n, s)) * TP_STEPS
+        chosen = muon_owners.TensorParallelOwners
+        if not owned:
+            muon_owners.TensorParallelOwners = muon_owners.ByName
+        try:
+            engine = Engine(model, lambda ps: MuonAdamW(ps, lr=0.01), lambda m, b: m(**b),
+                            ParallelConfig(tp=2), param_groups=muon_options(shapes, lambda n: {}))
+        finally:
+            muon_owners.TensorParallelOwners = chosen
+        for k in range(TP_STEPS):
+            engine.step(corpus.batch(5, k, 8))
+        return engine.full_state_dict(), engine.optimizer.flops_run, once
+
+    owned, flops, once = train(True)
+    every, every_flops, _ = train(False)
+    return {"flops": flops, "every_flops": every_flops, "once": once,
+            "diff": max(((owned[k] - every[k]).abs().max().item(), k) for k in owned)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_tp_owners_iterate_each_matrix_once_and_equal_every_rank_iterating():
+    """At tp 2 the two ranks' iteration FLOPs sum to each matrix's once and neither runs more
+    than 1.25x the mean (the owners' greedy table; both run everything, 2x the mean, where each
+    rank iterates every matrix). The weights equal those of every rank iterating the gathered
+    whole exactly: the owner iterates the same gathered matrix (gathers copy), so the same
+    bf16 ops on the same input; the scatter copies its result (fp32 to the float64 weights:
+    exact, as the update's own cast)."""
+    from trainmesh.testing import run_distributed
+    res = run_distributed(_muon_tp_runs, 2, timeout_s=180)
+    once = res[0]["once"]
+    flops = [res[r]["flops"] for r in (0, 1)]
+    assert [res[r]["every_flops"] for r in (0, 1)] == [once, once], res
+    assert max(flops) <= 1.25 * once / 2, (flops, once)
+    assert sum(flops) == once, (flops, once)
+    for r in (0, 1):
+        assert res[r]["diff"][0] == 0.0, (r, res[r]["diff"])

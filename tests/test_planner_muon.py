@@ -80,18 +80,19 @@ def test_muon_experts_keep_one_moment_over_edp():
 @pytest.mark.parametrize("cfg", LAYOUTS, ids=lambda c: c.layout.describe("flags"))
 def test_muon_step_time_counts_the_iteration_and_the_owners_collectives(cfg):
     """The step's added time is the rank's Newton-Schulz FLOPs at the bf16 rate (each matrix
-    whole; under ZeRO the owners share them, over tp every rank of the owner's group iterates
-    the gathered matrix) plus, under ZeRO, the owners' reduce and broadcast of 4-byte matrices
-    over the shard group and, under tp, the gathers of the matrices the rank's group owns."""
+    whole; under ZeRO the owners share them, over tp the tp owners share the owner group's:
+    a Llama's matrices are all cut) plus, under ZeRO, the owners' reduce and broadcast of
+    4-byte matrices over the shard group and, under tp, the gathers to the tp owner and the
+    scatters back of the matrices the rank's group owns."""
     adamw = evaluate(cfg, LLAMA8B, CLUSTER)
     muon = evaluate(cfg, LLAMA8B, CLUSTER, optimizer="muon")
     n = cfg.shard_size if cfg.zero else 1
-    flops = llama_ns(LLAMA8B) / cfg.pp / n
+    flops = llama_ns(LLAMA8B) / cfg.pp / n / cfg.tp
     held = llama_matrices(LLAMA8B) / (cfg.pp * cfg.tp)           # this rank's tp shards
     bw = CLUSTER.bandwidth(cfg.dp * cfg.tp)
     comm = 4 * held * (1 + (n - 1) / n) / bw if n > 1 else 0.0  # reduce (chain) + broadcast
-    if cfg.tp > 1:   # each gathered whole: tp x its shard, (tp-1)/tp of it on the wire
-        comm += 4 * cfg.tp * held / n * (cfg.tp - 1) / cfg.tp / CLUSTER.bandwidth(cfg.tp)
+    if cfg.tp > 1:   # gather and scatter, each the whole: tp x its shard, the root's link (tp-1)/tp
+        comm += 2 * 4 * cfg.tp * held / n * (cfg.tp - 1) / cfg.tp / CLUSTER.bandwidth(cfg.tp)
     expected = flops / CLUSTER.flops_per_s("bf16") + comm
     assert muon.time.optimizer_s == pytest.approx(expected, rel=1e-9)
     assert muon.time.total - adamw.time.total == pytest.approx(expected, rel=1e-9)

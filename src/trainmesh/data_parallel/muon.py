@@ -12,7 +12,9 @@ tensor-parallel shard keeps doing so. Per matrix, Muon's update is::
 
 Only the Newton-Schulz iteration needs a whole matrix: the optimizer maps it over whole
 matrices through its ``wholes`` attribute, which the engine sets to what the layout needs
-(:mod:`.muon_owners`: ZeRO owners, tp gathers); the default, :class:`Local`, takes the tensors
+(:mod:`.muon_owners`: ZeRO owners, tp owners), or over all of a group's matrices at once
+through its ``map_many`` where it has one (tp owners: each rank iterates its own matrices
+while the others iterate theirs); the default, :class:`Local`, takes the tensors
 as held, right where every parameter is whole (one process, DDP). The momentum buffer (``momentum_buffer``)
 is laid out like the parameter, a moment as AdamW's ``exp_avg``: checkpoints, offload and
 resharding treat it as one.
@@ -121,10 +123,13 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def orthogonalize(self, p: torch.Tensor, u: torch.Tensor, group: dict) -> torch.Tensor:
         """NS(u) x learning-rate factor of each whole matrix, laid out like ``p``."""
+        return self.wholes.map(p, [u], self._iterate(group))
+
+    def _iterate(self, group: dict) -> Callable[[str | None, list[torch.Tensor]], torch.Tensor]:
         def iterate(name: str | None, whole: list[torch.Tensor]) -> torch.Tensor:
             self.flops_run += ns_flops(tuple(whole[0].shape), group["ns_steps"])
             return newton_schulz(whole[0], group)
-        return self.wholes.map(p, [u], iterate)
+        return iterate
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -140,20 +145,35 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon(self, group: dict) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        lr, wd = group["lr"], group["weight_decay"]
+        many = getattr(self.wholes, "map_many", None)
+        held: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p in group["params"]:
             if p.grad is None:
                 continue
-            g = p.grad
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(g, 1 - mu)
-            u = g.lerp(buf, mu) if group["nesterov"] else buf
+            u = self._momentum(p, group)
+            if many is not None:       # the map iterates the group's matrices together
+                held.append((p, u))
+                continue
             update = self.orthogonalize(p, u, group)
             p.mul_(1 - lr * wd)
             p.add_(update.to(p.dtype), alpha=-lr)
+        if held:
+            updates = many([p for p, _ in held], [u for _, u in held], self._iterate(group))
+            for (p, _), update in zip(held, updates):
+                p.mul_(1 - lr * wd)
+                p.add_(update.to(p.dtype), alpha=-lr)
+
+    def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """The momentum step on ``p``'s buffer; the tensor the iteration takes (Nesterov's or
+        the buffer)."""
+        g, mu = p.grad, group["momentum"]
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        buf.lerp_(g, 1 - mu)
+        return g.lerp(buf, mu) if group["nesterov"] else buf
 
     def _adamw(self, group: dict) -> None:
         params, grads, avgs, sqs, steps = [], [], [], [], []

@@ -16,10 +16,23 @@ optimizer step the same way. :func:`install` sets the map the layout needs:
   zeroed matrix and the group reduces it to the owner (a sum of disjoint pieces: exact), the owner
   runs the iteration and broadcasts the result, and each rank copies its stretches back. The
   transient memory is one matrix, not the model.
-- **tensor parallelism**: the matrix is gathered over tp (one all-gather) and orthogonalised
-  whole, and each TP rank keeps its slice. Distributing the iteration over tp instead would cost
-  a collective in every one of its 5 steps (the gram matrix's all-reduce) to save one gather.
-  Under ZeRO only the owner's TP group gathers.
+- **tensor parallelism** (:class:`TensorParallelOwners`, Muon): each matrix cut over tp has
+  one **owner** among the tp ranks, chosen as ZeRO's (:func:`owners` over tp, the cut matrices'
+  whole shapes). The step runs in three phases over all of a group's matrices: every cut matrix
+  is gathered to its owner (one ``gather`` over tp each), each rank runs the iteration on the
+  matrices it owns (and on the ones tp does not cut, which every rank holds whole), and each
+  owner scatters its results' shards back (one ``scatter`` each). So every matrix is iterated
+  once per TP group and the ranks iterate different matrices at the same time; the transient
+  memory is the rank's owned matrices whole (1/tp of the group's cut matrices). Distributing
+  one matrix's iteration over tp instead would cost a collective in every one of its 5 steps
+  (the gram matrix's all-reduce). A user's optimizer (:class:`ByName`) steps each parameter on
+  every tp rank of the gathered whole: its states live where it steps.
+- **tp x ZeRO**: the two owner tables compose. ZeRO's owner of each matrix is chosen over the
+  shard group from the whole shapes, as without tp; then, among that owner's TP group, each cut
+  matrix it owns gets a tp owner, balanced over tp among those matrices (:func:`tp_owners`).
+  Per matrix the shard group reduces it to the ZeRO owner's TP group (each rank its tp shard),
+  the tp owner gathers it over tp, iterates, scatters it back, and the ZeRO owner broadcasts it
+  over the shard group: each matrix iterated once per shard group x TP group.
 """
 from __future__ import annotations
 
@@ -33,7 +46,7 @@ from trainmesh.core.placement import Placements
 
 from ..comm import Comm
 from .base import GradSync
-from .muon import Local, ns_flops
+from .muon import Local, MuonAdamW, ns_flops
 
 Stretch = tuple[object, int, int]
 """(index into the shard, first element of the parameter it holds, element count)."""
@@ -52,10 +65,21 @@ def owners(shapes: Sequence[tuple[str, tuple[int, ...]]], ranks: int) -> dict[st
     return out
 
 
+def tp_owners(shapes: Sequence[tuple[str, tuple[int, ...]]], zero_owner: dict[str, int],
+              tp: int) -> dict[str, int]:
+    """Under tp x ZeRO: each cut matrix's owner among its ZeRO owner's tp ranks, balanced by
+    FLOPs over tp among the matrices that ZeRO owner holds (:func:`owners` per ZeRO owner)."""
+    out: dict[str, int] = {}
+    for owner in sorted(set(zero_owner[name] for name, _ in shapes)):
+        out.update(owners([(n, s) for n, s in shapes if zero_owner[n] == owner], tp))
+    return out
+
+
 WholeFn = Callable[[str | None, list[torch.Tensor]], torch.Tensor]
 """(parameter name or None, whole tensors of one parameter) -> a whole tensor of its shape."""
 
-__all__ = ["ByName", "Local", "ShardOwners", "TensorParallel", "install", "owners"]
+__all__ = ["ByName", "Local", "ShardOwners", "TensorParallel", "TensorParallelOwners", "install",
+           "owners", "tp_owners"]
 
 
 class TensorParallel:
@@ -70,28 +94,68 @@ class TensorParallel:
         pl = self.placements.get(name) if self.placements is not None else None
         return pl.full_shape if pl is not None and pl.tp_dim is not None else local
 
-    def apply(self, name: str, tensors: list[torch.Tensor], fn: WholeFn) -> torch.Tensor:
-        """``fn`` of the whole parameters whose tp shards are ``tensors``; this rank's shard of
-        its result (one all-gather over tp per tensor)."""
+    def cut(self, name: str):
+        """Parameter ``name``'s placement where tp cuts it (tp > 1), else None."""
         pl = self.placements.get(name) if self.placements is not None else None
-        if pl is None or pl.tp_dim is None or self.tp == 1:
+        return pl if pl is not None and pl.tp_dim is not None and self.tp > 1 else None
+
+    def apply(self, name: str, tensors: list[torch.Tensor], fn: WholeFn) -> torch.Tensor:
+        """``fn`` of the whole parameters whose tp shards are ``tensors`` on every tp rank; this
+        rank's shard of its result (one all-gather over tp per tensor)."""
+        pl = self.cut(name)
+        if pl is None:
             return fn(name, tensors)
         local = tuple(tensors[0].shape)
         whole = fn(name, [self._gather(pl, t) for t in tensors])
         return torch.cat([whole[idx] for idx in pl.pieces(local)], dim=pl.tp_dim)
 
+    def apply_at(self, name: str, tensors: list[torch.Tensor], fn: WholeFn, owner: int) -> torch.Tensor:
+        """``fn`` of the whole parameters run at tp index ``owner`` only (a gather to it per
+        tensor, a scatter of the result); this rank's shard of the result, in ``tensors``' dtype."""
+        pl = self.cut(name)
+        if pl is None:
+            return fn(name, tensors)
+        wholes = [self.gather_to(pl, t, owner) for t in tensors]
+        result = fn(name, wholes) if wholes[0] is not None else None
+        return self.scatter_from(pl, result, owner, tensors[0])
+
+    def gather_to(self, pl, t: torch.Tensor, owner: int) -> torch.Tensor | None:
+        """The whole tensor of the tp shards ``t`` at tp index ``owner``; None elsewhere."""
+        t = t.contiguous()
+        mine = self.comm.mesh.index(Group.tp) == owner
+        chunks = [torch.empty_like(t) for _ in range(self.tp)] if mine else None
+        self.comm.gather(t, chunks, Group.tp, dst=self.comm.mesh.ranks(Group.tp)[owner])
+        return self._assemble(pl, chunks) if chunks is not None else None
+
+    def scatter_from(self, pl, whole: torch.Tensor | None, owner: int, like: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (shaped and typed as ``like``) of ``whole``, held at tp index ``owner``."""
+        local = tuple(like.shape)
+        out = torch.empty(local, dtype=like.dtype, device=like.device)
+        chunks = None if whole is None else \
+            [self._shard(pl, whole, r, local).to(like.dtype).contiguous() for r in range(self.tp)]
+        self.comm.scatter(out, chunks, Group.tp, src=self.comm.mesh.ranks(Group.tp)[owner])
+        return out
+
     def _gather(self, pl, t: torch.Tensor) -> torch.Tensor:
-        n, dim, local = self.tp, pl.tp_dim, tuple(t.shape)
+        n, local = self.tp, tuple(t.shape)
         gathered = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
         self.comm.all_gather(gathered, t.contiguous().view(-1), Group.tp)
-        gathered = gathered.view(n, *local)
-        full = torch.zeros(pl.full_shape, dtype=t.dtype, device=t.device)
-        width0 = pl.pieces(local)[0][dim]
-        step = width0.stop - width0.start
-        for r in range(n):
-            at = dataclasses.replace(pl, tp_start=r * step)
-            _scatter_pieces(full, gathered[r], at.pieces(local), dim)
+        return self._assemble(pl, list(gathered.view(n, *local)))
+
+    def _at(self, pl, r: int, local: tuple[int, ...]):
+        """``pl`` as tp index ``r`` holds it."""
+        width0 = pl.pieces(local)[0][pl.tp_dim]
+        return dataclasses.replace(pl, tp_start=r * (width0.stop - width0.start))
+
+    def _assemble(self, pl, shards: list[torch.Tensor]) -> torch.Tensor:
+        local = tuple(shards[0].shape)
+        full = torch.zeros(pl.full_shape, dtype=shards[0].dtype, device=shards[0].device)
+        for r, shard in enumerate(shards):
+            _scatter_pieces(full, shard, self._at(pl, r, local).pieces(local), pl.tp_dim)
         return full
+
+    def _shard(self, pl, whole: torch.Tensor, r: int, local: tuple[int, ...]) -> torch.Tensor:
+        return torch.cat([whole[idx] for idx in self._at(pl, r, local).pieces(local)], dim=pl.tp_dim)
 
 
 class ByName:
@@ -111,6 +175,46 @@ class ByName:
         return True
 
 
+class TensorParallelOwners(ByName):
+    """Muon where tp cuts matrices (no ZeRO): each cut matrix iterated at its tp owner only,
+    all of a group's matrices in three phases (module docstring)."""
+
+    def __init__(self, sync: GradSync, tp: TensorParallel) -> None:
+        super().__init__(sync, tp)
+        opt = sync.optimizer
+        cut = [(self.names[id(p)], self.tp.cut(self.names[id(p)]).full_shape)
+               for g in opt.param_groups if g.get("muon") for p in g["params"]
+               if self.tp.cut(self.names[id(p)]) is not None]
+        self.table = owners(cut, tp.tp)
+        """Each cut matrix's owner (tp index), from the shapes alone: the same on every rank."""
+
+    @torch.no_grad()
+    def map_many(self, ps: list[torch.Tensor], us: list[torch.Tensor], fn: WholeFn) -> list[torch.Tensor]:
+        """``fn`` of each whole ``us[i]`` (laid out like ``ps[i]``), each cut one at its owner;
+        the results laid out like ``ps`` (in ``us``' dtypes where cut)."""
+        names = [self.names[id(p)] for p in ps]
+        me = self.tp.comm.mesh.index(Group.tp)
+        wholes: dict[int, torch.Tensor] = {}
+        for i, name in enumerate(names):                  # the same order on every rank
+            pl = self.tp.cut(name)
+            if pl is not None:
+                whole = self.tp.gather_to(pl, us[i], self.table[name])
+                if whole is not None:
+                    wholes[i] = whole
+        out: list[torch.Tensor | None] = [None] * len(ps)
+        for i, name in enumerate(names):                  # my matrices, and the uncut ones
+            if i in wholes:
+                wholes[i] = fn(name, [wholes.pop(i)])
+            elif self.tp.cut(name) is None:
+                out[i] = fn(name, [us[i]])
+        for i, name in enumerate(names):
+            pl = self.tp.cut(name)
+            if pl is not None:
+                owner = self.table[name]
+                out[i] = self.tp.scatter_from(pl, wholes.pop(i, None) if owner == me else None, owner, us[i])
+        return out  # type: ignore[return-value]
+
+
 def _scatter_pieces(full: torch.Tensor, local: torch.Tensor, pieces: list, dim: int) -> None:
     at = 0
     for idx in pieces:
@@ -122,7 +226,7 @@ def _scatter_pieces(full: torch.Tensor, local: torch.Tensor, pieces: list, dim: 
 class ShardOwners:
     """Under ZeRO: each parameter whole at its owner rank of the shard group (module docstring)."""
 
-    def __init__(self, sync, tp: TensorParallel) -> None:
+    def __init__(self, sync, tp: TensorParallel, *, tp_owned: bool = False) -> None:
         self.sync, self.tp = sync, tp
         self.comm: Comm = sync.comm
         self.axis = sync.axis
@@ -133,6 +237,10 @@ class ShardOwners:
         slots = [(s.name, tp.full_shape(s.name, tuple(s.shape))) for gi in whole for s in sync._slots(gi)]
         self.table = owners(slots, len(self.ranks))
         """Each parameter's owner (index in the shard group), from the shapes alone."""
+        cut = [(name, shape) for name, shape in slots if tp.cut(name) is not None]
+        self.tp_table = tp_owners(cut, self.table, tp.tp) if tp_owned else {}
+        """Muon's: each cut matrix's owner among its ZeRO owner's tp ranks (empty: the whole TP
+        group steps it, as a user's optimizer keeping states by name needs)."""
 
     @torch.no_grad()
     def map(self, p: torch.Tensor, tensors: list[torch.Tensor], fn: WholeFn) -> torch.Tensor:
@@ -154,7 +262,9 @@ class ShardOwners:
             self.comm.reduce(full, self.axis, dst=self.ranks[owner])
             if owner == self.me:
                 views = [full[j].view(slot.shape) for j in range(k)]
-                result = self.tp.apply(slot.name, views, fn)
+                tp_owner = self.tp_table.get(slot.name)
+                result = (self.tp.apply(slot.name, views, fn) if tp_owner is None
+                          else self.tp.apply_at(slot.name, views, fn, tp_owner))
                 full = result.reshape(-1).to(full.dtype).contiguous()
             else:
                 full = full[0]
@@ -187,7 +297,10 @@ def install(sync: GradSync, comm: Comm, placements: Placements | None) -> None:
         opt = part.optimizer
         if opt is None or not getattr(opt, "needs_whole_params", False) or not hasattr(opt, "wholes"):
             continue
+        muon = isinstance(opt, MuonAdamW)
         if isinstance(part, ShardedSync):
-            opt.wholes = ShardOwners(part, tp)
+            opt.wholes = ShardOwners(part, tp, tp_owned=muon)
+        elif tp.tp > 1 and muon:
+            opt.wholes = TensorParallelOwners(part, tp)
         elif tp.tp > 1 or hasattr(opt, "whole_state"):   # a user's optimizer: states by name
             opt.wholes = ByName(part, tp)

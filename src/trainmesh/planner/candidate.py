@@ -248,15 +248,19 @@ def _time(model: ModelShape, cfg: ParallelConfig, cluster: Cluster, kernels: Ker
 def muon_work(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
               split: _Split) -> tuple[Traffic, float, float]:
     """(traffic, Newton-Schulz FLOPs, seconds) of Muon's step on a rank: the iteration on each
-    matrix it iterates, whole (under tp every rank of the iterating TP group runs it on the
-    gathered matrix), its pipeline stage's share; under ZeRO only the matrices it owns, the
-    owners balanced by FLOPs (the mean over the shard group; experts' over edp). The owners'
-    reduce and broadcast and the tp gathers (:func:`~.traffic.muon_ops`) and the iteration
-    follow the backward: none of it overlapped."""
+    matrix it iterates, whole, its pipeline stage's share; under ZeRO only the matrices it
+    owns, the owners balanced by FLOPs (the mean over the shard group; experts' over edp);
+    under tp each cut matrix at one tp owner (1/tp of them: the routers and routed experts,
+    whole on every tp rank, at each). The owners' reduce and broadcast and the tp gathers and
+    scatters (:func:`~.traffic.muon_ops`) and the iteration follow the backward: none of it
+    overlapped."""
     kinds = matrices(model)
     owners = (lambda group: group) if cfg.zero >= 1 else (lambda group: 1)
     dense = sum(n * ns_flops(shape) for n, shape, e in kinds if not e)
     experts = sum(n * ns_flops(shape) for n, shape, e in kinds if e)
+    routers = (model.moe_layer_count * ns_flops((model.experts, model.hidden))
+               if model.has_shape and model.moe_layer_count else 0)
+    dense = (dense - routers) / cfg.tp + routers
     flops = (dense / cfg.pp / owners(split.dense_group)
              + experts / (cfg.pp * cfg.ep) / owners(split.expert_group))
     hsdp = _hsdp_groups(cfg)

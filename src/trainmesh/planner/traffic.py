@@ -62,6 +62,8 @@ def ring_factor(op: str, n: int) -> float:
         return 2 * (n - 1) / n
     if op in ("reduce_scatter", "all_gather", "broadcast"):
         return (n - 1) / n
+    if op in ("gather", "scatter"):   # the root's link: n - 1 of the n pieces
+        return (n - 1) / n
     return 1.0  # send, recv
 
 
@@ -188,14 +190,17 @@ def muon_ops(*, matrices: float, tp_split: float, shard: int, zero: int, tp: int
     """Muon's Newton-Schulz gathers per step (docs/TRAINING.md, Optimizers), fp32: ``matrices``
     hidden-matrix values this rank holds (its tp shards), ``tp_split`` of them cut over tp.
     Under ZeRO (``shard`` ranks) each matrix is reduced into its owner and broadcast back:
-    dp.reduce + dp.broadcast 4 x matrices. Under tp each cut matrix is all-gathered whole, by
-    every rank without ZeRO, by its owner's tp group under ZeRO (1/shard of them on average)."""
+    dp.reduce + dp.broadcast 4 x matrices. Under tp each cut matrix is gathered whole to its tp
+    owner and its result scattered back (the ledger books each as the whole matrix: tp x the
+    shard), by every TP group without ZeRO, by its ZeRO owner's TP group under ZeRO (1/shard of
+    them on average)."""
     out: Traffic = {}
     if zero >= 1 and shard > 1:
         out["dp"] = {"reduce": 4.0 * matrices, "broadcast": 4.0 * matrices}
     if tp > 1 and tp_split > 0:
         owned = 1 / shard if zero >= 1 else 1
-        out["tp"] = {"all_gather": 4.0 * tp * tp_split * owned}
+        whole = 4.0 * tp * tp_split * owned
+        out["tp"] = {"gather": whole, "scatter": whole}
     return out
 
 
