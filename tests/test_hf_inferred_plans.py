@@ -172,3 +172,49 @@ def test_refusals_name_the_module_that_could_not_be_placed(dirs, no_launch, caps
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and err and f"error: {flag}:" in err[-1] and words in err[-1], (kind, flags, err)
     assert not no_launch
+
+
+def _engine_refusal(model: torch.nn.Module):
+    """What ``tm.Engine`` raises for ``model`` under tp 2, in this process (no process group:
+    the check comes before any collective)."""
+    import trainmesh as tm
+    with pytest.raises(Exception) as err:
+        tm.Engine(model, lambda ps: torch.optim.SGD(ps, lr=0.1), tm.causal_lm_loss,
+                  tm.ParallelConfig(tp=2))
+    return err.value
+
+
+def test_the_python_api_refuses_a_plan_file_as_the_preflight_does(dirs, tmp_path, refused, no_launch):
+    """A plan file whose MLP split has no row layer: ``trainmesh train`` exits 2 before any
+    worker, and ``tm.Engine`` on ``tm.from_pretrained`` of the same directory and file raises
+    the ConfigError the CLI printed, flag and words."""
+    import json
+
+    import trainmesh as tm
+    from trainmesh.core.errors import ConfigError
+    from trainmesh.models.hf_plans import PlanFiles
+    plan = tmp_path / "tp.json"
+    plan.write_text(json.dumps({"layers.*.mlp.up_proj": "colwise"}))
+    line = refused(["train", "--model-dir", dirs["stablelm"], "--seq-len", str(SEQ),
+                    "--global-batch", "4", "--steps", "2", "--tp", "2", "--tp-plan", str(plan)],
+                   "--tp-plan")
+    exc = _engine_refusal(tm.from_pretrained(dirs["stablelm"], plans=PlanFiles(tp=str(plan))))
+    assert isinstance(exc, ConfigError) and line.endswith(str(exc)), (line, repr(exc))
+    assert "no row layer of model.layers.0.mlp sums" in exc.message, exc
+    assert not no_launch
+
+
+def test_the_python_api_refuses_an_inferred_plan_as_the_preflight_does(dirs):
+    """An inferred plan that splits the output projection by columns: the preflight's check of
+    the model directory and ``tm.Engine`` raise the same ConfigError naming ``--tp``."""
+    import trainmesh as tm
+    from trainmesh.core.errors import ConfigError
+    from trainmesh.engine.pretrained import check_model_dir
+    model = tm.from_pretrained(dirs["stablelm"])
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan,
+                                       "layers.*.self_attn.o_proj": "colwise"}
+    with pytest.raises(ConfigError) as preflight:
+        check_model_dir(dirs["stablelm"], model, tp=2)
+    exc = _engine_refusal(model)
+    assert isinstance(exc, ConfigError) and exc.field == "--tp", repr(exc)
+    assert str(exc) == str(preflight.value), (exc, preflight.value)

@@ -51,6 +51,7 @@ from trainmesh.engine.moe_metrics import MoEMetrics, model_stats
 from trainmesh.engine.parallelize import parallelize
 from trainmesh.engine.partial_grads import complete_partial_grads, counted_in_norm, unused_reach
 from trainmesh.engine.precision import Precision
+from trainmesh.engine.pretrained import check_tp_first_layer
 from trainmesh.engine.start import broadcast_from_root, keep_buffers_in_step, mark_duplicates, sharded_init
 from trainmesh.engine.train_state import TrainState
 from trainmesh.models.hf_random import install_draws
@@ -69,6 +70,8 @@ class Engine(Accounting, Checkpointing):
                  init_fn: InitFn | None = None, device: torch.device | str | None = None,
                  seed: int = 0) -> None:
         cfg = config or ParallelConfig()
+        if tp_plan is None:    # a hub model's inferred or file's plan, checked as the preflight does
+            check_tp_first_layer(model, cfg.tp)                       # before any collective
         if getattr(model, "moe_stats", None) is not None and not cfg.find_unused_parameters:
             # an expert no token reached has no gradient that step (models/moe.py)
             cfg = dataclasses.replace(cfg, find_unused_parameters=True)

@@ -101,9 +101,8 @@ def _naming_plan_file(model: nn.Module, axis: str) -> Iterator[None]:
 def _check_tp_plan(model: nn.Module, tp: int, ep: int) -> None:
     """The model's tensor-parallel plan (declared, a file's, or inferred) maps onto trainmesh's
     styles at ``tp``; an inferred or a file's plan also splits the first layer as the unsplit
-    layer computes (:func:`trainmesh.tensor_parallel.hf_check.check_first_layer`)."""
+    layer computes (:func:`check_tp_first_layer`)."""
     from trainmesh.tensor_parallel.hf import declared_plan, hf_model_type, hf_tp_plan
-    from trainmesh.tensor_parallel.hf_check import check_first_layer
     from trainmesh.tensor_parallel.hf_experts import check_expert_tp
     with _naming_plan_file(model, "tp"):
         check_expert_tp(model, tp, ep=ep)
@@ -115,7 +114,19 @@ def _check_tp_plan(model: nn.Module, tp: int, ep: int) -> None:
             hf_tp_plan(model)              # a declared style trainmesh cannot map: ConfigError
         except ConfigError as exc:
             raise ConfigError("--tp", exc.message) from None     # it names the family
-        if plan_source(model, "tp") in ("inferred", "file"):
+    check_tp_first_layer(model, tp)
+
+
+def check_tp_first_layer(model: nn.Module, tp: int) -> None:
+    """A hub model's inferred or file's tensor-parallel plan splits the first layer at ``tp`` as
+    the unsplit layer computes (:func:`trainmesh.tensor_parallel.hf_check.check_first_layer`),
+    in this process: the preflight runs it, and the engine before any collective (a model built
+    by ``from_pretrained`` and trained through the Python API), so the ConfigError names the
+    plan (``--tp``, or ``--tp-plan`` for a file's) the same way in both. Nothing to check at tp
+    1, for a declared plan, or a model whose plans trainmesh did not install."""
+    if tp > 1 and plan_source(model, "tp") in ("inferred", "file"):
+        from trainmesh.tensor_parallel.hf_check import check_first_layer
+        with _naming_plan_file(model, "tp"):
             check_first_layer(model, tp)
 
 
