@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
@@ -32,6 +33,13 @@ from .base import SyncOptions
 from .zero3 import Zero3, _State, _Unit
 
 RESHARD = ("step", "microbatch")
+
+
+def lazy_reduce_scatter(group: Any) -> bool:
+    """Whether ``group``'s backend runs an asynchronous reduce_scatter_tensor only inside the
+    work's ``wait()``: gloo (torch 2.13: the output is untouched and ``is_completed()`` False
+    until then), so nothing overlaps it and holding it in flight only holds its buffers."""
+    return dist.get_backend(group) == "gloo"
 
 
 class PipelineZero3(Zero3):
@@ -62,6 +70,7 @@ class PipelineZero3(Zero3):
             raise ConfigError("zero", f"--zero 3 with --pp > 1 gathers one pipeline layer at a "
                               f"time; parameters shared by several layers of a stage are not "
                               f"supported: {', '.join(names[:4])} (use --zero 0, 1 or 2)")
+        self._lazy = lazy_reduce_scatter(self.comm.mesh.group(self.axis)) if self.dp > 1 else False
         self._left = {id(u): 0 for u in self.units}
         self._open = {id(u): 0 for u in self.units}
 
@@ -121,6 +130,15 @@ class PipelineZero3(Zero3):
                 self._open[id(unit)] += 1
                 self._open_unreached(unit)
         return hook
+
+    def _reduce_unit(self, unit: _Unit, *, final: bool) -> None:
+        """Reduce-scatter the unit's gradients; where the backend runs an asynchronous
+        reduce-scatter only inside its wait (:func:`lazy_reduce_scatter`), wait at once: its
+        staging buffer and the backend's copy of it are released before the next unit's
+        backward (or the next forward, the whole stage gathered) instead of during it."""
+        super()._reduce_unit(unit, final=final)
+        if self._lazy:
+            self.reductions.drain()
 
     def _post_backward(self, unit: _Unit) -> None:
         """One backward's gradients of ``unit`` are in: reduce-scatter them; free the unit
