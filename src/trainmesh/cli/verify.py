@@ -96,7 +96,7 @@ def terms(cfg: Any) -> int:
     dimension of a weight (:class:`~trainmesh.run.verify_bound.Bound`)."""
     if cfg.model_dir is not None:
         from trainmesh.models.hf import build_on_meta
-        model = build_on_meta(cfg.model_dir)
+        model = build_on_meta(cfg.model_dir, buffers=False)   # shapes alone: wholly on meta
     else:
         from trainmesh.models.gpt import GPT
         model = GPT(cfg.gpt_config(), device="meta")

@@ -303,10 +303,14 @@ class TrainConfig:
         return GPTConfig(**base)
 
     def num_params(self) -> int:
-        """Logical parameter count of the model trained (tied weights once)."""
+        """Logical parameter count of the model trained (tied weights once); a model directory's
+        model built (wholly on meta) once per config and directory, not at every call."""
         if self.model_dir is not None:
-            from trainmesh.models.hf import count_params
-            return count_params(self.model_dir)
+            known = self.__dict__.get("_hub_params")
+            if known is None or known[0] != self.model_dir:
+                from trainmesh.models.hf import count_params
+                known = self.__dict__["_hub_params"] = (self.model_dir, count_params(self.model_dir))
+            return known[1]
         return self.gpt_config().num_params()
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
@@ -67,7 +69,9 @@ def n_experts(config: dict[str, Any]) -> int:
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Inside, every parameter a module registers moves to the meta device (no storage);
-    buffers stay real. Each layer's weight exists on the CPU only while it is being created."""
+    buffers stay real. Each parameter is first made on the CPU (its pages untouched, but a
+    stacked-experts tensor of tens of GB is still an allocation the host may refuse): for a
+    module built outside transformers. A hub model is built by :func:`meta_model`."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -82,6 +86,54 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+def meta_model(transformers: Any, config: Any, *, buffers: bool = True) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` built as transformers' own ``from_pretrained``
+    builds it: every tensor made on the meta device (no parameter ever has storage, however
+    large: DeepSeek-V3's stacked experts are 30 GB a layer). ``buffers``: then each meta buffer
+    (rotary frequencies, a router's correction bias) made real as ``from_pretrained`` makes it:
+    a placeholder on the CPU that the model's own ``_init_weights`` fills. What this costs grows
+    with the buffers (what every rank holds whole anyway), never with the parameters. A model
+    whose ``_init_weights`` leaves a buffer unfilled is built as before instead
+    (:func:`params_on_meta`: its buffers as its constructor makes them)."""
+    build = transformers.AutoModelForCausalLM.from_config
+    safe = getattr(getattr(transformers, "initialization", None), "meta_device_safe_creation_ops",
+                   contextlib.nullcontext)
+    with torch.device("meta"), safe(), params_on_meta():  # (a parameter made with an explicit
+        model = build(config)                               # device, DiffLlama's lambdas: moved)
+    if buffers and not _fill_buffers(model, transformers):
+        with params_on_meta():
+            model = build(config)
+    return model
+
+
+@torch.no_grad()
+def _fill_buffers(model: nn.Module, transformers: Any) -> bool:
+    """Every meta buffer of ``model`` real, filled by the ``_init_weights`` of the transformers
+    model that holds it (a sub-model's own); False when a floating buffer is left unfilled."""
+    pretrained = transformers.PreTrainedModel
+    guard = getattr(getattr(transformers, "initialization", None), "guard_torch_init_functions",
+                    contextlib.nullcontext)
+
+    made: dict[int, torch.Tensor] = {}    # a buffer shared by modules stays one tensor
+
+    def walk(module: nn.Module, owner: Any) -> bool:
+        owner = module if isinstance(module, pretrained) else owner
+        if not all(walk(child, owner) for child in module.children()):
+            return False
+        meta = {name: b for name, b in module._buffers.items() if b is not None and b.is_meta}
+        fresh = [name for name, b in meta.items() if id(b) not in made]
+        for name, b in meta.items():
+            module._buffers[name] = made.setdefault(id(b), torch.full_like(
+                b, math.nan if b.is_floating_point() else 0, device="cpu"))
+        if fresh:
+            owner._init_weights(module)
+        return not any(module._buffers[name].is_floating_point()
+                       and module._buffers[name].isnan().any() for name in fresh)
+
+    with guard():
+        return walk(model, model)
+
+
 def transformers_module(field: str) -> Any:
     try:
         import transformers
@@ -94,10 +146,11 @@ def transformers_module(field: str) -> Any:
 
 
 def build_on_meta(path: str, *, field: str = FIELD, plans: PlanFiles | None = None,
-                  weights: bool = True) -> nn.Module:
+                  weights: bool = True, buffers: bool = True) -> nn.Module:
     """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
-    parameters on the meta device (buffers real), its parallel plans installed (``plans``'
-    files, else its declared ones, else inferred: :mod:`.hf_plans`); ConfigError naming
+    parameters on the meta device (buffers real; without ``buffers``, for shapes alone, on meta
+    too: :func:`meta_model`), its parallel plans installed (``plans``' files, else its
+    declared ones, else inferred: :mod:`.hf_plans`); ConfigError naming
     ``field`` when the directory, its config or (``weights``: the planner reads config.json
     alone) its weights file cannot make one, or naming a plan file's flag when that file
     cannot be used."""
@@ -107,8 +160,7 @@ def build_on_meta(path: str, *, field: str = FIELD, plans: PlanFiles | None = No
     transformers = transformers_module(field)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
-        with params_on_meta():
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        model = meta_model(transformers, config, buffers=buffers)
     except (ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(field, f"{path!r} is not a causal LM transformers can build: {first}") from None
@@ -139,8 +191,9 @@ def weight_files(path: str, field: str = FIELD) -> list[Path]:
 
 
 def count_params(path: str) -> int:
-    """Logical parameter count of the model of ``path`` (tied weights once), built on meta."""
-    return sum(t.numel() for t in build_on_meta(path).parameters())
+    """Logical parameter count of the model of ``path`` (tied weights once), built wholly on
+    meta from its config.json (no buffer made, no weights file read)."""
+    return sum(t.numel() for t in build_on_meta(path, weights=False, buffers=False).parameters())
 
 
 def check_weights_header(weights: Path, field: str = FIELD) -> None:

@@ -74,7 +74,7 @@ def cut_model_dir(path: str, layers: int, out: Path) -> int:
     when ``layers`` exceeds it or the layer list cannot be found."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-    model = build_on_meta(path)
+    model = build_on_meta(path, buffers=False)     # names alone: wholly on meta
     config = read_model_config(path)
     key = layer_count_key(model, config)
     total = config[key]

@@ -134,13 +134,12 @@ def file_state(hf_config: dict[str, Any], state: dict[str, torch.Tensor], *, fie
     """``state`` (names held in memory) of the model ``hf_config`` (a config.json as a dict)
     describes, in the form its ``save_pretrained`` writes; ConfigError naming ``field`` when
     transformers cannot build that model."""
-    from trainmesh.models.hf import params_on_meta, transformers_module
+    from trainmesh.models.hf import meta_model, transformers_module
     transformers = transformers_module(field)
     fields = {k: v for k, v in hf_config.items() if k != "model_type"}
     try:
         config = transformers.AutoConfig.for_model(hf_config["model_type"], **fields)
-        with params_on_meta():
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        model = meta_model(transformers, config, buffers=False)    # names alone: wholly on meta
     except (ValueError, KeyError) as exc:
         raise ConfigError(field, f"transformers cannot build the recorded "
                           f"{hf_config.get('model_type')!r} model: {exc}") from None

@@ -136,11 +136,9 @@ def plan_axes(path: str, config: dict[str, Any], files: Any = None,
                                        "offered only where config.json declares a plan"]
     from trainmesh.core.hf_infer import not_inferred, plan_source
     from trainmesh.models.hf import build_on_meta
-    import torch
-    # every tensor made on meta, buffers too: none first made on the CPU (a DeepSeek-V3 layer's
-    # stacked experts are 30 GB), and plans read no values
-    with torch.device("meta"):
-        model = build_on_meta(path, field=FLAG, plans=files, weights=False)
+    # every tensor made on meta, buffers too (a DeepSeek-V3 layer's stacked experts are 30 GB),
+    # and plans read no values
+    model = build_on_meta(path, field=FLAG, plans=files, weights=False, buffers=False)
     axes, notes = {"cp"}, []
     for axis, kind in KINDS.items():
         source = plan_source(model, axis)
