@@ -77,13 +77,21 @@ def test_hidden_numbers_of_any_split_are_the_pieces_of_the_whole():
     assert torch.equal(flat, whole.reshape(B * S, F))
 
 
+def _placed(module: torch.nn.Module, heads: int):
+    """The installed draws of one attention ``module``: site 11, ``heads`` heads in all."""
+    from trainmesh.models.hf_random import DrawSite, InstalledDraws
+    installed = InstalledDraws()
+    installed.sites[module] = DrawSite(11, heads)
+    return installed
+
+
 def _attention(draws: Draws, q, k, v, heads: int, scaling: float = 0.3):
     from trainmesh.models.hf_random import _DroppedAttention
     module = torch.nn.Module()
-    module._trainmesh_site, module._trainmesh_heads = 11, heads
     causal = torch.full((S, S), float("-inf"), dtype=q.dtype).triu(1).expand(q.shape[0], 1, S, S)
     with drawing(draws):
-        return _DroppedAttention("sdpa")(module, q, k, v, causal, scaling=scaling, dropout=P)[0]
+        return _DroppedAttention("sdpa", _placed(module, heads))(module, q, k, v, causal,
+                                                                 scaling=scaling, dropout=P)[0]
 
 
 def test_attention_sinks_take_part_in_the_softmax_only():
@@ -95,12 +103,11 @@ def test_attention_sinks_take_part_in_the_softmax_only():
     q, k, v = (torch.randn(B, 4, S, 8, generator=g, dtype=torch.float64) for _ in range(3))
     module = torch.nn.Module()
     module.sinks, module.num_key_value_groups, module.training = torch.randn(4, generator=g, dtype=torch.float64), 1, False
-    module._trainmesh_site, module._trainmesh_heads = 11, 4
     causal = torch.full((S, S), float("-inf"), dtype=q.dtype).triu(1).expand(B, 1, S, S)
     want = oss.eager_attention_forward(module, q, k, v, causal, scaling=0.3)[0]
     with drawing(_whole()):
-        got = _DroppedAttention("eager")(module, q, k, v, causal, scaling=0.3, dropout=1e-300,
-                                          s_aux=module.sinks)[0]
+        got = _DroppedAttention("eager", _placed(module, 4))(module, q, k, v, causal, scaling=0.3,
+                                                             dropout=1e-300, s_aux=module.sinks)[0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
@@ -131,12 +138,12 @@ def _ring_with_dropout(q, k, v, dout, cp: int, mode: str):
     from trainmesh.context_parallel.partition import shard_sequence
     from trainmesh.context_parallel.ring import ring_attention
     module = torch.nn.Module()
-    module._trainmesh_site, module._trainmesh_heads = 11, q.shape[1]
+    installed = _placed(module, q.shape[1])
     shares = [[shard_sequence(t, r, cp, dim=2) for t in (q, k, v, dout)] for r in range(cp)]
     keeps = []
     for r in range(cp):           # each rank's keep mask, built from its Draws before the threads
         with drawing(Draws(3, 2, 0, B, positions=zigzag_positions(S // cp, r, cp))):
-            keeps.append(_dropout(module, shares[r][0], P))
+            keeps.append(_dropout(module, shares[r][0], P, installed))
     def body(r, ring):
         mine = [t.detach().requires_grad_() for t in shares[r][:3]]
         out = ring_attention(*mine, ring, mode=mode, keep=keeps[r])
@@ -200,7 +207,7 @@ def test_a_hub_models_draws_on_a_share_of_the_batch_are_the_share_of_the_whole(k
     draws other numbers, evaluation none."""
     from trainmesh.models.hf_random import install_draws
     model = _family(kind)
-    done = install_draws(model)
+    done = install_draws(model).replaced
     assert any("attention dropout" in d or "sampling" in d or "jitter" in d for d in done), done
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(1)
@@ -217,6 +224,28 @@ def test_a_hub_models_draws_on_a_share_of_the_batch_are_the_share_of_the_whole(k
     with torch.no_grad():
         evaluated = model.eval()(inputs_embeds=embeds).logits      # no dropout, no noise
     assert (evaluated - whole).abs().max() > 1e-6
+
+
+def test_the_draw_sites_are_held_by_the_installer_not_by_the_modules():
+    """``install_draws`` returns where each module draws (its site, the head count its heads
+    are numbered in) and puts nothing on the modules; a second model installed in the same
+    process leaves the first model's draws as they were (each its own attention function)."""
+    from trainmesh.core.randomness import site_of
+    from trainmesh.models.hf_random import install_draws
+    model = _family("seed_oss")
+    installed = install_draws(model)
+    loose = [(n, k) for n, m in model.named_modules() for k in vars(m) if k.startswith("_trainmesh")]
+    assert not loose, loose
+    attentions = [(n, m) for n, m in model.named_modules() if n.endswith("self_attn")]
+    assert len(attentions) == 2, attentions
+    for name, module in attentions:   # a tp rank's 2 of the 4 heads are numbered among the 4
+        assert installed.attention_key(module, 2) == (site_of(name), 4), name
+    embeds = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad(), drawing(_whole()):
+        first = model(inputs_embeds=embeds).logits
+        install_draws(_family("seed_oss"))
+        again = model(inputs_embeds=embeds).logits
+    assert torch.equal(first, again), (first - again).abs().max()
 
 
 def _hub_dir(tmp, kind: str) -> str:

@@ -24,7 +24,9 @@ chunks of every sequence (the engine shards the batch), and:
   logit soft-capping (Gemma2), attention sinks (gpt-oss), bidirectional attention. The
   function checks the same at run time;
 - **dropout**: attention dropout is drawn by (row, head, query position, key position) from the
-  engine's :class:`~trainmesh.core.randomness.Draws` (:mod:`trainmesh.models.hf_random`), the
+  engine's :class:`~trainmesh.core.randomness.Draws` (:mod:`trainmesh.models.hf_random`), each
+  attention module at the site and head numbering the installed draws recorded for it
+  (:class:`~trainmesh.models.hf_random.InstalledDraws`, handed in by the engine), the
   positions global: each block of the ring drops what one process drops for those pairs, and
   the log-sum-exp merge keeps the normalisation over every key undropped.
 
@@ -44,6 +46,7 @@ from trainmesh.core.hf_plan import family
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.randomness import current, keep_mask
 from trainmesh.models.hf_attention import routes_attention, use_attention
+from trainmesh.models.hf_random import InstalledDraws
 
 from .documents import gather_documents
 from .partition import zigzag_positions
@@ -102,9 +105,10 @@ class _RingAttention:
     """The attention implementation trainmesh registers: causal attention of the rank's chunks
     over the CP group's whole sequence."""
 
-    def __init__(self, ring: Ring, mode: str, fused: bool, family: str, positions: _Positions) -> None:
+    def __init__(self, ring: Ring, mode: str, fused: bool, family: str, positions: _Positions,
+                 installed: InstalledDraws) -> None:
         self.ring, self.mode, self.fused, self.family = ring, mode, fused, family
-        self.positions = positions
+        self.positions, self.installed = positions, installed
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: Any, *, scaling: float | None = None,
@@ -126,23 +130,23 @@ class _RingAttention:
         docs = None
         if position_ids is not None and position_ids is not self.positions.made:
             docs = gather_documents(position_ids, self.ring)        # a packed batch's documents
-        keep = _dropout(module, query, dropout) if dropout else None
+        keep = _dropout(module, query, dropout, self.installed) if dropout else None
         out = ring_attention(query, key, value, self.ring, mode=self.mode, fused=self.fused,
                              documents=docs, window=window, keep=keep)
         return out.transpose(1, 2).contiguous(), None            # (b, 2c, h, hd)
 
 
-def _dropout(module: nn.Module, query: torch.Tensor, p: float) -> Keep:
+def _dropout(module: nn.Module, query: torch.Tensor, p: float, installed: InstalledDraws) -> Keep:
     """Attention dropout ``p`` of the rank's queries (b, h, 2c, hd), drawn by (global row, head,
-    query position, key position) (module docstring)."""
+    query position, key position) at ``module``'s site in ``installed`` (module docstring)."""
     draws = current()
     if draws is None:
         raise RuntimeError("attention dropout under cp is drawn by position: run the model "
                            "through the engine (its Draws per microbatch)")
     b, h = query.shape[:2]
     rows = draws.row_ids(b)
-    heads = draws.split(h, getattr(module, "_trainmesh_heads", h)).view(1, h, 1, 1)
-    site = getattr(module, "_trainmesh_site", 0)
+    site, whole = installed.attention_key(module, h)
+    heads = draws.split(h, whole).view(1, h, 1, 1)
 
     def keep(sel: slice, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
         u = draws.uniform(site, rows[sel].view(-1, 1, 1, 1), heads, qpos.view(1, 1, -1, 1),
@@ -152,9 +156,10 @@ def _dropout(module: nn.Module, query: torch.Tensor, p: float) -> Keep:
 
 
 def apply_hf_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, mode: str,
-                              fused: bool) -> None:
+                              fused: bool, installed: InstalledDraws | None = None) -> None:
     """Attention over the CP group and global positions for a Hugging Face model, in place
-    (module docstring)."""
+    (module docstring); its dropout drawn where ``installed`` (the model's
+    :func:`~trainmesh.models.hf_random.install_draws`) places each attention."""
     if mode not in MODES:
         raise ConfigError("--cp-comm", f"must be one of {', '.join(MODES)}; got {mode!r}")
     check_hf_context_parallel(model, None)
@@ -162,6 +167,7 @@ def apply_hf_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, 
     ring = CommRing(comm, mesh)
     name = f"trainmesh_cp_{mode}_{id(ring):x}"    # one per ring: two meshes may share a process
     positions = _Positions(ring.index, ring.size)
-    use_attention(model, name, _RingAttention(ring, mode, fused, family(model), positions))
+    use_attention(model, name, _RingAttention(ring, mode, fused, family(model), positions,
+                                              installed or InstalledDraws()))
     base = getattr(model, "base_model", model)
     base.register_forward_pre_hook(positions, with_kwargs=True)

@@ -14,6 +14,7 @@ from trainmesh.comm import Comm
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.models.gpt import CausalAttention, Positions
+from trainmesh.models.hf_random import InstalledDraws
 
 from .blocks import fused_available
 from .documents import gather_documents
@@ -55,12 +56,15 @@ class ZigzagPositions(nn.Module):
 
 
 def apply_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, mode: str = "ring",
-                           device: torch.device | None = None, fused: bool | None = None) -> int:
+                           device: torch.device | None = None, fused: bool | None = None,
+                           installed: InstalledDraws | None = None) -> int:
     """Swap every attention core and positions module of ``model`` for its context-parallel
     form over ``mesh``'s cp group, in place; returns the number of attention cores swapped.
     A Hugging Face model gets ring attention through its attention interface instead
-    (:mod:`.hf_attention`: its implementation is chosen by name, no module is swapped; 0). ``fused``: per-block fused kernels (None: where ``device`` has
-    them). ConfigError naming ``--cp`` when the model has no attention core to swap."""
+    (:mod:`.hf_attention`: its implementation is chosen by name, no module is swapped; 0), its
+    dropout drawn where ``installed`` places each attention. ``fused``: per-block fused kernels
+    (None: where ``device`` has them). ConfigError naming ``--cp`` when the model has no
+    attention core to swap."""
     if mode not in MODES:
         raise ConfigError("--cp-comm", f"must be one of {', '.join(MODES)}; got {mode!r}")
     from .ring import CommRing
@@ -68,7 +72,7 @@ def apply_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, 
         fused = fused_available(device or torch.device("cpu"))
     if hasattr(getattr(model, "config", None), "_attn_implementation"):   # a Hugging Face model
         from .hf_attention import apply_hf_context_parallel
-        apply_hf_context_parallel(model, mesh, comm, mode=mode, fused=fused)
+        apply_hf_context_parallel(model, mesh, comm, mode=mode, fused=fused, installed=installed)
         return 0
     ring = CommRing(comm, mesh)
     swapped = 0

@@ -95,10 +95,12 @@ class Engine(Accounting, Checkpointing):
                            else torch.float32)
         """The squared gradient norm's dtype on the wire: float32, a float64 model's float64."""
         self.random = install_draws(model)
-        """A Hugging Face model's dropout and router noise, now drawn by position (one line each)."""
+        """A Hugging Face model's dropout and router noise, now drawn by position: what was
+        replaced (one line each) and where each module draws."""
         self._draws: list[Draws | None] = []
         self.model = parallelize(model, cfg, mesh=self.mesh, comm=self.comm,
-                                 placements=self.placements, device=self.device, tp_plan=tp_plan)
+                                 placements=self.placements, device=self.device, tp_plan=tp_plan,
+                                 installed=self.random)
         self.executor: Executor = build_executor(self.model, loss_fn, cfg, self.comm, self.device)
         self._counted = counted_in_norm(self.placements, self.mesh.index(Group.tp))
         self.module: nn.Module = self.executor.module

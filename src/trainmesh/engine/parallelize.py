@@ -19,15 +19,19 @@ from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.axes import sequence_groups
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
+from trainmesh.models.hf_random import InstalledDraws
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, *, mesh: ParallelMesh, comm: Comm,
                 placements: Placements, device: torch.device,
-                tp_plan: dict[str, str] | None = None) -> nn.Module:
+                tp_plan: dict[str, str] | None = None,
+                installed: InstalledDraws | None = None) -> nn.Module:
     """``model`` under ``cfg``'s layout on this rank, in place (module docstring); each
-    parameter's place on the mesh recorded in ``placements``. Returns ``model``."""
+    parameter's place on the mesh recorded in ``placements``; ``installed``: where the
+    model's drawn randomness draws (:func:`~trainmesh.models.hf_random.install_draws`).
+    Returns ``model``."""
     apply_tp(model, cfg, mesh, comm, placements, tp_plan)
-    apply_cp(model, cfg, mesh, comm, device)
+    apply_cp(model, cfg, mesh, comm, device, installed)
     apply_ep(model, cfg, comm, placements)
     apply_sequence_split(model, cfg, mesh, comm)
     apply_recompute(model, cfg)
@@ -45,11 +49,13 @@ def apply_tp(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, comm: Co
 
 
 def apply_cp(model: nn.Module, cfg: ParallelConfig, mesh: ParallelMesh, comm: Comm,
-             device: torch.device) -> None:
-    """Context parallelism: attention over the CP group's whole sequence, positions global."""
+             device: torch.device, installed: InstalledDraws | None = None) -> None:
+    """Context parallelism: attention over the CP group's whole sequence, positions global
+    (its dropout drawn where ``installed`` places each attention)."""
     if cfg.cp > 1:
         from trainmesh.context_parallel import apply_context_parallel
-        apply_context_parallel(model, mesh, comm, mode=cfg.cp_comm, device=device)
+        apply_context_parallel(model, mesh, comm, mode=cfg.cp_comm, device=device,
+                               installed=installed)
 
 
 def apply_ep(model: nn.Module, cfg: ParallelConfig, comm: Comm, placements: Placements) -> None:

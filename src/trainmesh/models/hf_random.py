@@ -23,11 +23,17 @@ probability set to 0 and the same operation applied from those numbers:
   token, expert): the router's forward runs with its ``exponential_``, ``rand_like`` and
   ``uniform_`` calls answered from the numbers, each call its own key (:class:`_DrawnCalls`).
 
-Outside the engine's microbatches (no :func:`~trainmesh.core.randomness.current`) the
-family's own draws run. Imports core and models.
+Where an attention draws (its site, the head count its heads are numbered in) is recorded per
+module before any layout changes the modules, in the :class:`InstalledDraws` that
+:func:`install_draws` returns: whoever installs the draws holds it and hands it to what draws by
+module (the drawn attention here, context parallelism's ring). Outside the engine's
+microbatches (no :func:`~trainmesh.core.randomness.current`) the family's own draws run.
+Imports core and models.
 """
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,15 +54,45 @@ SAMPLING_ROUTERS = ("PhimoeTopKRouter",)
 """Routers that sample their experts in training (PhiMoE's sparse mixer)."""
 
 
-def install_draws(model: nn.Module) -> list[str]:
+@dataclass(frozen=True)
+class DrawSite:
+    """Where a module draws: its site (:func:`~trainmesh.core.randomness.site_of` its name) and
+    the head count its config declares (None: none), which tensor parallelism later divides in
+    the module: its heads are numbered among the whole."""
+
+    site: int
+    heads: int | None = None
+
+
+@dataclass
+class InstalledDraws:
+    """What :func:`install_draws` did to a model: what it replaced, one line each, and each
+    module's :class:`DrawSite`, recorded before any layout is applied (held weakly: the
+    model's lifetime is its owner's)."""
+
+    replaced: list[str] = field(default_factory=list)
+    sites: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    """{module: DrawSite}."""
+
+    def attention_key(self, module: nn.Module, heads: int) -> tuple[int, int]:
+        """(site, whole head count) of the attention ``module`` holding ``heads`` heads: (0,
+        ``heads``) for a module not recorded (its heads are the whole)."""
+        place = self.sites.get(module)
+        if place is None:
+            return 0, heads
+        return place.site, heads if place.heads is None else place.heads
+
+
+def install_draws(model: nn.Module) -> InstalledDraws:
     """Every dropout and router noise of the Hugging Face ``model`` drawn by position (module
-    docstring), in place, before any layout is applied; returns what was replaced, one line
-    each (empty for a model without randomness)."""
+    docstring), in place, before any layout is applied; returns what was replaced and where
+    each module draws (nothing for a model without randomness)."""
+    installed = InstalledDraws()
     config = getattr(model, "config", None)
     if not hasattr(config, "_attn_implementation"):
-        return []
+        return installed
     width = int(getattr(config, "hidden_size", 0) or 0)
-    done: list[str] = []
+    done = installed.replaced
     for name, module in model.named_modules():
         site = site_of(name)
         if isinstance(module, nn.Dropout) and module.p > 0 and not name.endswith(ATTENTION_DROPOUTS):
@@ -83,16 +119,15 @@ def install_draws(model: nn.Module) -> list[str]:
         if type(module).__name__ in SAMPLING_ROUTERS:
             module.forward = _DrawnCalls(module.forward, site)
             done.append(f"{name}: router sampling")
-        module._trainmesh_site = site
         heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
-        if isinstance(heads, int):
-            module._trainmesh_heads = heads
+        installed.sites[module] = DrawSite(site, heads if isinstance(heads, int) else None)
     p = max(float(getattr(config, attr, 0.0) or 0.0) for attr in ("attention_dropout", "attn_pdrop"))
     if p > 0 and current_attention(model) in ("sdpa", "eager"):
         inner = current_attention(model)
-        use_attention(model, ATTENTION_NAME, _DroppedAttention(inner), mask_like="eager")
+        name = f"{ATTENTION_NAME}_{id(installed):x}"   # one per model: two may share a process
+        use_attention(model, name, _DroppedAttention(inner, installed), mask_like="eager")
         done.append(f"attention dropout {p}")
-    return done
+    return installed
 
 
 class _OutputDropout:
@@ -145,10 +180,11 @@ def _width(f: int, width: int, tp: int) -> int:
 
 class _DroppedAttention:
     """The attention function with dropout drawn by (row, head, query, key) (module
-    docstring); without dropout, ``inner``'s implementation."""
+    docstring), each module at its site in ``installed``; without dropout, ``inner``'s
+    implementation."""
 
-    def __init__(self, inner: str) -> None:
-        self.inner = inner
+    def __init__(self, inner: str, installed: InstalledDraws) -> None:
+        self.inner, self.installed = inner, installed
 
     @torch.compiler.disable   # eager: the keys (site, step, rows) are not graph constants
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -175,8 +211,8 @@ class _DroppedAttention:
             sink = sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(b, -1, sq, 1)
             logits = torch.cat([logits, sink], dim=-1)
         probs = torch.softmax(logits, dim=-1)[..., :sk]              # (b, h, s_q, s_k)
-        site, rows = getattr(module, "_trainmesh_site", 0), draws.row_ids(b).view(b, 1, 1, 1)
-        heads = draws.split(h, getattr(module, "_trainmesh_heads", h))
+        site, whole = self.installed.attention_key(module, h)
+        rows, heads = draws.row_ids(b).view(b, 1, 1, 1), draws.split(h, whole)
         qpos, kpos = draws.tokens(sq).view(1, 1, sq, 1), draws.tokens(sk).view(1, 1, 1, sk)
         keep = torch.empty_like(probs)
         step = max(1, (1 << 24) // max(1, b * sq * sk))   # heads per hash: its int64 temporaries bounded
