@@ -117,9 +117,14 @@ class Reductions:
                 self.release(f.out.numel() * (self.world - 1) * f.out.element_size())
                 f.out = f.buf
 
-    def in_flight(self) -> bool:
-        """Some reduction still holds a whole buffer in the backend (not landed)."""
-        return any(f.transient and f.handle is not None and f.out is not f.buf for f in self.queue)
+    def land(self) -> None:
+        """Wait until every reduction in flight has landed, then :meth:`settle`: no collective
+        is issued, so calling it at the same point on every rank keeps their collectives in
+        the same order whatever landed first."""
+        for f in self.queue:
+            if f.handle is not None:
+                f.handle.wait()
+        self.settle()
 
     @staticmethod
     def _landed(f: Flight) -> bool:

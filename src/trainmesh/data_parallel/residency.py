@@ -10,7 +10,7 @@ FSDP2-style mixed precision; from the host under ``--offload-params``) and frees
 resizes the storage of the unit's gathered buffer to zero (so tensors autograd saved, including
 views of parameters, see the data again after the next gather) and points every ``param.data``
 at an empty tensor (touching a freed parameter fails instead of reading freed memory). Before
-each gather the ranks agree on which unit it is (:meth:`Residency.agree`).
+each gather the ranks agree on which unit it is (:mod:`.agreement`).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm, Handle
+from .agreement import Agreements, Pending
 from .buckets import Bucket
 from .flat import FlatLayout
 from .inflight import Reductions
@@ -54,6 +55,7 @@ class Unit(Bucket):
     state: State = State.FREE
     handles: list[Handle | None] = field(default_factory=list)
     sends: list[torch.Tensor] = field(default_factory=list)
+    agreement: Pending | None = None    # a prefetch's rows in flight
     done: bool = True         # its gradients were reduced in this microbatch's backward
 
     @property
@@ -70,34 +72,17 @@ class Residency:
         self.comm, self.axis, self.device = comm, axis, device
         self.reductions, self.units, self.shards = reductions, units, shards
         self.world, self.rank = comm.mesh.size(axis), comm.mesh.index(axis)
+        self.agreements = Agreements(comm, axis, device, units)
 
     def chunk(self, pc: Piece) -> torch.Tensor:
         """This rank's chunk of piece ``pc`` inside its group's shard."""
         return self.shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
 
-    def agree(self, unit: Unit) -> None:
-        """Before a unit's all-gather, the ranks agree on which unit it is (one all-gather of
-        its index): a module whose forward (or backward) ran on some ranks and not others is
-        named here rather than left to mismatched collectives inside the backend."""
-        if self.world == 1:
-            return
-        mine = torch.tensor([self.units.index(unit)], dtype=torch.int64, device=self.device)
-        everyone = torch.zeros(self.world, dtype=torch.int64, device=self.device)
-        self.comm.all_gather(everyone, mine, self.axis)
-        if bool((everyone != mine).any()):
-            names = ", ".join(f"dp rank {r}: {self.units[i].name or '<root>'!r}"
-                              for r, i in enumerate(everyone.tolist()))
-            raise RuntimeError(
-                f"ZeRO-3: the DP ranks gather different units ({names}): a module ran on some "
-                f"ranks and not on others (rank {self.rank} is at {unit.name or '<root>'!r}). "
-                "Every DP rank must run the same modules in the same order; run the module on "
-                "every rank (e.g. with a zero-weighted contribution) or put it inside a unit that "
-                "always runs (zero3_units=)")
-
     def gather(self, unit: Unit, *, wait: bool) -> None:
-        """Start gathering ``unit`` if it is free; with ``wait``, until its parameters are whole."""
+        """Start gathering ``unit`` if it is free; with ``wait``, until its parameters are whole.
+        A gather started without ``wait`` (a prefetch) agrees in flight (:mod:`.agreement`)."""
         if unit.state is State.FREE:
-            self.agree(unit)
+            unit.agreement = self.agreements.unit(unit, now=wait)
             unit.full.untyped_storage().resize_(unit.nbytes)
             self.reductions.count(unit.nbytes)
             unit.handles, unit.sends = [], []
@@ -112,6 +97,9 @@ class Residency:
                 unit.handles.append(self.comm.all_gather(out, send, self.axis, async_op=True))
             unit.state = State.GATHERING
         if wait and unit.state is State.GATHERING:
+            if unit.agreement is not None:
+                pending, unit.agreement = unit.agreement, None
+                self.agreements.check(pending)
             for h in unit.handles:
                 if h is not None:
                     h.wait()

@@ -81,6 +81,10 @@ class Zero3(ShardedSync):
         self._chunks: dict[tuple[int, int], torch.Tensor] = {}   # (id(unit), piece) -> landed grads
         self._grads_freed = False            # the flat gradient shards' storage is released
         self._next: _Unit | None = None      # the unit of backward to prefetch (_prefetch)
+        self._at: _Unit | None = None        # ... once this unit's backward is half done
+        self._due = 0                        # ... after this many more of its gradients
+        self._unit_of: dict[int, _Unit] = {} # id(param) -> its unit
+        self._checked: list[_Unit] = []      # the last forward order the ranks agreed on
         self._unreached: dict[int, list[nn.Parameter]] = {}   # id(unit) -> passing when it opens
 
     # ---------------------------------------------------------------- set-up
@@ -110,6 +114,7 @@ class Zero3(ShardedSync):
                 offset += layout.padded
                 sizes[gi] += layout.chunk
             unit.params = [p for _, p in owned[uname]]      # the bucket its gradients fill
+            self._unit_of.update((id(p), unit) for p in unit.params)
             self.units.append(unit)
         dtypes = [groups[gi][1][0][1].dtype for gi in range(len(groups))]
         home = torch.device("cpu") if self.options.offload_params else self.device   # --offload-params
@@ -195,6 +200,7 @@ class Zero3(ShardedSync):
     def _pre_backward(self, unit: _Unit) -> None:
         if not self._in_bwd:
             self._in_bwd = True
+            self.check_order()
             self._bwd, self._bwd_pos = list(reversed(self._post)), 0
             queue_backward_callback(self._end_of_backward)
         if unit.done:
@@ -205,27 +211,38 @@ class Zero3(ShardedSync):
                 self._bwd_pos = j + 1
                 nxt = self._bwd[j + 1] if j + 1 < len(self._bwd) else None
                 if nxt is not None and not nxt.done:
-                    self._next = nxt                      # prefetch the next unit of backward
-                    self._prefetch()
+                    # prefetch the next unit of backward once half of this unit's gradients are in
+                    self._next, self._at, self._due = nxt, unit, (len(unit.params) + 1) // 2
                 break
         self._open_unreached(unit)
 
+    def check_order(self) -> None:
+        """At a backward's start the DP ranks agree on the forward's order: the backward
+        prefetches from it and the next forward from its pre-forward order, so every rank's
+        prefetches are the same units (:mod:`.agreement`)."""
+        self.residency.agreements.order(self._fwd, self._post)
+        self._checked = list(self._fwd)
+
     def _prefetch(self) -> None:
-        """Start gathering the next unit of backward once no reduce-scatter of a whole unit is
-        in flight (else the gathered unit, the reduction's buffer and the backend's copies of
-        both would be live at once); tried again as each gradient arrives."""
-        nxt = self._next
-        if nxt is not None and (nxt.done or nxt.state is not _State.FREE):
-            self._next = None
-        elif nxt is not None and not self.reductions.in_flight():
-            self._next = None
-            self._gather(nxt, wait=False)
+        """Start gathering the next unit of backward (``_next``) once the reduce-scatter in
+        flight has landed (else the gathered unit, the reduction's buffer and the backend's copies
+        of both would be live at once). Called at a point of the program every rank reaches
+        alike (half the unit's gradients in, or the unit complete): never by whether a
+        collective has landed, which varies by rank, so every rank issues its gather and the
+        unit's reduce-scatter in the same order."""
+        nxt, self._next, self._at = self._next, None, None
+        if nxt is None or nxt.done or nxt.state is not _State.FREE:
+            return
+        self.reductions.land()
+        self._gather(nxt, wait=False)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         self.readiness.mark(p)
         self.reductions.settle()
-        if self._next is not None:
-            self._prefetch()
+        if self._next is not None and self._unit_of.get(id(p)) is self._at:
+            self._due -= 1
+            if self._due <= 0:
+                self._prefetch()
         self.bucketer.give(p)          # the unit complete: reduce-scatter it (_post_backward)
 
     def _stage(self, unit: _Unit) -> list[torch.Tensor]:
@@ -269,6 +286,8 @@ class Zero3(ShardedSync):
 
     def _post_backward(self, unit: _Unit) -> None:
         """Reduce-scatter the unit's gradients into the gradient shards; free the unit."""
+        if self._next is not None and unit is self._at:
+            self._prefetch()             # its prefetch before its reduce-scatter, on every rank
         self._reduce_unit(unit, final=self._last)
         unit.done = True
         self._free(unit)
@@ -323,14 +342,14 @@ class Zero3(ShardedSync):
             if not unit.done:
                 self._post_backward(unit)
             self._free(unit)
-        self._in_bwd, self._next = False, None
+        self._in_bwd, self._next, self._at = False, None, None
 
     # ---------------------------------------------------------------- the seam
     def before_backward(self, *, is_last: bool) -> None:
         self._end_of_backward()          # the previous microbatch's, if its callback did not run
         self._last = is_last
-        if self._fwd:
-            self._last_fwd = self._fwd
+        if self._checked:
+            self._last_fwd = self._checked     # an order every DP rank ran (check_order)
         self._fwd, self._post = [], []
         self.readiness.start()
         self.bucketer.arm()
