@@ -180,10 +180,11 @@ TP_STEPS = 2
 
 def _muon_tp_runs() -> dict:
     """Rank 0 and 1 train the float64 GPT TP_STEPS Muon steps at tp 2, with the tp owners
-    (each cut matrix iterated at one tp rank) and with every tp rank iterating every matrix on
-    the gathered whole (the path a user's optimizer takes, :class:`ByName`). Returns this
-    rank's iteration FLOPs and its weights' largest difference between the two paths, and the
-    FLOPs of each matrix once (what one TP group must iterate in all)."""
+    (each cut matrix iterated at one tp rank; all matrices in one bucket, and in buckets of
+    4096 values: 2-3 matrices each) and with every tp rank iterating every matrix on the
+    gathered whole (the path a user's optimizer takes, :class:`ByName`). Returns this rank's
+    iteration FLOPs and its weights' largest difference between the paths, and the FLOPs of
+    each matrix once (what one TP group must iterate in all)."""
     from trainmesh import Engine, ParallelConfig
     from trainmesh.data.corpus import SyntheticCorpus
     from trainmesh.data_parallel import muon_owners
@@ -191,7 +192,7 @@ def _muon_tp_runs() -> dict:
     from trainmesh.models.gpt import GPT, GPTConfig
     corpus = SyntheticCorpus(64, 16)
 
-    def train(owned: bool) -> tuple[dict[str, torch.Tensor], int, int]:
+    def train(owned: bool, bucket: int = 1 << 25) -> tuple[dict[str, torch.Tensor], int, int]:
         model = GPT(GPTConfig(**SHAPE), seed=0).double()
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         once = sum(ns_flops(s) for n, s in shapes.items() if is_hidden_matrix(n, s)) * TP_STEPS
@@ -203,14 +204,17 @@ def _muon_tp_runs() -> dict:
                             ParallelConfig(tp=2), param_groups=muon_options(shapes, lambda n: {}))
         finally:
             muon_owners.TensorParallelOwners = chosen
+        engine.optimizer.bucket_values = bucket
         for k in range(TP_STEPS):
             engine.step(corpus.batch(5, k, 8))
         return engine.full_state_dict(), engine.optimizer.flops_run, once
 
     owned, flops, once = train(True)
+    buckets, bucket_flops, _ = train(True, 4096)
     every, every_flops, _ = train(False)
-    return {"flops": flops, "every_flops": every_flops, "once": once,
-            "diff": max(((owned[k] - every[k]).abs().max().item(), k) for k in owned)}
+    return {"flops": flops, "bucket_flops": bucket_flops, "every_flops": every_flops, "once": once,
+            "diff": max(((owned[k] - every[k]).abs().max().item(), k) for k in owned),
+            "bucket_diff": max(((buckets[k] - every[k]).abs().max().item(), k) for k in owned)}
 
 
 @pytest.mark.slow
@@ -229,5 +233,6 @@ def test_tp_owners_iterate_each_matrix_once_and_equal_every_rank_iterating():
     assert [res[r]["every_flops"] for r in (0, 1)] == [once, once], res
     assert max(flops) <= 1.25 * once / 2, (flops, once)
     assert sum(flops) == once, (flops, once)
+    assert [res[r]["bucket_flops"] for r in (0, 1)] == flops, res
     for r in (0, 1):
-        assert res[r]["diff"][0] == 0.0, (r, res[r]["diff"])
+        assert res[r]["diff"][0] == 0.0 and res[r]["bucket_diff"][0] == 0.0, (r, res[r])

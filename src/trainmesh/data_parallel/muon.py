@@ -13,8 +13,8 @@ tensor-parallel shard keeps doing so. Per matrix, Muon's update is::
 Only the Newton-Schulz iteration needs a whole matrix: the optimizer maps it over whole
 matrices through its ``wholes`` attribute, which the engine sets to what the layout needs
 (:mod:`.muon_owners`: ZeRO owners, tp owners), or over all of a group's matrices at once
-through its ``map_many`` where it has one (tp owners: each rank iterates its own matrices
-while the others iterate theirs); the default, :class:`Local`, takes the tensors
+through its ``map_many`` where it has one, in buckets of :data:`BUCKET_VALUES` (tp owners:
+each rank iterates its own matrices while the others iterate theirs); the default, :class:`Local`, takes the tensors
 as held, right where every parameter is whole (one process, DDP). The momentum buffer (``momentum_buffer``)
 is laid out like the parameter, a moment as AdamW's ``exp_avg``: checkpoints, offload and
 resharding treat it as one.
@@ -31,6 +31,11 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 from torch.optim._muon import _zeropower_via_newtonschulz
 from torch.optim.adamw import adamw
+
+BUCKET_VALUES = 1 << 25
+"""Values of the momentum's (held) tensors a ``map_many`` takes at once: the transient memory of
+a bucket is its Nesterov inputs, the matrices this rank owns whole and their results, about
+three times this many values (32 Mi: 384 MiB in fp32) where tp owners spread the iteration."""
 
 _NOT_HIDDEN = ("embed", "wte", "wpe", "lm_head", "head.out", "output.weight")
 
@@ -117,6 +122,9 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.flops_run = 0
         """The iteration's FLOPs this rank has run (an owner runs its matrices' only)."""
+        self.bucket_values = BUCKET_VALUES
+        """Where the map takes many matrices at once: the values (of the tensors as held) of
+        one bucket, at least (one matrix more crosses it)."""
         self.wholes = Local()
         """Whole matrices where the layout cuts them: ``map(param, tensors, fn)`` applies
         ``fn`` to each whole matrix of tensors laid out like ``param`` (:mod:`.muon_owners`)."""
@@ -148,21 +156,30 @@ class MuonAdamW(torch.optim.Optimizer):
         lr, wd = group["lr"], group["weight_decay"]
         many = getattr(self.wholes, "map_many", None)
         held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        values = 0
         for p in group["params"]:
             if p.grad is None:
                 continue
             u = self._momentum(p, group)
-            if many is not None:       # the map iterates the group's matrices together
-                held.append((p, u))
-                continue
-            update = self.orthogonalize(p, u, group)
-            p.mul_(1 - lr * wd)
-            p.add_(update.to(p.dtype), alpha=-lr)
-        if held:
-            updates = many([p for p, _ in held], [u for _, u in held], self._iterate(group))
-            for (p, _), update in zip(held, updates):
+            if many is None:
+                update = self.orthogonalize(p, u, group)
                 p.mul_(1 - lr * wd)
                 p.add_(update.to(p.dtype), alpha=-lr)
+                continue
+            held.append((p, u))            # the map iterates a bucket of matrices together
+            values += u.numel()
+            if values >= self.bucket_values:
+                self._step_bucket(held, many, group)
+                held, values = [], 0
+        if held:
+            self._step_bucket(held, many, group)
+
+    def _step_bucket(self, held: list[tuple[torch.Tensor, torch.Tensor]], many, group: dict) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        updates = many([p for p, _ in held], [u for _, u in held], self._iterate(group))
+        for (p, _), update in zip(held, updates):
+            p.mul_(1 - lr * wd)
+            p.add_(update.to(p.dtype), alpha=-lr)
 
     def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         """The momentum step on ``p``'s buffer; the tensor the iteration takes (Nesterov's or

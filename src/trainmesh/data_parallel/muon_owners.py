@@ -18,12 +18,13 @@ optimizer step the same way. :func:`install` sets the map the layout needs:
   transient memory is one matrix, not the model.
 - **tensor parallelism** (:class:`TensorParallelOwners`, Muon): each matrix cut over tp has
   one **owner** among the tp ranks, chosen as ZeRO's (:func:`owners` over tp, the cut matrices'
-  whole shapes). The step runs in three phases over all of a group's matrices: every cut matrix
+  whole shapes). The step runs in three phases over a bucket of a group's matrices
+  (:data:`~.muon.BUCKET_VALUES`, the same buckets on every tp rank): every cut matrix
   is gathered to its owner (one ``gather`` over tp each), each rank runs the iteration on the
   matrices it owns (and on the ones tp does not cut, which every rank holds whole), and each
   owner scatters its results' shards back (one ``scatter`` each). So every matrix is iterated
   once per TP group and the ranks iterate different matrices at the same time; the transient
-  memory is the rank's owned matrices whole (1/tp of the group's cut matrices). Distributing
+  memory is the bucket's (about 3 x BUCKET_VALUES values). Distributing
   one matrix's iteration over tp instead would cost a collective in every one of its 5 steps
   (the gram matrix's all-reduce). A user's optimizer (:class:`ByName`) steps each parameter on
   every tp rank of the gathered whole: its states live where it steps.
