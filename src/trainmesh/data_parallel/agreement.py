@@ -7,12 +7,14 @@ gather is preceded, on every rank, by one all-gather of a fixed-size row saying 
 order (:data:`ORDER`). Rows all have one size, so whatever two ranks are doing their rows pair,
 and every rank reads the same table: either all go on or all raise, naming each rank's unit.
 
-A gather the rank needs now checks its row at once (a blocking round trip). A prefetch's row is
-in flight with the prefetch's own gather and checked when the gather is waited for: a prefetch
-is never the gather that could pair with another size, because every rank prefetches from the
-same agreed order (the backward from its own forward's, the next forward from the previous one:
-:meth:`Agreements.order`), and where a prefetch pairs with a peer's needed gather, that peer's
-row pairs with the prefetch's row and the peer raises before sending anything.
+A gather the rank needs now, of a unit no agreed order predicts there, checks its row at once
+(a blocking round trip). Every other gather — a prefetch, or the unit the agreed order names at
+this point (the first of a forward or of a backward) — sends its row with its own gather and
+checks it when the gather is waited for. Such a gather never pairs with another size: every
+rank takes it from the same agreed order (the backward from its own forward's, the next forward
+from the previous one: :meth:`Agreements.order`), so two of them pair only with the same unit,
+and where one pairs with a peer's unpredicted gather, that peer's row pairs with its row and the
+peer raises before sending anything. Per backward, the order's row is the one round trip.
 """
 from __future__ import annotations
 

@@ -78,11 +78,12 @@ class Residency:
         """This rank's chunk of piece ``pc`` inside its group's shard."""
         return self.shards[pc.group][pc.shard_start : pc.shard_start + pc.layout.chunk]
 
-    def gather(self, unit: Unit, *, wait: bool) -> None:
+    def gather(self, unit: Unit, *, wait: bool, agreed: bool = False) -> None:
         """Start gathering ``unit`` if it is free; with ``wait``, until its parameters are whole.
-        A gather started without ``wait`` (a prefetch) agrees in flight (:mod:`.agreement`)."""
+        A gather started without ``wait`` (a prefetch) or of the unit an agreed order predicts
+        (``agreed``) agrees in flight (:mod:`.agreement`)."""
         if unit.state is State.FREE:
-            unit.agreement = self.agreements.unit(unit, now=wait)
+            unit.agreement = self.agreements.unit(unit, now=wait and not agreed)
             unit.full.untyped_storage().resize_(unit.nbytes)
             self.reductions.count(unit.nbytes)
             unit.handles, unit.sends = [], []

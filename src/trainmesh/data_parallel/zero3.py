@@ -167,10 +167,12 @@ class Zero3(ShardedSync):
         self.reductions.count(unit.nbytes)
         self._free(unit)
 
-    def _gather(self, unit: _Unit, *, wait: bool) -> None:
+    def _gather(self, unit: _Unit, *, wait: bool, agreed: bool = False) -> None:
+        """``agreed``: the unit is the one the agreed order predicts here (its agreement goes
+        with its gather, as a prefetch's does: :mod:`.agreement`)."""
         if unit.state is _State.FREE:
             self.reductions.settle()     # landed reductions' buffers released before gathering
-        self.residency.gather(unit, wait=wait)
+        self.residency.gather(unit, wait=wait, agreed=agreed)
 
     def _free(self, unit: _Unit) -> None:
         self.residency.free(unit)
@@ -182,8 +184,8 @@ class Zero3(ShardedSync):
             return
         i = len(self._fwd)
         self._fwd.append(unit)
-        self._gather(unit, wait=True)
         last = self._last_fwd
+        self._gather(unit, wait=True, agreed=i < len(last) and last[i] is unit)
         if i + 1 < len(last) and last[i] is unit and last[i + 1] is not unit:
             self._gather(last[i + 1], wait=False)         # prefetch the next unit
 
@@ -205,7 +207,8 @@ class Zero3(ShardedSync):
             queue_backward_callback(self._end_of_backward)
         if unit.done:
             return
-        self._gather(unit, wait=True)
+        pos = self._bwd_pos
+        self._gather(unit, wait=True, agreed=pos < len(self._bwd) and self._bwd[pos] is unit)
         for j in range(self._bwd_pos, len(self._bwd)):
             if self._bwd[j] is unit:
                 self._bwd_pos = j + 1
