@@ -93,8 +93,9 @@ def meta_model(transformers: Any, config: Any, *, buffers: bool = True) -> nn.Mo
     (rotary frequencies, a router's correction bias) made real as ``from_pretrained`` makes it:
     a placeholder on the CPU that the model's own ``_init_weights`` fills. What this costs grows
     with the buffers (what every rank holds whole anyway), never with the parameters. A model
-    whose ``_init_weights`` leaves a buffer unfilled is built as before instead
-    (:func:`params_on_meta`: its buffers as its constructor makes them)."""
+    whose ``_init_weights`` leaves a buffer unfilled (Apertus's and Falcon-H1's in transformers
+    5.25) is built as before instead (:func:`params_on_meta`: its buffers as its constructor
+    makes them)."""
     build = transformers.AutoModelForCausalLM.from_config
     safe = getattr(getattr(transformers, "initialization", None), "meta_device_safe_creation_ops",
                    contextlib.nullcontext)
@@ -109,7 +110,8 @@ def meta_model(transformers: Any, config: Any, *, buffers: bool = True) -> nn.Mo
 @torch.no_grad()
 def _fill_buffers(model: nn.Module, transformers: Any) -> bool:
     """Every meta buffer of ``model`` real, filled by the ``_init_weights`` of the transformers
-    model that holds it (a sub-model's own); False when a floating buffer is left unfilled."""
+    model that holds it (a sub-model's own); False when one (not a boolean one) is left
+    unfilled."""
     pretrained = transformers.PreTrainedModel
     guard = getattr(getattr(transformers, "initialization", None), "guard_torch_init_functions",
                     contextlib.nullcontext)
@@ -123,15 +125,23 @@ def _fill_buffers(model: nn.Module, transformers: Any) -> bool:
         meta = {name: b for name, b in module._buffers.items() if b is not None and b.is_meta}
         fresh = [name for name, b in meta.items() if id(b) not in made]
         for name, b in meta.items():
-            module._buffers[name] = made.setdefault(id(b), torch.full_like(
-                b, math.nan if b.is_floating_point() else 0, device="cpu"))
+            module._buffers[name] = made.setdefault(id(b), torch.full_like(b, _unfilled(b.dtype),
+                                                                           device="cpu"))
         if fresh:
             owner._init_weights(module)
-        return not any(module._buffers[name].is_floating_point()
-                       and module._buffers[name].isnan().any() for name in fresh)
+        return not any((module._buffers[name] == _unfilled(b.dtype)).any()
+                       or module._buffers[name].isnan().any() for name, b in meta.items()
+                       if name in fresh and b.dtype != torch.bool)
 
     with guard():
         return walk(model, model)
+
+
+def _unfilled(dtype: torch.dtype) -> float | int | bool:
+    """A buffer's placeholder, no value an init gives: NaN, an integer type's least value."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return math.nan
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
 def transformers_module(field: str) -> Any:
