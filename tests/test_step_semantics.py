@@ -104,10 +104,10 @@ def test_zero3_prefetches_the_next_unit_of_backward():
     events: list[tuple[str, str]] = []
     gather, post_backward = sync._gather, sync._post_backward
 
-    def spy_gather(unit, *, wait):
+    def spy_gather(unit, *, wait, agreed=False):
         if not wait and unit.state is _State.FREE:
             events.append(("prefetch-bwd" if sync._in_bwd else "prefetch-fwd", unit.name))
-        gather(unit, wait=wait)
+        gather(unit, wait=wait, agreed=agreed)
 
     def spy_post_backward(unit):
         events.append(("reduce", unit.name))
