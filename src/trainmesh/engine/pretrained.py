@@ -5,7 +5,8 @@ under tp where it declares a plan. A model directory is what ``save_pretrained``
 ``model.safetensors`` (or its shards and ``model.safetensors.index.json``).
 :func:`from_pretrained` builds the model from its config with every parameter on the meta
 device (buffers, such as Llama's rotary frequencies, are built for real: they are small and
-derived from the config) and gives it ``init_parameter`` reading the weights slice by slice
+derived from the config; a persistent one the weights hold, such as DeepSeek-V3's router
+correction bias, then takes its saved value) and gives it ``init_parameter`` reading the weights slice by slice
 (:func:`pretrained_init`: under the names the model holds, converted as transformers converts
 them on load, e.g. a mixture of experts saved expert by expert and held stacked). The engine then materialises each rank's part
 after the tensor-parallel split — a column shard of a GPT-2 ``Conv1D`` is a slice of its
@@ -44,11 +45,15 @@ from trainmesh.models.hf_weights import CheckpointView
 def from_pretrained(path: str, *, field: str = FIELD, plans: PlanFiles | None = None) -> nn.Module:
     """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
     parameters on the meta device, with ``init_parameter(name, shape, index)`` reading its
-    weights slice by slice (the engine calls it for what each rank holds); its parallel plans
+    weights slice by slice (the engine calls it for what each rank holds), every persistent
+    buffer the weights hold set to its saved value (a router's ``e_score_correction_bias``: as
+    transformers' ``from_pretrained`` loads it; each whole, on every rank); its parallel plans
     from ``plans``' files, else declared, else inferred from its modules
     (:mod:`trainmesh.models.hf_plans`)."""
     model = build_on_meta(path, field=field, plans=plans)
-    model.init_parameter = pretrained_init(path, model, field=field)
+    view = CheckpointView(weight_files(path, field), model, field=field)
+    view.load_buffers(model)          # persistent buffers' trained values (a router's bias)
+    model.init_parameter = view.read
     attach_router_stats(model)        # a mixture of experts that asks for its router's aux loss
     return model
 

@@ -12,6 +12,9 @@ mapping and nothing hand-written, both ways:
 - :class:`CheckpointView` groups a file's tensors by the model parameter they make and builds one
   parameter on request (a converted one is read whole, then sliced; a renamed one reads only its
   slice), or only its shape (the conversion run on meta tensors) for checks before any worker starts;
+- :meth:`CheckpointView.load_buffers` sets every persistent buffer the files hold (a router's
+  ``e_score_correction_bias``: trained values, saved with the weights) to the file's value, as
+  transformers' ``from_pretrained`` does; each is small and read whole;
 - :func:`to_file_names` turns a state dict under the model's names back into the file's form
   (transformers' ``revert_weight_conversion``, what ``save_pretrained`` writes).
 
@@ -65,7 +68,7 @@ class CheckpointView:
             raise ConfigError(field, f"cannot read {file} as safetensors: {exc}") from None
         keys = sorted(self.handle_of, key=_natural)
         renamings, self.converters = _conversions(model)
-        names = dict(model.named_parameters())
+        names = {**persistent_buffers(model), **dict(model.named_parameters())}
         self.sources: dict[str, list[tuple[str | None, str]]] = {}
         """model name -> [(converter source pattern or None, file key)], in the file's order."""
         if renamings or self.converters:
@@ -110,23 +113,43 @@ class CheckpointView:
         file lacks it or makes another shape."""
         if name not in self.sources:
             raise ConfigError(self.field, f"{self.path} has no tensor for {name!r}")
-        if self.shape(name) != tuple(shape):
-            raise ConfigError(self.field, f"{self.path}: {name} has shape {self.shape(name)}, "
-                              f"the model's is {tuple(shape)}")
+        self._check_shape(name, tuple(shape))
         (pattern, key), *_ = self.sources[name]
         if pattern is None:
             return self._slice(key)[index].to(torch.float32)
         return self._converted(name, lambda key: self.handle_of[key].get_tensor(key))[index].to(torch.float32)
 
     def check(self, model: nn.Module) -> None:
-        """Every parameter of ``model`` is in the file with its shape, or ConfigError."""
+        """Every parameter of ``model`` is in the file with its shape, and every persistent
+        buffer the file holds has its shape, or ConfigError."""
         for name, p in model.named_parameters():
             if name not in self.sources:
                 raise ConfigError(self.field, f"{self.path} has no tensor for {name!r} (valid: "
                                   "a save_pretrained directory of this model)")
-            if self.shape(name) != tuple(p.shape):
-                raise ConfigError(self.field, f"{self.path}: {name} has shape {self.shape(name)}, "
-                                  f"the model's is {tuple(p.shape)}")
+            self._check_shape(name, tuple(p.shape))
+        for name, b in persistent_buffers(model).items():
+            if name in self.sources:
+                self._check_shape(name, tuple(b.shape))
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        if self.shape(name) != shape:
+            raise ConfigError(self.field, f"{self.path}: {name} has shape {self.shape(name)}, "
+                              f"the model's is {shape}")
+
+    @torch.no_grad()
+    def load_buffers(self, model: nn.Module) -> list[str]:
+        """Every real persistent buffer of ``model`` the files hold takes the file's value
+        (whole, in the buffer's dtype; a buffer the files lack keeps what the model's init gave
+        it, as in transformers' ``from_pretrained``); returns the names loaded."""
+        loaded = []
+        for name, b in persistent_buffers(model).items():
+            if name in self.sources and not b.is_meta:
+                self._check_shape(name, tuple(b.shape))
+                (pattern, key), *_ = self.sources[name]
+                whole = lambda key: self.handle_of[key].get_tensor(key)   # noqa: E731
+                b.copy_(whole(key) if pattern is None else self._converted(name, whole))
+                loaded.append(name)
+        return loaded
 
 
 def file_state(hf_config: dict[str, Any], state: dict[str, torch.Tensor], *, field: str
@@ -154,6 +177,17 @@ def to_file_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
     except ImportError:     # a transformers without conversions stores what it holds
         return state
     return revert_weight_conversion(model, state)
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Name -> tensor of every buffer ``model``'s state dict holds (saved with the weights),
+    under each name a shared one has."""
+    out = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for leaf, b in module._buffers.items():
+            if b is not None and leaf not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{leaf}" if prefix else leaf] = b
+    return out
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
