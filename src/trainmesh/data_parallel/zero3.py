@@ -310,6 +310,8 @@ class Zero3(ShardedSync):
                 dst = self.grad_shards[pc.group][where]
             self.reductions.reduce_scatter(buf, dst, accumulate=True, transient=True,
                                            final=(pc.group, where) if final else None)
+        if self.reductions.lazy:         # nothing would overlap it: its buffers released now
+            self.reductions.drain()
 
     def _grads_in(self) -> None:
         """Every reduction has landed: the flat gradient shards are allocated again and take the
