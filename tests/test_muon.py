@@ -184,9 +184,9 @@ def test_a_zero_shard_leaves_a_matrix_without_a_gradient_alone():
 def test_the_planner_counts_muons_states_and_gathers():
     """`trainmesh plan --optimizer muon` at dp 2 ZeRO-1 and tp 2: the momentum on the hidden
     matrices and AdamW's two moments on the rest (plus its step counters), and per step the
-    owners' reduce and broadcast of every matrix (fp32) over dp, the tp gathers to the owner and
-    scatters back of the cut ones, each booked as the whole matrix (figures a run measured
-    equal, by the summary's comm_bytes_per_step and model_state_bytes)."""
+    owners' reduce and broadcast of every matrix (fp32) over dp, the tp all-to-alls of the cut
+    ones to their owners and back (figures a run measured equal, by the summary's
+    comm_bytes_per_step and model_state_bytes)."""
     from trainmesh.config.parallel import ParallelConfig
     from trainmesh.planner.predict import predict_layout
     gpt = CFG.gpt_config()
@@ -202,8 +202,8 @@ def test_the_planner_counts_muons_states_and_gathers():
     assert 0 < counters <= 8, counters          # AdamW's step count per flat shard (4 bytes)
     tp2 = predict_layout(gpt, ParallelConfig(tp=2), global_batch=8, optimizer="muon",
                          base_bytes=0).ranks[0]
-    assert tp2.comm_bytes_per_step["tp"]["gather"] == 4 * matrices          # each gathered whole
-    assert tp2.comm_bytes_per_step["tp"]["scatter"] == 4 * matrices
+    # to the owners and back: this rank's shards, and its owned matrices whole (as many here)
+    assert tp2.comm_bytes_per_step["tp"]["all_to_all"] == 2 * 4 * matrices / 2
     assert "all_gather" not in tp2.comm_bytes_per_step["tp"]
     assert "reduce" not in tp2.comm_bytes_per_step["dp"]
 

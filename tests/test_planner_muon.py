@@ -46,6 +46,7 @@ def llama_ns(shape) -> float:
 LAYOUTS = [ParallelConfig(dp=16, precision="bf16"),
            ParallelConfig(dp=16, zero=1, precision="bf16"),
            ParallelConfig(dp=8, tp=2, zero=1, precision="bf16", sequence_parallel=True),
+           ParallelConfig(dp=8, tp=2, precision="bf16"),
            ParallelConfig(dp=4, pp=2, tp=2, zero=1, microbatches=8, precision="bf16"),
            ParallelConfig(dp=16, zero=3, precision="fp32"),
            ParallelConfig(dp=16, zero=2, dp_shard=8, precision="bf16")]
@@ -82,8 +83,10 @@ def test_muon_step_time_counts_the_iteration_and_the_owners_collectives(cfg):
     """The step's added time is the rank's Newton-Schulz FLOPs at the bf16 rate (each matrix
     whole; under ZeRO the owners share them, over tp the tp owners share the owner group's:
     a Llama's matrices are all cut) plus, under ZeRO, the owners' reduce and broadcast of
-    4-byte matrices over the shard group and, under tp, the gathers to the tp owner and the
-    scatters back of the matrices the rank's group owns."""
+    4-byte matrices over the shard group and, under tp, the two all-to-alls of the rank's
+    shards (to the owners and back, counted at 1 wire byte per byte as every all-to-all), under
+    tp x ZeRO the gathers to the tp owner and the scatters back of the matrices the rank's
+    group owns."""
     adamw = evaluate(cfg, LLAMA8B, CLUSTER)
     muon = evaluate(cfg, LLAMA8B, CLUSTER, optimizer="muon")
     n = cfg.shard_size if cfg.zero else 1
@@ -91,8 +94,10 @@ def test_muon_step_time_counts_the_iteration_and_the_owners_collectives(cfg):
     held = llama_matrices(LLAMA8B) / (cfg.pp * cfg.tp)           # this rank's tp shards
     bw = CLUSTER.bandwidth(cfg.dp * cfg.tp)
     comm = 4 * held * (1 + (n - 1) / n) / bw if n > 1 else 0.0  # reduce (chain) + broadcast
-    if cfg.tp > 1:   # gather and scatter, each the whole: tp x its shard, the root's link (tp-1)/tp
+    if cfg.tp > 1 and cfg.zero:   # gather, scatter: each the whole (tp x its shard), the root's link (tp-1)/tp
         comm += 2 * 4 * cfg.tp * held / n * (cfg.tp - 1) / cfg.tp / CLUSTER.bandwidth(cfg.tp)
+    elif cfg.tp > 1:              # all_to_all there and back: its shards
+        comm += 2 * 4 * held / CLUSTER.bandwidth(cfg.tp)
     expected = flops / CLUSTER.flops_per_s("bf16") + comm
     assert muon.time.optimizer_s == pytest.approx(expected, rel=1e-9)
     assert muon.time.total - adamw.time.total == pytest.approx(expected, rel=1e-9)

@@ -32,10 +32,11 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 from torch.optim._muon import _zeropower_via_newtonschulz
 from torch.optim.adamw import adamw
 
-BUCKET_VALUES = 1 << 25
+BUCKET_VALUES = 1 << 24
 """Values of the momentum's (held) tensors a ``map_many`` takes at once: the transient memory of
-a bucket is its Nesterov inputs, the matrices this rank owns whole and their results, about
-three times this many values (32 Mi: 384 MiB in fp32) where tp owners spread the iteration."""
+a bucket is its Nesterov inputs, the exchanged shards (there and back), the matrices this rank
+owns whole and their results, about six times this many values (16 Mi: under 400 MiB in fp32)
+where tp owners spread the iteration."""
 
 _NOT_HIDDEN = ("embed", "wte", "wpe", "lm_head", "head.out", "output.weight")
 

@@ -19,12 +19,13 @@ optimizer step the same way. :func:`install` sets the map the layout needs:
 - **tensor parallelism** (:class:`TensorParallelOwners`, Muon): each matrix cut over tp has
   one **owner** among the tp ranks, chosen as ZeRO's (:func:`owners` over tp, the cut matrices'
   whole shapes). The step runs in three phases over a bucket of a group's matrices
-  (:data:`~.muon.BUCKET_VALUES`, the same buckets on every tp rank): every cut matrix
-  is gathered to its owner (one ``gather`` over tp each), each rank runs the iteration on the
-  matrices it owns (and on the ones tp does not cut, which every rank holds whole), and each
-  owner scatters its results' shards back (one ``scatter`` each). So every matrix is iterated
-  once per TP group and the ranks iterate different matrices at the same time; the transient
-  memory is the bucket's (about 3 x BUCKET_VALUES values). Distributing
+  (:data:`~.muon.BUCKET_VALUES`, the same buckets on every tp rank): one ``all_to_all`` over tp
+  sends each rank's shards of the cut matrices to their owners, each rank runs the iteration
+  on the matrices it owns (and on the ones tp does not cut, which every rank holds whole), and
+  a second ``all_to_all`` returns the results' shards. So every matrix is iterated once per TP
+  group, the ranks iterate different matrices at the same time, and a bucket costs two
+  collectives whatever its matrices; the transient memory is the bucket's (a few times
+  BUCKET_VALUES values). Distributing
   one matrix's iteration over tp instead would cost a collective in every one of its 5 steps
   (the gram matrix's all-reduce). A user's optimizer (:class:`ByName`) steps each parameter on
   every tp rank of the gathered whole: its states live where it steps.
@@ -178,7 +179,7 @@ class ByName:
 
 class TensorParallelOwners(ByName):
     """Muon where tp cuts matrices (no ZeRO): each cut matrix iterated at its tp owner only,
-    all of a group's matrices in three phases (module docstring)."""
+    a bucket of a group's matrices in three phases (module docstring)."""
 
     def __init__(self, sync: GradSync, tp: TensorParallel) -> None:
         super().__init__(sync, tp)
@@ -192,27 +193,44 @@ class TensorParallelOwners(ByName):
     @torch.no_grad()
     def map_many(self, ps: list[torch.Tensor], us: list[torch.Tensor], fn: WholeFn) -> list[torch.Tensor]:
         """``fn`` of each whole ``us[i]`` (laid out like ``ps[i]``), each cut one at its owner;
-        the results laid out like ``ps`` (in ``us``' dtypes where cut)."""
+        the results laid out like ``ps``. Two all-to-alls over tp: the cut matrices' shards to
+        their owners, the results' shards back (in the shards' common dtype: exact casts)."""
+        tp, n = self.tp, self.tp.tp
         names = [self.names[id(p)] for p in ps]
-        me = self.tp.comm.mesh.index(Group.tp)
-        wholes: dict[int, torch.Tensor] = {}
-        for i, name in enumerate(names):                  # the same order on every rank
-            pl = self.tp.cut(name)
-            if pl is not None:
-                whole = self.tp.gather_to(pl, us[i], self.table[name])
-                if whole is not None:
-                    wholes[i] = whole
+        cut = [i for i, name in enumerate(names) if tp.cut(name) is not None]
+        by_owner = [[i for i in cut if self.table[names[i]] == r] for r in range(n)]
+        me = tp.comm.mesh.index(Group.tp)
+        mine = by_owner[me]
+        sizes = [sum(us[i].numel() for i in owned) for owned in by_owner]
         out: list[torch.Tensor | None] = [None] * len(ps)
-        for i, name in enumerate(names):                  # my matrices, and the uncut ones
-            if i in wholes:
-                wholes[i] = fn(name, [wholes.pop(i)])
-            elif self.tp.cut(name) is None:
+        if cut:
+            send = torch.cat([us[i].reshape(-1) for owned in by_owner for i in owned])
+            dtype = send.dtype                             # the same on every rank
+            got = torch.empty(n * sizes[me], dtype=dtype, device=send.device)
+            tp.comm.all_to_all_v(got, send, Group.tp, out_splits=[sizes[me]] * n, in_splits=sizes)
+            del send
+            blocks = got.split(sizes[me])                  # rank r's shards of my matrices
+            results, at = [], 0
+            for i in mine:
+                local, pl = tuple(us[i].shape), tp.cut(names[i])
+                whole = tp._assemble(pl, [b[at : at + us[i].numel()].view(local) for b in blocks])
+                results.append(fn(names[i], [whole]))
+                at += us[i].numel()
+            del got, blocks
+            back = torch.cat([tp._shard(tp.cut(names[i]), res, r, tuple(us[i].shape)).reshape(-1)
+                              .to(dtype) for r in range(n) for i, res in zip(mine, results)]
+                             or [us[cut[0]].new_empty(0, dtype=dtype)])
+            del results
+            ret = torch.empty(sum(sizes), dtype=dtype, device=back.device)
+            tp.comm.all_to_all_v(ret, back, Group.tp, out_splits=sizes, in_splits=[sizes[me]] * n)
+            at = 0
+            for owned in by_owner:                         # owner r's results, my shards
+                for i in owned:
+                    out[i] = ret[at : at + us[i].numel()].view(us[i].shape)
+                    at += us[i].numel()
+        for i, name in enumerate(names):                   # uncut: every rank holds it whole
+            if out[i] is None:
                 out[i] = fn(name, [us[i]])
-        for i, name in enumerate(names):
-            pl = self.tp.cut(name)
-            if pl is not None:
-                owner = self.table[name]
-                out[i] = self.tp.scatter_from(pl, wholes.pop(i, None) if owner == me else None, owner, us[i])
         return out  # type: ignore[return-value]
 
 

@@ -251,8 +251,8 @@ def muon_work(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     matrix it iterates, whole, its pipeline stage's share; under ZeRO only the matrices it
     owns, the owners balanced by FLOPs (the mean over the shard group; experts' over edp);
     under tp each cut matrix at one tp owner (1/tp of them: the routers and routed experts,
-    whole on every tp rank, at each). The owners' reduce and broadcast and the tp gathers and
-    scatters (:func:`~.traffic.muon_ops`) and the iteration follow the backward: none of it
+    whole on every tp rank, at each). The owners' reduce and broadcast and the tp exchanges
+    (:func:`~.traffic.muon_ops`) and the iteration follow the backward: none of it
     overlapped."""
     kinds = matrices(model)
     owners = (lambda group: group) if cfg.zero >= 1 else (lambda group: 1)

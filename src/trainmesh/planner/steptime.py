@@ -26,7 +26,7 @@ backward. None of it is taken as overlapped.
 **Muon** (``--optimizer muon``): at the optimizer step, the Newton-Schulz iteration
 (:func:`trainmesh.data_parallel.muon.ns_flops`: ``ns_steps x (4 m^2 n + 2 m^3)`` per m x n
 matrix, m <= n, run in bf16) on the matrices the rank iterates, and the owners' reduce and
-broadcast and the tp gathers and scatters (:func:`.traffic.muon_ops`): none overlapped
+broadcast and the tp exchanges (:func:`.traffic.muon_ops`): none overlapped
 (:func:`trainmesh.planner.candidate.muon_work`).
 
 Collective time is wire bytes (ring, see :mod:`.traffic`) over the group's bandwidth.
@@ -61,8 +61,7 @@ class StepTime:
     """Host copies and the host optimizer step."""
     optimizer_s: float = 0.0
     """Muon: the Newton-Schulz iteration on the matrices this rank iterates and the owners'
-    reduce, broadcast and tp gathers and scatters (at the optimizer step, after the backward:
-    exposed)."""
+    reduce, broadcast and tp exchanges (at the optimizer step, after the backward: exposed)."""
 
     @property
     def total(self) -> float:
