@@ -21,8 +21,8 @@ both alike. AdamW, fp32, no gradient clipping on either side.
 
 Per layout: tokens/s of each side (global batch tokens over the median step), the ratio
 trainmesh / PyTorch of each of ``--runs`` timed passes and their median; peak memory per rank
-(held parameters, gradients and optimizer state, plus the profiler's peak of one step's
-allocations); payload bytes per step and rank (trainmesh: its ledger; PyTorch: counted by
+(held parameters, gradients and optimizer state — and a pipelining stage's receive buffers,
+which it keeps from step to step — plus the profiler's peak of one step's allocations); payload bytes per step and rank (trainmesh: its ledger; PyTorch: counted by
 wrapping torch.distributed's collectives, ``TorchCommMeter``); the exposed communication (the
 seconds the step's thread is blocked in a collective, per axis, over the step time: trainmesh's
 ledger books them per op, PyTorch's side is timed by the same wrapper); and the largest loss
@@ -172,6 +172,14 @@ def _torch_pp(a: dict, mesh):
         opt.zero_grad(set_to_none=True)
         mine = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
         return _world_mean(mine, world // pp)
+
+    def receive_buffers() -> list:
+        """The stage's receive buffers (activations, gradients): allocated at its first step
+        and kept from step to step, so held between steps as the parameters are."""
+        infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+        return [ri.buffer for group in infos for ri in (group if isinstance(group, (tuple, list)) else (group,))
+                if isinstance(getattr(ri, "buffer", None), torch.Tensor)]
+    step.receive_buffers = receive_buffers
     return module, opt, step
 
 
@@ -281,12 +289,19 @@ def _worker(layout: str, a: dict) -> dict:
     last = batches[-1]
     state = engine.measure_state()
     peak = {"trainmesh": (sum(state.values()), step_alloc_peak(lambda: engine.train_step(last)))}
+    receive_bytes = 0
     if "torch" in sides:
+        receive = getattr(t_step, "receive_buffers", list)    # pipelining's stage buffers
+        before = {b.untyped_storage().data_ptr() for b in receive()}
+        step_peak = step_alloc_peak(lambda: t_step(last))
+        kept = [b for b in receive() if b.untyped_storage().data_ptr() in before]   # not the step's
         held = local_bytes([*t_model.parameters(), *(p.grad for p in t_model.parameters()),
                             *(v for st in t_opt.state.values() for v in st.values()
-                              if isinstance(v, torch.Tensor))])
-        peak["torch"] = (held, step_alloc_peak(lambda: t_step(last)))
+                              if isinstance(v, torch.Tensor)), *kept])
+        peak["torch"] = (held, step_peak)
+        receive_bytes = local_bytes(kept)
     out = {"times": times, "cpu": cpu, "losses": losses, "exposed": exposed, "peak": peak,
+           "torch_receive_bytes": receive_bytes,
            "comm_buffer_peak": engine.comm_buffer_peak_bytes, "bytes": {"trainmesh": tm_bytes},
            "torch_error": torch_error, "rank": dist.get_rank()}
     if "torch" in sides:
@@ -308,6 +323,7 @@ def _summary(layout: str, a: dict, ranks: dict[int, dict]) -> dict:
                  "peak_mib_max_rank": {s: max(sum(r["peak"][s]) for r in ranks.values()) / 2**20
                                        for s in sides},
                  "held_and_step_mib_rank0": {s: [b / 2**20 for b in r0["peak"][s]] for s in sides},
+                 "torch_receive_mib_max_rank": max(r["torch_receive_bytes"] for r in ranks.values()) / 2**20,
                  "bytes_per_step_rank0": r0["bytes"]}
     if "torch" in sides:
         ratios = [t / m for m, t in zip(runs["trainmesh"], runs["torch"])]
@@ -352,6 +368,9 @@ def _print(s: dict, a: dict) -> None:
               f"  blocked in collectives (share of the step, mean over ranks): {blocked or 'none'}")
     print(f"- trainmesh's transient communication buffers (gathered units, buckets): peak "
           f"{s['trainmesh_comm_buffer_peak_mib']:.2f} MiB (largest rank)")
+    if s.get("torch_receive_mib_max_rank"):
+        print(f"- PyTorch's pipeline stage receive buffers, kept between steps (in its held "
+              f"state): {s['torch_receive_mib_max_rank']:.2f} MiB (largest rank)")
     if "torch" in tps:
         pk, sh, ms = s["peak_mib_max_rank"], s["exposed_share"], s["exposed_ms_per_step"]
         ratio = pk["trainmesh"] / pk["torch"]
