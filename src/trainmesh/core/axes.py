@@ -289,14 +289,6 @@ RULES: tuple[Rule, ...] = (
     Rule("--ep", lambda c, f: f.experts > 0 and f.experts % c.ep != 0,
          "must divide --experts {experts}; got {c.ep}", {"dp": 2, "ep": 2, "experts": 3},
          needs=("experts",)),
-    Rule("--schedule", lambda c, f: c.schedule == "zb1p" and c.pp > 1 and c.zero == 3
-         and f.experts > 0,
-         "zb1p with --zero 3 and a mixture of experts is not built yet: its split backward "
-         "computes weight gradients after the walk that passes the experts no token reached, "
-         "so ranks could reduce them in different rounds (valid here: 1f1b, gpipe, "
-         "interleaved, naive; or --zero 0-2)",
-         {"pp": 2, "microbatches": 2, "schedule": "zb1p", "dp": 2, "zero": 3, "experts": 4},
-         needs=("experts",)),
     Rule("--pp", lambda c, f: c.pp * c.virtual_stages > f.layers,
          lambda c, f: f"pp x virtual-stages = {c.pp * c.virtual_stages} exceeds the model's "
                       f"{f.layers} layers",

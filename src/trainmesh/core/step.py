@@ -80,8 +80,9 @@ class StepHooks:
     (:mod:`trainmesh.core.randomness`)."""
     backward_from: Callable[[torch.Tensor, "list[nn.Parameter] | None"], None] = lambda root, params: None
     """Called with the tensor each backward pass starts from and the parameters the pass goes
-    through (None: all of this rank's; a pipeline pass: its chunk's), just before it: the
-    strategy learns which of them that pass leaves without a gradient."""
+    through (None: all of this rank's; a pipeline pass: its chunk's), just before it (a split
+    backward: before its ``W``, where the weight gradients appear): the strategy learns which of
+    them that pass leaves without a gradient."""
 
 
 class Executor(Protocol):

@@ -39,7 +39,7 @@ from .sharded import ELEMENTWISE_OPTIMIZERS
 from .units import find_units
 from .zero import FlatZero, Zero1, Zero2
 from .zero3 import Zero3
-from .zero_pipeline import PipelineZero3
+from .zero_pipeline import PipelineZero3, WOrder
 
 
 def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
@@ -86,6 +86,11 @@ def make_grad_sync(cfg: ParallelConfig, named_params: list[tuple[str, nn.Paramet
     if not parts:
         parts.append(_strategy(cfg, [], comm, kind_groups(comm.mesh.layout, "dense").reduce,
                                None, **build))
+    split = [p for p in parts if isinstance(p, PipelineZero3) and p.w_order is not None]
+    if len(split) > 1:      # zb1p: the kinds' units reduced in one order (zero_pipeline.WOrder)
+        order = WOrder()
+        for part in split:
+            order.join(part)
     return parts[0] if len(parts) == 1 else CompositeSync(parts)
 
 
@@ -130,7 +135,8 @@ def _by_stage(cfg: ParallelConfig, named_params: list[tuple[str, nn.Parameter]],
         return PipelineZero3(named_params, comm, module=module, layers=layers or [],
                              reshard=cfg.zero3_reshard,
                              param_dtype=precision.compute_dtype if mixed else None,
-                             options=options, materialize=materialize)
+                             options=options, materialize=materialize,
+                             split_backward=cfg.schedule == "zb1p")   # its I and W
     return Zero3(named_params, comm, module=module,
                  param_dtype=precision.compute_dtype if mixed else None, options=options,
                  materialize=materialize, units=cfg.zero3_units)

@@ -13,6 +13,14 @@ per unit per step (dp.all_gather 4Ψ), the whole stage's parameters resident dur
 (dp.all_gather 2m·4Ψ), so about one unit is resident. Either way each unit's gradients are
 reduce-scattered after each of its backwards (dp.reduce_scatter m·4Ψ). A unit whose backward
 is split keeps its parameters from ``I`` until its ``W`` (some weight gradients need them).
+
+Under a split backward (``split_backward``: zero-bubble schedules) a unit's reduction round is a
+``W`` action: the runtime walks the graph at ``W`` (:meth:`PipelineZero3.pass_unreached`), so
+what sits the microbatch out passes there, with that microbatch's gradients, never at an ``I``
+in between; and the units of every ZeRO-3 strategy of the rank (the dense and the experts')
+go out in one fixed order (:class:`WOrder`), so a unit this rank's tokens did not reach,
+complete as the ``W`` begins, goes out where a peer's, complete only when its gradients are
+in, does, among the other groups' reductions too (docs/ZERO.md).
 """
 from __future__ import annotations
 
@@ -30,9 +38,51 @@ from trainmesh.core.step import tensors_in
 
 from ..comm import Comm
 from .base import SyncOptions
+from .buckets import Bucketer
 from .zero3 import Zero3, _State, _Unit
 
 RESHARD = ("step", "microbatch")
+
+
+class WOrder:
+    """Under a split backward: the one order in which the rank's ZeRO-3 strategies (one per
+    kind of parameter, joined in the kinds' order) reduce their units in a ``W``: last layer
+    first (as ``W`` produces the gradients), a layer's experts before its dense part (the
+    experts come last in a layer); a complete unit goes out once every unit before it has.
+    Every rank of a group runs the same ``W`` actions, and a ``W`` completes every unit, so
+    each rank issues the same reductions in the same order, whatever group each is over."""
+
+    def __init__(self) -> None:
+        self.parts: list[PipelineZero3] = []
+        self._order: list[tuple[PipelineZero3, _Unit]] | None = None
+        self._ready: set[tuple[int, int]] = set()
+        self._next = 0
+
+    def join(self, sync: "PipelineZero3") -> None:
+        sync.w_order = self
+        self.parts.append(sync)
+        self._order = None
+
+    def reset(self) -> None:
+        """A step begins: nothing complete, nothing gone out."""
+        self._ready, self._next = set(), 0
+
+    def complete(self, sync: "PipelineZero3", unit: _Unit) -> None:
+        """``unit`` of ``sync`` is complete: launch it and whatever follows it that is."""
+        if self._order is None:
+            keyed = [((-part.layers.index(u.name), -k), part, u)
+                     for k, part in enumerate(self.parts) for u in part.units]
+            self._order = [(part, u) for _, part, u in sorted(keyed, key=lambda e: e[0])]
+        self._ready.add((id(sync), id(unit)))
+        while self._order:
+            part, u = self._order[self._next]
+            if (id(part), id(u)) not in self._ready:
+                return
+            self._ready.discard((id(part), id(u)))
+            part._post_backward(u)
+            self._next = (self._next + 1) % len(self._order)
+            if self._next == 0:
+                return                              # a whole W's round went out
 
 
 def lazy_reduce_scatter(group: Any) -> bool:
@@ -48,10 +98,17 @@ class PipelineZero3(Zero3):
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, *,
                  module: nn.Module, layers: list[str], reshard: str = "step",
                  param_dtype: torch.dtype | None = None, options: SyncOptions | None = None,
-                 materialize: Any = None) -> None:
+                 materialize: Any = None, split_backward: bool = False) -> None:
         if reshard not in RESHARD:
             raise ConfigError("zero3-reshard", f"must be one of {', '.join(RESHARD)}; got {reshard!r}")
         self.layers, self.reshard = list(layers), reshard
+        self.split_backward = split_backward
+        """The schedule splits backwards into ``I`` and ``W`` (one chunk per rank): each ``W`` is
+        a round of every unit, launched in :attr:`w_order`'s order (module docstring)."""
+        self.w_order: WOrder | None = None
+        """Shared by the rank's ZeRO-3 strategies (``make_grad_sync``); its own by default."""
+        if split_backward:
+            WOrder().join(self)
         super().__init__(named_params, comm, module=module, param_dtype=param_dtype,
                          options=options, materialize=materialize)
         self._left: dict[int, int] = {}     # id(unit) -> backwards still to come this step
@@ -73,11 +130,16 @@ class PipelineZero3(Zero3):
         self._lazy = lazy_reduce_scatter(self.comm.mesh.group(self.axis)) if self.dp > 1 else False
         self._left = {id(u): 0 for u in self.units}
         self._open = {id(u): 0 for u in self.units}
+        if self.w_order is not None:     # one order on every rank, whatever completes first
+            self.bucketer = Bucketer(self.units, lambda unit: self.w_order.complete(self, unit),
+                                     ordered=False)
 
     # ---------------------------------------------------------------- the seam
     def expect_backwards(self, n: int, held: Sequence[nn.Parameter] = ()) -> None:
         self.readiness.start()
         self.bucketer.arm()
+        if self.w_order is not None:
+            self.w_order.reset()
         for unit in self.units:
             unit.done = False
             self._left[id(unit)], self._open[id(unit)] = n, 0
@@ -124,6 +186,8 @@ class PipelineZero3(Zero3):
 
         def hook(_: Any) -> None:
             nonlocal opened
+            if opened and self._open[id(unit)] == 0:
+                return      # W again after the unit passed (no parameter of it reached): not needed
             self._gathered(unit)
             if not opened:
                 opened = True
@@ -139,6 +203,17 @@ class PipelineZero3(Zero3):
         super()._reduce_unit(unit, final=final)
         if self._lazy:
             self.reductions.drain()
+
+    def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
+        """:meth:`Zero3.pass_unreached`; a unit the pass reaches not at all passes when its
+        backward opens, or now if it is already open: under a split backward the walk is made at
+        ``W``, after the ``I`` that opened it (not on the first stage, whose ``I`` computes
+        nothing: there it opens inside ``W``, after the walk)."""
+        super().pass_unreached(reached, among)
+        if self.split_backward:
+            for unit in self.units:
+                if self._open[id(unit)] > 0:
+                    self._open_unreached(unit)
 
     def _post_backward(self, unit: _Unit) -> None:
         """One backward's gradients of ``unit`` are in: reduce-scatter them; free the unit

@@ -15,7 +15,9 @@ action of this rank, in order:
   the microbatch's activations.
 * ``I(s, i)`` / ``W(s, i)`` (zero-bubble schedules): ``B`` split in two (:mod:`.split_backward`):
   ``I`` computes and sends the input gradient only, ``W`` later accumulates the weight
-  gradients (the DP strategy's hooks fire then) and frees the activations.
+  gradients (the DP strategy's hooks fire then) and frees the activations. The parameters
+  the microbatch does not reach are told to the strategy (``hooks.backward_from``) at ``W``, with
+  its gradients, not at ``I`` (another microbatch's ``W`` may come in between).
 
 :meth:`evaluate` runs the forward-only schedule (:func:`.schedules.forward_only`: the same
 ``F`` actions, no backward) without gradients, over its own message plan.
@@ -211,7 +213,7 @@ class PipelineExecutor:
             return self._backward(action, hooks)
         if action.kind == BACKWARD_INPUT:
             return self._backward_input(action, hooks)
-        return self._backward_weight(action)
+        return self._backward_weight(action, hooks)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list, hooks: StepHooks) -> tuple[float, float]:
@@ -287,7 +289,7 @@ class PipelineExecutor:
         """``I``: the input gradient only, sent on; the weight gradients wait for ``W``."""
         s, i = a.stage, a.microbatch
         x, out = self._kept.pop((s, i))
-        hooks.backward_from(out, self._chunk_params[s])
+        output = out                                            # walked at W
         if self.schedule.is_last_stage(s):
             start = time.perf_counter()
             out, grad = hooks.scale_loss(out), None
@@ -297,14 +299,20 @@ class PipelineExecutor:
         first = self.schedule.is_first_stage(s)
         dx, self._weights[(s, i)] = backward_input(out, grad, None if first else x,
                                                    self._chunk_params[s])
+        self._weights[(s, i)].output = output
         if not first:
             self.p2p.send(("grad", s - 1, i), dx if dx is not None else torch.zeros_like(x))
-        del x, out, grad, dx
+        del x, out, output, grad, dx
         return TimedAction(a, start, time.perf_counter())
 
-    def _backward_weight(self, a: Action) -> TimedAction:
-        """``W``: the weight gradients of an earlier ``I``; frees the microbatch's activations."""
+    def _backward_weight(self, a: Action, hooks: StepHooks) -> TimedAction:
+        """``W``: the weight gradients of an earlier ``I``; frees the microbatch's activations.
+        The strategy learns here which parameters the microbatch leaves without a gradient, so
+        they pass in this round of its reductions (docs/ZERO.md)."""
+        pending = self._weights.pop((a.stage, a.microbatch))
+        if pending.output is not None:
+            hooks.backward_from(pending.output, self._chunk_params[a.stage])
         start = time.perf_counter()
-        backward_weight(self._weights.pop((a.stage, a.microbatch)))
+        backward_weight(pending)
         self.tracker.free((a.stage, a.microbatch))
         return TimedAction(a, start, time.perf_counter())

@@ -54,6 +54,9 @@ class PendingWeights:
     recorded: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     root: tuple[torch.Tensor, torch.Tensor | None] | None = None
     """(output, its gradient): ``W`` is the whole backward (see the module docstring)."""
+    output: torch.Tensor | None = None
+    """The stage's output (the loss on the last stage), kept for the runtime to walk its graph
+    at ``W`` (which parameters sit the microbatch out: passed with its weight gradients)."""
 
 
 def _grad_node(t: torch.Tensor) -> Node | None:
@@ -167,7 +170,7 @@ def backward_weight(pending: PendingWeights) -> None:
     else:   # last weights first, as a plain backward produces them (DP buckets expect it)
         for group in reversed(pending.groups):
             _group_backward(group, pending.recorded)
-    pending.groups, pending.recorded, pending.root = [], {}, None
+    pending.groups, pending.recorded, pending.root, pending.output = [], {}, None, None
 
 
 def _group_backward(group: WeightGroup, recorded: dict[Node, tuple]) -> None:
