@@ -287,10 +287,12 @@ def test_zb1p_reduces_a_unit_one_rank_does_not_reach_where_its_peer_does(rank, e
     tag = "experts " if experts_alone else ""
     for j in range(2):
         assert runs["A"][0].count(f"reduce {tag}layers.{j}") == M, runs["A"][0]
+    # exactly: the same ops in the same order (W computes each weight gradient as a plain
+    # backward does; a one-rank reduce-scatter is a copy)
     for peer in ("A", "B"):
         loss, grads = _reference(rank, used[peer])
         if rank == 1:
-            assert runs[peer][1] == (pytest.approx(loss, rel=1e-6), M)
+            assert runs[peer][1] == (loss, M)
         for j in range(2):
             got = runs[peer][2][j].reshape(-1)[: grads[j].numel()]
-            assert torch.allclose(got, grads[j], rtol=1e-6, atol=1e-6), (peer, j, got, grads[j])
+            assert torch.equal(got, grads[j]), (peer, j, got, grads[j])
