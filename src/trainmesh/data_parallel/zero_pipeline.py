@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
@@ -85,13 +84,6 @@ class WOrder:
                 return                              # a whole W's round went out
 
 
-def lazy_reduce_scatter(group: Any) -> bool:
-    """Whether ``group``'s backend runs an asynchronous reduce_scatter_tensor only inside the
-    work's ``wait()``: gloo (torch 2.13: the output is untouched and ``is_completed()`` False
-    until then), so nothing overlaps it and holding it in flight only holds its buffers."""
-    return dist.get_backend(group) == "gloo"
-
-
 class PipelineZero3(Zero3):
     """ZeRO-3 under a pipeline, units = the rank's pipeline layers (module docstring)."""
 
@@ -127,7 +119,6 @@ class PipelineZero3(Zero3):
             raise ConfigError("zero", f"--zero 3 with --pp > 1 gathers one pipeline layer at a "
                               f"time; parameters shared by several layers of a stage are not "
                               f"supported: {', '.join(names[:4])} (use --zero 0, 1 or 2)")
-        self._lazy = lazy_reduce_scatter(self.comm.mesh.group(self.axis)) if self.dp > 1 else False
         self._left = {id(u): 0 for u in self.units}
         self._open = {id(u): 0 for u in self.units}
         if self.w_order is not None:     # one order on every rank, whatever completes first
@@ -194,15 +185,6 @@ class PipelineZero3(Zero3):
                 self._open[id(unit)] += 1
                 self._open_unreached(unit)
         return hook
-
-    def _reduce_unit(self, unit: _Unit, *, final: bool) -> None:
-        """Reduce-scatter the unit's gradients; where the backend runs an asynchronous
-        reduce-scatter only inside its wait (:func:`lazy_reduce_scatter`), wait at once: its
-        staging buffer and the backend's copy of it are released before the next unit's
-        backward (or the next forward, the whole stage gathered) instead of during it."""
-        super()._reduce_unit(unit, final=final)
-        if self._lazy:
-            self.reductions.drain()
 
     def pass_unreached(self, reached: set[int], among: set[int] | None = None) -> None:
         """:meth:`Zero3.pass_unreached`; a unit the pass reaches not at all passes when its
