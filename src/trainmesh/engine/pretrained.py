@@ -61,7 +61,8 @@ def from_pretrained(path: str, *, field: str = FIELD, plans: PlanFiles | None = 
 def pretrained_init(path: str, model: nn.Module, *, field: str = FIELD) -> InitFn:
     """``init(name, shape, index)`` reading ``full[index]`` of a parameter from the directory's
     weights under the model's names, converted as transformers converts them on load (e.g. a
-    mixture of experts saved expert by expert, held stacked: read whole, then sliced)."""
+    mixture of experts saved expert by expert, held stacked: the experts a slice takes read
+    whole, then sliced)."""
     view = CheckpointView(weight_files(path, field), model, field=field)
     return view.read
 

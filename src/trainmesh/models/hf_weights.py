@@ -10,8 +10,9 @@ experts (``MergeModulelist``) and join gate and up (``Concatenate``). This modul
 mapping and nothing hand-written, both ways:
 
 - :class:`CheckpointView` groups a file's tensors by the model parameter they make and builds one
-  parameter on request (a converted one is read whole, then sliced; a renamed one reads only its
-  slice), or only its shape (the conversion run on meta tensors) for checks before any worker starts;
+  parameter on request (a renamed one reads only its slice; one stacked from per-expert tensors
+  reads only the experts the slice takes, each whole; any other converted one is read whole,
+  then sliced), or only its shape (the conversion run on meta tensors) for checks before any worker starts;
 - :meth:`CheckpointView.load_buffers` sets every persistent buffer the files hold (a router's
   ``e_score_correction_bias``: trained values, saved with the weights) to the file's value, as
   transformers' ``from_pretrained`` does; each is small and read whole;
@@ -30,6 +31,8 @@ import torch
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
+
+from .safetensors_file import SafetensorsError, SafetensorsFile
 
 
 def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
@@ -56,15 +59,15 @@ class CheckpointView:
     parameters of ``model`` (on meta is fine)."""
 
     def __init__(self, files: list[Path], model: nn.Module, *, field: str) -> None:
-        from safetensors import safe_open
         self.path, self.field = str(files[0].parent), field
         self.handle_of: dict[str, Any] = {}
-        """file key -> the open file holding it (one, or the shards of an index)."""
+        """file key -> the file holding it (one, or the shards of an index), its header read:
+        a slice maps only the rows it spans, however large the file (:mod:`.safetensors_file`)."""
         try:
             for file in files:
-                handle = safe_open(str(file), framework="pt")
+                handle = SafetensorsFile(file)
                 self.handle_of.update((key, handle) for key in handle.keys())
-        except Exception as exc:   # OSError, or safetensors' own SafetensorError
+        except (OSError, SafetensorsError) as exc:
             raise ConfigError(field, f"cannot read {file} as safetensors: {exc}") from None
         keys = sorted(self.handle_of, key=_natural)
         renamings, self.converters = _conversions(model)
@@ -89,11 +92,16 @@ class CheckpointView:
     def __contains__(self, name: str) -> bool:
         return name in self.sources
 
-    def _converted(self, name: str, tensor_of: Any) -> torch.Tensor:
-        """Parameter ``name`` from its file tensors (``tensor_of(key)``) by its converter."""
+    def _converter(self, name: str) -> Any:
         pattern = self.sources[name][0][0]
-        converter = deepcopy(next(c for c in self.converters if pattern in c.source_patterns))
-        for pat, key in self.sources[name]:
+        return next(c for c in self.converters if pattern in c.source_patterns)
+
+    def _converted(self, name: str, tensor_of: Any,
+                   sources: list[tuple[str | None, str]] | None = None) -> torch.Tensor:
+        """Parameter ``name`` from its file tensors (``tensor_of(key)``; ``sources``: those
+        file keys only, default all) by its converter."""
+        converter = deepcopy(self._converter(name))
+        for pat, key in sources or self.sources[name]:
             converter.add_tensor(name, key, pat, lambda key=key: tensor_of(key))
         out = converter.convert(name)
         if name not in out:
@@ -117,7 +125,33 @@ class CheckpointView:
         (pattern, key), *_ = self.sources[name]
         if pattern is None:
             return self._slice(key)[index].to(torch.float32)
-        return self._converted(name, lambda key: self.handle_of[key].get_tensor(key))[index].to(torch.float32)
+        sources, index = self._experts(name, shape, index)
+        whole = lambda key: self.handle_of[key].get_tensor(key)   # noqa: E731
+        return self._converted(name, whole, sources)[index].to(torch.float32)
+
+    def _experts(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]
+                 ) -> tuple[list[tuple[str | None, str]] | None, tuple[slice, ...]]:
+        """(the file keys of the experts ``index`` spans, the index within what they make) for
+        a parameter transformers stacks from per-expert tensors (``MergeModulelist`` on dim 0,
+        then only operations keeping dim 0: gate and up joined, a transpose of the others) and
+        an index taking a range of its experts (an expert-parallel shard): then a rank reads
+        only its experts. (None, ``index``) otherwise: every source read."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
+        ops = self._converter(name).operations
+        stacks = (bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+                  and all((isinstance(op, Concatenate) and op.dim != 0) or
+                          (isinstance(op, Transpose) and 0 not in (op.dim0, op.dim1))
+                          for op in ops[1:]))
+        if not stacks or not index or not isinstance(index[0], slice) or not shape:
+            return None, index
+        start, stop, step = index[0].indices(shape[0])
+        per_pattern: dict[str | None, list[tuple[str | None, str]]] = {}
+        for source in self.sources[name]:
+            per_pattern.setdefault(source[0], []).append(source)
+        if step != 1 or stop <= start or any(len(v) != shape[0] for v in per_pattern.values()):
+            return None, index
+        return ([s for v in per_pattern.values() for s in v[start:stop]],
+                (slice(None), *index[1:]))
 
     def check(self, model: nn.Module) -> None:
         """Every parameter of ``model`` is in the file with its shape, and every persistent
