@@ -63,13 +63,17 @@ def test_slices_equal_safe_opens(tmp_path):
     torch.manual_seed(0)
     tensors = {"a": torch.randn(5, 7, 3), "b": torch.randn(9).to(torch.bfloat16),
                "c": torch.tensor(3.5, dtype=torch.float64), "d": torch.randint(0, 99, (4, 6)),
-               "e": torch.zeros(0, 3, dtype=torch.float16), "f": torch.rand(3) > 0.5}
+               "e": torch.zeros(0, 3, dtype=torch.float16), "f": torch.rand(3) > 0.5,
+               "g": torch.randn(4).to(torch.float8_e4m3fn), "h": torch.arange(6).to(torch.uint32)}
     save_file(tensors, tmp_path / "t.safetensors")
-    ref, got = safe_open(str(tmp_path / "t.safetensors"), framework="pt"), SafetensorsFile(tmp_path / "t.safetensors")
+    path = tmp_path / "t.safetensors"
+    ref, got = safe_open(str(path), framework="pt"), SafetensorsFile(path)
     assert sorted(got.keys()) == sorted(ref.keys())
     for key, want in tensors.items():
         assert got.get_slice(key).get_shape() == ref.get_slice(key).get_shape(), key
-        assert torch.equal(got.get_tensor(key), want) and got.get_tensor(key).dtype == want.dtype, key
+        value = got.get_tensor(key)
+        as_bytes = [t.reshape(-1).view(torch.uint8) for t in (value, want)]
+        assert value.dtype == want.dtype and torch.equal(*as_bytes), key
     for index in [(slice(1, 3),), (slice(None), slice(2, 5)), (2,), (slice(0, 5, 2), slice(1, 2)),
                   (..., slice(0, 1)), (slice(1, 4), 3, slice(0, 2)), (slice(3, 3),)]:
         assert torch.equal(got.get_slice("a")[index], tensors["a"][index]), index

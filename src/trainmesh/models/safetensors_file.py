@@ -24,7 +24,9 @@ import torch
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+          "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+          **({"F8_E8M0": torch.float8_e8m0fnu} if hasattr(torch, "float8_e8m0fnu") else {})}
 MAX_HEADER = 100 << 20
 """safetensors' own bound on a header's size (100 MB)."""
 
@@ -55,12 +57,14 @@ def read_header(path: str | Path) -> tuple[dict[str, dict], int]:
     start, spans = 8 + n, []
     for name, entry in header.items():
         try:
-            dtype, shape, (begin, end) = DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+            dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
+            begin, end = entry["data_offsets"]
             ok = all(isinstance(d, int) and d >= 0 for d in shape) and 0 <= begin <= end
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
-            raise SafetensorsError(f"{name}: not a tensor entry (dtype, shape, data_offsets): {entry}")
+            raise SafetensorsError(f"{name}: not a tensor entry (dtype, shape, data_offsets): "
+                                   f"{entry}")
         if end - begin != prod(shape) * dtype.itemsize or start + end > size:
             raise SafetensorsError(f"{name}: bytes {begin}..{end} do not hold {entry['dtype']} "
                                    f"{shape} within the file's {size - start} bytes of data")
@@ -106,8 +110,8 @@ class SafetensorsFile:
         row = prod(shape[1:]) * dtype.itemsize
         begin = self.start + entry["data_offsets"][0] + lo * row
         count = (hi - lo) * row if shape else dtype.itemsize
-        if count == 0:
-            return torch.empty((0, *shape[1:]), dtype=dtype)[rest] if shape else torch.empty((), dtype=dtype)
+        if count == 0:                              # no bytes to map (an empty tensor or range)
+            return torch.empty((hi - lo, *shape[1:]), dtype=dtype)[rest]
         aligned = begin - begin % mmap.ALLOCATIONGRANULARITY
         with open(self.path, "rb") as f:
             mapped = mmap.mmap(f.fileno(), begin - aligned + count, access=mmap.ACCESS_READ,
