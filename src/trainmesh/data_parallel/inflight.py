@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..comm import Comm, Handle
 from ..comm.algorithms import all_reduce
@@ -59,11 +58,6 @@ class Reductions:
         self.peak_bytes = 0
         self.on_final: Callable[[int, Any], None] | None = None
         """Called with ``Flight.final`` as a final reduction lands (offload: stream to host)."""
-        self.lazy = self.world > 1 and dist.get_backend(comm.mesh.group(axis)) == "gloo"
-        """The backend runs an asynchronous reduce-scatter only inside its ``wait()`` (gloo,
-        torch 2.13: its output untouched and ``is_completed()`` False until then): nothing
-        overlaps it, so a strategy that would hold one in flight completes it at once instead
-        and releases its buffers (ZeRO-3)."""
         self.eager = False
         """Complete reductions as soon as they have landed (offload: stream them early), where
         completing one issues no collective (no HSDP replicas)."""

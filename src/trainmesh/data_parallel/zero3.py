@@ -125,8 +125,9 @@ class Zero3(ShardedSync):
         # Each unit is a bucket reduced as soon as it is complete (units finish in backward
         # order, the same on every rank: the ranks agree on each unit before gathering it).
         self.bucketer = Bucketer(self.units, lambda unit: self._post_backward(unit), ordered=False)
-        # One unit's reduce-scatter in flight (its buffer and the backend's copy of it): the
-        # next unit's launch waits for it, after a whole unit's backward.
+        # One unit's reduce-scatter in flight (its buffer and the backend's copy of it), in the
+        # background during the next unit's backward: it lands before that unit's prefetch and
+        # before the next unit is staged (_prefetch, _stage).
         self.reductions.max_inflight = 1
         for shard in self.group_shards:
             sp = nn.Parameter(shard)
@@ -252,7 +253,7 @@ class Zero3(ShardedSync):
         """The unit's gradients, held by its parameters until the unit is complete (as FSDP2
         holds them: they grow with the unit's backward), added into flat padded buffers in
         ``reduce_dtype`` (zeroed when allocated: zeros where a parameter has none)."""
-        self.reductions.settle()         # landed reductions' buffers released first
+        self.reductions.drain()          # the previous unit's reduction lands first: one at a time
         bufs = [self.reductions.alloc(pc.layout.padded, self.reduce_dtype or unit.full.dtype)
                 for pc in unit.pieces]
         for buf, pc in zip(bufs, unit.pieces):
@@ -310,8 +311,6 @@ class Zero3(ShardedSync):
                 dst = self.grad_shards[pc.group][where]
             self.reductions.reduce_scatter(buf, dst, accumulate=True, transient=True,
                                            final=(pc.group, where) if final else None)
-        if self.reductions.lazy:         # nothing would overlap it: its buffers released now
-            self.reductions.drain()
 
     def _grads_in(self) -> None:
         """Every reduction has landed: the flat gradient shards are allocated again and take the

@@ -157,6 +157,8 @@ class PipelineZero3(Zero3):
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, held)
 
     def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            self.reductions.drain()   # a backward's last reduction lands before a forward grows
         self._gathered(unit)
 
     def _post_forward(self, unit: _Unit, module: nn.Module, args: Any, output: Any) -> None:
