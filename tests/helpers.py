@@ -267,3 +267,17 @@ def saved_models(tmp_path_factory, name: str, build, kinds) -> dict[str, str]:
         build(kind).save_pretrained(str(root / kind))
         out[kind] = str(root / kind)
     return out
+
+
+def run_in_child(module: str, fn: str, args: list[str], tmp: Path, *, timeout: float = 120) -> tuple[int, str, str]:
+    """``module.fn(args)`` (returning an exit code) in a process of its own: forked from the
+    test zygote (torch already imported), else a fresh interpreter. (code, stdout, stderr)."""
+    from launcher_zygote import TESTS
+    out, err = tmp / f"{fn}.out", tmp / f"{fn}.err"
+    child = zygote().start(args, dict(os.environ), tmp, out, err, call=f"{module}:{fn}")
+    if child is not None:
+        return child.wait(timeout), out.read_text(), err.read_text()
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                           f"from {module} import {fn}; sys.exit({fn}(sys.argv[2:]))",
+                           str(TESTS), *args], capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr

@@ -30,16 +30,13 @@ nan, nan])); ``num_params`` not cached: two calls build twice.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launcher_zygote import TESTS, zygote
+from helpers import run_in_child
 from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
@@ -107,17 +104,8 @@ def preflight_peak(argv: list[str]) -> int:
 def test_preflight_of_a_51_gb_model_holds_no_parameter(tmp_path):
     total = model_dir(tmp_path / "big", experts=64)
     assert total > 50e9
-    out, err = tmp_path / "p.out", tmp_path / "p.err"
-    child = zygote().start([str(tmp_path / "big")], dict(os.environ), tmp_path, out, err,
-                           call="test_hf_meta_build:preflight_peak")   # torch imported: forked
-    if child is not None:
-        code, stdout, stderr = child.wait(120), out.read_text(), err.read_text()
-    else:
-        proc = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); "
-                               "from test_hf_meta_build import preflight_peak; "
-                               "sys.exit(preflight_peak(sys.argv[1:]))", str(tmp_path / "big"),
-                               str(TESTS)], capture_output=True, text=True, timeout=120)
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    code, stdout, stderr = run_in_child("test_hf_meta_build", "preflight_peak",
+                                        [str(tmp_path / "big")], tmp_path)
     assert code == 0, stderr[-2000:]
     before, peak = map(int, stdout.split()[-2:])
     assert peak - before <= PREFLIGHT_BYTES, (peak - before, total)

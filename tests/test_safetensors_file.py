@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -116,25 +114,13 @@ def read_huge(argv: list[str]) -> int:
 
 
 def test_a_shard_larger_than_the_address_space_is_read(tmp_path):
-    import os
-
-    from launcher_zygote import TESTS, zygote
+    from helpers import run_in_child
     big = ROWS * COLS * 4
     path = tmp_path / "model-00001-of-00001.safetensors"
     _write(path, {"big": {"dtype": "F32", "shape": [ROWS, COLS], "data_offsets": [0, big]},
                   "small": {"dtype": "F32", "shape": [2, 3], "data_offsets": [big, big + 24]}},
            {big: struct.pack("<6f", *range(6))}, big + 24)
-    out, err = tmp_path / "r.out", tmp_path / "r.err"
-    child = zygote().start([str(path)], dict(os.environ), tmp_path, out, err,
-                           call="test_safetensors_file:read_huge")     # torch imported: forked
-    if child is not None:
-        code, stdout, stderr = child.wait(120), out.read_text(), err.read_text()
-    else:
-        proc = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); "
-                               "from test_safetensors_file import read_huge; "
-                               "sys.exit(read_huge(sys.argv[1:]))", str(path), str(TESTS)],
-                              capture_output=True, text=True, timeout=120)
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    code, stdout, stderr = run_in_child("test_safetensors_file", "read_huge", [str(path)], tmp_path)
     assert code == 0 and "read" in stdout, stderr[-800:]
 
 
