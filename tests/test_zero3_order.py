@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from test_any_model import SometimesModule
 from torch import nn
 
 from trainmesh.testing import run_distributed
@@ -58,14 +59,8 @@ class Net(nn.Module):
         return x.pow(2).mean()
 
 
-class MiddleSometimes(nn.Module):
+class MiddleSometimes(SometimesModule):
     """``extra`` runs between the layers, only when the input asks for it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        self.extra = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
         x = self.layers[0](x)
