@@ -341,7 +341,9 @@ class Zero3(ShardedSync):
 
     def _end_of_backward(self) -> None:
         """Reduce every unit no hook reduced (unused parameters: zeros, so every rank issues the
-        same collectives), free every unit still gathered. Idempotent."""
+        same collectives), free every unit still gathered. Idempotent. Nothing is prefetched
+        now: the backward is over."""
+        self._next, self._at = None, None
         for unit in self.units:
             if not unit.done:
                 self._post_backward(unit)
