@@ -95,8 +95,8 @@ def safetensors_init(path: str, *, field: str = "--init-from") -> InitFn:
     """Pretrained weights from a safetensors file (``trainmesh checkpoint consolidate`` output or
     a Hugging Face-style ``model.safetensors`` with the model's parameter names); each call reads
     only the slice asked for. A missing name or another shape: ConfigError naming ``field``."""
-    from safetensors import safe_open
-    handle = safe_open(path, framework="pt")
+    from trainmesh.models.safetensors_file import SafetensorsFile
+    handle = SafetensorsFile(path)        # the header, then only the bytes each slice spans
 
     def init(name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
         if name not in handle.keys():
@@ -112,11 +112,10 @@ def safetensors_init(path: str, *, field: str = "--init-from") -> InitFn:
 def check_safetensors(path: str, model: nn.Module, *, field: str = "--init-from") -> None:
     """Every parameter of ``model`` (on meta is fine) is in the file with its shape, or
     ConfigError naming ``field``: checked before any worker starts."""
-    from safetensors import safe_open
+    from trainmesh.models.safetensors_file import read_header
     try:
-        with safe_open(path, framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as exc:   # OSError, or safetensors' own SafetensorError
+        shapes = {k: tuple(e["shape"]) for k, e in read_header(path)[0].items()}
+    except Exception as exc:   # OSError, or a header that is not safetensors' (SafetensorsError)
         raise ConfigError(field, f"cannot read {path} as safetensors: {exc}") from exc
     for name, p in model.named_parameters():
         if name not in shapes:

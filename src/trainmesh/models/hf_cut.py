@@ -72,8 +72,9 @@ def cut_model_dir(path: str, layers: int, out: Path) -> int:
     """Write ``path``'s model cut to its first ``layers`` decoder layers into the directory
     ``out`` (created); return the original's layer count. ConfigError naming ``--layers``
     when ``layers`` exceeds it or the layer list cannot be found."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from trainmesh.models.safetensors_file import SafetensorsFile
     model = build_on_meta(path, buffers=False)     # names alone: wholly on meta
     config = read_model_config(path)
     key = layer_count_key(model, config)
@@ -90,8 +91,7 @@ def cut_model_dir(path: str, layers: int, out: Path) -> int:
     (out / "config.json").write_text(json.dumps(cut_config(config, key, layers), indent=2))
     tensors = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            tensors.update({name: f.get_tensor(name) for name in f.keys()
-                            if kept(name, prefix, layers)})
+        f = SafetensorsFile(file)         # the kept tensors' bytes only, never the whole file
+        tensors.update({name: f.get_tensor(name) for name in f.keys() if kept(name, prefix, layers)})
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     return total
