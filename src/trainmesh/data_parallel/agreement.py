@@ -33,6 +33,7 @@ class Unit(Protocol):
     index: int
     name: str
 
+
 UNIT, ORDER = 0, 1
 """What a rank's row is about: gathering a unit (its index), or the end of a forward (its order)."""
 
@@ -74,13 +75,19 @@ class Agreements:
             return None
         return pending
 
-    def check(self, pending: Pending) -> None:
-        """Raise, naming what every rank is at, unless every row equals this rank's."""
+    def _differ(self, pending: Pending) -> list[list[int]] | None:
+        """Every rank's row once landed (on the host: the table may be on an accelerator), or
+        None where every row equals this rank's."""
         if pending.handle is not None:
             pending.handle.wait()
-        table = pending.table
-        if bool((table != torch.tensor(pending.mine, dtype=table.dtype)).any()):
-            at = ", ".join(f"dp rank {r}: {self._what(row)}" for r, row in enumerate(table.tolist()))
+        rows = pending.table.tolist()
+        return None if all(row == pending.mine for row in rows) else rows
+
+    def check(self, pending: Pending) -> None:
+        """Raise, naming what every rank is at, unless every row equals this rank's."""
+        rows = self._differ(pending)
+        if rows is not None:
+            at = ", ".join(f"dp rank {r}: {self._what(row)}" for r, row in enumerate(rows))
             raise RuntimeError(f"ZeRO-3: the DP ranks gather different units ({at}): {_ADVICE}")
 
     def order(self, fwd: list[Unit], post: list[Unit]) -> None:
@@ -93,10 +100,10 @@ class Agreements:
         for i in [*(u.index for u in fwd), -1, *(u.index for u in post)]:
             h = (h * 1_000_003 + i + 2) % (2**61 - 1)
         pending = self._rows([ORDER, len(fwd), len(post), h], now=True)
-        table = pending.table
-        if not bool((table != torch.tensor(pending.mine, dtype=table.dtype)).any()):
+        rows = self._differ(pending)
+        if rows is None:
             return
-        if bool((table[:, 0] != ORDER).any()):     # a peer is gathering a unit: name it
+        if any(row[0] != ORDER for row in rows):   # a peer is gathering a unit: name it
             self.check(pending)
         orders = self.comm.all_gather_object([self._name(u) for u in fwd], self.axis)
         ran = "; ".join(f"dp rank {r}: {', '.join(o)}" for r, o in enumerate(orders))
