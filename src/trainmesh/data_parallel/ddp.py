@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
+from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters, wide
 from .buckets import Bucket, Bucketer
 from .master import MasterWeights
 
@@ -143,8 +143,7 @@ class DDP(GradSync):
     def grad_sq_sum(self, counted: CountedFn) -> torch.Tensor:
         # DP replicas hold identical reduced gradients: only DP rank 0 contributes.
         # in float32 at least (a float64 model's norm in float64)
-        total = torch.zeros((), dtype=torch.promote_types(self.buffer.dtype, torch.float32),
-                            device=self.buffer.device)
+        total = torch.zeros((), dtype=wide(self.buffer.dtype), device=self.buffer.device)
         if self.comm.mesh.index(self.axis) != 0:
             return total
         params = [p for name, p in self.named_params if counted(name, p)]

@@ -41,7 +41,7 @@ from trainmesh.core.errors import ConfigError
 from trainmesh.core.layout import Group
 
 from ..comm import Comm
-from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions
+from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, wide
 from .composite import CompositeSync
 
 REPLICA = "replica{}/"
@@ -68,11 +68,6 @@ def wrap(cfg: Any, comm: Comm, options: SyncOptions, build: Callable[[SyncOption
     return DiLoCo(build(dataclasses.replace(options, axis=inner, replicate_axis=None)), comm,
                   outer_axis=outer, inner_steps=cfg.inner_steps, outer_lr=cfg.outer_lr,
                   outer_momentum=cfg.outer_momentum)
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """``dtype`` in float32 at least: a 16-bit model's θ in float32, a float64 model's kept."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class DiLoCo(CompositeSync):
@@ -107,7 +102,7 @@ class DiLoCo(CompositeSync):
         shard) in fp32 at least (a float64 model's in float64), stepped by the outer Nesterov SGD."""
         optimizer = super().build_optimizer(factory, options)
         with torch.no_grad(), self.inner.resident():
-            self.outer = [t.detach().to(_wide(t.dtype), copy=True) for t in self.inner.optimizer_params()]
+            self.outer = [t.detach().to(wide(t.dtype), copy=True) for t in self.inner.optimizer_params()]
         self.outer_optimizer = torch.optim.SGD(self.outer, lr=self.outer_lr, momentum=self.outer_momentum,
                                                nesterov=self.outer_momentum > 0)
         return optimizer
@@ -143,7 +138,7 @@ class DiLoCo(CompositeSync):
         all-reduce of a value per replica); inf on every rank when any replica's is non-finite,
         so that all skip or stop together; in float32 at least (a float64 model's in float64)."""
         mine = self.inner.grad_sq_sum(counted).reshape(())
-        slots = torch.zeros(self.n_replicas, dtype=_wide(mine.dtype))
+        slots = torch.zeros(self.n_replicas, dtype=wide(mine.dtype))
         slots[self.replica] = mine.to(slots.dtype).cpu()
         self.comm.all_reduce(slots, Group.world)
         if not bool(torch.isfinite(slots).all()):

@@ -21,7 +21,7 @@ from torch import nn
 from trainmesh.core.errors import ConfigError
 
 from ..comm import Comm
-from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
+from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters, wide
 from .flat import Slot
 from .offload import HostMaster, make_store
 from .shard_step import Index, Member, ShardStepper, elementwise
@@ -181,9 +181,9 @@ class ShardedSync(GradSync):
             return torch.zeros((), dtype=torch.float32, device=self.device)
         flags = [counted(name, p) for name, p, _ in self._norm_pieces]
         if all(flags):   # padding is zero, so the whole shard is the same sum
-            parts = [_wide(g).pow(2).sum() for g in self.shard_grads]
+            parts = [g.to(wide(g.dtype)).pow(2).sum() for g in self.shard_grads]
         else:
-            parts = [_wide(v).pow(2).sum() for (_, _, v), f in zip(self._norm_pieces, flags) if f]
+            parts = [v.to(wide(v.dtype)).pow(2).sum() for (_, _, v), f in zip(self._norm_pieces, flags) if f]
         total = torch.stack(parts).sum() if parts else torch.zeros((), device=self.device)
         return total * self._pending_sq()
 
@@ -347,9 +347,3 @@ class ShardedSync(GradSync):
         opt = self.optimizer.state.values() if self.optimizer else []
         masters = self.master.masters if self.master is not None else []
         return [*masters, *(t for st in opt for t in st.values() if torch.is_tensor(t))]
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float32 at least (a 16-bit gradient widened, a float64 one kept): what its
-    squares are summed in for the norm."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
