@@ -89,6 +89,9 @@ class CheckpointView:
     def _slice(self, key: str) -> Any:
         return self.handle_of[key].get_slice(key)
 
+    def _whole(self, key: str) -> torch.Tensor:
+        return self.handle_of[key].get_tensor(key)
+
     def __contains__(self, name: str) -> bool:
         return name in self.sources
 
@@ -126,8 +129,7 @@ class CheckpointView:
         if pattern is None:
             return self._slice(key)[index].to(torch.float32)
         sources, index = self._experts(name, shape, index)
-        whole = lambda key: self.handle_of[key].get_tensor(key)   # noqa: E731
-        return self._converted(name, whole, sources)[index].to(torch.float32)
+        return self._converted(name, self._whole, sources)[index].to(torch.float32)
 
     def _experts(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]
                  ) -> tuple[list[tuple[str | None, str]] | None, tuple[slice, ...]]:
@@ -180,8 +182,7 @@ class CheckpointView:
             if name in self.sources and not b.is_meta:
                 self._check_shape(name, tuple(b.shape))
                 (pattern, key), *_ = self.sources[name]
-                whole = lambda key: self.handle_of[key].get_tensor(key)   # noqa: E731
-                b.copy_(whole(key) if pattern is None else self._converted(name, whole))
+                b.copy_(self._whole(key) if pattern is None else self._converted(name, self._whole))
                 loaded.append(name)
         return loaded
 
