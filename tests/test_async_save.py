@@ -1,12 +1,15 @@
 """--async-save: the same run with synchronous and with background saves (a model of a few MB,
 so that writing takes measurable time): the same losses, the same checkpoint contents, a save
-event per save, and training stalls for less than half as long. A write held back past the next
-step still writes the weights of the step saved. A worker killed (SIGKILL) while its background
-write is under way leaves the previous checkpoint the newest and loadable.
+event per save, each background save's stall shorter than its time to disk. A save returns while
+its write is held back (the write is not on the training thread), and that write, done after the
+next step, still writes the weights of the step saved. A worker killed (SIGKILL) while its
+background write is under way leaves the previous checkpoint the newest and loadable. How much
+less training stalls is a timing, measured by benchmarks/bench_async_save.py, not asserted here.
 
 Planted and seen failing: the snapshot aliasing the live weights (no copy: the held-back write
-holds step 2's weights); the checkpoint published before the rank's file was written (the
-killed save's directory became the newest).
+holds step 2's weights); the write done on the saving thread (the held-back write had run before
+save returned); the checkpoint published before the rank's file was written (the killed save's
+directory became the newest).
 (Resuming from --async-save checkpoints: tests/test_diloco.py, test_resume_between_...)"""
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ import os
 import select
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -63,10 +65,8 @@ def test_async_save_blocks_less_and_writes_the_same_checkpoints(both):
     for e in s:
         assert e["blocking_s"] == e["total_s"] > 0, e
     for e in a:
-        assert 0 < e["blocking_s"] <= e["total_s"], e
+        assert 0 < e["blocking_s"] < e["total_s"], e   # the write and hash came after the stall
         assert Path(e["path"]).name == f"step-{e['step']:08d}"
-    blocking = statistics.median(e["blocking_s"] for e in a)
-    assert blocking < 0.5 * statistics.median(e["blocking_s"] for e in s), (s, a)
     for step in (2, 12):   # same format, same contents
         want, got = _Reader(sync_dir / f"step-{step:08d}"), _Reader(run_dir / f"step-{step:08d}")
         assert sorted(got.manifest["tensors"]) == sorted(want.manifest["tensors"])
@@ -95,14 +95,16 @@ KILLED_MID_WRITE = textwrap.dedent("""
     saver = async_save.AsyncSaver(engine.comm)
     def save():
         engine.save(sys.argv[1], saver=saver)
-    real, go = async_save._write_entry, threading.Event()
+    real, go, written = async_save._write_entry, threading.Event(), threading.Event()
     def held_back(tmp, rank, tensors):
-        go.wait(60)
+        go.wait(10)   # a save that waited for its write would return after these 10 s
         real(tmp, rank, tensors)
+        written.set()
     async_save._write_entry = held_back
     engine.train_step(torch.randn(8, 64))
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     save()
+    assert not written.is_set(), "save() returned only once its write was done"
     engine.train_step(torch.randn(8, 64))   # changes the weights while the write waits
     go.set()
     saver.wait()
