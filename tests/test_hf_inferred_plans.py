@@ -14,14 +14,21 @@ first-layer check of a tensor-parallel plan at start (in this process, no launch
 - `trainmesh train --model-dir` exits 2 before any worker where a plan cannot be inferred,
   naming the module (StableLM's per-head norm list under tp, GPT-2's position embedding under
   pp).
+- The first-layer check runs once per run: `trainmesh train`'s preflight runs it, its workers'
+  engines do not, `tm.Engine` on `tm.from_pretrained` does; each rank's part of a checked module
+  holds views of the module's weights, not copies.
 
 Planted bugs this module catches (each seen failing with an assertion): the inferred output
-projection split by columns instead of rows (the plans differ from the declared ones).
+projection split by columns instead of rows (the plans differ from the declared ones); the
+trainer's engine not told the preflight checked the first layer (checks [2, 2, 2]); the engine
+never checking it (checks [2]); a rank's part deep-copying the module's weights (copies
+[(32, 32), ...]).
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import LAUNCHED
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -218,3 +225,62 @@ def test_the_python_api_refuses_an_inferred_plan_as_the_preflight_does(dirs):
     exc = _engine_refusal(model)
     assert isinstance(exc, ConfigError) and exc.field == "--tp", repr(exc)
     assert str(exc) == str(preflight.value), (exc, preflight.value)
+
+
+def test_the_first_layer_is_checked_once_per_run(dirs, no_launch, monkeypatch):
+    """``trainmesh train --tp 2`` on a model whose tensor-parallel plan is inferred checks the
+    first layer in its preflight and its workers' engines (``build_engine`` of the run's config)
+    do not check it again; ``tm.Engine`` on ``tm.from_pretrained`` checks it itself. Counted in
+    this process, each engine stopped where it would set up its first collective."""
+    import trainmesh as tm
+    from trainmesh.cli import main
+    from trainmesh.core.mesh import ParallelMesh
+    from trainmesh.engine import engine as engine_module
+    from trainmesh.run.trainer import build_engine
+    from trainmesh.tensor_parallel import hf_check
+
+    class Reached(Exception):
+        """The engine got past the check to its communicator."""
+
+    def stop(_mesh):
+        raise Reached
+
+    checks: list[int] = []
+    real = hf_check.check_first_layer
+    monkeypatch.setattr(hf_check, "check_first_layer",
+                        lambda model, tp: checks.append(tp) or real(model, tp))
+    monkeypatch.setattr(engine_module, "Comm", stop)
+    flags = ["--model-dir", dirs["stablelm"], "--seq-len", str(SEQ), "--global-batch", "4",
+             "--steps", "2", "--tp", "2"]
+    assert main(["train", *flags]) == LAUNCHED and checks == [2], checks    # the preflight
+    for _worker in range(2):
+        with pytest.raises(Reached):
+            build_engine(no_launch[0], torch.device("cpu"), ParallelMesh(local=True))
+    assert checks == [2], f"the workers' engines checked the first layer again: {checks}"
+    with pytest.raises(Reached):
+        tm.Engine(tm.from_pretrained(dirs["stablelm"]), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                  tm.causal_lm_loss, tm.ParallelConfig(tp=2), mesh=ParallelMesh(local=True))
+    assert checks == [2, 2], f"tm.Engine did not check the first layer: {checks}"
+
+
+def test_the_first_layer_check_holds_the_layers_weights_once(dirs, monkeypatch):
+    """Each TP rank's part of a checked module (the attention, the MLP) holds views of that
+    module's own weights: the check holds the first layer's weights once, whatever tp."""
+    from trainmesh.models.hf import build_on_meta
+    from trainmesh.tensor_parallel import hf_check
+    parts: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+    real = hf_check._rank_unit
+
+    def rank_unit(unit, styles, rank, tp):
+        parts.append((unit, real(unit, styles, rank, tp)))
+        return parts[-1][1]
+    monkeypatch.setattr(hf_check, "_rank_unit", rank_unit)
+    hf_check.check_first_layer(build_on_meta(dirs["stablelm"]), 2)
+    assert len(parts) == 4, len(parts)          # attention and MLP, 2 ranks each
+    for unit, part in parts:
+        held = {t.untyped_storage().data_ptr() for t in unit.parameters()}
+        tensors = [t for m in part.modules() for t in (*m.parameters(recurse=False),
+                   *(getattr(m, a) for a in ("weight", "bias")
+                     if isinstance(getattr(m, a, None), torch.Tensor)))]
+        copied = [tuple(t.shape) for t in tensors if t.untyped_storage().data_ptr() not in held]
+        assert tensors and not copied, f"a rank's part holds copies of weights {copied}"

@@ -68,10 +68,10 @@ class Engine(Accounting, Checkpointing):
                  mesh: ParallelMesh | None = None, tp_plan: dict[str, str] | None = None,
                  broadcast_init: bool = True, flops_per_token: float | None = None,
                  init_fn: InitFn | None = None, device: torch.device | str | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, first_layer_checked: bool = False) -> None:
         cfg = config or ParallelConfig()
-        if tp_plan is None:    # a hub model's inferred or file's plan, checked as the preflight does
-            check_tp_first_layer(model, cfg.tp)                       # before any collective
+        if tp_plan is None and not first_layer_checked:   # a hub model's inferred or file's plan
+            check_tp_first_layer(model, cfg.tp)       # as the preflight does, before any collective
         if getattr(model, "moe_stats", None) is not None and not cfg.find_unused_parameters:
             # an expert no token reached has no gradient that step (models/moe.py)
             cfg = dataclasses.replace(cfg, find_unused_parameters=True)

@@ -126,10 +126,14 @@ def _check_tp_plan(model: nn.Module, tp: int, ep: int) -> None:
 def check_tp_first_layer(model: nn.Module, tp: int) -> None:
     """A hub model's inferred or file's tensor-parallel plan splits the first layer at ``tp`` as
     the unsplit layer computes (:func:`trainmesh.tensor_parallel.hf_check.check_first_layer`),
-    in this process: the preflight runs it, and the engine before any collective (a model built
-    by ``from_pretrained`` and trained through the Python API), so the ConfigError names the
-    plan (``--tp``, or ``--tp-plan`` for a file's) the same way in both. Nothing to check at tp
-    1, for a declared plan, or a model whose plans trainmesh did not install."""
+    in this process. It runs once per run: ``trainmesh train``'s preflight runs it before any
+    worker starts, and its workers' engines are told so (``Engine(first_layer_checked=True)``);
+    through the Python API the engine runs it before any collective (a model built by
+    ``from_pretrained``), so the ConfigError names the plan (``--tp``, or ``--tp-plan`` for a
+    file's) the same way in both. Its cost: the process that runs it holds the first decoder
+    layer whole, once (one layer, whatever the model's depth, with random weights), and runs
+    it ``tp + 1`` times on a batch of 2 x 8 tokens. Nothing to check at tp 1, for a declared
+    plan, or a model whose plans trainmesh did not install."""
     if tp > 1 and plan_source(model, "tp") in ("inferred", "file"):
         from trainmesh.tensor_parallel.hf_check import check_first_layer
         with _naming_plan_file(model, "tp"):

@@ -83,7 +83,8 @@ def build_engine(cfg: TrainConfig, device: torch.device, mesh: ParallelMesh) -> 
         model, optimizer_factory(cfg, device), loss_fn, cfg.parallel, mesh=mesh,
         param_groups=groups,
         lr_scheduler=lambda opt: warmup_cosine(opt, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps),
-        init_fn=init_fn, device=device, seed=cfg.seed)
+        init_fn=init_fn, device=device, seed=cfg.seed,
+        first_layer_checked=True)   # by the preflight, before any worker started (cli/train.py)
 
 
 @record

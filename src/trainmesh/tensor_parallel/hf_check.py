@@ -149,8 +149,10 @@ class _Slice(nn.Module):
 
 
 def _rank_unit(unit: nn.Module, styles: dict[str, tuple[str, ...]], rank: int, tp: int) -> nn.Module:
-    """``unit`` as TP rank ``rank`` holds it: its planned linears sliced, its head counts local."""
-    part = copy.deepcopy(unit)
+    """``unit`` as TP rank ``rank`` holds it: its planned linears sliced, its head counts local.
+    The copy shares the unit's parameters (a slice is a view of them), so checking a layer
+    holds that layer's weights once, whatever ``tp``."""
+    part = copy.deepcopy(unit, {id(p): p for p in unit.parameters()})
     for local, unit_styles in styles.items():
         layer_style = next((s for s in unit_styles if s.startswith(("colwise", "rowwise"))), None)
         if layer_style is not None and local:
