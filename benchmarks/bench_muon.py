@@ -6,8 +6,7 @@ For each layout (ZeRO-1 and ZeRO-3 at dp 2, tp 2) it runs ``trainmesh train`` wi
 ``--optimizer adamw`` and with ``--optimizer muon``, one after the other, on the same model,
 data and seed (gloo, one thread per process), and prints the median step time of each (the
 steps after the first ``--skip``), Muon's over AdamW's, and Muon's communication per step and
-rank beside AdamW's (the owners' reduce and broadcast over dp, the tp owners' gathers and
-scatters). Then, at
+rank beside AdamW's (the owners' all-to-alls over dp and over tp). Then, at
 ZeRO-1 and ZeRO-3 (dp 2, one step through the Python API), the iteration's FLOPs each rank ran
 as an owner (``MuonAdamW.flops_run``) against their mean: balanced when the largest is within
 1.25x.

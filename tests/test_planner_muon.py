@@ -67,7 +67,7 @@ def test_muon_keeps_one_moment_on_the_matrices(cfg):
 
 def test_muon_experts_keep_one_moment_over_edp():
     """A mixture of experts: the experts' matrices (3 per expert, gated) over edp, the dense
-    ones over dp, each 4 bytes less than AdamW's."""
+    ones over dp, each 4 bytes less than AdamW's; the experts' owners exchange over edp."""
     cfg = ParallelConfig(dp=16, ep=8, zero=1, microbatches=4, precision="bf16")
     h, f, e, layers = MIXTRAL.hidden, MIXTRAL.expert_width, MIXTRAL.experts, MIXTRAL.layers
     dense = layers * (2 * h * h + 2 * h * MIXTRAL.kv_dim + e * h)       # attention, routers
@@ -75,29 +75,28 @@ def test_muon_experts_keep_one_moment_over_edp():
     keep = dense / 16 + experts / 8 / 2                                 # dp 16; ep 8, edp 2
     adamw, muon = (evaluate(cfg, MIXTRAL, CLUSTER, optimizer=o) for o in ("adamw", "muon"))
     assert adamw.memory.optimizer - muon.memory.optimizer == pytest.approx(4 * keep, rel=1e-9)
-    assert muon.traffic["edp"]["reduce"] == pytest.approx(4 * experts / 8, rel=1e-9)
+    # the experts' owners over edp (2): their stretches there, owned matrices back, 1/2 each
+    assert muon.traffic["edp"]["all_to_all"] == pytest.approx(2 * 4 * experts / 8 / 2, rel=1e-9)
 
 
 @pytest.mark.parametrize("cfg", LAYOUTS, ids=lambda c: c.layout.describe("flags"))
 def test_muon_step_time_counts_the_iteration_and_the_owners_collectives(cfg):
     """The step's added time is the rank's Newton-Schulz FLOPs at the bf16 rate (each matrix
     whole; under ZeRO the owners share them, over tp the tp owners share the owner group's:
-    a Llama's matrices are all cut) plus, under ZeRO, the owners' reduce and broadcast of
-    4-byte matrices over the shard group and, under tp, the two all-to-alls of the rank's
-    shards (to the owners and back, counted at 1 wire byte per byte as every all-to-all), under
-    tp x ZeRO the gathers to the tp owner and the scatters back of the matrices the rank's
-    group owns."""
+    a Llama's matrices are all cut) plus, under ZeRO, the owners' two all-to-alls over the
+    shard group (the rank's stretches of the 4-byte matrices there, 1/n of them, and its owned
+    matrices back, as many on average) and, under tp, the two all-to-alls of the rank's shards
+    (to the owners and back), under tp x ZeRO of those its group owns (1/n of them); every
+    all-to-all counted at 1 wire byte per byte."""
     adamw = evaluate(cfg, LLAMA8B, CLUSTER)
     muon = evaluate(cfg, LLAMA8B, CLUSTER, optimizer="muon")
     n = cfg.shard_size if cfg.zero else 1
     flops = llama_ns(LLAMA8B) / cfg.pp / n / cfg.tp
     held = llama_matrices(LLAMA8B) / (cfg.pp * cfg.tp)           # this rank's tp shards
     bw = CLUSTER.bandwidth(cfg.dp * cfg.tp)
-    comm = 4 * held * (1 + (n - 1) / n) / bw if n > 1 else 0.0  # reduce (chain) + broadcast
-    if cfg.tp > 1 and cfg.zero:   # gather, scatter: each the whole (tp x its shard), the root's link (tp-1)/tp
-        comm += 2 * 4 * cfg.tp * held / n * (cfg.tp - 1) / cfg.tp / CLUSTER.bandwidth(cfg.tp)
-    elif cfg.tp > 1:              # all_to_all there and back: its shards
-        comm += 2 * 4 * held / CLUSTER.bandwidth(cfg.tp)
+    comm = 2 * 4 * held / n / bw if n > 1 else 0.0     # all_to_all there and back: 1/n each
+    if cfg.tp > 1:                # all_to_all there and back: its shards (of its group's 1/n)
+        comm += 2 * 4 * held / n / CLUSTER.bandwidth(cfg.tp)
     expected = flops / CLUSTER.flops_per_s("bf16") + comm
     assert muon.time.optimizer_s == pytest.approx(expected, rel=1e-9)
     assert muon.time.total - adamw.time.total == pytest.approx(expected, rel=1e-9)

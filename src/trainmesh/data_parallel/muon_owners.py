@@ -10,12 +10,14 @@ optimizer step the same way. :func:`install` sets the map the layout needs:
   parallelism's replicas): every rank holds each whole gradient, so it runs the iteration on
   its own matrices; handing each matrix to one owner would add a broadcast per matrix to save
   compute only, and the step waits on the slowest rank either way.
-- **ZeRO 1-3, HSDP** (:class:`ShardOwners`): each matrix has one **owner** in the shard group,
-  chosen by balancing the iteration's FLOPs (greedy, largest first, from the shapes alone, so
-  every rank computes the same table). Per matrix, each rank fills its stretches of ``u`` into a
-  zeroed matrix and the group reduces it to the owner (a sum of disjoint pieces: exact), the owner
-  runs the iteration and broadcasts the result, and each rank copies its stretches back. The
-  transient memory is one matrix, not the model.
+- **ZeRO 1-3, HSDP** (:class:`~.zero_owners.ShardOwners`): each matrix has one **owner** in
+  the shard group, chosen by balancing the iteration's FLOPs (greedy, largest first, from the
+  shapes alone, so every rank computes the same table). The matrices go in buckets (the same
+  on every rank): one ``all_to_all`` over the shard group sends each rank's stretches of each
+  matrix to its owner, each owner assembles its matrices whole and runs the iteration on them
+  while the others run theirs, and a second ``all_to_all`` returns each rank's stretches of the
+  results: each element once each way, two collectives per bucket. The transient memory is the
+  bucket's.
 - **tensor parallelism** (:class:`TensorParallelOwners`, Muon): each matrix cut over tp has
   one **owner** among the tp ranks, chosen as ZeRO's (:func:`owners` over tp, the cut matrices'
   whole shapes). The step runs in three phases over a bucket of a group's matrices
@@ -32,9 +34,10 @@ optimizer step the same way. :func:`install` sets the map the layout needs:
 - **tp x ZeRO**: the two owner tables compose. ZeRO's owner of each matrix is chosen over the
   shard group from the whole shapes, as without tp; then, among that owner's TP group, each cut
   matrix it owns gets a tp owner, balanced over tp among those matrices (:func:`tp_owners`).
-  Per matrix the shard group reduces it to the ZeRO owner's TP group (each rank its tp shard),
-  the tp owner gathers it over tp, iterates, scatters it back, and the ZeRO owner broadcasts it
-  over the shard group: each matrix iterated once per shard group x TP group.
+  Per bucket the shard group's all-to-all brings each matrix's tp shards whole to the ZeRO
+  owner's TP group (each rank its tp shard), which iterates the bucket's matrices it owns as tp
+  owners do (:func:`tp_iterate`: two all-to-alls over tp), and the second all-to-all over the
+  shard group returns the stretches: each matrix iterated once per shard group x TP group.
 """
 from __future__ import annotations
 
@@ -49,10 +52,6 @@ from trainmesh.core.placement import Placements
 from ..comm import Comm
 from .base import GradSync
 from .muon import Local, MuonAdamW, ns_flops
-
-Stretch = tuple[object, int, int]
-"""(index into the shard, first element of the parameter it holds, element count)."""
-
 
 def owners(shapes: Sequence[tuple[str, tuple[int, ...]]], ranks: int) -> dict[str, int]:
     """Each matrix's owner among ``ranks``, balancing the iteration's FLOPs: largest first
@@ -80,8 +79,8 @@ def tp_owners(shapes: Sequence[tuple[str, tuple[int, ...]]], zero_owner: dict[st
 WholeFn = Callable[[str | None, list[torch.Tensor]], torch.Tensor]
 """(parameter name or None, whole tensors of one parameter) -> a whole tensor of its shape."""
 
-__all__ = ["ByName", "Local", "ShardOwners", "TensorParallel", "TensorParallelOwners", "install",
-           "owners", "tp_owners"]
+__all__ = ["ByName", "Local", "TensorParallel", "TensorParallelOwners", "install", "owners",
+           "tp_iterate", "tp_owners"]
 
 
 class TensorParallel:
@@ -110,33 +109,6 @@ class TensorParallel:
         local = tuple(tensors[0].shape)
         whole = fn(name, [self._gather(pl, t) for t in tensors])
         return torch.cat([whole[idx] for idx in pl.pieces(local)], dim=pl.tp_dim)
-
-    def apply_at(self, name: str, tensors: list[torch.Tensor], fn: WholeFn, owner: int) -> torch.Tensor:
-        """``fn`` of the whole parameters run at tp index ``owner`` only (a gather to it per
-        tensor, a scatter of the result); this rank's shard of the result, in ``tensors``' dtype."""
-        pl = self.cut(name)
-        if pl is None:
-            return fn(name, tensors)
-        wholes = [self.gather_to(pl, t, owner) for t in tensors]
-        result = fn(name, wholes) if wholes[0] is not None else None
-        return self.scatter_from(pl, result, owner, tensors[0])
-
-    def gather_to(self, pl, t: torch.Tensor, owner: int) -> torch.Tensor | None:
-        """The whole tensor of the tp shards ``t`` at tp index ``owner``; None elsewhere."""
-        t = t.contiguous()
-        mine = self.comm.mesh.index(Group.tp) == owner
-        chunks = [torch.empty_like(t) for _ in range(self.tp)] if mine else None
-        self.comm.gather(t, chunks, Group.tp, dst=self.comm.mesh.ranks(Group.tp)[owner])
-        return self._assemble(pl, chunks) if chunks is not None else None
-
-    def scatter_from(self, pl, whole: torch.Tensor | None, owner: int, like: torch.Tensor) -> torch.Tensor:
-        """This rank's shard (shaped and typed as ``like``) of ``whole``, held at tp index ``owner``."""
-        local = tuple(like.shape)
-        out = torch.empty(local, dtype=like.dtype, device=like.device)
-        chunks = None if whole is None else \
-            [self._shard(pl, whole, r, local).to(like.dtype).contiguous() for r in range(self.tp)]
-        self.comm.scatter(out, chunks, Group.tp, src=self.comm.mesh.ranks(Group.tp)[owner])
-        return out
 
     def _gather(self, pl, t: torch.Tensor) -> torch.Tensor:
         n, local = self.tp, tuple(t.shape)
@@ -190,48 +162,56 @@ class TensorParallelOwners(ByName):
         self.table = owners(cut, tp.tp)
         """Each cut matrix's owner (tp index), from the shapes alone: the same on every rank."""
 
-    @torch.no_grad()
     def map_many(self, ps: list[torch.Tensor], us: list[torch.Tensor], fn: WholeFn) -> list[torch.Tensor]:
         """``fn`` of each whole ``us[i]`` (laid out like ``ps[i]``), each cut one at its owner;
-        the results laid out like ``ps``. Two all-to-alls over tp: the cut matrices' shards to
-        their owners, the results' shards back (in the shards' common dtype: exact casts)."""
-        tp, n = self.tp, self.tp.tp
-        names = [self.names[id(p)] for p in ps]
-        cut = [i for i, name in enumerate(names) if tp.cut(name) is not None]
-        by_owner = [[i for i in cut if self.table[names[i]] == r] for r in range(n)]
-        me = tp.comm.mesh.index(Group.tp)
-        mine = by_owner[me]
-        sizes = [sum(us[i].numel() for i in owned) for owned in by_owner]
-        out: list[torch.Tensor | None] = [None] * len(ps)
-        if cut:
-            send = torch.cat([us[i].reshape(-1) for owned in by_owner for i in owned])
-            dtype = send.dtype                             # the same on every rank
-            got = torch.empty(n * sizes[me], dtype=dtype, device=send.device)
-            tp.comm.all_to_all_v(got, send, Group.tp, out_splits=[sizes[me]] * n, in_splits=sizes)
-            del send
-            blocks = got.split(sizes[me])                  # rank r's shards of my matrices
-            results, at = [], 0
-            for i in mine:
-                local, pl = tuple(us[i].shape), tp.cut(names[i])
-                whole = tp._assemble(pl, [b[at : at + us[i].numel()].view(local) for b in blocks])
-                results.append(fn(names[i], [whole]))
+        the results laid out like ``ps`` (:func:`tp_iterate`)."""
+        return tp_iterate(self.tp, [self.names[id(p)] for p in ps], us, self.table, fn)
+
+
+@torch.no_grad()
+def tp_iterate(tp: TensorParallel, names: list[str], us: list[torch.Tensor], table: dict[str, int],
+               fn: WholeFn) -> list[torch.Tensor]:
+    """``fn`` of each whole parameter ``names[i]`` whose tp shard is ``us[i]`` on every rank of
+    the TP group, each cut one at its owner (``table``: tp index) only, the others (uncut:
+    whole on every tp rank) right here; this rank's shards of the results. Two all-to-alls
+    over tp: the cut matrices' shards to their owners, the results' shards back (in the shards'
+    common dtype: exact casts). Every rank of the TP group passes the same names."""
+    n = tp.tp
+    cut = [i for i, name in enumerate(names) if tp.cut(name) is not None]
+    by_owner = [[i for i in cut if table[names[i]] == r] for r in range(n)]
+    me = tp.comm.mesh.index(Group.tp)
+    mine = by_owner[me]
+    sizes = [sum(us[i].numel() for i in owned) for owned in by_owner]
+    out: list[torch.Tensor | None] = [None] * len(names)
+    if cut:
+        send = torch.cat([us[i].reshape(-1) for owned in by_owner for i in owned])
+        dtype = send.dtype                             # the same on every rank
+        got = torch.empty(n * sizes[me], dtype=dtype, device=send.device)
+        tp.comm.all_to_all_v(got, send, Group.tp, out_splits=[sizes[me]] * n, in_splits=sizes)
+        del send
+        blocks = got.split(sizes[me])                  # rank r's shards of my matrices
+        results, at = [], 0
+        for i in mine:
+            local, pl = tuple(us[i].shape), tp.cut(names[i])
+            whole = tp._assemble(pl, [b[at : at + us[i].numel()].view(local) for b in blocks])
+            results.append(fn(names[i], [whole]))
+            at += us[i].numel()
+        del got, blocks
+        back = torch.cat([tp._shard(tp.cut(names[i]), res, r, tuple(us[i].shape)).reshape(-1)
+                          .to(dtype) for r in range(n) for i, res in zip(mine, results)]
+                         or [us[cut[0]].new_empty(0, dtype=dtype)])
+        del results
+        ret = torch.empty(sum(sizes), dtype=dtype, device=back.device)
+        tp.comm.all_to_all_v(ret, back, Group.tp, out_splits=sizes, in_splits=[sizes[me]] * n)
+        at = 0
+        for owned in by_owner:                         # owner r's results, my shards
+            for i in owned:
+                out[i] = ret[at : at + us[i].numel()].view(us[i].shape)
                 at += us[i].numel()
-            del got, blocks
-            back = torch.cat([tp._shard(tp.cut(names[i]), res, r, tuple(us[i].shape)).reshape(-1)
-                              .to(dtype) for r in range(n) for i, res in zip(mine, results)]
-                             or [us[cut[0]].new_empty(0, dtype=dtype)])
-            del results
-            ret = torch.empty(sum(sizes), dtype=dtype, device=back.device)
-            tp.comm.all_to_all_v(ret, back, Group.tp, out_splits=sizes, in_splits=[sizes[me]] * n)
-            at = 0
-            for owned in by_owner:                         # owner r's results, my shards
-                for i in owned:
-                    out[i] = ret[at : at + us[i].numel()].view(us[i].shape)
-                    at += us[i].numel()
-        for i, name in enumerate(names):                   # uncut: every rank holds it whole
-            if out[i] is None:
-                out[i] = fn(name, [us[i]])
-        return out  # type: ignore[return-value]
+    for i, name in enumerate(names):                   # uncut: every rank holds it whole
+        if out[i] is None:
+            out[i] = fn(name, [us[i]])
+    return out  # type: ignore[return-value]
 
 
 def _scatter_pieces(full: torch.Tensor, local: torch.Tensor, pieces: list, dim: int) -> None:
@@ -242,74 +222,13 @@ def _scatter_pieces(full: torch.Tensor, local: torch.Tensor, pieces: list, dim: 
         at += w
 
 
-class ShardOwners:
-    """Under ZeRO: each parameter whole at its owner rank of the shard group (module docstring)."""
-
-    def __init__(self, sync, tp: TensorParallel, *, tp_owned: bool = False) -> None:
-        self.sync, self.tp = sync, tp
-        self.comm: Comm = sync.comm
-        self.axis = sync.axis
-        self.ranks = self.comm.mesh.ranks(self.axis)
-        self.me = self.comm.mesh.index(self.axis)
-        # built now, while the optimizer holds every group (a file store steps one at a time)
-        whole = [gi for gi, g in enumerate(sync.optimizer.param_groups) if g.get("muon") or g.get("whole")]
-        slots = [(s.name, tp.full_shape(s.name, tuple(s.shape))) for gi in whole for s in sync._slots(gi)]
-        self.table = owners(slots, len(self.ranks))
-        """Each parameter's owner (index in the shard group), from the shapes alone."""
-        cut = [(name, shape) for name, shape in slots if tp.cut(name) is not None]
-        self.tp_table = tp_owners(cut, self.table, tp.tp) if tp_owned else {}
-        """Muon's: each cut matrix's owner among its ZeRO owner's tp ranks (empty: the whole TP
-        group steps it, as a user's optimizer keeping states by name needs)."""
-
-    @torch.no_grad()
-    def map(self, p: torch.Tensor, tensors: list[torch.Tensor], fn: WholeFn) -> torch.Tensor:
-        """``fn`` of each parameter's whole ``tensors`` (laid out like the shard ``p``) at its
-        owner; its result returned to every holder's stretches (laid out like ``p``)."""
-        gi = self._group_of(p)
-        table = self.table
-        mine: dict[str, list[Stretch]] = {}
-        for slot, index, offset, n in self.sync._stretches(gi):
-            mine.setdefault(slot.name, []).append((index, offset, n))
-        k = len(tensors)
-        out = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-        for slot in self.sync._slots(gi):            # the same order on every rank
-            owner = table[slot.name]
-            full = torch.zeros(k, slot.numel, dtype=p.dtype, device=p.device)   # one reduce for all
-            for index, offset, n in mine.get(slot.name, []):
-                for j, t in enumerate(tensors):
-                    full[j, offset : offset + n] = t[index]
-            self.comm.reduce(full, self.axis, dst=self.ranks[owner])
-            if owner == self.me:
-                views = [full[j].view(slot.shape) for j in range(k)]
-                tp_owner = self.tp_table.get(slot.name)
-                result = (self.tp.apply(slot.name, views, fn) if tp_owner is None
-                          else self.tp.apply_at(slot.name, views, fn, tp_owner))
-                full = result.reshape(-1).to(full.dtype).contiguous()
-            else:
-                full = full[0]
-            self.comm.broadcast(full, self.axis, src=self.ranks[owner])
-            for index, offset, n in mine.get(slot.name, []):
-                out[index] = full[offset : offset + n]
-        return out
-
-    def owns(self, name: str) -> bool:
-        """Whether this rank is parameter ``name``'s owner (its whole TP group is)."""
-        return self.table.get(name) == self.me
-
-    def _group_of(self, p: torch.Tensor) -> int:
-        """The group whose shard (or fp32 master of it) ``p`` is."""
-        for gi, sp in enumerate(self.sync.optimizer_params()):
-            if sp is p:
-                return gi
-        raise LookupError("the optimizer stepped a tensor that is no shard of this strategy")
-
-
 def install(sync: GradSync, comm: Comm, placements: Placements | None) -> None:
     """Give every optimizer that declares ``needs_whole_params`` (and takes a ``wholes`` map:
     :class:`~.muon.MuonAdamW`, :class:`~.muon.WholeParams`) the map its part of the layout
     needs (module docstring)."""
     from .composite import CompositeSync
     from .sharded import ShardedSync
+    from .zero_owners import ShardOwners
     parts = sync.parts if isinstance(sync, CompositeSync) else [sync]
     tp = TensorParallel(comm, placements)
     for part in parts:

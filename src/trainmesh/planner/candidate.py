@@ -251,7 +251,7 @@ def muon_work(model: ModelShape, cfg: ParallelConfig, cluster: Cluster,
     matrix it iterates, whole, its pipeline stage's share; under ZeRO only the matrices it
     owns, the owners balanced by FLOPs (the mean over the shard group; experts' over edp);
     under tp each cut matrix at one tp owner (1/tp of them: the routers and routed experts,
-    whole on every tp rank, at each). The owners' reduce and broadcast and the tp exchanges
+    whole on every tp rank, at each). The owners' exchanges over the shard group and tp
     (:func:`~.traffic.muon_ops`) and the iteration follow the backward: none of it
     overlapped."""
     kinds = matrices(model)

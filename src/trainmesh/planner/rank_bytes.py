@@ -99,7 +99,7 @@ def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
                  pp_rank: int, documents: bool = False, optimizer: str = "adamw") -> Traffic:
     """Bytes per step a rank of pipeline stage ``pp_rank`` passes to each op, keyed by group;
     ``documents``: packed batches (cp gathers their position ids); ``optimizer`` muon: its
-    Newton-Schulz gathers (:func:`~.traffic.muon_ops`; experts' over edp)."""
+    Newton-Schulz exchanges (:func:`~.traffic.muon_ops`; experts' over edp)."""
     e = element_bytes(layout.precision)
     grad_bytes = 4 if layout.reduce_dtype == "fp32" else e
     replicas = layout.layout.size(Group.dp_cp)   # the gradient group: dp x cp

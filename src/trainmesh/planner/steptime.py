@@ -25,8 +25,8 @@ backward. None of it is taken as overlapped.
 
 **Muon** (``--optimizer muon``): at the optimizer step, the Newton-Schulz iteration
 (:func:`trainmesh.data_parallel.muon.ns_flops`: ``ns_steps x (4 m^2 n + 2 m^3)`` per m x n
-matrix, m <= n, run in bf16) on the matrices the rank iterates, and the owners' reduce and
-broadcast and the tp exchanges (:func:`.traffic.muon_ops`): none overlapped
+matrix, m <= n, run in bf16) on the matrices the rank iterates, and the owners' all-to-alls
+over the shard group and over tp (:func:`.traffic.muon_ops`): none overlapped
 (:func:`trainmesh.planner.candidate.muon_work`).
 
 Collective time is wire bytes (ring, see :mod:`.traffic`) over the group's bandwidth.

@@ -187,22 +187,21 @@ def pp_ops(*, pp: int, rank: int, virtual_stages: int, microbatches: int, tokens
 
 
 def muon_ops(*, matrices: float, tp_split: float, shard: int, zero: int, tp: int) -> Traffic:
-    """Muon's Newton-Schulz gathers per step (docs/TRAINING.md, Optimizers), fp32: ``matrices``
+    """Muon's Newton-Schulz exchanges per step (docs/TRAINING.md, Optimizers), fp32: ``matrices``
     hidden-matrix values this rank holds (its tp shards), ``tp_split`` of them cut over tp.
-    Under ZeRO (``shard`` ranks) each matrix is reduced into its owner and broadcast back:
-    dp.reduce + dp.broadcast 4 x matrices. Under tp each cut matrix goes to its tp owner and its
-    result comes back: without ZeRO two all-to-alls of the rank's shards of them (tp.all_to_all
+    Under ZeRO (``shard`` ranks) each rank's stretches of the matrices go to their owners and
+    the results' stretches come back, an all-to-all each way per bucket: dp.all_to_all
+    2 x 4 x matrices / shard (its stretches, 1/shard of the matrices; the way back its owned
+    matrices whole, as much on average). Under tp each cut matrix goes to its tp owner and its
+    result comes back: two all-to-alls of the rank's shards of them (tp.all_to_all
     2 x 4 x tp_split; the way back is the rank's owned matrices whole, tp_split on average);
-    under ZeRO, in its ZeRO owner's TP group (1/shard of them on average), a gather and a
-    scatter per matrix, each booked by the ledger as the whole matrix (tp x the shard)."""
+    under ZeRO only in its ZeRO owner's TP group, for the 1/shard of them it owns on average."""
     out: Traffic = {}
-    if zero >= 1 and shard > 1:
-        out["dp"] = {"reduce": 4.0 * matrices, "broadcast": 4.0 * matrices}
-    if tp > 1 and tp_split > 0 and zero >= 1:
-        whole = 4.0 * tp * tp_split / shard
-        out["tp"] = {"gather": whole, "scatter": whole}
-    elif tp > 1 and tp_split > 0:
-        out["tp"] = {"all_to_all": 2 * 4.0 * tp_split}
+    zeroed = zero >= 1 and shard > 1
+    if zeroed:
+        out["dp"] = {"all_to_all": 2 * 4.0 * matrices / shard}
+    if tp > 1 and tp_split > 0:
+        out["tp"] = {"all_to_all": 2 * 4.0 * tp_split / (shard if zeroed else 1)}
     return out
 
 
