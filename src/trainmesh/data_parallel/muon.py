@@ -12,10 +12,12 @@ tensor-parallel shard keeps doing so. Per matrix, Muon's update is::
 
 Only the Newton-Schulz iteration needs a whole matrix: the optimizer maps it over whole
 matrices through its ``wholes`` attribute, which the engine sets to what the layout needs
-(:mod:`.muon_owners`: ZeRO owners, tp owners), or over all of a group's matrices at once
-through its ``map_many`` where it has one, in buckets of :data:`BUCKET_VALUES` (tp owners:
-each rank iterates its own matrices while the others iterate theirs); the default, :class:`Local`, takes the tensors
-as held, right where every parameter is whole (one process, DDP). The momentum buffer (``momentum_buffer``)
+(:mod:`.muon_owners`: tp owners; :mod:`.zero_owners`: ZeRO owners, which take a ZeRO shard's
+matrices in buckets of :data:`BUCKET_VALUES` whole values), or over all of a group's matrices
+at once through its ``map_many`` where it has one, in buckets of :data:`BUCKET_VALUES` held
+values (tp owners); either way each rank iterates its own matrices while the others iterate
+theirs. The default, :class:`Local`, takes the tensors as held, right where every parameter is
+whole (one process, DDP). The momentum buffer (``momentum_buffer``)
 is laid out like the parameter, a moment as AdamW's ``exp_avg``: checkpoints, offload and
 resharding treat it as one.
 
@@ -33,10 +35,10 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 from torch.optim.adamw import adamw
 
 BUCKET_VALUES = 1 << 24
-"""Values of the momentum's (held) tensors a ``map_many`` takes at once: the transient memory of
-a bucket is its Nesterov inputs, the exchanged shards (there and back), the matrices this rank
-owns whole and their results, about six times this many values (16 Mi: under 400 MiB in fp32)
-where tp owners spread the iteration."""
+"""Values of the momentum's (held) tensors a ``map_many`` takes at once (tp owners), and of the
+whole matrices ZeRO's owners take at once: the transient memory of a bucket is its Nesterov
+inputs, the exchanged shards or stretches (there and back), the matrices this rank owns whole
+and their results, about six times this many values at most (16 Mi: under 400 MiB in fp32)."""
 
 _NOT_HIDDEN = ("embed", "wte", "wpe", "lm_head", "head.out", "output.weight")
 
@@ -124,8 +126,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self.flops_run = 0
         """The iteration's FLOPs this rank has run (an owner runs its matrices' only)."""
         self.bucket_values = BUCKET_VALUES
-        """Where the map takes many matrices at once: the values (of the tensors as held) of
-        one bucket, at least (one matrix more crosses it)."""
+        """Where the map takes many matrices at once: the values of one bucket (of the tensors
+        as held under tp owners, of the whole matrices under ZeRO's), at least (one matrix more
+        crosses it)."""
         self.wholes = Local()
         """Whole matrices where the layout cuts them: ``map(param, tensors, fn)`` applies
         ``fn`` to each whole matrix of tensors laid out like ``param`` (:mod:`.muon_owners`)."""
