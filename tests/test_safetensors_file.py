@@ -12,23 +12,27 @@ float32 tensor of zeros and a small one holding 0..5 after it), opened in a proc
 (``RLIMIT_AS``; a host with less memory and swap than
 the shard, under strict overcommit, refuses the whole-file map alike): the preflight's header
 check passes, the small tensor reads as written and two rows of the large one as zeros (the
-rows' 8 MiB mapped, not the file).
+rows' 8 MiB read, not the file).
 
-A model saved expert by expert and held stacked (Qwen3-MoE): a share of a layer's experts
-(an ep shard) reads the file tensors of those experts alone and equals the stacked whole's
-slice; a column slice (tp) reads every expert.
+A slice reads the bytes of the box it spans and nothing else: one read per contiguous run
+(rows: one; columns: one per row), a strided or integer index its bounding box (what a hub
+model's stacked experts read: tests/test_hf_expert_rows.py).
 
 Planted bugs this module catches (each seen failing with an assertion, the child's error in
-it): every expert read for an ep shard (as before) fails
-test_a_share_of_stacked_experts_reads_only_its_experts with "assert ['0', '1', '2', '3'] ==
-['2', '3']"; the header check through safetensors' ``safe_open`` (as before) fails
-test_a_shard_larger_than_the_address_space_is_read with "ConfigError: --model-dir: cannot read
-.../model-00001-of-00001.safetensors as safetensors: Cannot allocate memory (os error 12)"; the
-reads through ``safe_open`` with "MemoryError: Cannot allocate memory (os error 12)".
+it): a slice read as the rows it spans, whole (as the map of those rows did), fails
+test_a_slice_reads_the_bytes_of_its_box with "AssertionError: ((slice(None, None, None),
+slice(2, 5, None)), [840]) assert 840 == (8 * 45)"; one read taken for a whole run (not read
+on) fails test_a_read_returning_less_than_asked_reads_on with "AssertionError: ((Ellipsis,),
+SafetensorsError('.../t.safetensors: a: the file ended within its bytes'))"; the header check through safetensors'
+``safe_open`` (as before) fails test_a_shard_larger_than_the_address_space_is_read with
+"ConfigError: --model-dir: cannot read .../model-00001-of-00001.safetensors as safetensors:
+Cannot allocate memory (os error 12)"; the reads through ``safe_open`` with "MemoryError:
+Cannot allocate memory (os error 12)".
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import pytest
@@ -55,6 +59,12 @@ def _write(path, entries: dict, data: dict[int, bytes], size: int) -> None:
         f.truncate(8 + len(header) + size)
 
 
+INDICES = [(slice(1, 3),), (slice(None), slice(2, 5)), (2,), (slice(0, 5, 2), slice(1, 2)),
+           (..., slice(0, 1)), (slice(1, 4), 3, slice(0, 2)), (slice(3, 3),), (-1, slice(1, 7, 3)),
+           (slice(None), slice(None), slice(1, 2)), (slice(2, 4), slice(-3, None)), ()]
+"""Every index kind a rank may ask for, of a (5, 7, 3) tensor (and (4, 6))."""
+
+
 def test_slices_equal_safe_opens(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -72,8 +82,7 @@ def test_slices_equal_safe_opens(tmp_path):
         value = got.get_tensor(key)
         as_bytes = [t.reshape(-1).view(torch.uint8) for t in (value, want)]
         assert value.dtype == want.dtype and torch.equal(*as_bytes), key
-    for index in [(slice(1, 3),), (slice(None), slice(2, 5)), (2,), (slice(0, 5, 2), slice(1, 2)),
-                  (..., slice(0, 1)), (slice(1, 4), 3, slice(0, 2)), (slice(3, 3),)]:
+    for index in INDICES:
         assert torch.equal(got.get_slice("a")[index], tensors["a"][index]), index
         assert torch.equal(got.get_slice("d")[index[:2]], tensors["d"][index[:2]]), index
 
@@ -124,34 +133,50 @@ def test_a_shard_larger_than_the_address_space_is_read(tmp_path):
     assert code == 0 and "read" in stdout, stderr[-800:]
 
 
-def test_a_share_of_stacked_experts_reads_only_its_experts(tmp_path, monkeypatch):
-    """Qwen3-MoE saved expert by expert, held stacked: a slice of experts 2..3 of 4 (an ep
-    shard) equals the stacked whole's slice and reads the file tensors of experts 2 and 3
-    alone; a column slice (tp) still reads every expert."""
-    transformers = pytest.importorskip("transformers")
-    from trainmesh.engine.pretrained import from_pretrained
+def test_a_slice_reads_the_bytes_of_its_box(tmp_path, monkeypatch):
+    """Each index of INDICES reads from the file the bytes of the box it spans (per dimension
+    from its first to its last index) and nothing else, in one read per contiguous run."""
+    from safetensors.torch import save_file
+
     from trainmesh.models import safetensors_file
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                         moe_intermediate_size=8, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1,
-                                         num_experts=4, num_experts_per_tok=2)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "m")
-    whole = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
-    model = from_pretrained(str(tmp_path / "m"))
-    read: list[str] = []
-    original = safetensors_file.SafetensorsFile.read
-    monkeypatch.setattr(safetensors_file.SafetensorsFile, "read",
-                        lambda self, key, index: read.append(key) or original(self, key, index))
-    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
-        want = whole.get_parameter(name)
-        index = (slice(2, 4), slice(1, 5), slice(None))
-        read.clear()
-        got = model.init_parameter(name, tuple(want.shape), index)
-        assert torch.equal(got, want[index]), name
-        experts = sorted({key.split(".experts.")[1].split(".")[0] for key in read})
-        assert experts == ["2", "3"], (name, sorted(read))
-        read.clear()
-        columns = (slice(None), slice(0, 4))
-        assert torch.equal(model.init_parameter(name, tuple(want.shape), columns), want[columns])
-        assert len({key.split(".experts.")[1].split(".")[0] for key in read}) == 4, sorted(read)
+    full = torch.arange(5 * 7 * 3, dtype=torch.float64).view(5, 7, 3)
+    save_file({"a": full}, tmp_path / "t.safetensors")
+    reads: list[int] = []
+    read_at = safetensors_file._read_at
+    monkeypatch.setattr(safetensors_file, "_read_at", lambda fd, buffer, offset:
+                        reads.append(len(buffer)) or read_at(fd, buffer, offset))
+    f = SafetensorsFile(tmp_path / "t.safetensors")
+    runs = {repr(i): n for i, n in [((slice(1, 3),), 1), ((slice(None), slice(2, 5)), 5),
+                                    ((slice(1, 4), 3, slice(0, 2)), 3), ((), 1),
+                                    ((slice(None), slice(None), slice(1, 2)), 35),
+                                    ((slice(3, 3),), 0)]}
+    for index in INDICES:
+        reads.clear()
+        assert torch.equal(f.get_slice("a")[index], full[index]), index
+        at = index.index(...) if ... in index else len(index)
+        whole = (*index[:at], *[slice(None)] * (3 - len(index) + (at < len(index))),
+                 *index[at + 1:])
+        spans = [range(n)[i] for n, i in zip(full.shape, whole)]
+        spans = [1 if isinstance(r, int) else len(r) and r[-1] - r[0] + 1 for r in spans]
+        assert sum(reads) == 8 * math.prod(spans), (index, reads)
+        assert len(reads) == runs.get(repr(index), len(reads)), (index, reads)
+
+
+def test_a_read_returning_less_than_asked_reads_on(tmp_path, monkeypatch):
+    """A read may return fewer bytes than asked (Linux: about 2 GiB at most a call, so any
+    larger tensor): the rest is read on, here from a read returning 5 bytes at a time."""
+    import os
+
+    from safetensors.torch import save_file
+    full = torch.randn(7, 9)
+    save_file({"a": full}, tmp_path / "t.safetensors")
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset:
+                        preadv(fd, [buffers[0][:5]], offset))
+    f = SafetensorsFile(tmp_path / "t.safetensors")
+    for index in [(...,), (slice(None), slice(2, 5))]:
+        try:
+            got = f.get_slice("a")[index]
+        except SafetensorsError as exc:     # as a read taken for the end of the file
+            got = exc
+        assert isinstance(got, torch.Tensor) and torch.equal(got, full[index]), (index, got)

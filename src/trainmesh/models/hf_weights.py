@@ -10,9 +10,12 @@ experts (``MergeModulelist``) and join gate and up (``Concatenate``). This modul
 mapping and nothing hand-written, both ways:
 
 - :class:`CheckpointView` groups a file's tensors by the model parameter they make and builds one
-  parameter on request (a renamed one reads only its slice; one stacked from per-expert tensors
-  reads only the experts the slice takes, each whole; any other converted one is read whole,
-  then sliced), or only its shape (the conversion run on meta tensors) for checks before any worker starts;
+  parameter on request, reading only what the slice takes: a renamed one its slice; a converted
+  one the parts of its file tensors the slice maps back to through the converter's operations
+  (stacked experts: the slice's experts, of each only its rows and columns, gate and up
+  alike), the operations run on those parts; one whose operations cannot be mapped back is
+  read whole, converted, then sliced. Or only its shape (the conversion run on meta tensors)
+  for checks before any worker starts;
 - :meth:`CheckpointView.load_buffers` sets every persistent buffer the files hold (a router's
   ``e_score_correction_bias``: trained values, saved with the weights) to the file's value, as
   transformers' ``from_pretrained`` does; each is small and read whole;
@@ -32,7 +35,7 @@ from torch import nn
 
 from trainmesh.core.errors import ConfigError
 
-from .safetensors_file import SafetensorsError, SafetensorsFile
+from .safetensors_file import SafetensorsError, SafetensorsFile, box_of
 
 
 def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
@@ -62,7 +65,7 @@ class CheckpointView:
         self.path, self.field = str(files[0].parent), field
         self.handle_of: dict[str, Any] = {}
         """file key -> the file holding it (one, or the shards of an index), its header read:
-        a slice maps only the rows it spans, however large the file (:mod:`.safetensors_file`)."""
+        a slice reads only the bytes it spans, however large the file (:mod:`.safetensors_file`)."""
         try:
             for file in files:
                 handle = SafetensorsFile(file)
@@ -121,39 +124,92 @@ class CheckpointView:
 
     def read(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
         """``full[index]`` of parameter ``name``, float32; ConfigError naming the field when the
-        file lacks it or makes another shape."""
+        file lacks it or makes another shape. A converted parameter reads only the parts of
+        its file tensors that ``index`` takes (:meth:`_parts`), else every one whole."""
         if name not in self.sources:
             raise ConfigError(self.field, f"{self.path} has no tensor for {name!r}")
         self._check_shape(name, tuple(shape))
         (pattern, key), *_ = self.sources[name]
         if pattern is None:
             return self._slice(key)[index].to(torch.float32)
-        sources, index = self._experts(name, shape, index)
-        return self._converted(name, self._whole, sources)[index].to(torch.float32)
+        box, post = box_of(tuple(shape), index)
+        if any(lo == hi for lo, hi in box):            # nothing to read
+            return torch.empty([hi - lo for lo, hi in box])[post]
+        parts = self._parts(name, box)
+        if parts is None:                               # an operation not mapped: whole
+            return self._converted(name, self._whole)[index].to(torch.float32)
+        sources, index_of = parts
+        value = self._converted(name, lambda key: self._slice(key)[index_of[key]], sources)
+        return (value if post == () else value[post]).to(torch.float32)
 
-    def _experts(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]
-                 ) -> tuple[list[tuple[str | None, str]] | None, tuple[slice, ...]]:
-        """(the file keys of the experts ``index`` spans, the index within what they make) for
-        a parameter transformers stacks from per-expert tensors (``MergeModulelist`` on dim 0,
-        then only operations keeping dim 0: gate and up joined, a transpose of the others) and
-        an index taking a range of its experts (an expert-parallel shard): then a rank reads
-        only its experts. (None, ``index``) otherwise: every source read."""
+    def _parts(self, name: str, box: list[tuple[int, int]]
+               ) -> tuple[list[tuple[str | None, str]], dict[str, tuple[slice, ...]]] | None:
+        """(the file keys to read, key -> the index of it to read) such that the converter,
+        given those parts, makes ``full[box]`` of parameter ``name`` (one range per dimension),
+        its operations mapped back from the box to the files: ``MergeModulelist`` on dim 0
+        (experts stacked from per-expert tensors: the box's experts, each its box's rows and
+        columns), ``Concatenate`` (a range of the joined dimension is a range of each part it
+        meets, maybe empty: gate and up, a range spanning both or packed halves alike) and
+        ``Transpose`` (the two dimensions' ranges swapped), in the order the converter runs them.
+        None (every source then read whole and converted) for any other operation: a
+        ``Transpose`` that checks the model's shape, an interleave, a merge on another
+        dimension or stacked experts joined on theirs, a split; or for sources whose shapes do
+        not fit."""
         from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
-        ops = self._converter(name).operations
-        stacks = (bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
-                  and all((isinstance(op, Concatenate) and op.dim != 0) or
-                          (isinstance(op, Transpose) and 0 not in (op.dim0, op.dim1))
-                          for op in ops[1:]))
-        if not stacks or not index or not isinstance(index[0], slice) or not shape:
-            return None, index
-        start, stop, step = index[0].indices(shape[0])
-        per_pattern: dict[str | None, list[tuple[str | None, str]]] = {}
-        for source in self.sources[name]:
-            per_pattern.setdefault(source[0], []).append(source)
-        if step != 1 or stop <= start or any(len(v) != shape[0] for v in per_pattern.values()):
-            return None, index
-        return ([s for v in per_pattern.values() for s in v[start:stop]],
-                (slice(None), *index[1:]))
+        converter = self._converter(name)
+        ops, patterns = list(converter.operations), list(converter.source_patterns)
+        keys: dict[str | None, list[str]] = {}
+        for pattern, key in self.sources[name]:
+            keys.setdefault(pattern, []).append(key)
+        stacked = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+        if set(keys) != set(patterns) or not (stacked or all(len(k) == 1 for k in keys.values())):
+            return None
+        shapes = {}                                     # per pattern: the tensor the ops take
+        for pattern in patterns:
+            each = {tuple(self._slice(key).get_shape()) for key in keys[pattern]}
+            if len(each) != 1:
+                return None
+            shapes[pattern] = (len(keys[pattern]), *each.pop()) if stacked else each.pop()
+        seen: list[tuple[Any, list[tuple[int, ...]]]] = []   # each op with its inputs' shapes
+        for op in ops[stacked:]:
+            now = list(shapes.values())
+            if isinstance(op, Concatenate) and not (stacked and op.dim == 0) and all(
+                    len(s) == len(now[0]) and s[:op.dim] + s[op.dim + 1:] ==
+                    now[0][:op.dim] + now[0][op.dim + 1:] for s in now):
+                joined = list(now[0])
+                joined[op.dim] = sum(s[op.dim] for s in now)
+                shapes = {None: tuple(joined)}
+            elif isinstance(op, Transpose) and not getattr(op, "check_dims", False) \
+                    and len(shapes) == 1:
+                (only, s), = shapes.items()
+                s = list(s)
+                s[op.dim0], s[op.dim1] = s[op.dim1], s[op.dim0]
+                shapes = {only: tuple(s)}
+            else:
+                return None
+            seen.append((op, now))
+        if len(shapes) != 1 or len(next(iter(shapes.values()))) != len(box):
+            return None
+        boxes = [list(box)]                             # per input of the op, back to the files
+        for op, now in reversed(seen):
+            if isinstance(op, Transpose):
+                boxes[0][op.dim0], boxes[0][op.dim1] = boxes[0][op.dim1], boxes[0][op.dim0]
+                continue
+            (lo, hi), offset, split = boxes[0][op.dim], 0, []
+            for s in now:                               # each input's part of the joined range
+                part = list(boxes[0])
+                first = min(max(lo - offset, 0), s[op.dim])
+                part[op.dim] = (first, max(first, min(hi - offset, s[op.dim])))
+                split.append(part)
+                offset += s[op.dim]
+            boxes = split
+        sources, index_of = [], {}
+        for pattern, part in zip(patterns, boxes):
+            (lo, hi), rest = part[0], tuple(slice(a, z) for a, z in part)
+            for key in keys[pattern][lo:hi] if stacked else keys[pattern]:
+                sources.append((pattern, key))
+                index_of[key] = rest[1:] if stacked else rest
+        return sources, index_of
 
     def check(self, model: nn.Module) -> None:
         """Every parameter of ``model`` is in the file with its shape, and every persistent

@@ -5,17 +5,19 @@ process may map (its address-space limit, or a host's memory and swap under stri
 overcommit) cannot even be opened ("Cannot allocate memory"). Here the header is parsed
 directly (8 bytes of little-endian length, then JSON: per tensor its dtype, shape and byte
 range), with the checks safetensors makes (every range within the file, of its tensor's size,
-no two overlapping), and a slice ``full[index]`` maps only the rows of the tensor it spans
-(along the first dimension; a column shard spans them all), read-only, copies out the slice
-and lets the map go. So what opening a file costs grows with its header, and reading a slice
-with the tensor rows it spans, never with the file. Imports torch only.
+no two overlapping), and a slice ``full[index]`` reads from the file only the bytes of the box
+it spans (per dimension, from its first index to its last), straight into the tensor
+returned, one read per contiguous run of them: a range of rows is one run, a range of columns
+one run per row (a strided or integer index reads its bounding box, then takes its elements).
+So what opening a file costs grows with its header, and reading a slice with the box it spans,
+never with the tensor or the file. Imports torch only.
 """
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
-import warnings
+from itertools import product
 from math import prod
 from pathlib import Path
 
@@ -94,36 +96,67 @@ class SafetensorsFile:
         return self.get_slice(key)[...]
 
     def read(self, key: str, index: tuple | type(Ellipsis)) -> torch.Tensor:
-        """``full[index]`` of tensor ``key`` (a tuple of slices and integers, or ``...``), a copy;
-        only the rows of the first dimension it spans are mapped."""
+        """``full[index]`` of tensor ``key`` (a tuple of slices and integers, or ``...``), a copy:
+        only the bytes of the box it spans are read, one read per contiguous run (a row range:
+        one run; a column range: one per row; a strided or integer index reads its bounding box
+        and is applied to it)."""
         entry = self.header[key]
         dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
-        index = (index,) if not isinstance(index, tuple) else index
-        whole = not shape or not index or index[0] is Ellipsis
-        rows = None if whole else range(shape[0])[index[0]]
-        if isinstance(rows, int):
-            lo, hi, rest = rows, rows + 1, (0, *index[1:])
-        elif rows is not None and rows.step == 1:
-            lo, hi, rest = rows.start, max(rows.stop, rows.start), (slice(None), *index[1:])
-        else:                                       # a 0-d tensor, a strided row slice: whole
-            lo, hi, rest = 0, shape[0] if shape else 1, index
-        row = prod(shape[1:]) * dtype.itemsize
-        begin = self.start + entry["data_offsets"][0] + lo * row
-        count = (hi - lo) * row if shape else dtype.itemsize
-        if count == 0:                              # no bytes to map (an empty tensor or range)
-            return torch.empty((hi - lo, *shape[1:]), dtype=dtype)[rest]
-        aligned = begin - begin % mmap.ALLOCATIONGRANULARITY
-        with open(self.path, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), begin - aligned + count, access=mmap.ACCESS_READ,
-                               offset=aligned)
-        with warnings.catch_warnings():             # read-only: the copy below is what is kept
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(mapped, dtype=torch.uint8, count=count, offset=begin - aligned)
-        part = flat.view(dtype).view((hi - lo, *shape[1:]) if shape else ())
-        out = part[rest].clone()
-        del flat, part
-        mapped.close()
-        return out
+        box, post = box_of(shape, index)
+        out = torch.empty([hi - lo for lo, hi in box], dtype=dtype)
+        if out.numel() == 0:                        # no bytes to read (an empty tensor or range)
+            return out[post]
+        strides = [prod(shape[d + 1:]) * dtype.itemsize for d in range(len(shape))]
+        k = max((d for d, (lo, hi) in enumerate(box) if (lo, hi) != (0, shape[d])), default=-1)
+        run = (box[k][1] - box[k][0]) * strides[k] if k >= 0 else out.numel() * dtype.itemsize
+        base = self.start + entry["data_offsets"][0] + sum(lo * st for (lo, _), st
+                                                           in zip(box, strides))
+        buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        with open(self.path, "rb", buffering=0) as f:
+            for n, at in enumerate(product(*(range(hi - lo) for lo, hi in box[:max(k, 0)]))):
+                offset = base + sum(i * st for i, st in zip(at, strides))
+                if _read_at(f.fileno(), buffer[n * run:(n + 1) * run], offset) != run:
+                    raise SafetensorsError(f"{self.path}: {key}: the file ended within its bytes")
+        return out if post == () else out[post].clone()
+
+
+def _read_at(fd: int, buffer: memoryview, offset: int) -> int:
+    """Read ``len(buffer)`` bytes of file ``fd`` at ``offset`` into ``buffer`` (every read of a
+    tensor's bytes goes through here); the count read, short only at the end of the file. A
+    read may return less than asked (Linux: at most about 2 GiB a call): read on."""
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def box_of(shape: tuple[int, ...], index: tuple | type(Ellipsis)
+           ) -> tuple[list[tuple[int, int]], tuple]:
+    """(per dimension the range ``index`` spans, the index into that box giving
+    ``full[index]``: ``()`` when the box is it)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = (*index[:at], *[slice(None)] * (len(shape) - len(index) + 1), *index[at + 1:])
+    if len(index) > len(shape):
+        raise IndexError(f"{len(index)} indices for a tensor of shape {list(shape)}")
+    box, post = [], []
+    for n, i in zip(shape, (*index, *[slice(None)] * (len(shape) - len(index)))):
+        span = range(n)[i]                          # IndexError as torch's where out of range
+        if isinstance(span, int):
+            box.append((span, span + 1))
+            post.append(0)
+        elif len(span) == 0 or span.step < 0:       # empty; a negative step: torch refuses it
+            box.append((span.start, span.start) if len(span) == 0 else (span[-1], span[0] + 1))
+            post.append(slice(None, None, span.step) if len(span) else slice(None))
+        else:
+            box.append((span[0], span[-1] + 1))
+            post.append(slice(None, None, span.step))
+    trivial = all(p == slice(None, None, 1) or p == slice(None) for p in post)
+    return box, () if trivial else tuple(post)
 
 
 class _Slice:
