@@ -20,7 +20,6 @@ exact, so the results equal one process's iteration on the same matrices bit for
 """
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 
@@ -43,14 +42,20 @@ def layouts_of(sync, gi: int) -> list[FlatLayout]:
     return [sync.groups[gi].layout]
 
 
-def runs_of(layouts: Sequence[FlatLayout], rank: int) -> list[tuple[str, Run]]:
-    """(parameter name, run) of every stretch the shard of index ``rank`` holds, in its order:
-    the layouts' own geometry (:meth:`~.flat.FlatLayout.shard_pieces`) for that rank."""
-    out = []
+def runs_by_rank(layouts: Sequence[FlatLayout], ranks: int) -> list[dict[str, list[Run]]]:
+    """Per shard index: each parameter's runs that shard holds, first element first. Chunk
+    ``r`` of every bucket of a layout is shard ``r``'s (:mod:`.flat`), so a parameter's
+    elements are cut at the chunks' bounds: one pass over the chunks each parameter spans."""
+    out: list[dict[str, list[Run]]] = [{} for _ in range(ranks)]
     for layout in layouts:
-        theirs = copy.copy(layout)
-        theirs.rank = rank
-        out += [(pc.slot.name, (pc.offset, pc.hi - pc.lo)) for pc in theirs.shard_pieces()]
+        for s in layout.slots:
+            at = s.start
+            while at < s.end:
+                bucket, within = divmod(at, layout.bucket_numel)
+                r = within // layout.chunk
+                stop = min(s.end, bucket * layout.bucket_numel + (r + 1) * layout.chunk)
+                out[r].setdefault(s.name, []).append((at - s.start, stop - at))
+                at = stop
     return out
 
 
@@ -93,19 +98,12 @@ class ShardOwners:
         """Per group, per rank of the shard group: each parameter's runs that rank holds."""
 
     def _runs(self, gi: int) -> list[dict[str, list[Run]]]:
-        layouts = layouts_of(self.sync, gi)
-        out: list[dict[str, list[Run]]] = []
-        for r in range(len(self.ranks)):
-            held: dict[str, list[Run]] = {}
-            for name, run in runs_of(layouts, r):
-                held.setdefault(name, []).append(run)
-            out.append(held)
-        mine = [(s.name, (offset, n)) for s, _, offset, n in self.sync._stretches(gi)]
-        if [(name, run) for name, run in runs_of(layouts, self.me)] != mine:
+        out = runs_by_rank(layouts_of(self.sync, gi), len(self.ranks))
+        mine: dict[str, list[Run]] = {}
+        for s, _, offset, n in self.sync._stretches(gi):
+            mine.setdefault(s.name, []).append((offset, n))
+        if out[self.me] != mine:          # the geometry as this shard's own stretches say
             raise AssertionError("the flat layouts' geometry differs from this shard's stretches")
-        for s in self.sync._slots(gi):
-            if sum(n for r in range(len(self.ranks)) for _, n in out[r].get(s.name, [])) != s.numel:
-                raise AssertionError(f"{s.name}: the shards do not cover its {s.numel} elements once")
         return out
 
     @torch.no_grad()
