@@ -9,10 +9,10 @@ down, as tensor_parallel/hf_experts.py cuts them), at ep 2 (its run of experts) 
 tp 2, and a slice spanning the gate and up halves, equal what transformers' ``from_pretrained``
 holds, sliced (``torch.equal``), and the bytes read from the files (every read of a tensor's
 bytes goes through ``safetensors_file._read_at``, counted here) are exactly the piece's bytes:
-nothing of another expert, row or column. Operations a family might add are mapped too: a ``Transpose`` after the
-merge, and one on a tensor already stacked in the file (no merge), read only the box they
-take; an operation that is not mapped (an ``Interleave``) reads its sources whole and still
-equals the whole conversion sliced.
+nothing of another expert, row or column. Operations a family might add are mapped too: a
+``Transpose`` after the merge, and one on a tensor already stacked in the file (no merge),
+read only the box they take; an operation that is not mapped (an ``Interleave``) reads its
+sources whole and still equals the whole conversion sliced.
 
 Planted bugs this module catches (each seen failing with an assertion): every source read whole
 and the conversion sliced (as before): "mixtral tp2 model.layers.0.mlp.experts.gate_up_proj

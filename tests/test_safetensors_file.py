@@ -14,6 +14,8 @@ the shard, under strict overcommit, refuses the whole-file map alike): the prefl
 check passes, the small tensor reads as written and two rows of the large one as zeros (the
 rows' 8 MiB read, not the file).
 
+A checkpoint of the first format (checkpoint/legacy.py) is read through it too.
+
 A slice reads the bytes of the box it spans and nothing else: one read per contiguous run
 (rows: one; columns: one per row), a strided or integer index its bounding box (what a hub
 model's stacked experts read: tests/test_hf_expert_rows.py).
@@ -23,11 +25,14 @@ it): a slice read as the rows it spans, whole (as the map of those rows did), fa
 test_a_slice_reads_the_bytes_of_its_box with "AssertionError: ((slice(None, None, None),
 slice(2, 5, None)), [840]) assert 840 == (8 * 45)"; one read taken for a whole run (not read
 on) fails test_a_read_returning_less_than_asked_reads_on with "AssertionError: ((Ellipsis,),
-SafetensorsError('.../t.safetensors: a: the file ended within its bytes'))"; the header check through safetensors'
-``safe_open`` (as before) fails test_a_shard_larger_than_the_address_space_is_read with
-"ConfigError: --model-dir: cannot read .../model-00001-of-00001.safetensors as safetensors:
-Cannot allocate memory (os error 12)"; the reads through ``safe_open`` with "MemoryError:
-Cannot allocate memory (os error 12)".
+SafetensorsError('.../t.safetensors: a: the file ended within its bytes'))"; the header check
+through safetensors' ``safe_open`` (as before) fails
+test_a_shard_larger_than_the_address_space_is_read with "ConfigError: --model-dir: cannot read
+.../model-00001-of-00001.safetensors as safetensors: Cannot allocate memory (os error 12)"; the
+reads through ``safe_open`` with "MemoryError: Cannot allocate memory (os error 12)"; the first
+checkpoint format's reader through ``safe_open`` (as before) fails
+test_a_checkpoint_of_the_first_format_reads_each_tensor_by_its_bytes with "AssertionError:
+('param/blocks.0.attn.k.bias', []) assert 0 == (8 * 4)".
 """
 from __future__ import annotations
 
@@ -180,3 +185,27 @@ def test_a_read_returning_less_than_asked_reads_on(tmp_path, monkeypatch):
         except SafetensorsError as exc:     # as a read taken for the end of the file
             got = exc
         assert isinstance(got, torch.Tensor) and torch.equal(got, full[index]), (index, got)
+
+
+def test_a_checkpoint_of_the_first_format_reads_each_tensor_by_its_bytes(monkeypatch):
+    """The first checkpoint format's pieces (checkpoint/legacy.py) are read as the weights
+    are: each tensor equals safe_open's, and reading it reads its own bytes, not its file."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from trainmesh.checkpoint.legacy import Reader
+    from trainmesh.models import safetensors_file
+    directory = Path(__file__).parent / "data" / "checkpoint_v1" / "step-00000003"
+    reads: list[int] = []
+    read_at = safetensors_file._read_at
+    monkeypatch.setattr(safetensors_file, "_read_at", lambda fd, buffer, offset:
+                        reads.append(len(buffer)) or read_at(fd, buffer, offset))
+    reader = Reader(directory)
+    for key, piece in sorted(reader.manifest["tensors"].items()):
+        reads.clear()
+        got = reader.get(key)
+        with safe_open(str(directory / piece), framework="pt") as f:
+            want = f.get_tensor(key)
+        assert got.dtype == want.dtype and torch.equal(got, want), key
+        assert sum(reads) == want.numel() * want.element_size(), (key, reads)

@@ -14,13 +14,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from trainmesh.comm import Comm
 from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placement, Placements
 from trainmesh.data_parallel.base import GradSync
 from trainmesh.expert_parallel.shard import stacked_slice
+from trainmesh.models.safetensors_file import SafetensorsFile
 from trainmesh.tensor_parallel.state import shard_dim, shard_of, shard_parts
 
 MANIFEST = "manifest.json"
@@ -64,6 +64,8 @@ class Reader:
         if not set(tensors.values()) <= set(files):
             raise CheckpointError(f"{directory}: manifest names a piece without its sha256")
         self._verified: set[str] = set()
+        self._files: dict[str, SafetensorsFile] = {}
+        """piece -> its file, header read (each piece's header parsed once)."""
 
     def _inside(self, name: object) -> Path:
         """The manifest's file ``name`` as a path inside this directory (never outside it)."""
@@ -104,10 +106,11 @@ class Reader:
             raise CheckpointError(f"{self.dir}: no tensor {key!r} (was it saved from another model?)")
         path = self.dir / name
         self._verify(name)
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return f.get_tensor(key)
-        except Exception as exc:  # noqa: BLE001 - safetensors raises several types
+        try:                # by its header and its own bytes, never the whole file mapped
+            if name not in self._files:
+                self._files[name] = SafetensorsFile(path)
+            return self._files[name].get_tensor(key)
+        except (OSError, KeyError, ValueError) as exc:   # ValueError: SafetensorsError
             raise CheckpointError(f"{self.dir}: cannot read {key!r} from {name}: {exc}") from exc
 
 
