@@ -134,7 +134,7 @@ class ShardOwners:
             return sum(c for s in slots for _, c in runs[r].get(s.name, []))
 
         # 1. my stretches to their owners; their ranks' stretches of mine to me
-        send = [t[index].reshape(-1).to(dtype) for o in range(n) for s in by_owner[o]
+        send = [t[index].reshape(-1).to(device, dtype) for o in range(n) for s in by_owner[o]
                 for t in tensors for index, _, _ in mine.get(s.name, [])]
         send_t = torch.cat(send) if send else out.new_empty(0)
         got_sizes = [k * held(r, owned) for r in range(n)]
