@@ -273,16 +273,46 @@ def test_checkpoints_resume_at_dp1_and_export_what_from_pretrained_loads(runs, r
 def test_weights_read_under_the_models_names_equal_from_pretrained(dirs, kind):
     """Every parameter trainmesh builds from the directory, whole and a slice of it, equals
     what transformers' from_pretrained loads. Bug: experts ordered as strings (10 before 2)."""
+    from trainmesh.core.hub_state import init_of
     from trainmesh.engine.pretrained import check_model_dir, from_pretrained
     model = from_pretrained(dirs[kind])
     check_model_dir(dirs[kind], model)
+    read = init_of(model)
     want = dict(transformers.AutoModelForCausalLM.from_pretrained(dirs[kind]).named_parameters())
     assert sorted(n for n, _ in model.named_parameters()) == sorted(want)
     for name, p in want.items():
         whole = tuple(slice(None) for _ in p.shape)
-        assert torch.equal(model.init_parameter(name, tuple(p.shape), whole), p), name
+        assert torch.equal(read(name, tuple(p.shape), whole), p), name
         rows = (slice(1, 3), *whole[1:])
-        assert torch.equal(model.init_parameter(name, tuple(p.shape), rows), p[1:3]), name
+        assert torch.equal(read(name, tuple(p.shape), rows), p[1:3]), name
+
+
+def test_trainmesh_sets_no_attribute_on_a_hub_model(dirs):
+    """What trainmesh records of a hub model it builds (its plans' sources, its weights reader,
+    its router's MoE statistics) is the model's typed HubState: every module of the model
+    ``tm.from_pretrained`` builds holds only attributes transformers' own ``from_pretrained``
+    gives it (less its loading bookkeeping); the views of it the pipeline makes read its
+    record."""
+    import trainmesh as tm
+    from trainmesh.core.hub_state import init_of, moe_stats_of, recorded
+    from trainmesh.models.moe import MoEStats
+    model = tm.from_pretrained(dirs["mixtral"])
+    theirs = dict(transformers.AutoModelForCausalLM.from_pretrained(dirs["mixtral"]).named_modules())
+    added = {name: sorted(set(vars(m)) - set(vars(theirs[name])) - {"_is_hf_initialized"})
+             for name, m in model.named_modules()}
+    assert not any(added.values()), {n: a for n, a in added.items() if a}
+    state = recorded(model)
+    assert state is not None and state.plan_sources == {"tp": "declared", "pp": "declared",
+                                                         "ep": "declared"}, state
+    assert init_of(model) is state.init and isinstance(moe_stats_of(model), MoEStats)
+    assert (state.moe_stats.n_layers, state.moe_stats.n_experts) == (2, 4), vars(state.moe_stats)
+    # the pipeline's view of the model, and the last stage's that loss_fn is handed, share it
+    from trainmesh.models.hf_router import attach_router_stats
+    from trainmesh.pipeline_parallel.hf import HFPipeline
+    from trainmesh.pipeline_parallel.stage import LastStageModel
+    view = LastStageModel(HFPipeline(model), torch.zeros(0), {})
+    assert recorded(view) is state and moe_stats_of(view) is state.moe_stats, recorded(view)
+    assert attach_router_stats(view) is state.moe_stats
 
 
 @pytest.mark.timeout(120)
@@ -293,6 +323,7 @@ def test_a_sharded_directory_reads_like_one_file(tmp_path):
     import json
 
     from trainmesh import ConfigError
+    from trainmesh.core.hub_state import init_of
     from trainmesh.engine.pretrained import check_model_dir, from_pretrained
     directory = tmp_path / "sharded"
     moe_model("qwen2_moe").save_pretrained(str(directory), max_shard_size="20KB")
@@ -302,7 +333,7 @@ def test_a_sharded_directory_reads_like_one_file(tmp_path):
     check_model_dir(str(directory), model)
     for name, p in transformers.AutoModelForCausalLM.from_pretrained(str(directory)).named_parameters():
         whole = tuple(slice(None) for _ in p.shape)
-        assert torch.equal(model.init_parameter(name, tuple(p.shape), whole), p), name
+        assert torch.equal(init_of(model)(name, tuple(p.shape), whole), p), name
     index = directory / "model.safetensors.index.json"
     content = json.loads(index.read_text())
     content["weight_map"]["lm_head.weight"] = "model-99999-of-99999.safetensors"

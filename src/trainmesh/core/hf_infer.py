@@ -37,6 +37,7 @@ import re
 from torch import nn
 
 from .hf_routing import stacked_experts
+from .hub_state import recorded
 
 AXES = ("tp", "pp", "ep")
 ATTENTION = (("q_proj", "k_proj", "v_proj"), ("o_proj", "out_proj", "dense"))
@@ -48,8 +49,6 @@ EMBED_IO = (["input_ids"], ["inputs_embeds"])
 LAYERS_IO = (["hidden_states", "attention_mask"], ["hidden_states"])
 NORM_IO = (["hidden_states"], ["hidden_states"])
 HEAD_IO = (["hidden_states"], ["logits"])
-SOURCES, UNINFERRED = "trainmesh_plans", "trainmesh_uninferred"
-"""The model attributes recording where each axis's plan came from, and why inference failed."""
 
 
 class Uninferable(Exception):
@@ -234,12 +233,15 @@ def infer_ep_plan(model: nn.Module) -> dict[str, str]:
 
 def plan_source(model: nn.Module, axis: str) -> str | None:
     """Where ``model``'s plan for ``axis`` came from: file, declared, inferred (None: none, or
-    the plans were not installed: a model built by hand)."""
-    return getattr(model, SOURCES, {}).get(axis)
+    the plans were not installed: a model built by hand); read from its
+    :class:`~trainmesh.core.hub_state.HubState`."""
+    state = recorded(model)
+    return None if state is None else state.plan_sources.get(axis)
 
 
 def not_inferred(model: nn.Module, axis: str) -> str:
     """Why no plan could be inferred for ``axis`` (' and none can be inferred from its modules
     (<module>: <why>)'), '' when inference was not tried."""
-    why = getattr(model, UNINFERRED, {}).get(axis)
+    state = recorded(model)
+    why = None if state is None else state.uninferred.get(axis)
     return f" and none can be inferred from its modules ({why})" if why else ""

@@ -31,6 +31,7 @@ from trainmesh.comm import Comm
 from trainmesh.config.parallel import ParallelConfig
 from trainmesh.core.axes import kind_groups
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hub_state import init_of, moe_stats_of
 from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 from trainmesh.core.placement import Placements
@@ -72,7 +73,7 @@ class Engine(Accounting, Checkpointing):
         cfg = config or ParallelConfig()
         if tp_plan is None and not first_layer_checked:   # a hub model's inferred or file's plan
             check_tp_first_layer(model, cfg.tp)       # as the preflight does, before any collective
-        if getattr(model, "moe_stats", None) is not None and not cfg.find_unused_parameters:
+        if moe_stats_of(model) is not None and not cfg.find_unused_parameters:
             # an expert no token reached has no gradient that step (models/moe.py)
             cfg = dataclasses.replace(cfg, find_unused_parameters=True)
         self.config = cfg
@@ -113,7 +114,7 @@ class Engine(Accounting, Checkpointing):
                               "holds one with requires_grad=True (move the split, or fewer --pp)")
         mark_duplicates(named, self.executor.duplicate_parameters, self.placements)
         fill = sharded_init(self.module, named, self.frozen,
-                            init_fn or getattr(model, "init_parameter", None), device=self.device,
+                            init_fn or init_of(model), device=self.device,
                             placements=self.placements, later=cfg.zero >= 3)
         if broadcast_init and fill is None:
             broadcast_from_root(named + self.frozen, self.comm, self.placements)

@@ -6,8 +6,9 @@ under tp where it declares a plan. A model directory is what ``save_pretrained``
 :func:`from_pretrained` builds the model from its config with every parameter on the meta
 device (buffers, such as Llama's rotary frequencies, are built for real: they are small and
 derived from the config; a persistent one the weights hold, such as DeepSeek-V3's router
-correction bias, then takes its saved value) and gives it ``init_parameter`` reading the weights slice by slice
-(:func:`pretrained_init`: under the names the model holds, converted as transformers converts
+correction bias, then takes its saved value) and records the reader of its weights slice by
+slice in its :class:`~trainmesh.core.hub_state.HubState` (no attribute on the model;
+:func:`pretrained_init`: under the names the model holds, converted as transformers converts
 them on load, e.g. a mixture of experts saved expert by expert and held stacked). The engine then materialises each rank's part
 after the tensor-parallel split — a column shard of a GPT-2 ``Conv1D`` is a slice of its
 ``(in, out)`` weight, a shard of the fused ``c_attn`` one slice of each of q, k and v — so no
@@ -34,6 +35,7 @@ from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_infer import not_inferred, plan_source
 from trainmesh.core.hf_plan import family
 from trainmesh.core.hf_routing import router_loss_enabled, router_modules
+from trainmesh.core.hub_state import hub_state
 from trainmesh.engine.materialize import InitFn
 from trainmesh.models.hf import FIELD, build_on_meta, weight_files
 from trainmesh.models.hf_attention import routes_attention
@@ -44,8 +46,9 @@ from trainmesh.models.hf_weights import CheckpointView
 
 def from_pretrained(path: str, *, field: str = FIELD, plans: PlanFiles | None = None) -> nn.Module:
     """The causal LM of model directory ``path`` (any ``AutoModelForCausalLM`` type), float32
-    parameters on the meta device, with ``init_parameter(name, shape, index)`` reading its
-    weights slice by slice (the engine calls it for what each rank holds), every persistent
+    parameters on the meta device, its weights reader ``init(name, shape, index)`` recorded in
+    its :class:`~trainmesh.core.hub_state.HubState` (:func:`~trainmesh.core.hub_state.init_of`
+    gives it; the engine calls it for what each rank holds), every persistent
     buffer the weights hold set to its saved value (a router's ``e_score_correction_bias``: as
     transformers' ``from_pretrained`` loads it; each whole, on every rank); its parallel plans
     from ``plans``' files, else declared, else inferred from its modules
@@ -53,7 +56,7 @@ def from_pretrained(path: str, *, field: str = FIELD, plans: PlanFiles | None = 
     model = build_on_meta(path, field=field, plans=plans)
     view = CheckpointView(weight_files(path, field), model, field=field)
     view.load_buffers(model)          # persistent buffers' trained values (a router's bias)
-    model.init_parameter = view.read
+    hub_state(model).init = view.read     # the engine reads it (init_of)
     attach_router_stats(model)        # a mixture of experts that asks for its router's aux loss
     return model
 
@@ -208,7 +211,8 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
     (``output_router_logits``, ``router_aux_loss_coef``) gets it in its gradient, per sequence
     (:mod:`trainmesh.models.hf_router`: transformers' formula over each sequence's tokens, so the
     same under every split of the batch); the returned loss stays the cross-entropy, the aux is
-    reported in ``model.moe_stats``. Otherwise its router logits are not asked for."""
+    reported in the model's MoE statistics (:func:`~trainmesh.core.hub_state.moe_stats_of`).
+    Otherwise its router logits are not asked for."""
     routes = _routes(model)
     aux = routes and router_loss_enabled(model)
     extra = {"output_router_logits": aux} if routes else {}

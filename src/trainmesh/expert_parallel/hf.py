@@ -50,6 +50,7 @@ from trainmesh.comm import Comm
 from trainmesh.core.compat import in_backward
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_infer import base_name, not_inferred
+from trainmesh.core.hub_state import moe_stats_of
 from trainmesh.core.layout import Group
 from trainmesh.core.placement import Placement, Placements
 from trainmesh.models.moe import MoEStats
@@ -220,4 +221,4 @@ def shard_hf_experts(model: nn.Module, comm: Comm, placements: Placements) -> No
         kind = BlockDispatch if takes_blocks(layer.module) else Dispatch
         layer.module.forward = kind(layer.module.forward, ExpertExchange(comm, layer.n_experts),
                                     layer.n_experts, local, index,
-                                    lambda: getattr(model, "moe_stats", None))
+                                    lambda: moe_stats_of(model))

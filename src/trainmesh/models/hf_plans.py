@@ -15,8 +15,9 @@ per axis, which plan the model trains with:
 3. a plan inferred from its modules (:mod:`trainmesh.core.hf_infer`) where it declares none
    (or, for pp, one without a layer list).
 
-It records where each came from and, where inference failed, what it could not place
-(:func:`~trainmesh.core.hf_infer.plan_source`, :func:`~trainmesh.core.hf_infer.not_inferred`),
+It records where each came from and, where inference failed, what it could not place, in the
+model's :class:`~trainmesh.core.hub_state.HubState` (read by
+:func:`~trainmesh.core.hf_infer.plan_source`, :func:`~trainmesh.core.hf_infer.not_inferred`),
 which the refusals of the axes name. A plan file that is not
 a JSON object of the config's format, or names no module of the model, is a ConfigError naming
 its flag and what is wrong. Imports core only.
@@ -35,8 +36,6 @@ from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_infer import (
     AXES,
     HEAD_IO,
-    SOURCES,
-    UNINFERRED,
     Uninferable,
     base_name,
     infer_ep_plan,
@@ -44,6 +43,7 @@ from trainmesh.core.hf_infer import (
     infer_tp_plan,
 )
 from trainmesh.core.hf_plan import declared_pp_plan
+from trainmesh.core.hub_state import hub_state
 
 FLAGS = {"tp": "--tp-plan", "pp": "--pp-plan", "ep": "--ep-plan"}
 FIELDS = {"tp": "base_model_tp_plan", "pp": "base_model_pp_plan", "ep": "base_model_ep_plan"}
@@ -155,8 +155,8 @@ def install_plans(model: nn.Module, files: PlanFiles | None = None) -> nn.Module
                 sources[axis] = "inferred"
             except Uninferable as exc:
                 uninferred[axis] = str(exc)
-    setattr(model, SOURCES, sources)
-    setattr(model, UNINFERRED, uninferred)
+    state = hub_state(model)
+    state.plan_sources, state.uninferred = sources, uninferred
     if sources.get("pp") == "file":
         from trainmesh.core.hf_plan import hf_structure
         hf_structure(model, FLAGS["pp"])

@@ -26,7 +26,7 @@ no gradient), while each rank keeps its own tokens' probability sums: the ranks'
 rank's share (:func:`sequence_aux` takes the summing as ``split``: the engine's
 :class:`~trainmesh.expert_parallel.sequence.SequenceSum` over the axis table's
 ``sequence_groups``, cp and, under sequence parallelism, tp, whose ranks route their own chunk
-of the tokens; ``model.moe_stats.sequence``). Under a pipeline the layers of one sequence lie on
+of the tokens; the statistics' ``sequence``). Under a pipeline the layers of one sequence lie on
 several stages: each stage adds its layers' :class:`~trainmesh.core.hf_routing.Routing` to what the previous ones carried
 and sends the sums on with the hidden states (:mod:`trainmesh.pipeline_parallel.hf_routing`);
 the last stage forms the aux from them, and the gradient of the probability sums flows back
@@ -34,7 +34,8 @@ through the pipeline to every stage's routers.
 
 Its gradient enters through :class:`~trainmesh.models.moe.AuxGrad` on the logits, so the
 reported loss stays the cross-entropy and the aux is reported apart, in the model's
-:class:`~trainmesh.models.moe.MoEStats` (the metrics file's ``moe``). Imports core and models.
+:class:`~trainmesh.models.moe.MoEStats`, kept in its :class:`~trainmesh.core.hub_state.HubState`
+(the metrics file's ``moe``). Imports core and models.
 """
 from __future__ import annotations
 
@@ -50,25 +51,27 @@ from trainmesh.core.hf_routing import (
     router_loss_enabled,
     router_modules,
 )
+from trainmesh.core.hub_state import hub_state, moe_stats_of
 
 from .moe import AuxGrad, MoEStats, SequenceSplit
 
 
 def attach_router_stats(model: nn.Module) -> MoEStats | None:
-    """``model.moe_stats`` (created for a model whose config asks for the aux loss), or None."""
-    stats = getattr(model, "moe_stats", None)
+    """The MoE statistics ``model`` reports (:func:`~trainmesh.core.hub_state.moe_stats_of`):
+    for a Hugging Face model whose config asks for the aux loss, those kept in its
+    :class:`~trainmesh.core.hub_state.HubState`, created the first time; else None."""
+    stats = moe_stats_of(model)
     if stats is None and router_loss_enabled(model):
         n_experts = getattr(model.config, "num_experts", None) or getattr(model.config, "num_local_experts", None) \
             or getattr(model.config, "n_routed_experts", None)
-        stats = MoEStats(len(router_modules(model)), int(n_experts))
-        model.moe_stats = stats
+        stats = hub_state(model).moe_stats = MoEStats(len(router_modules(model)), int(n_experts))
     return stats
 
 
 def record_routing(model: nn.Module, router_logits: Sequence[torch.Tensor], layers: Sequence[int],
                    batch: int) -> Routing:
-    """:func:`~trainmesh.core.hf_routing.layers_routing` with ``model.moe_stats``'s counts
-    (the stats created if the model has none yet)."""
+    """:func:`~trainmesh.core.hf_routing.layers_routing` with the model's MoE statistics'
+    counts (:func:`attach_router_stats`: created if the model has none yet)."""
     stats = attach_router_stats(model)
     return layers_routing(router_logits, layers, batch, int(model.config.num_experts_per_tok),
                           None if stats is None else stats.counts)
@@ -94,8 +97,9 @@ def add_router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...] | 
     """``logits`` (b, s, vocab), carrying the gradient of ``router_aux_loss_coef`` times the
     sum over this rank's sequences of their aux, each weighted by its length (module
     docstring), from the forward's ``router_logits`` (every MoE layer's) or the
-    :class:`Routing` a pipeline's stages carried; records the aux in ``model.moe_stats``. An
-    evaluation (no gradient) is left as it is: nothing to train, nothing to report."""
+    :class:`Routing` a pipeline's stages carried; records the aux in the model's MoE statistics
+    (:func:`attach_router_stats`). An evaluation (no gradient) is left as it is: nothing to
+    train, nothing to report."""
     stats = attach_router_stats(model)
     if not torch.is_grad_enabled() or stats is None:
         return logits

@@ -37,7 +37,7 @@ from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_plan import HFStructure, first_output, hf_structure, swapped
 from trainmesh.core.hf_routing import router_loss_enabled
 
-from .hf_routing import RouterTap, empty, pack, unpack
+from .hf_routing import RouterTap, empty, pack, router_stats, unpack
 
 
 def is_hf_model(model: Any) -> bool:
@@ -103,6 +103,9 @@ class HFPipeline:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.stands_for = model
+        """The model this view stands for: its record (:mod:`trainmesh.core.hub_state`) is
+        this view's, and that of the last stage's view of it that ``loss_fn`` is handed."""
         self.structure: HFStructure = hf_structure(model)
         self.base = model.get_submodule(self.structure.base)
         self._layer_index = {name: i for i, name in enumerate(self.structure.layer_names(model))}
@@ -138,7 +141,7 @@ class HFPipeline:
                 ids = self._ids(batch)
                 routing = empty(self.model, ids.shape[0], ids.device)
             else:
-                x, routing = unpack(x, self.model.moe_stats.n_experts)
+                x, routing = unpack(x, router_stats(self.model).n_experts)
         calls: dict[int, tuple] = {}
         if needed or holds_input:
             first_hidden, calls = self._capture(batch, holds_input, max(needed, default=0))
@@ -165,7 +168,7 @@ class HFPipeline:
         from transformers.modeling_outputs import BaseModelOutputWithPast
         routing = None
         if self.routers is not None:
-            hidden, routing = unpack(hidden, self.model.moe_stats.n_experts)
+            hidden, routing = unpack(hidden, router_stats(self.model).n_experts)
             kwargs = {**kwargs, "output_router_logits": False}
 
         def stand_in(*_a: Any, **_k: Any) -> Any:

@@ -20,12 +20,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from trainmesh.core.hf_routing import Routing, layers_routing, router_logits_of, router_modules
+from trainmesh.core.hub_state import moe_stats_of
+
+if TYPE_CHECKING:
+    from trainmesh.models.moe import MoEStats
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 """Hidden-state dtypes a boundary carries, by code."""
@@ -58,9 +62,17 @@ def unpack(x: torch.Tensor, experts: int) -> tuple[torch.Tensor, Routing]:
     return x[:, :-r].to(dtype), routing
 
 
+def router_stats(model: nn.Module) -> MoEStats:
+    """The MoE statistics of a model whose stages carry its router's aux loss (made with the
+    engine, :func:`~trainmesh.models.hf_router.attach_router_stats`)."""
+    stats = moe_stats_of(model)
+    assert stats is not None, "a mixture of experts asking for its aux loss has MoE statistics"
+    return stats
+
+
 def empty(model: nn.Module, batch: int, device: torch.device) -> Routing:
     """No layer's routing yet (the first stage's start)."""
-    experts = model.moe_stats.n_experts
+    experts = router_stats(model).n_experts
     return Routing(torch.zeros(batch, experts, device=device),
                    torch.zeros(batch, experts, device=device), torch.zeros(batch, device=device))
 
@@ -97,6 +109,6 @@ class RouterTap:
         """``routing`` plus that of the routers ``seen`` (recording their counts)."""
         if not seen or not torch.is_grad_enabled():
             return routing
-        stats = self.model.moe_stats
+        stats = router_stats(self.model)
         return routing + layers_routing([t for _, t in seen], [i for i, _ in seen], batch,
                                         int(self.model.config.num_experts_per_tok), stats.counts)
