@@ -12,16 +12,24 @@ equals that model's loss on the same batch within LOSS_FP32, while the same mode
 bias at its init (zeros) is further than 10 x LOSS_FP32 from it (so the comparison can fail).
 A file whose buffer has another shape is refused before any worker starts, naming
 ``--model-dir`` and the buffer.
+`trainmesh checkpoint export-hf` of a checkpoint taken after a training step (dp 1, in
+process) writes the buffer back with the file's value, and the model ``from_pretrained`` loads
+from the export gives the trained model's logits.
 
-Planted bug this module catches (seen failing with an assertion): the buffers not loaded (the
+Planted bugs this module catches (each seen failing with an assertion): the buffers not loaded (the
 model keeps its init) fails test_persistent_buffers_take_the_files_values with
 "model.layers.1.mlp.gate.e_score_correction_bias: tensor([0., 0., 0., 0.]) vs the file's
-tensor([ 1.0000,  0.5000, -1.0000, -0.5000])".
+tensor([ 1.0000,  0.5000, -1.0000, -0.5000])". The export leaving the buffer out fails
+test_export_hf_writes_the_buffers_back with "AssertionError: export-hf wrote no
+model.layers.1.mlp.gate.e_score_correction_bias" (and from_pretrained names it missing); the
+export writing it at zeros with "(tensor([0., 0., -0., -0.]), tensor([ 1.0000,  0.5000,
+-1.0000, -0.5000]))", the logits then 3.9 off.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import fp32_atol
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -111,3 +119,33 @@ def test_a_buffer_of_another_shape_is_refused_naming_model_dir(model_dir, tmp_pa
         check_model_dir(str(bad))
     assert err.value.field == "--model-dir" and BIAS in err.value.message, err.value
     assert "(5,)" in err.value.message and "(4,)" in err.value.message, err.value
+
+
+def test_export_hf_writes_the_buffers_back(model_dir, tmp_path):
+    """``checkpoint export-hf`` after a step at dp 1: the exported file holds the router's bias
+    with the value the weights gave (the optimizer does not move a buffer), and the model
+    ``from_pretrained`` loads from it gives the trained model's logits."""
+    import trainmesh as tm
+    from safetensors import safe_open
+
+    from trainmesh.checkpoint.export_hf import export_hf
+    saved = transformers.AutoModelForCausalLM.from_pretrained(model_dir).get_buffer(BIAS)
+    engine = tm.Engine(tm.from_pretrained(model_dir), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                       tm.causal_lm_loss, tm.ParallelConfig(), mesh=tm.ParallelMesh(local=True))
+    engine.train_step(_batch())
+    engine.save(str(tmp_path / "ckpt"))
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert BIAS in f.keys(), f"export-hf wrote no {BIAS}"
+        assert torch.equal(f.get_tensor(BIAS), saved), (f.get_tensor(BIAS), saved)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert torch.equal(model.get_buffer(BIAS), saved), (model.get_buffer(BIAS), saved)
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        want = engine.module(input_ids=ids).logits          # (batch, seq, vocab)
+        got = model.eval()(input_ids=ids).logits
+    # the same modules and weights: only another kernel's rounding of the logits' last sums
+    # (hidden 32 terms) could differ; a router bias lost moves tokens to other experts (~1e-1)
+    atol = fp32_atol(float(want.abs().max()), 32)
+    assert float((got - want).abs().max()) <= atol, (float((got - want).abs().max()), atol)
