@@ -130,7 +130,8 @@ def check_tp_first_layer(model: nn.Module, tp: int) -> None:
     """A hub model's inferred or file's tensor-parallel plan splits the first layer at ``tp`` as
     the unsplit layer computes (:func:`trainmesh.tensor_parallel.hf_check.check_first_layer`),
     in this process. It runs once per run: ``trainmesh train``'s preflight runs it before any
-    worker starts, and its workers' engines are told so (``Engine(first_layer_checked=True)``);
+    worker starts (the launcher's; under torchrun or srun each process's, before it joins the
+    job), and its workers' engines are told so (``Engine(first_layer_checked=True)``);
     through the Python API the engine runs it before any collective (a model built by
     ``from_pretrained``), so the ConfigError names the plan (``--tp``, or ``--tp-plan`` for a
     file's) the same way in both. Its cost: the process that runs it holds the first decoder
