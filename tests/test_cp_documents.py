@@ -188,6 +188,7 @@ def _one_process(flags: list[str], data_of, batch: int) -> list[dict]:
 def _gemma3_window_dir(tmp) -> str:
     """A tiny Gemma 3 (text): a sliding-window layer (window 6, shorter than the sequence and
     crossing the chunks of --cp 2) and a full-attention one, matrices at std 0.2."""
+    from helpers import widened
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(
@@ -195,12 +196,7 @@ def _gemma3_window_dir(tmp) -> str:
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
         sliding_window=6, layer_types=["sliding_attention", "full_attention"],
         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
-    model = transformers.Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(str(tmp / "gemma3"))
+    widened(transformers.Gemma3ForCausalLM(config)).save_pretrained(str(tmp / "gemma3"))
     return str(tmp / "gemma3")
 
 

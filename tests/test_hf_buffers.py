@@ -44,6 +44,7 @@ relative: below 1e-5 per reduction, a few of them in sequence; 1e-4 leaves room.
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
+    from helpers import widened
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -52,10 +53,8 @@ def model_dir(tmp_path_factory) -> str:
         topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=16,
         kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False))
+    widened(model)                          # each expert's output shows in the loss
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)         # each expert's output shows in the loss
         model.get_buffer(BIAS).copy_(torch.tensor([1.0, 0.5, -1.0, -0.5]))
     path = tmp_path_factory.mktemp("deepseek") / "m"
     model.save_pretrained(path)

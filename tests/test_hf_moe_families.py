@@ -45,6 +45,7 @@ AUX = dict(output_router_logits=True, router_aux_loss_coef=0.05)
 def family_model(kind: str) -> torch.nn.Module:
     """A tiny random ``kind``, the same on every rank; matrices at std 0.2 so that each
     expert's output shows in the loss."""
+    from helpers import widened       # here: the workers import this module, not helpers
     torch.manual_seed(0)
     if kind == "olmoe":
         model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
@@ -61,11 +62,7 @@ def family_model(kind: str) -> torch.nn.Module:
         model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
             **COMMON, **AUX, intermediate_size=16, num_local_experts=4, head_dim=8,
             sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    return model
+    return widened(model)
 
 
 def _batch(step: int, dp_rank: int = 0, dp: int = 1) -> dict[str, torch.Tensor]:

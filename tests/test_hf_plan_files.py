@@ -21,7 +21,7 @@ import json
 
 import pytest
 import torch
-from helpers import LAUNCHED, step_differences, train_config
+from helpers import LAUNCHED, step_differences, train_config, widened
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -47,11 +47,7 @@ def dirs(tmp_path_factory) -> dict[str, str]:
               "llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))}
     out = {}
     for kind, model in models.items():
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, 0.2)
-        model.save_pretrained(str(root / kind))
+        widened(model).save_pretrained(str(root / kind))
         out[kind] = str(root / kind)
     return out
 

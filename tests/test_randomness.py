@@ -251,6 +251,7 @@ def test_the_draw_sites_are_held_by_the_installer_not_by_the_modules():
 def _hub_dir(tmp, kind: str) -> str:
     """A tiny saved ``kind``, matrices at std 0.2: Seed-OSS (attention and residual dropout 0.1,
     its defaults) or PhiMoE (sampling among experts within 0.5 of the best, input jitter 0.1)."""
+    from helpers import widened
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -264,11 +265,7 @@ def _hub_dir(tmp, kind: str) -> str:
         model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
             **common, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5,
             input_jitter_noise=0.1))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(str(tmp / kind))
+    widened(model).save_pretrained(str(tmp / kind))
     return str(tmp / kind)
 
 
