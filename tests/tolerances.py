@@ -57,6 +57,9 @@ ZeRO-3 reshard microbatch: units kept after   test_pipeline: zero_inside_pipelin
   their forward                               (dp.all_gather 2m x 4Psi)
 zb1p W producing weight gradients first       test_pipeline: zero_inside_pipeline_memory_...
   layer first: ZeRO-2 stages every bucket     (transient buckets below 8 buckets)
+zb1p with experts, ZeRO-1/2: the walk at W    test_zb1p_experts (ZeRO-1: a rank aborted on
+  left out (an idle expert never passes its   a size mismatch; ZeRO-2: a stall diagnosed;
+  round)                                      ep 2 ZeRO-2: grad norm 0.4% off at step 2)
 split backward: intermediates not pinned to   test_split_backward: weight_used_at_several_...
   their recorded gradients (counted twice)
 ZeRO state keys gathered in a per-process     test_checkpoint_chain (moments, negative
@@ -94,6 +97,8 @@ HF experts stacked in string order (10 < 2)    test_hf_moe: weights_read_...; qw
 HF router's routing weights detached           test_hf_moe: layouts_train_like_... (the engine
                                               names the router as receiving no gradient)
 export-hf writing stacked expert names         test_hf_moe: checkpoints_resume_... (key set)
+export-hf leaving out a persistent buffer,     test_hf_buffers: export_hf_writes_the_...
+  or writing it at its init                    (key missing; zeros, logits 3.9 off)
 HF ep: experts reduced over dp, not edp        test_hf_moe: layouts_train_like_one_process
                                               [mixtral ep] (norm 1.1e-3 rel at step 1, loss
                                               1.3e-2 at step 2)
