@@ -4,7 +4,7 @@
 flat shards, tensor-parallel shards, offload's host shards) and maps the iteration over whole
 matrices through its ``wholes`` attribute (``map(param, tensors, fn)``: ``fn`` of each whole
 matrix, the result laid out like ``param``); :class:`~.whole_params.WholeParams` maps a user's
-optimizer step the same way. :func:`install` sets the map the layout needs:
+optimizer step the same way. :func:`~.whole_maps.install` sets the map the layout needs:
 
 - **whole along DP** (one process, DDP, pipeline stages, experts on their ep rank, context
   parallelism's replicas): every rank holds each whole gradient, so it runs the iteration on
@@ -51,7 +51,8 @@ from trainmesh.core.placement import Placements
 
 from ..comm import Comm
 from .base import GradSync
-from .muon import Local, MuonAdamW, ns_flops
+from .muon import Local, ns_flops
+
 
 def owners(shapes: Sequence[tuple[str, tuple[int, ...]]], ranks: int) -> dict[str, int]:
     """Each matrix's owner among ``ranks``, balancing the iteration's FLOPs: largest first
@@ -79,7 +80,7 @@ def tp_owners(shapes: Sequence[tuple[str, tuple[int, ...]]], zero_owner: dict[st
 WholeFn = Callable[[str | None, list[torch.Tensor]], torch.Tensor]
 """(parameter name or None, whole tensors of one parameter) -> a whole tensor of its shape."""
 
-__all__ = ["ByName", "Local", "TensorParallel", "TensorParallelOwners", "install", "owners",
+__all__ = ["ByName", "Local", "TensorParallel", "TensorParallelOwners", "owners",
            "tp_iterate", "tp_owners"]
 
 
@@ -220,25 +221,3 @@ def _scatter_pieces(full: torch.Tensor, local: torch.Tensor, pieces: list, dim: 
         w = idx[dim].stop - idx[dim].start
         full[idx] = local.narrow(dim, at, w)
         at += w
-
-
-def install(sync: GradSync, comm: Comm, placements: Placements | None) -> None:
-    """Give every optimizer that declares ``needs_whole_params`` (and takes a ``wholes`` map:
-    :class:`~.muon.MuonAdamW`, :class:`~.muon.WholeParams`) the map its part of the layout
-    needs (module docstring)."""
-    from .composite import CompositeSync
-    from .sharded import ShardedSync
-    from .zero_owners import ShardOwners
-    parts = sync.parts if isinstance(sync, CompositeSync) else [sync]
-    tp = TensorParallel(comm, placements)
-    for part in parts:
-        opt = part.optimizer
-        if opt is None or not getattr(opt, "needs_whole_params", False) or not hasattr(opt, "wholes"):
-            continue
-        muon = isinstance(opt, MuonAdamW)
-        if isinstance(part, ShardedSync):
-            opt.wholes = ShardOwners(part, tp, tp_owned=muon)
-        elif tp.tp > 1 and muon:
-            opt.wholes = TensorParallelOwners(part, tp)
-        elif tp.tp > 1 or hasattr(opt, "whole_state"):   # a user's optimizer: states by name
-            opt.wholes = ByName(part, tp)

@@ -40,7 +40,7 @@ from trainmesh.core.step import Across, Executor, LossFn, StepHooks, StepReport,
 from trainmesh.data.corpus import split_microbatches
 from trainmesh.data_parallel import frozen_named_parameters, make_grad_sync, unique_named_parameters
 from trainmesh.data_parallel.base import OptimizerFactory
-from trainmesh.data_parallel.muon_owners import install as whole_matrices
+from trainmesh.data_parallel.whole_maps import install as whole_matrices
 from trainmesh.data_parallel.whole_params import declared
 from trainmesh.data_parallel.readiness import reached
 from trainmesh.engine.accounting import Accounting
