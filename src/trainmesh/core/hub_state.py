@@ -17,13 +17,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from trainmesh.models.moe import MoEStats
+from trainmesh.core.moe_stats import MoEStats
 
 InitFn = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
 """``init(name, shape, index)``: the values ``full[index]`` of parameter ``name`` of full

@@ -20,16 +20,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from trainmesh.core.hf_routing import Routing, layers_routing, router_logits_of, router_modules
 from trainmesh.core.hub_state import moe_stats_of
-
-if TYPE_CHECKING:
-    from trainmesh.models.moe import MoEStats
+from trainmesh.core.moe_stats import MoEStats
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 """Hidden-state dtypes a boundary carries, by code."""
