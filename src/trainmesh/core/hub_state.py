@@ -25,7 +25,7 @@ from trainmesh.core.moe_stats import MoEStats
 
 InitFn = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
 """``init(name, shape, index)``: the values ``full[index]`` of parameter ``name`` of full
-shape ``shape`` (as :data:`trainmesh.engine.materialize.InitFn`)."""
+shape ``shape`` (the engine's sharded initialisation calls it: :mod:`trainmesh.engine.materialize`)."""
 
 
 @dataclass

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from trainmesh.core.errors import ConfigError
+from trainmesh.core.hub_state import InitFn
 from trainmesh.core.placement import Placement, Placements
-
-InitFn = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
-"""(full parameter name, full shape, one slice per dimension) -> ``full[index]``."""
 
 
 def slice_of(p: nn.Parameter, placement: Placement | None
