@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from trainmesh.core.compat import in_backward
+from trainmesh.core.dtypes import wide
 from trainmesh.core.errors import ConfigError
 
 
@@ -105,8 +106,7 @@ def sequence_routing(router_logits: tuple[torch.Tensor, ...], batch: int, top_k:
     slots per expert of each layer (L, E)), the layers pooled as transformers pools them. Each logits tensor is ``(b·s, E)``."""
     slots, probs, per_layer = 0.0, 0.0, []
     for logits in router_logits:
-        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        p = wide.softmax(-1).view(batch, -1, logits.shape[-1])                # (b, s, E)
+        p = logits.to(wide(logits.dtype)).softmax(-1).view(batch, -1, logits.shape[-1])   # (b, s, E)
         chosen = p.topk(top_k, dim=-1).indices                               # (b, s, k)
         hits = torch.zeros_like(p).scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=p.dtype))
         slots = slots + hits.detach().sum(1)                                  # (b, E)

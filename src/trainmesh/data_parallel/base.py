@@ -76,12 +76,6 @@ class SyncOptions:
     reduced gradient shard is all-reduced over it. None: no replicas."""
 
 
-def wide(dtype: torch.dtype) -> torch.dtype:
-    """``dtype`` in float32 at least: what sums over a 16-bit model are kept in (its norms, its
-    fp32 copies); a float64 model's stays float64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Trainable parameters in registration order, each shared parameter once (first name)."""
     seen: set[int] = set()

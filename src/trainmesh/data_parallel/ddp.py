@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from trainmesh.core.dtypes import wide
+
 from ..comm import Comm
-from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters, wide
+from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 from .buckets import Bucket, Bucketer
 from .master import MasterWeights
 

@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
+from trainmesh.core.dtypes import wide
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.layout import Group
 
 from ..comm import Comm
-from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, wide
+from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions
 from .composite import CompositeSync
 
 REPLICA = "replica{}/"

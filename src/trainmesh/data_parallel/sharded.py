@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainmesh.core.dtypes import wide
 from trainmesh.core.errors import ConfigError
 
 from ..comm import Comm
-from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters, wide
+from .base import CountedFn, GradSync, OptimizerFactory, SyncOptions, group_parameters
 from .flat import Slot
 from .offload import HostMaster, make_store
 from .shard_step import Index, Member, ShardStepper, elementwise

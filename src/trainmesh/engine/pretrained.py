@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.config.parallel import ParallelConfig
+from trainmesh.core.dtypes import wide
 from trainmesh.core.errors import ConfigError
 from trainmesh.core.hf_infer import not_inferred, plan_source
 from trainmesh.core.hf_plan import family
@@ -225,7 +226,7 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
         logits = add_router_loss(model, out.router_logits, logits)
     labels = batch["labels"]                                             # (b, s), -100 ignored
     logits = logits.flatten(0, 1)                        # at least float32 (float64 kept)
-    loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+    loss = F.cross_entropy(logits.to(wide(logits.dtype)),
                            labels.flatten(), reduction="sum")
     return loss, (labels != -100).sum()
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.core.dtypes import wide
 from trainmesh.core.errors import ConfigError
 
 from .init import init_module, init_value
@@ -263,7 +264,7 @@ class CrossEntropySum(nn.Module):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # at least float32 (16-bit logits widened; a float64 model's kept float64)
         logits = logits.flatten(0, -2)
-        loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+        loss = F.cross_entropy(logits.to(wide(logits.dtype)),
                                labels.flatten(), reduction="sum", ignore_index=-100)
         return loss, (labels != -100).sum()
 

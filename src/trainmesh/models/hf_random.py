@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from trainmesh.core.dtypes import wide
 from trainmesh.core.randomness import current, keep_mask, site_of
 
 from .hf_attention import current as current_attention
@@ -205,7 +206,7 @@ class _DroppedAttention:
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         scores = _masked(scores, attention_mask, getattr(module, "is_causal", True))
-        logits = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        logits = scores.to(wide(scores.dtype))
         sinks = kwargs.get("s_aux")
         if sinks is not None:   # attention sinks (gpt-oss): one more logit per head, in the softmax only
             sink = sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(b, -1, sq, 1)

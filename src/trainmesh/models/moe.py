@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.core.compat import in_backward
+from trainmesh.core.dtypes import wide
 from trainmesh.core.moe_stats import MoEStats, SequenceSplit
 
 
@@ -122,7 +123,7 @@ class MoE(nn.Module):
         """(router probabilities (T, E) in fp32 or wider, chosen experts (T, k), renormalised
         gates (T, k))."""
         logits = self.router(flat)
-        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)
+        probs = logits.to(wide(logits.dtype)).softmax(-1)
         top_p, top_e = probs.topk(self.top_k, dim=-1)
         return probs, top_e, top_p / top_p.sum(-1, keepdim=True)
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainmesh.core.dtypes import wide
 from trainmesh.core.hf_routing import Routing, layers_routing, router_logits_of, router_modules
 from trainmesh.core.hub_state import moe_stats_of
 from trainmesh.core.moe_stats import MoEStats
@@ -40,7 +41,7 @@ def _rows(experts: int, width: int) -> int:
 def pack(hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
     """(b, s, h) hidden states and the routing so far -> (b, s + r, h), one boundary tensor."""
     b, _, h = hidden.shape
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    dtype = wide(hidden.dtype)
     code = torch.full((b, 1), float(DTYPES.index(hidden.dtype)), dtype=dtype, device=hidden.device)
     flat = torch.cat([routing.slots.to(dtype), routing.probs.to(dtype),
                       routing.rows.to(dtype).unsqueeze(-1), code], -1)        # (b, 2E + 2)

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainmesh.core.dtypes import wide
+
 from ..comm import Comm
 from .layers import TPState
 
@@ -27,7 +29,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, comm: Comm, axis: str,
                 ignore_index: int) -> torch.Tensor:
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))   # (N, V/n), >= fp32
+        z = logits.to(wide(logits.dtype))   # (N, V/n), >= fp32
         width = z.shape[-1]
         start = comm.mesh.index(axis) * width
         m = z.max(dim=-1).values                                  # (N,)
