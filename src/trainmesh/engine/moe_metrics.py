@@ -32,7 +32,8 @@ from trainmesh.models.moe import MoEStats
 
 def model_stats(model: nn.Module) -> MoEStats | None:
     """The MoE statistics ``model`` reports: the built-in GPT's ``moe_stats``, or those of a
-    Hugging Face mixture of experts whose config asks for its router's aux loss (attached here;
+    Hugging Face mixture of experts whose config asks for its router's aux loss (made here, kept
+    in the model's :class:`~trainmesh.core.hub_state.HubState`;
     :func:`~trainmesh.engine.pretrained.causal_lm_loss` fills them)."""
     return attach_router_stats(model)
 

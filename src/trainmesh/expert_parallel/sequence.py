@@ -38,8 +38,9 @@ class SequenceSum:
 
 def split_sequences(model: nn.Module, comm: Comm, axes: tuple[str, ...]) -> None:
     """Tell every MoE layer of ``model`` that its sequences are split over the groups ``axes``
-    (a Hugging Face mixture of experts asking for its router's aux loss: its ``moe_stats``,
-    the aux being formed over all its layers at once)."""
+    (a Hugging Face mixture of experts asking for its router's aux loss: its MoE statistics,
+    kept beside it by trainmesh (:func:`~trainmesh.core.hub_state.moe_stats_of`), the aux being
+    formed over all its layers at once)."""
     split = SequenceSum(comm, axes)
     if split.parts == 1:
         return
