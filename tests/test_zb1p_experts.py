@@ -52,13 +52,20 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("label", list(LAYOUTS))
-def test_zb1p_with_experts_under_zero_equals_one_process(label, reference_run, tmp_path, monkeypatch):
-    ref = reference_run(BASE)
+def run_as_one_process(base: list[str], layout: list[str], ref: list[dict], tokens: int,
+                       tmp_path, monkeypatch) -> None:
+    """``trainmesh train BASE LAYOUT`` with the ranks' collectives compared every step: exit 0,
+    loss and grad norm per step as ``ref``'s (one process), and the routing counts over the run
+    (``tokens`` per step, top-1, two MoE layers) as ``ref``'s within 2 per expert and layer."""
     monkeypatch.setenv("TRAINMESH_CHECK_COLLECTIVES", "1")
-    proc, run = run_train([*BASE, *LAYOUTS[label]], tmp_path, timeout=240)
+    proc, run = run_train([*base, *layout], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_equivalent(ref, run, min_steps=STEPS)
     want, got = summary(ref)["moe"]["expert_tokens"], summary(run)["moe"]["expert_tokens"]
-    assert sum(map(sum, got)) == 4 * 4 * 1 * 2 * STEPS   # tokens x top-k x layers x steps
+    assert sum(map(sum, got)) == tokens * 1 * 2 * STEPS   # tokens x top-k x layers x steps
     assert all(abs(u - v) <= 2 for a, b in zip(want, got) for u, v in zip(a, b)), (want, got)
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_zb1p_with_experts_under_zero_equals_one_process(label, reference_run, tmp_path, monkeypatch):
+    run_as_one_process(BASE, LAYOUTS[label], reference_run(BASE), 4 * 4, tmp_path, monkeypatch)
