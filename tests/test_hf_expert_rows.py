@@ -119,11 +119,12 @@ def _stacked_file(tmp_path, full: torch.Tensor):
     from safetensors.torch import save_file
     from transformers.core_model_loading import Transpose, WeightConverter
 
-    from trainmesh.models.hf_weights import CheckpointView
+    from trainmesh.models.hf_weights import CheckpointView, _Held
     from trainmesh.models.safetensors_file import SafetensorsFile
     save_file({"s": full}, tmp_path / "s.safetensors")
     view = CheckpointView.__new__(CheckpointView)
     view.path, view.field = str(tmp_path), "--model-dir"
+    view.held, view.config, view.layer_of = _Held({"p": full.transpose(1, 2)}), None, {}
     view.handle_of = {"s": SafetensorsFile(tmp_path / "s.safetensors")}
     view.converters = [WeightConverter(source_patterns="s", target_patterns="p",
                                        operations=[Transpose(1, 2)])]

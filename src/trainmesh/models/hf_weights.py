@@ -57,6 +57,21 @@ def _natural(key: str) -> list[tuple[int, int, str]]:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
 
 
+class _Held:
+    """What a conversion may ask of the model it loads (``model.get_parameter(name)``: the
+    shape or dtype of a parameter or buffer) on meta tensors, so that the reader keeps
+    nothing of the model itself."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.of = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                   for name, t in tensors.items()}
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        if name not in self.of:
+            raise AttributeError(f"the model has no parameter {name!r}")
+        return self.of[name]
+
+
 class CheckpointView:
     """The safetensors ``files`` of a model directory (one, or the shards of its index) as the
     parameters of ``model`` (on meta is fine)."""
@@ -75,14 +90,22 @@ class CheckpointView:
         keys = sorted(self.handle_of, key=_natural)
         renamings, self.converters = _conversions(model)
         names = {**persistent_buffers(model), **dict(model.named_parameters())}
+        self.held = _Held({**names, **dict(model.named_parameters(remove_duplicate=False))})
+        self.config = getattr(model, "config", None)
         self.sources: dict[str, list[tuple[str | None, str]]] = {}
         """model name -> [(converter source pattern or None, file key)], in the file's order."""
+        self.layer_of: dict[str, str] = {}
+        """model name -> the name its converter runs under, where one converter makes several
+        parameters (a fused file tensor ``Chunk``-ed or ``Split`` into q, k and v)."""
         if renamings or self.converters:
             from transformers.core_model_loading import rename_source_key
             prefix = getattr(model, "base_model_prefix", None)
             for key in keys:
                 target, pattern = rename_source_key(key, renamings, self.converters, prefix, names)
+                if target not in names and key in names:   # as transformers: a renaming that
+                    target, pattern = rename_source_key(key, [], [], prefix, names)  # misses
                 self.sources.setdefault(target, []).append((pattern, key))
+            self._add_other_targets(names)
         else:
             self.sources = {key: [(None, key)] for key in keys}
         for alias, canonical in tied_aliases(model).items():   # a pipeline stage holding the
@@ -102,14 +125,36 @@ class CheckpointView:
         pattern = self.sources[name][0][0]
         return next(c for c in self.converters if pattern in c.source_patterns)
 
+    def _add_other_targets(self, names: dict[str, torch.Tensor]) -> None:
+        """Every other parameter a converter with several targets makes from the file tensors
+        collected under its first (transformers names them after the first): read through it."""
+        for name, group in list(self.sources.items()):
+            if group[0][0] is None or len(self._converter(name).target_patterns) == 1:
+                continue
+            for other in self._converted(name, self._meta, every=True):
+                if other != name and other in names and other not in self.sources:
+                    self.sources[other], self.layer_of[other] = group, name
+
+    def _meta(self, key: str) -> torch.Tensor:
+        return torch.empty(self._slice(key).get_shape(), device="meta")
+
     def _converted(self, name: str, tensor_of: Any,
-                   sources: list[tuple[str | None, str]] | None = None) -> torch.Tensor:
+                   sources: list[tuple[str | None, str]] | None = None,
+                   operations: list[Any] | None = None, every: bool = False) -> Any:
         """Parameter ``name`` from its file tensors (``tensor_of(key)``; ``sources``: those
-        file keys only, default all) by its converter."""
+        file keys only, default all) by its converter (``operations``: these instead of its
+        own), given what an operation may ask of the model (a parameter's shape: a
+        shape-checking ``Transpose``, a ``Split``; the config: a ``Chunk`` into as many parts as
+        it says); ``every``: the dict of all it makes."""
+        layer = self.layer_of.get(name, name)
         converter = deepcopy(self._converter(name))
+        if operations is not None:
+            converter.operations = operations
         for pat, key in sources or self.sources[name]:
-            converter.add_tensor(name, key, pat, lambda key=key: tensor_of(key))
-        out = converter.convert(name)
+            converter.add_tensor(layer, key, pat, lambda key=key: tensor_of(key))
+        out = converter.convert(layer, model=self.held, config=self.config)
+        if every:
+            return out
         if name not in out:
             raise ConfigError(self.field, f"{self.path}: converting {name} gave {sorted(out)}")
         return out[name]
@@ -119,8 +164,7 @@ class CheckpointView:
         (pattern, key), *_ = self.sources[name]
         if pattern is None:
             return tuple(self._slice(key).get_shape())
-        meta = lambda key: torch.empty(self._slice(key).get_shape(), device="meta")  # noqa: E731
-        return tuple(self._converted(name, meta).shape)
+        return tuple(self._converted(name, self._meta).shape)
 
     def read(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
         """``full[index]`` of parameter ``name``, float32; ConfigError naming the field when the
@@ -138,23 +182,32 @@ class CheckpointView:
         parts = self._parts(name, box)
         if parts is None:                               # an operation not mapped: whole
             return self._converted(name, self._whole)[index].to(torch.float32)
-        sources, index_of = parts
-        value = self._converted(name, lambda key: self._slice(key)[index_of[key]], sources)
+        sources, index_of, operations = parts
+        if operations:
+            value = self._converted(name, lambda key: self._slice(key)[index_of[key]], sources,
+                                    operations)
+        else:                                           # every operation left out: a plain read
+            (_, key), = sources
+            value = self._slice(key)[index_of[key]]
         return (value if post == () else value[post]).to(torch.float32)
 
     def _parts(self, name: str, box: list[tuple[int, int]]
-               ) -> tuple[list[tuple[str | None, str]], dict[str, tuple[slice, ...]]] | None:
-        """(the file keys to read, key -> the index of it to read) such that the converter,
-        given those parts, makes ``full[box]`` of parameter ``name`` (one range per dimension),
-        its operations mapped back from the box to the files: ``MergeModulelist`` on dim 0
-        (experts stacked from per-expert tensors: the box's experts, each its box's rows and
-        columns), ``Concatenate`` (a range of the joined dimension is a range of each part it
-        meets, maybe empty: gate and up, a range spanning both or packed halves alike) and
-        ``Transpose`` (the two dimensions' ranges swapped), in the order the converter runs them.
-        None (every source then read whole and converted) for any other operation: a
-        ``Transpose`` that checks the model's shape, an interleave, a merge on another
-        dimension or stacked experts joined on theirs, a split; or for sources whose shapes do
-        not fit."""
+               ) -> tuple[list[tuple[str | None, str]], dict[str, tuple[slice, ...]], list[Any]
+                          ] | None:
+        """(the file keys to read, key -> the index of it to read, the operations to run on
+        those parts) such that they make ``full[box]`` of parameter ``name`` (one range per
+        dimension), the converter's operations mapped back from the box to the files:
+        ``MergeModulelist`` on dim 0 (experts stacked from per-expert tensors: the box's
+        experts, each its box's rows and columns), ``Concatenate`` (a range of the joined
+        dimension is a range of each part it meets, maybe empty: gate and up, a range spanning
+        both or packed halves alike) and ``Transpose`` (the two dimensions' ranges swapped), in
+        the order the converter runs them. A ``Transpose`` that checks the model's shape
+        (Qwen3-VL-MoE's experts) is decided here, on the whole shapes, as transformers decides
+        it on the whole tensor: left out where the tensor has the parameter's shape already,
+        else a plain ``Transpose`` (it would decide otherwise on a part). None (every source
+        then read whole and converted) for any other operation: an interleave, a merge on
+        another dimension or stacked experts joined on theirs, a split; or for sources whose
+        shapes do not fit."""
         from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
         converter = self._converter(name)
         ops, patterns = list(converter.operations), list(converter.source_patterns)
@@ -173,6 +226,11 @@ class CheckpointView:
         seen: list[tuple[Any, list[tuple[int, ...]]]] = []   # each op with its inputs' shapes
         for op in ops[stacked:]:
             now = list(shapes.values())
+            if isinstance(op, Transpose) and getattr(op, "check_dims", False) and len(now) == 1:
+                held = self.held.get_parameter(self.layer_of.get(name, name))
+                if now[0] == tuple(held.shape):         # transformers leaves it as it is
+                    continue
+                op = Transpose(op.dim0, op.dim1)        # transformers transposes it
             if isinstance(op, Concatenate) and not (stacked and op.dim == 0) and all(
                     len(s) == len(now[0]) and s[:op.dim] + s[op.dim + 1:] ==
                     now[0][:op.dim] + now[0][op.dim + 1:] for s in now):
@@ -209,7 +267,7 @@ class CheckpointView:
             for key in keys[pattern][lo:hi] if stacked else keys[pattern]:
                 sources.append((pattern, key))
                 index_of[key] = rest[1:] if stacked else rest
-        return sources, index_of
+        return sources, index_of, ops[:stacked] + [op for op, _ in seen]
 
     def check(self, model: nn.Module) -> None:
         """Every parameter of ``model`` is in the file with its shape, and every persistent
