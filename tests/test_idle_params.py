@@ -17,7 +17,8 @@ DDP ends, with the ranks' collectives checked to match.
 Planted and seen failing with an assertion (docs: tests/tolerances.py): an idle parameter's step
 count advanced with the shard's (test_zero_steps_..., step count 4.0 vs 3.0); idle elements
 stepped with a zero gradient (weights off by ~1e-3: weight decay); the MoE running an expert on
-zero rows (its gradient zeros, not None).
+zero rows (its gradient zeros, not None); a group every parameter of which is idle stepped whole
+(test_a_group_every_..., "AssertionError: (1, 0.035072699189186096, 0.00951012596487999)").
 """
 from __future__ import annotations
 
@@ -139,6 +140,31 @@ def test_never_stepped_parameter_has_no_state_and_resumes_across_stages():
     model, opt = _reference(make_opt, [False, False, *STEPS_USED[2:]])
     weights, worst = _differences(model, _states_of(model, opt), second)
     assert weights == 0.0 and worst == 0.0, (weights, worst)
+
+
+def test_a_group_every_parameter_of_which_sits_out_takes_no_step():
+    """An optimizer group none of whose parameters has a gradient this step takes no step, as
+    torch.optim leaves it: ``b`` in a group of its own (as the experts' strategy's shard holds
+    only a rank's experts, all idle in a step where its ep group routed them no row). Bug: the
+    group's empty plan taken for the usual step of whole shards, so it was stepped with zero
+    gradients (moment decay, weight decay)."""
+    make_opt = OPTIMIZERS["adamw"]
+    model = Branchy()
+    opt = make_opt([{"params": [p for n, p in model.named_parameters() if not n.startswith("b.")]},
+                    {"params": list(model.b.parameters()), "lr": 2e-2}])
+    for k, use in enumerate(STEPS_USED):
+        model(_x(k), use).backward()
+        opt.step()
+        opt.zero_grad()
+    for zero in (1, 2, 3):
+        engine = Engine(Branchy(), make_opt, lambda m, b: m(*b),
+                        ParallelConfig(zero=zero, bucket_mb=1e-4, find_unused_parameters=True),
+                        mesh=ParallelMesh(local=True),
+                        param_groups=lambda n: {"lr": 2e-2} if n.startswith("b.") else {})
+        for k, use in enumerate(STEPS_USED):
+            engine.train_step((_x(k), use))
+        weights, states = _differences(model, _states_of(model, opt), engine)
+        assert weights == 0.0 and states == 0.0, (zero, weights, states)   # bit for bit
 
 
 def test_reached_finds_the_parameters_a_backward_updates():

@@ -84,9 +84,12 @@ MoE expert run on zero rows (gradient zeros,   test_idle_params: moe_does_not_ru
   not None)                                    moe_idle_expert_untouched_... (expert changed)
 ZeRO-3: a unit holding a parameter idle on one test_idle_params: moe_idle_expert_untouched_...
   rank reduced after the others (order differs) (a collective's 30 s timeout, reported)
-ZeRO-3 with ep: a unit of experts no row      test_edp_idle_experts (dp 4 x ep 2, pp 2 x dp 4
+ZeRO-3 with ep: a unit of experts no row      test_edp_idle_experts (dp 8 x ep 4, pp 2 x dp 4
   reached not passed at its open (reduced at   x ep 2 1F1B and zb1p: a stall diagnosed after
-  the end), or passed before the backward      30 s, "rank 3 diverged at op #68")
+  the end), or passed before the backward      30 s, "rank 7 diverged at op #7")
+ZeRO 1-3: a group every member of which is    test_idle_params: a_group_every_parameter_...
+  idle stepped whole (zero gradients)         (weights 3.5e-2 off); test_edp_idle_experts
+                                              (dp 8 x ep 4: loss 3.7e-3 off at step 4)
 buffers never broadcast                        test_any_model: buffers_follow_ddp_... (~0.9)
 no agreement on the unit before a gather       test_any_model: module_on_some_ranks_is_named
 Phi-3 fused qkv split as one slice             test_hf_families: phi3 (loss off by 1.6e-2)

@@ -12,7 +12,8 @@ stepped, whose state is born on its first step, as torch.optim's is) and replace
 ``optimizer.step()``:
 
 - every parameter of the group took part and all share one history (the usual step): the shard
-  is stepped whole, as before — one call, no copy;
+  is stepped whole, as before — one call, no copy; a group none of whose parameters took part
+  (a rank's experts, every one idle) is left out of that call;
 - otherwise the parameters are put in *classes* of the same history, idle ones left out, and
   each class is stepped on its own: the optimizer's group holds, for the call, one view of the
   shard per stretch of the class's parameters (views of the shard's states beside them, no
@@ -86,16 +87,22 @@ class ShardStepper:
 
     def _step(self, optimizer: torch.optim.Optimizer, groups: list[dict],
               plans: list[list[_Class] | None]) -> None:
+        saved = [group["params"] for group in groups]
         if all(p is None or (len(p) <= 1 and all(c.whole for c in p)) for p in plans):
-            for group, plan in zip(groups, plans):     # the usual step: whole shards, one call
-                if plan:
-                    self._prime(optimizer, group["params"][0], plan[0])
-            optimizer.step()
+            try:                                       # the usual step: whole shards, one call
+                for group, plan in zip(groups, plans):
+                    if plan:
+                        self._prime(optimizer, group["params"][0], plan[0])
+                    elif plan is not None:             # every member idle: the group sits out
+                        group["params"] = []
+                optimizer.step()
+            finally:
+                for group, params in zip(groups, saved):
+                    group["params"] = params
             for group, plan in zip(groups, plans):
                 if plan:
                     self._record(optimizer, group["params"][0], plan[0])
             return
-        saved = [group["params"] for group in groups]
         try:
             for r in range(max(1 if p is None else len(p) for p in plans)):
                 made: list[list[tuple[nn.Parameter, Index]] | None] = []
