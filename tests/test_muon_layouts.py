@@ -187,7 +187,7 @@ def _muon_tp_runs() -> dict:
     each matrix once (what one TP group must iterate in all)."""
     from trainmesh import Engine, ParallelConfig
     from trainmesh.data.corpus import SyntheticCorpus
-    from trainmesh.data_parallel import muon_owners
+    from trainmesh.data_parallel import muon_owners, whole_maps
     from trainmesh.data_parallel.muon import MuonAdamW, is_hidden_matrix, muon_options, ns_flops
     from trainmesh.models.gpt import GPT, GPTConfig
     corpus = SyntheticCorpus(64, 16)
@@ -196,14 +196,14 @@ def _muon_tp_runs() -> dict:
         model = GPT(GPTConfig(**SHAPE), seed=0).double()
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         once = sum(ns_flops(s) for n, s in shapes.items() if is_hidden_matrix(n, s)) * TP_STEPS
-        chosen = muon_owners.TensorParallelOwners
+        chosen = whole_maps.TensorParallelOwners      # the map install() gives Muon at tp
         if not owned:
-            muon_owners.TensorParallelOwners = muon_owners.ByName
+            whole_maps.TensorParallelOwners = muon_owners.ByName
         try:
             engine = Engine(model, lambda ps: MuonAdamW(ps, lr=0.01), lambda m, b: m(**b),
                             ParallelConfig(tp=2), param_groups=muon_options(shapes, lambda n: {}))
         finally:
-            muon_owners.TensorParallelOwners = chosen
+            whole_maps.TensorParallelOwners = chosen
         engine.optimizer.bucket_values = bucket
         for k in range(TP_STEPS):
             engine.step(corpus.batch(5, k, 8))
