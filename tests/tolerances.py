@@ -182,6 +182,9 @@ GQA ring: k/v heads repeated tiled            test_context_parallel: grouped_que
 a float64 model's gradients reduced, its loss  test_fp64_layouts: float64_layouts_equal_... (a
   (plain or vocab-parallel) or its grad norm    weight 1e-8 or a norm 2e-8 off, bound ~1e-13)
   computed in float32
+Muon tp x ZeRO: tp owners balanced over every  test_muon_zero_owners: tp_x_zero_owners_... (a
+  cut matrix, not per ZeRO owner; a tp rank     rank's FLOPs 2x its table's; weights 1.7e-2
+  handed the other's shard of a result          off the every-rank run's, bound 0)
 ============================================  ==================================================
 """
 from __future__ import annotations
