@@ -14,7 +14,9 @@ A file whose buffer has another shape is refused before any worker starts, namin
 ``--model-dir`` and the buffer.
 `trainmesh checkpoint export-hf` of a checkpoint taken after a training step (dp 1, in
 process) writes the buffer back with the file's value, and the model ``from_pretrained`` loads
-from the export gives the trained model's logits.
+from the export gives the trained model's logits. The same of a checkpoint two processes of
+``trainmesh train --model-dir`` saved after one step at dp 2 ZeRO-3 and at pp 2 (the buffer on
+the second stage only): the bias written with the file's value, no missing or unexpected key.
 
 Planted bugs this module catches (each seen failing with an assertion): the buffers not loaded (the
 model keeps its init) fails test_persistent_buffers_take_the_files_values with
@@ -23,7 +25,10 @@ tensor([ 1.0000,  0.5000, -1.0000, -0.5000])". The export leaving the buffer out
 test_export_hf_writes_the_buffers_back with "AssertionError: export-hf wrote no
 model.layers.1.mlp.gate.e_score_correction_bias" (and from_pretrained names it missing); the
 export writing it at zeros with "(tensor([0., 0., -0., -0.]), tensor([ 1.0000,  0.5000,
--1.0000, -0.5000]))", the logits then 3.9 off.
+-1.0000, -0.5000]))", the logits then 3.9 off. The checkpoint leaving out the persistent
+buffers of every pipeline stage but the first fails the pp 2 case of
+test_a_multi_process_checkpoint_exports_the_buffers with "AssertionError: export-hf wrote no
+model.layers.1.mlp.gate.e_score_correction_bias".
 """
 from __future__ import annotations
 
@@ -125,21 +130,12 @@ def test_export_hf_writes_the_buffers_back(model_dir, tmp_path):
     with the value the weights gave (the optimizer does not move a buffer), and the model
     ``from_pretrained`` loads from it gives the trained model's logits."""
     import trainmesh as tm
-    from safetensors import safe_open
-
-    from trainmesh.checkpoint.export_hf import export_hf
     saved = transformers.AutoModelForCausalLM.from_pretrained(model_dir).get_buffer(BIAS)
     engine = tm.Engine(tm.from_pretrained(model_dir), lambda ps: torch.optim.SGD(ps, lr=0.1),
                        tm.causal_lm_loss, tm.ParallelConfig(), mesh=tm.ParallelMesh(local=True))
     engine.train_step(_batch())
     engine.save(str(tmp_path / "ckpt"))
-    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
-        assert BIAS in f.keys(), f"export-hf wrote no {BIAS}"
-        assert torch.equal(f.get_tensor(BIAS), saved), (f.get_tensor(BIAS), saved)
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert torch.equal(model.get_buffer(BIAS), saved), (model.get_buffer(BIAS), saved)
+    model = _exported(tmp_path / "ckpt", tmp_path / "hf", saved)
     ids = _batch()["input_ids"]
     with torch.no_grad():
         want = engine.module(input_ids=ids).logits          # (batch, seq, vocab)
@@ -148,3 +144,41 @@ def test_export_hf_writes_the_buffers_back(model_dir, tmp_path):
     # (hidden 32 terms) could differ; a router bias lost moves tokens to other experts (~1e-1)
     atol = fp32_atol(float(want.abs().max()), 32)
     assert float((got - want).abs().max()) <= atol, (float((got - want).abs().max()), atol)
+
+
+def _exported(ckpt, out, saved: torch.Tensor) -> torch.nn.Module:
+    """``export-hf`` of the checkpoint directory ``ckpt`` into ``out``: its file holds the
+    router's bias equal to ``saved``, and ``from_pretrained`` of it reports no missing or
+    unexpected key and holds the bias too; returns that model."""
+    from safetensors import safe_open
+
+    from trainmesh.checkpoint.export_hf import export_hf
+    exported = export_hf(ckpt, out)
+    with safe_open(str(exported / "model.safetensors"), "pt") as f:
+        assert BIAS in f.keys(), f"export-hf wrote no {BIAS}"
+        assert torch.equal(f.get_tensor(BIAS), saved), (f.get_tensor(BIAS), saved)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(exported), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert torch.equal(model.get_buffer(BIAS), saved), (model.get_buffer(BIAS), saved)
+    return model
+
+
+LAYOUTS = {"dp2-zero3": ["--dp", "2", "--zero", "3"], "pp2": ["--pp", "2", "--microbatches", "2"]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_multi_process_checkpoint_exports_the_buffers(model_dir, layout, tmp_path):
+    """One step of ``trainmesh train --model-dir`` under dp 2 ZeRO-3 (the bias beside the
+    parameters' shards, on both ranks) and under pp 2 (the bias on the second stage only: the
+    first holds the dense layer 0), saved by both processes: ``export-hf`` of the checkpoint
+    writes the bias with the file's value and from_pretrained loads the export whole."""
+    from helpers import run_train
+    saved = transformers.AutoModelForCausalLM.from_pretrained(model_dir).get_buffer(BIAS)
+    ckpt = tmp_path / "ckpt"
+    proc, _ = run_train(["--model-dir", model_dir, "--seq-len", str(SEQ), "--global-batch",
+                         str(BATCH), "--steps", "1", *LAYOUTS[layout], "--save-dir", str(ckpt)],
+                        tmp_path, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _exported(ckpt, tmp_path / "hf", saved)

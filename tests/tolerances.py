@@ -105,6 +105,8 @@ HF router's routing weights detached           test_hf_moe: layouts_train_like_.
 export-hf writing stacked expert names         test_hf_moe: checkpoints_resume_... (key set)
 export-hf leaving out a persistent buffer,     test_hf_buffers: export_hf_writes_the_...
   or writing it at its init                    (key missing; zeros, logits 3.9 off)
+a checkpoint leaving out the buffers of every  test_hf_buffers: a_multi_process_...[pp2] (key
+  pipeline stage but the first                 missing from the export)
 HF ep: experts reduced over dp, not edp        test_hf_moe: layouts_train_like_one_process
                                               [mixtral ep] (norm 1.1e-3 rel at step 1, loss
                                               1.3e-2 at step 2)
