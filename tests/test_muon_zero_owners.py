@@ -14,7 +14,7 @@ books each element once each way (all_to_all) and no reduce or broadcast.
 At tp 2 x dp 2 (four processes), ZeRO-1 and ZeRO-3 with Muon's tp owners: each rank runs
 exactly the iteration FLOPs its owner tables give it (each matrix once over the four ranks) and
 the weights after two steps equal bitwise those of every tp rank of the ZeRO owner iterating
-the gathered whole.
+the gathered whole; each element crosses once each way over dp and over tp (all_to_all).
 
 Planted bugs caught here (each seen failing with an assertion, "the whole pair, exactly"): the
 owner placing each rank's stretches one element late (offset + 1, what passes the matrix's end
@@ -22,9 +22,12 @@ cut off); every tensor's stretches sent as the first tensor's (the gradient repl
 value). Under tp x ZeRO: the tp owners balanced over all cut matrices instead of per ZeRO owner
 ("zero1-one", rank 0 ran 19660800 FLOPs, 2 * 4915200 expected); each tp rank handed the other's
 shard of an owner's result, and the stretches placed one element late (the weights off the
-every-rank run's by 1.7e-2 and 2.8e-2).
+every-rank run's by 1.7e-2 and 2.8e-2); the shards sent to the tp owners twice (tp all_to_all
+bytes 589824, 2 * 8 * 24576 expected).
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -131,9 +134,9 @@ def _tp_zero_runs() -> dict:
     corpus = SyntheticCorpus(64, 16)
     shapes = {n: tuple(p.shape) for n, p in GPT(GPTConfig(**SHAPE), seed=0).named_parameters()}
     hidden = {n: ns_flops(s) for n, s in shapes.items() if is_hidden_matrix(n, s)}
-    out: dict = {"hidden": hidden}
+    out: dict = {"hidden": hidden, "values": sum(math.prod(shapes[n]) for n in hidden)}
 
-    def train(zero: int, owned: bool, bucket: int) -> tuple[dict[str, torch.Tensor], int]:
+    def train(zero: int, owned: bool, bucket: int) -> tuple[dict[str, torch.Tensor], int, dict]:
         chosen = whole_maps.ShardOwners              # the map install() gives Muon under ZeRO
         if not owned:
             whole_maps.ShardOwners = lambda part, tp, tp_owned: chosen(part, tp)
@@ -151,12 +154,15 @@ def _tp_zero_runs() -> dict:
         for k in range(TP_STEPS):
             batch = corpus.batch(5, k, 8)
             engine.step({key: v[4 * d : 4 * d + 4] for key, v in batch.items()})
-        return engine.full_state_dict(), engine.optimizer.flops_run
+        last = engine.comm.ledger.steps[-1]         # the last step's all-to-all bytes per axis
+        a2a = {axis: last[axis]["all_to_all"].bytes for axis in ("dp", "tp")
+               if "all_to_all" in last.get(axis, {})}
+        return engine.full_state_dict(), engine.optimizer.flops_run, a2a
 
     for zero in (1, 3):
-        every, out[f"zero{zero}-every"] = train(zero, False, 1 << 25)
+        every, out[f"zero{zero}-every"], _ = train(zero, False, 1 << 25)
         for bucket, limit in (("one", 1 << 25), ("small", 3000)):
-            got, flops = train(zero, True, limit)
+            got, flops, out[f"zero{zero}-{bucket}-a2a"] = train(zero, True, limit)
             out[f"zero{zero}-{bucket}"] = flops
             out[f"zero{zero}-{bucket}-diff"] = max(((got[k] - every[k]).abs().max().item(), k)
                                                    for k in every)
@@ -171,8 +177,11 @@ def test_tp_x_zero_owners_iterate_each_matrix_once_and_equal_every_tp_rank_itera
     tp ranks greedily (every hidden matrix of the GPT is cut by tp), so rank (d, t) runs
     exactly load t of the greedy over tp of the values of load d's matrices; the 4 ranks
     together run each matrix once per step (one shard group x TP group grid), where every tp
-    rank iterating runs each twice. The weights equal the every-rank run's bitwise: the owner
-    iterates the same whole matrix (every move a copy), so the same ops on the same input."""
+    rank iterating runs each twice. Per step each element of each matrix goes once to its
+    ZeRO owner and back over dp, and once to its tp owner and back over tp: 2 x 8 bytes per
+    element on each axis, summed over the ranks. The weights equal the every-rank run's
+    bitwise: the owner iterates the same whole matrix (every move a copy), so the same ops on
+    the same input."""
     from trainmesh.testing import run_distributed
     res = run_distributed(_tp_zero_runs, 4, timeout_s=180)
     hidden = res[0]["hidden"]
@@ -195,5 +204,11 @@ def test_tp_x_zero_owners_iterate_each_matrix_once_and_equal_every_tp_rank_itera
                 assert rank[key] == TP_STEPS * _greedy(zload[d], 2)[t], (key, r, rank[key])
                 assert rank[f"{key}-diff"][0] == 0.0, (key, r, rank[f"{key}-diff"])
         for bucket in ("one", "small"):
-            assert sum(res[r][f"zero{zero}-{bucket}"] for r in res) == TP_STEPS * once, zero
+            key = f"zero{zero}-{bucket}"
+            assert sum(res[r][key] for r in res) == TP_STEPS * once, zero
+            # per step, each element of every hidden matrix (float64) crosses once each way
+            # over dp (its tp shard's stretches to the ZeRO owner) and over tp (to the tp owner)
+            for axis in ("dp", "tp"):
+                got = sum(res[r][f"{key}-a2a"].get(axis, 0) for r in res)
+                assert got == 2 * 8 * res[0]["values"], (key, axis, got, res[0]["values"])
         assert sum(res[r][f"zero{zero}-every"] for r in res) == 2 * TP_STEPS * once, zero
