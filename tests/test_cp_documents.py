@@ -6,13 +6,21 @@ float64 attention with the block-diagonal causal mask, forward and backward; the
 Documents cross every chunk boundary of the zigzag split (each of the 2·cp chunks is a rank's
 edge), one spans several chunks, and one starts exactly on a chunk's first token.
 
+The position ids are gathered once per microbatch's forward, not per layer nor again by a
+recomputation: counted in one process, in the ledgers of the cp 4 and the hub cp 2 runs, and
+in the planner's traffic.
+
 Planted bugs this module catches (each seen failing with an assertion): a document start on a
 rank's chunk edge dropped (its document merged into the one before), a ring block skipped
-though its chunks shared a document (a long document's far key chunks).
+though its chunks shared a document (a long document's far key chunks), every layer gathering
+the position ids again (one process: "assert (2 == 1)"; the cp 4 run's all_gather 8192 bytes
+against 2048; the hub run's 1024 against 512), a tensor written in place taken for the one
+gathered ("assert (2 == 3)"), the planner counting the gather per layer (4096 against 1024).
 """
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -158,6 +166,63 @@ def test_rank_work_counts_the_pairs_actually_attended():
     assert all(w["computed_pairs"] == w["attended_pairs"] for w in work)   # no mask without window
 
 
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_a_packed_forward_gathers_its_documents_once(monkeypatch, recompute):
+    """The built-in GPT's attention layers (2) share one GatheredDocuments: a packed
+    microbatch's forward and backward gather its position ids once, a recomputed forward
+    reusing them; another microbatch (an equal tensor, another object) and the same tensor
+    written in place gather again, and the entry of a freed one goes at that gather. One
+    process: cp 1 under the all-gather mode (the ring's hops need process groups)."""
+    from trainmesh.comm import Comm
+    from trainmesh.context_parallel import (
+        ContextParallelAttention,
+        apply_context_parallel,
+    )
+    from trainmesh.context_parallel import documents as module
+    from trainmesh.core.mesh import ParallelMesh
+    from trainmesh.engine.recompute import apply_recompute
+    from trainmesh.models.gpt import GPT, GPTConfig
+    gathered, real = [], module.gather_documents
+    monkeypatch.setattr(module, "gather_documents",
+                        lambda ids, ring: gathered.append(weakref.ref(ids)) or real(ids, ring))
+    mesh = ParallelMesh(local=True)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_layers=2, n_heads=2))
+    apply_context_parallel(model, mesh, Comm(mesh), mode="allgather")
+    apply_recompute(model, recompute)
+    cores = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+    assert len(cores) == 2 and cores[0].documents is cores[1].documents
+    tokens = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+    pos = positions_of([5, 11]).repeat(2, 1)
+
+    def forward_backward(position_ids):
+        model(tokens, tokens, position_ids=position_ids)[0].backward()
+    forward_backward(pos)
+    assert len(gathered) == 1 and gathered[0]() is pos, len(gathered)
+    forward_backward(pos.clone())
+    assert len(gathered) == 2, len(gathered)
+    pos[:, 7] = 0
+    forward_backward(pos)
+    assert len(gathered) == 3 and len(cores[0].documents) == 1, (len(gathered), len(cores[0].documents))
+
+
+def test_the_planner_counts_the_position_ids_once_per_microbatch():
+    """`trainmesh plan`'s cp traffic of a packed run: the ring's K/V per layer as without
+    documents, plus one gather of the position ids (b·s int64) per microbatch on every rank,
+    whatever its stage's layers and the recomputation."""
+    from trainmesh.config.parallel import ParallelConfig
+    from trainmesh.models.gpt import GPTConfig
+    from trainmesh.planner.predict import predict_layout
+    gpt = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=4)
+    for pp in (1, 2):
+        for recompute in ("none", "full"):
+            layout = ParallelConfig(cp=2, pp=pp, microbatches=2, recompute=recompute)
+            packed, plain = (predict_layout(gpt, layout, global_batch=8, base_bytes=0,
+                                            documents=documents).ranks for documents in (True, False))
+            for a, b in zip(packed, plain):
+                assert a.comm_bytes_per_step["cp"] == \
+                    {**b.comm_bytes_per_step["cp"], "all_gather": 2 * 4 * 16 * 8}, (pp, recompute)
+
+
 def _short_paragraphs(tmp) -> str:
     """A text file of 300 paragraphs (documents) of 1-8 short words: a few per sequence."""
     g = torch.Generator().manual_seed(0)
@@ -205,9 +270,10 @@ def _gemma3_window_dir(tmp) -> str:
 def test_sliding_window_hub_model_under_cp2_equals_one_process(tmp_path):
     """Gemma 3 with a window (6) shorter than the sequence (32), on packed documents: --cp 2
     trains like one process for 20 steps (the run was refused before), the ring taking the
-    window and the documents from the position ids the model hands its attention. One
+    window and the documents from the position ids the model hands its attention, gathered
+    once per forward for both layers (the ledger's cp all_gather: b·s·8 bytes a step). One
     process: the engine `trainmesh train` builds, in this process."""
-    from helpers import assert_equivalent, run_train, steps
+    from helpers import assert_equivalent, run_train, steps, summary
 
     from trainmesh.data.corpus import make_datasets
     directory = _gemma3_window_dir(tmp_path)
@@ -220,19 +286,23 @@ def test_sliding_window_hub_model_under_cp2_equals_one_process(tmp_path):
     proc, records = run_train([*base, "--cp", "2"], tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_equivalent(ref, steps(records))
+    for rank in summary(records)["ranks"]:
+        assert rank["comm_bytes_per_step"]["cp"]["all_gather"] == 2 * 32 * 8, rank
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_boundary(tmp_path):
-    """`trainmesh train --cp 4 --documents packed` (the built-in GPT, the ring) trains 20 steps
-    like one process on the same packed batches; the data's short paragraphs put a document
-    across each of the 7 chunk edges of the cp 4 split in the first batch (checked); each rank's
-    cp bytes per step are the formula of docs/CONTEXT_PARALLEL.md with the position ids' gather;
-    each step's MFU counts the attention of that step's documents."""
+    """`trainmesh train --cp 4 --documents packed` (the built-in GPT, the ring; full recompute)
+    trains 20 steps like one process on the same packed batches; the data's
+    short paragraphs put a document across each of the 7 chunk edges of the cp 4 split in the
+    first batch (checked); each rank's cp bytes per step are the formula of
+    docs/CONTEXT_PARALLEL.md: the K/V per layer, forward twice, and the position ids gathered
+    once (not again by the second layer nor by the recomputation); each step's
+    MFU counts the attention of that step's documents."""
     from helpers import assert_equivalent, run_train, steps, summary, train_config
 
-    from trainmesh.context_parallel import cp_bytes_per_layer
+    from trainmesh.context_parallel import cp_bytes_per_layer, cp_document_bytes
     from trainmesh.data.corpus import make_datasets
     from trainmesh.models.gpt import GPT
     from trainmesh.observe.flops import document_len
@@ -245,7 +315,8 @@ def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_bound
     assert all(bool((pos[:, edge] != 0).any()) for edge in range(8, 64, 8)), pos
     assert int((pos == 0).sum()) >= 4 * 4                      # several documents per row
     ref = _one_process(base, lambda cfg: train, 4)
-    proc, records = run_train([*base, "--cp", "4", "--peak-tflops", "1"], tmp_path, timeout=240)
+    proc, records = run_train([*base, "--cp", "4", "--peak-tflops", "1", "--recompute", "full"],
+                              tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_equivalent(ref, steps(records))
     # MFU counts the attention of each step's documents: s -> the step's sum L^2 / sum L
@@ -256,11 +327,14 @@ def test_train_cp4_packed_equals_one_process_with_documents_crossing_every_bound
         assert row["document_len"] == attended < 64
         flops = whole - 12 * gpt.n_layers * gpt.d_model * (64 - attended)
         assert row["mfu"] == pytest.approx(row["tokens_per_s"] * flops / (4 * 1e12), rel=1e-12)
-    # the ledger: the ring's K/V and each layer's gather of the position ids (b·s int64)
-    per_layer = cp_bytes_per_layer(cp=4, micro_batch=4, seq_len=64, d_model=32, documents=True)
-    assert per_layer["all_gather"] == 4 * 64 * 8
+    # the ledger: the ring's K/V of each layer (2 forwards) and the microbatch's gather of the
+    # position ids (b·s int64), the ring's only all_gather: once, not per layer and forward
+    per_layer = cp_bytes_per_layer(cp=4, micro_batch=4, seq_len=64, d_model=32, forwards=2)
+    ids = cp_document_bytes(cp=4, micro_batch=4, seq_len=64)
+    assert ids == {"all_gather": 4 * 64 * 8} and "all_gather" not in per_layer
     for rank in summary(records)["ranks"]:
-        assert rank["comm_bytes_per_step"]["cp"] == {op: 2 * b for op, b in per_layer.items()}
+        assert rank["comm_bytes_per_step"]["cp"] == {
+            **{op: 2 * b for op, b in per_layer.items()}, **ids}
 
 
 def test_flops_count_attention_within_documents():

@@ -77,8 +77,11 @@ def test_a_packed_layout_matches_one_process(name, corpus, reference_run, tmp_pa
         for x, y in zip(a, b):
             assert abs(x["loss"] - y["loss"]) <= LOSS_ABS, \
                 f"step {x['step']}: loss {x['loss']} vs {y['loss']}"
-    if "--cp" in layout:
-        assert len(summary(run)["ranks"]) == 16
+    if "--cp" in layout:   # a stage gathers a microbatch's position ids once (b·s·8 bytes)
+        ranks = summary(run)["ranks"]
+        assert len(ranks) == 16
+        for rank in ranks:
+            assert rank["comm_bytes_per_step"]["cp"]["all_gather"] == 2 * 2 * 16 * 8, rank
 
 
 @pytest.fixture(scope="module")

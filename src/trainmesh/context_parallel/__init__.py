@@ -8,7 +8,7 @@ partition (:mod:`.partition`), the plan of blocks for packed documents and slidi
 See docs/CONTEXT_PARALLEL.md. Imports core, comm and models (the GPT's seams); never the engine.
 """
 from .blocks import attend_block, attend_block_backward, fused_available, merge
-from .documents import document_ids, gather_documents, rank_work
+from .documents import GatheredDocuments, document_ids, gather_documents, rank_work
 from .parallelize import (
            ContextParallelAttention,
            ZigzagPositions,
@@ -22,10 +22,11 @@ from .partition import (
            zigzag_positions,
 )
 from .ring import CommRing, ring_attention
-from .traffic import cp_bytes_per_layer
+from .traffic import cp_bytes_per_layer, cp_document_bytes
 
-__all__ = ["CommRing", "ContextParallelAttention", "ZigzagPositions", "apply_context_parallel",
-           "attend_block", "attend_block_backward", "chunk_ids", "cp_bytes_per_layer",
+__all__ = ["CommRing", "ContextParallelAttention", "GatheredDocuments", "ZigzagPositions",
+           "apply_context_parallel", "attend_block", "attend_block_backward", "chunk_ids",
+           "cp_bytes_per_layer", "cp_document_bytes",
            "document_ids", "fused_available", "gather_documents", "merge", "rank_work",
            "ring_attention", "shard_batch", "shard_sequence", "unshard_sequence",
            "zigzag_positions"]

@@ -5,9 +5,11 @@ sliding window.
 The documents of a row: ``document_ids(position_ids)`` = ``cumsum(position_ids == 0)`` along
 the row (positions restart at 0 at the first token of every document and every piece of one).
 Under cp each rank holds only its zigzag share of ``position_ids``; :func:`gather_documents`
-all-gathers those shares over the CP group (ints, ``b·s`` of them per layer: negligible beside
-the K/V) and rebuilds the whole row's document ids, so every rank knows the document of every
-position before any K/V block moves, and every rank computes the same plan.
+all-gathers those shares over the CP group (ints, ``b·s`` of them: negligible beside the K/V)
+and rebuilds the whole row's document ids, so every rank knows the document of every position
+before any K/V block moves, and every rank computes the same plan. Every layer of a forward is
+handed the same ``position_ids``: :class:`GatheredDocuments`, shared by a model's attention
+layers, gathers them once per forward and hands the result to every layer.
 
 The plan (:func:`plan_pair`) of one (query chunk, key chunk) pair is a list of
 :class:`Piece`: for each document present in both chunks, the query rows and key columns of
@@ -24,6 +26,7 @@ the rows of a micro-batch are packed differently, each row gets its own pieces.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +69,45 @@ def gather_documents(position_ids: torch.Tensor, ring) -> torch.Tensor:
     -> the whole rows' document ids (b, s), the same on every rank."""
     every = ring.all_gather(position_ids.to(torch.int64).contiguous())     # (cp, b, 2c)
     return document_ids(unshard_sequence(list(every.unbind(0)), dim=1))
+
+
+class GatheredDocuments:
+    """The document ids of the ``position_ids`` the layers of one forward are handed, gathered
+    over the CP ``ring`` once: the first layer handed a ``position_ids`` tensor gathers it
+    (:func:`gather_documents`); every later call with the same tensor object, unmodified (the
+    forward's other layers, a recomputation in backward), gets that result without a
+    collective. Held by the model's context-parallel attention (one per model and ring).
+
+    An entry is keyed by the tensor itself: a weak reference compared by identity (``ref() is
+    position_ids``, never an id, which a freed tensor's successor may reuse) and its version
+    counter (written in place, it is another batch). Whether a call gathers depends only on
+    which tensor objects the program hands over, never on timing or garbage collection: the
+    tensor looked up is alive (the caller holds it), so is its entry if it has one, and a dead
+    entry matches nothing. The ranks of a cp group run the same program on their shares, so
+    they gather at the same calls, in the same order. An entry lasts while its tensor does
+    (a step's microbatches), and goes at the next gather after that."""
+
+    def __init__(self, ring) -> None:
+        self.ring = ring
+        self._held: list[tuple[weakref.ref, int, torch.Tensor]] = []   # (ids, version, docs)
+
+    def __call__(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """(b, 2c) this rank's share of ``position_ids`` -> (b, s) the whole rows' document
+        ids on the CPU, the same on every rank (module docstring)."""
+        if position_ids.is_inference():                   # no version counter: not kept
+            return gather_documents(position_ids, self.ring).to("cpu")
+        version = position_ids._version
+        for ref, seen, docs in self._held:
+            if ref() is position_ids and seen == version:
+                return docs
+        docs = gather_documents(position_ids, self.ring).to("cpu")
+        self._held = [e for e in self._held if (t := e[0]()) is not None and t is not position_ids]
+        self._held.append((weakref.ref(position_ids), version, docs))
+        return docs
+
+    def __len__(self) -> int:
+        """The entries held (a freed tensor's until the next gather)."""
+        return len(self._held)
 
 
 def _trim(i0: int, i1: int, j0: int, j1: int, window: int | None):

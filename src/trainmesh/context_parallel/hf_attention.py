@@ -13,9 +13,10 @@ chunks of every sequence (the engine shards the batch), and:
 - **attention**: the function gets the rank's q (b, h, 2c, hd) and k, v (b, h_kv, 2c, hd) after
   the rotary embedding, and attends over the whole sequence causally by chunk index
   (:func:`~.ring.ring_attention`), within each document when the caller passed position ids
-  (the model hands them to the attention function; their shares are gathered over the CP group:
-  :mod:`.documents`), and within the layer's ``sliding_window`` (a query attends the keys less
-  than ``window`` positions back, as transformers' masks); grouped-query k/v travel with their
+  (the model hands them to the attention function; their shares are gathered over the CP group
+  once per forward, the layers after the first reusing them: :mod:`.documents`), and within
+  the layer's ``sliding_window`` (a query attends the keys less than ``window`` positions
+  back, as transformers' masks); grouped-query k/v travel with their
   own head count; the model's ``scaling`` is honoured (q scaled by ``scaling·sqrt(hd)``, the
   kernels' own scale being ``1/sqrt(hd)``). The mask the model would build is not needed (none
   is built);
@@ -48,7 +49,7 @@ from trainmesh.core.randomness import current, keep_mask
 from trainmesh.models.hf_attention import routes_attention, use_attention
 from trainmesh.models.hf_random import InstalledDraws
 
-from .documents import gather_documents
+from .documents import GatheredDocuments
 from .partition import zigzag_positions
 from .ring import MODES, Keep, Ring, ring_attention
 
@@ -109,6 +110,7 @@ class _RingAttention:
                  installed: InstalledDraws) -> None:
         self.ring, self.mode, self.fused, self.family = ring, mode, fused, family
         self.positions, self.installed = positions, installed
+        self.documents = GatheredDocuments(ring)      # a packed forward's, gathered once
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: Any, *, scaling: float | None = None,
@@ -129,7 +131,7 @@ class _RingAttention:
         position_ids = kwargs.get("position_ids")
         docs = None
         if position_ids is not None and position_ids is not self.positions.made:
-            docs = gather_documents(position_ids, self.ring)        # a packed batch's documents
+            docs = self.documents(position_ids)                     # a packed batch's documents
         keep = _dropout(module, query, dropout, self.installed) if dropout else None
         out = ring_attention(query, key, value, self.ring, mode=self.mode, fused=self.fused,
                              documents=docs, window=window, keep=keep)

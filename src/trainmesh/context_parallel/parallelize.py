@@ -17,7 +17,7 @@ from trainmesh.models.gpt import CausalAttention, Positions
 from trainmesh.models.hf_random import InstalledDraws
 
 from .blocks import fused_available
-from .documents import gather_documents
+from .documents import GatheredDocuments
 from .partition import zigzag_positions
 from .ring import MODES, Ring, ring_attention
 
@@ -25,19 +25,22 @@ from .ring import MODES, Ring, ring_attention
 class ContextParallelAttention(nn.Module):
     """Causal attention of this rank's zigzag share over the CP group's whole sequence; with
     ``position_ids`` (this rank's zigzag share of a packed batch's, (b, 2c)), within each
-    document (their shares are gathered over the group: :mod:`.documents`)."""
+    document (their shares are gathered over the group once per forward by ``documents``, the
+    :class:`~.documents.GatheredDocuments` the model's attention layers share; None: its own)."""
 
     runs_collectives = True
     """Its forward exchanges K/V with the other CP ranks: ``--compile`` runs it eagerly between
     the block's graphs (:func:`trainmesh.engine.compile.compile_layers`)."""
 
-    def __init__(self, ring: Ring, *, mode: str, fused: bool) -> None:
+    def __init__(self, ring: Ring, *, mode: str, fused: bool,
+                 documents: GatheredDocuments | None = None) -> None:
         super().__init__()
         self.ring, self.mode, self.fused = ring, mode, fused
+        self.documents = documents if documents is not None else GatheredDocuments(ring)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        docs = None if position_ids is None else gather_documents(position_ids, self.ring)
+        docs = None if position_ids is None else self.documents(position_ids)
         return ring_attention(q, k, v, self.ring, mode=self.mode, fused=self.fused, documents=docs)
 
     def extra_repr(self) -> str:
@@ -75,11 +78,13 @@ def apply_context_parallel(model: nn.Module, mesh: ParallelMesh, comm: Comm, *, 
         apply_hf_context_parallel(model, mesh, comm, mode=mode, fused=fused, installed=installed)
         return 0
     ring = CommRing(comm, mesh)
+    documents = GatheredDocuments(ring)     # a packed forward's documents, gathered once
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, CausalAttention):
-                setattr(parent, name, ContextParallelAttention(ring, mode=mode, fused=fused))
+                setattr(parent, name, ContextParallelAttention(ring, mode=mode, fused=fused,
+                                                                   documents=documents))
                 swapped += 1
             elif isinstance(child, Positions):
                 setattr(parent, name, ZigzagPositions(ring.index, ring.size))

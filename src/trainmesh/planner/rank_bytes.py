@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from trainmesh.config.parallel import ParallelConfig
-from trainmesh.context_parallel.traffic import cp_bytes_per_layer
+from trainmesh.context_parallel.traffic import cp_bytes_per_layer, cp_document_bytes
 from trainmesh.core.axes import kind_groups, sequence_groups
 from trainmesh.core.layout import Group
 
@@ -111,8 +111,12 @@ def rank_traffic(held: RankModel, layout: ParallelConfig, gpt: GPTConfig, micro_
         per_layer = cp_bytes_per_layer(
             cp=layout.cp, micro_batch=micro_batch, seq_len=gpt.seq_len, d_model=gpt.d_model,
             tp=layout.tp, mode=layout.cp_comm, elem_bytes=e,
-            forwards=1 if layout.recompute == "none" else 2, documents=documents)
+            forwards=1 if layout.recompute == "none" else 2)
         cp[Group.cp] = {op: b * held.blocks * m for op, b in per_layer.items()}
+        if documents and held.blocks:   # the position ids: once per microbatch, not per layer
+            for op, b in cp_document_bytes(cp=layout.cp, micro_batch=micro_batch,
+                                           seq_len=gpt.seq_len).items():
+                cp[Group.cp][op] = cp[Group.cp].get(op, 0) + b * m
     parts = kind_parts(held, layout)   # the dense parameters over dp x cp (or HSDP's shard), experts over edp
     psi, shard = parts[0]
     if layout.zero >= 1:
