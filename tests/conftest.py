@@ -71,6 +71,20 @@ def refused(capsys) -> Callable[[list[str], str], str]:
 
 
 @pytest.fixture
+def counted(monkeypatch) -> list[int]:
+    """[bytes read from safetensors files since the last reset] (every read goes through
+    ``trainmesh.models.safetensors_file._read_at``)."""
+    from trainmesh.models import safetensors_file
+    count, read_at = [0], safetensors_file._read_at
+
+    def counting(fd: int, buffer: memoryview, offset: int) -> int:
+        count[0] += len(buffer)
+        return read_at(fd, buffer, offset)
+    monkeypatch.setattr(safetensors_file, "_read_at", counting)
+    return count
+
+
+@pytest.fixture
 def metrics_path(tmp_path: Path) -> Path:
     """Where a run writes its ``--metrics-out`` file."""
     return tmp_path / "metrics.jsonl"

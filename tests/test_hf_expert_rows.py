@@ -54,19 +54,6 @@ def view_of(directory: str):
     return CheckpointView(weight_files(directory), build_on_meta(directory), field="--model-dir")
 
 
-@pytest.fixture
-def counted(monkeypatch) -> list[int]:
-    """[bytes read from safetensors files since the last reset]."""
-    from trainmesh.models import safetensors_file
-    count, read_at = [0], safetensors_file._read_at
-
-    def counting(fd: int, buffer: memoryview, offset: int) -> int:
-        count[0] += len(buffer)
-        return read_at(fd, buffer, offset)
-    monkeypatch.setattr(safetensors_file, "_read_at", counting)
-    return count
-
-
 def pieces(full: tuple[int, ...], style: str, ep: int, tp: int, ep_rank: int, tp_rank: int
            ) -> list[tuple[slice, ...]]:
     """The indices of the full tensor whose concatenation a rank holds (the engine's

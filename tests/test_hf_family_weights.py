@@ -162,19 +162,6 @@ def test_every_parameter_reads_back_whole_and_by_halves(family, tmp_path):
     read_back(family, model, tmp_path)
 
 
-@pytest.fixture
-def counted(monkeypatch) -> list[int]:
-    """[bytes read from safetensors files since the last reset]."""
-    from trainmesh.models import safetensors_file
-    count, read_at = [0], safetensors_file._read_at
-
-    def counting(fd: int, buffer: memoryview, offset: int) -> int:
-        count[0] += len(buffer)
-        return read_at(fd, buffer, offset)
-    monkeypatch.setattr(safetensors_file, "_read_at", counting)
-    return count
-
-
 def test_qwen3_vl_moe_experts_as_published_read_only_a_ranks_piece(tmp_path, counted):
     """Qwen3-VL-MoE's published checkpoints hold each layer's experts transposed from the
     model's (``gate_up_proj`` (E, hidden, 2 x inter), the model (E, 2 x inter, hidden));
