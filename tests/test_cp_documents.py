@@ -15,7 +15,10 @@ rank's chunk edge dropped (its document merged into the one before), a ring bloc
 though its chunks shared a document (a long document's far key chunks), every layer gathering
 the position ids again (one process: "assert (2 == 1)"; the cp 4 run's all_gather 8192 bytes
 against 2048; the hub run's 1024 against 512), a tensor written in place taken for the one
-gathered ("assert (2 == 3)"), the planner counting the gather per layer (4096 against 1024).
+gathered ("assert (2 == 3)"), the planner counting the gather per layer (4096 against 1024),
+every layer planning its blocks again (the GPT: "assert [None, None] == [None]"; the Gemma
+3: "assert [6, 6, None, None] == [6, None]"), the plans kept without their window ("assert [6]
+== [6, None]").
 """
 from __future__ import annotations
 
@@ -185,6 +188,7 @@ def test_a_packed_forward_gathers_its_documents_once(monkeypatch, recompute):
     gathered, real = [], module.gather_documents
     monkeypatch.setattr(module, "gather_documents",
                         lambda ids, ring: gathered.append(weakref.ref(ids)) or real(ids, ring))
+    planned = _count_plans(monkeypatch)
     mesh = ParallelMesh(local=True)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_layers=2, n_heads=2))
     apply_context_parallel(model, mesh, Comm(mesh), mode="allgather")
@@ -198,11 +202,50 @@ def test_a_packed_forward_gathers_its_documents_once(monkeypatch, recompute):
         model(tokens, tokens, position_ids=position_ids)[0].backward()
     forward_backward(pos)
     assert len(gathered) == 1 and gathered[0]() is pos, len(gathered)
+    assert planned == [None], planned               # the plan too: once, for both layers
     forward_backward(pos.clone())
-    assert len(gathered) == 2, len(gathered)
+    assert len(gathered) == 2 and len(planned) == 2, (len(gathered), planned)
     pos[:, 7] = 0
     forward_backward(pos)
     assert len(gathered) == 3 and len(cores[0].documents) == 1, (len(gathered), len(cores[0].documents))
+    assert len(planned) == 3, planned
+
+
+def _count_plans(monkeypatch) -> list:
+    """The window of every block plan made (documents.plan, which ring attention's plans call)
+    from now on."""
+    from trainmesh.context_parallel import documents as module
+    planned, real = [], module.plan
+    monkeypatch.setattr(module, "plan", lambda docs, rank, cp, c, window=None:
+                        planned.append(window) or real(docs, rank, cp, c, window))
+    return planned
+
+
+def test_a_hub_model_plans_its_blocks_once_per_window(monkeypatch):
+    """A Gemma 3 of 4 layers alternating a sliding window (6, shorter than the sequence) and
+    full attention, under ring attention (cp 1, the all-gather mode; one process): a packed
+    forward and backward plans its blocks once per window, the layers of one window sharing
+    the plan, and unpacked ones (no documents) likewise, once for every forward."""
+    transformers = pytest.importorskip("transformers")
+    from trainmesh.comm import Comm
+    from trainmesh.context_parallel import apply_context_parallel
+    from trainmesh.core.mesh import ParallelMesh
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    model = transformers.Gemma3ForCausalLM(config)
+    mesh = ParallelMesh(local=True)
+    apply_context_parallel(model, mesh, Comm(mesh), mode="allgather")
+    planned = _count_plans(monkeypatch)
+    tokens = torch.randint(64, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(input_ids=tokens, position_ids=positions_of([5, 20, 7]).repeat(2, 1)).logits.sum().backward()
+    assert sorted(planned, key=str) == [6, None], planned
+    model(input_ids=tokens).logits.sum().backward()
+    model(input_ids=tokens).logits.sum().backward()
+    assert sorted(planned, key=str) == [6, 6, None, None], planned
 
 
 def test_the_planner_counts_the_position_ids_once_per_microbatch():

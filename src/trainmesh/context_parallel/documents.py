@@ -9,7 +9,10 @@ all-gathers those shares over the CP group (ints, ``b·s`` of them: negligible b
 and rebuilds the whole row's document ids, so every rank knows the document of every position
 before any K/V block moves, and every rank computes the same plan. Every layer of a forward is
 handed the same ``position_ids``: :class:`GatheredDocuments`, shared by a model's attention
-layers, gathers them once per forward and hands the result to every layer.
+layers, gathers them once per forward and hands the result to every layer; it keeps the plan
+(below) of that result too, made at the first layer of each (sliding window, chunk size) and
+handed to the others and to a recomputation (the plan is pure: a function of the document ids,
+the rank, cp, the chunk size and the window).
 
 The plan (:func:`plan_pair`) of one (query chunk, key chunk) pair is a list of
 :class:`Piece`: for each document present in both chunks, the query rows and key columns of
@@ -89,7 +92,8 @@ class GatheredDocuments:
 
     def __init__(self, ring) -> None:
         self.ring = ring
-        self._held: list[tuple[weakref.ref, int, torch.Tensor]] = []   # (ids, version, docs)
+        self._held: list[tuple[weakref.ref, int, torch.Tensor, dict]] = []   # (ids, version, docs, plans)
+        self._plain: dict[tuple, dict] = {}      # the plans without documents, by (rank, cp, c, window)
 
     def __call__(self, position_ids: torch.Tensor) -> torch.Tensor:
         """(b, 2c) this rank's share of ``position_ids`` -> (b, s) the whole rows' document
@@ -97,13 +101,31 @@ class GatheredDocuments:
         if position_ids.is_inference():                   # no version counter: not kept
             return gather_documents(position_ids, self.ring).to("cpu")
         version = position_ids._version
-        for ref, seen, docs in self._held:
+        for ref, seen, docs, _ in self._held:
             if ref() is position_ids and seen == version:
                 return docs
         docs = gather_documents(position_ids, self.ring).to("cpu")
         self._held = [e for e in self._held if (t := e[0]()) is not None and t is not position_ids]
-        self._held.append((weakref.ref(position_ids), version, docs))
+        self._held.append((weakref.ref(position_ids), version, docs, {}))
         return docs
+
+    def plan(self, docs: torch.Tensor | None, rank: int, cp: int, c: int,
+             window: int | None = None) -> dict[tuple[int, int, int], list[Piece]]:
+        """:func:`plan_of` ``docs``, made once per (rank, cp, c, window) for a result of this
+        object (kept with its entry, going with it) or for None (no documents: kept here, a
+        few sequence lengths and windows); other ``docs`` are planned anew at each call."""
+        key = (rank, cp, c, window)
+        if docs is None:
+            plans = self._plain
+            if key not in plans and len(plans) >= 16:   # lengths changing every batch: bounded
+                plans.clear()
+        else:
+            plans = next((e[3] for e in self._held if e[2] is docs), None)
+            if plans is None:
+                return plan_of(docs, rank, cp, c, window)
+        if key not in plans:
+            plans[key] = plan_of(docs, rank, cp, c, window)
+        return plans[key]
 
     def __len__(self) -> int:
         """The entries held (a freed tensor's until the next gather)."""
@@ -197,6 +219,17 @@ def plan(docs: torch.Tensor | None, rank: int, cp: int, c: int, window: int | No
                 if pieces:
                     out[(a, src, b)] = pieces
     return out
+
+
+def plan_of(docs: torch.Tensor | None, rank: int, cp: int, c: int, window: int | None = None
+            ) -> dict[tuple[int, int, int], list[Piece]]:
+    """:func:`plan` of ``docs`` as ring attention is handed them ((b or 1, s) document ids, or
+    None): on the CPU as int64, and one document per row planned as none (the causal ring)."""
+    if docs is not None:
+        docs = docs.detach().to("cpu", torch.int64)
+        if bool((docs == docs[:, :1]).all()):
+            docs = None
+    return plan(docs, rank, cp, c, window)
 
 
 def rank_work(docs: torch.Tensor | None, cp: int, seq_len: int, window: int | None = None,

@@ -14,7 +14,8 @@ chunks of every sequence (the engine shards the batch), and:
   the rotary embedding, and attends over the whole sequence causally by chunk index
   (:func:`~.ring.ring_attention`), within each document when the caller passed position ids
   (the model hands them to the attention function; their shares are gathered over the CP group
-  once per forward, the layers after the first reusing them: :mod:`.documents`), and within
+  once per forward, the layers after the first reusing them and their plan of blocks, one
+  per window: :mod:`.documents`), and within
   the layer's ``sliding_window`` (a query attends the keys less than ``window`` positions
   back, as transformers' masks); grouped-query k/v travel with their
   own head count; the model's ``scaling`` is honoured (q scaled by ``scaling·sqrt(hd)``, the
@@ -134,7 +135,7 @@ class _RingAttention:
             docs = self.documents(position_ids)                     # a packed batch's documents
         keep = _dropout(module, query, dropout, self.installed) if dropout else None
         out = ring_attention(query, key, value, self.ring, mode=self.mode, fused=self.fused,
-                             documents=docs, window=window, keep=keep)
+                             documents=docs, window=window, keep=keep, plans=self.documents)
         return out.transpose(1, 2).contiguous(), None            # (b, 2c, h, hd)
 
 

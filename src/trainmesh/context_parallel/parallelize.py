@@ -26,7 +26,8 @@ class ContextParallelAttention(nn.Module):
     """Causal attention of this rank's zigzag share over the CP group's whole sequence; with
     ``position_ids`` (this rank's zigzag share of a packed batch's, (b, 2c)), within each
     document (their shares are gathered over the group once per forward by ``documents``, the
-    :class:`~.documents.GatheredDocuments` the model's attention layers share; None: its own)."""
+    :class:`~.documents.GatheredDocuments` the model's attention layers share, which keeps their
+    plan of blocks too; None: its own)."""
 
     runs_collectives = True
     """Its forward exchanges K/V with the other CP ranks: ``--compile`` runs it eagerly between
@@ -41,7 +42,8 @@ class ContextParallelAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         docs = None if position_ids is None else self.documents(position_ids)
-        return ring_attention(q, k, v, self.ring, mode=self.mode, fused=self.fused, documents=docs)
+        return ring_attention(q, k, v, self.ring, mode=self.mode, fused=self.fused, documents=docs,
+                              plans=self.documents)
 
     def extra_repr(self) -> str:
         return f"cp={self.ring.size}, mode={self.mode}, fused={self.fused}"

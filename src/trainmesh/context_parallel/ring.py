@@ -30,7 +30,7 @@ from trainmesh.core.layout import Group
 from trainmesh.core.mesh import ParallelMesh
 
 from .blocks import attend_block, attend_block_backward, merge
-from .documents import Piece, plan
+from .documents import GatheredDocuments, Piece, plan_of
 from .partition import chunk_ids
 
 MODES = ("ring", "allgather")
@@ -120,11 +120,10 @@ def _cut(t: torch.Tensor, rows: slice, pos: slice) -> torch.Tensor:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, mode: str, fused: bool, docs, window, keep):  # type: ignore[override]
+    def forward(ctx, q, k, v, ring: Ring, mode: str, fused: bool, pieces, keep):  # type: ignore[override]
         n, me = ring.size, ring.index
         qs = q.chunk(2, dim=2)
         c = q.shape[2] // 2
-        pieces = plan(docs, me, n, c, window)
         acc = [_Acc(), _Acc()]
 
         groups = q.shape[1] // k.shape[1]                   # grouped-query: q heads per k/v head
@@ -210,7 +209,7 @@ class _Attention(torch.autograd.Function):
         else:
             every = rest[0]
             dkv = ring.reduce_scatter(torch.stack([contributions(every[j], j) for j in range(n)]))
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 Keep = Callable[[slice, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -247,7 +246,8 @@ def _sum_groups(g: torch.Tensor, groups: int) -> torch.Tensor:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
                    mode: str = "ring", fused: bool = False, documents: torch.Tensor | None = None,
-                   window: int | None = None, keep: Keep | None = None) -> torch.Tensor:
+                   window: int | None = None, keep: Keep | None = None,
+                   plans: GatheredDocuments | None = None) -> torch.Tensor:
     """Causal attention of this rank's zigzag chunks of q (b, h, 2c, hd) and k, v (b, h_kv, 2c,
     hd; grouped-query attention when h_kv < h: each k/v head serves h / h_kv query heads in a
     row, and travels the ring once) over the whole sequence held by the ``ring``'s ranks;
@@ -256,8 +256,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     position of the whole rows, the same on every rank (:func:`~.documents.gather_documents`):
     attention stays within a document; ``window``: a query attends the keys less than
     ``window`` positions back (a sliding window); ``keep``: attention dropout (:data:`Keep`),
-    every block then on the math path. Blocks with no attended pair are skipped
-    (:mod:`.documents`)."""
+    every block then on the math path; ``plans``: the :class:`~.documents.GatheredDocuments`
+    that gave ``documents``, which keeps their plan of blocks for the forward's other layers
+    (None: planned here). Blocks with no attended pair are skipped (:mod:`.documents`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
@@ -265,11 +266,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[2] % 2:
         raise ValueError(f"a CP rank holds two equal chunks of the sequence; got length {q.shape[2]}")
-    if documents is not None:
-        documents = documents.detach().to("cpu", torch.int64)
-        if documents.shape[-1] != q.shape[2] * ring.size or documents.shape[0] not in (1, q.shape[0]):
-            raise ValueError(f"documents must be (batch or 1, {q.shape[2] * ring.size}); got "
-                             f"{tuple(documents.shape)}")
-        if bool((documents == documents[:, :1]).all()):
-            documents = None                     # one document per row: the plain causal plan
-    return _Attention.apply(q, k, v, ring, mode, fused and keep is None, documents, window, keep)
+    if documents is not None and (documents.shape[-1] != q.shape[2] * ring.size
+                                  or documents.shape[0] not in (1, q.shape[0])):
+        raise ValueError(f"documents must be (batch or 1, {q.shape[2] * ring.size}); got "
+                         f"{tuple(documents.shape)}")
+    c = q.shape[2] // 2       # one document per row is planned as none: the plain causal ring
+    pieces = (plans.plan if plans is not None else plan_of)(documents, ring.index, ring.size, c, window)
+    return _Attention.apply(q, k, v, ring, mode, fused and keep is None, pieces, keep)
