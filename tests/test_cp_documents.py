@@ -18,7 +18,8 @@ against 2048; the hub run's 1024 against 512), a tensor written in place taken f
 gathered ("assert (2 == 3)"), the planner counting the gather per layer (4096 against 1024),
 every layer planning its blocks again (the GPT: "assert [None, None] == [None]"; the Gemma
 3: "assert [6, 6, None, None] == [6, None]"), the plans kept without their window ("assert [6]
-== [6, None]").
+== [6, None]"), the planner's search leaving the gather out ("Right contains 1 more item:
+{'all_gather': 1024}").
 """
 from __future__ import annotations
 
@@ -264,6 +265,30 @@ def test_the_planner_counts_the_position_ids_once_per_microbatch():
             for a, b in zip(packed, plain):
                 assert a.comm_bytes_per_step["cp"] == \
                     {**b.comm_bytes_per_step["cp"], "all_gather": 2 * 4 * 16 * 8}, (pp, recompute)
+
+
+def test_the_planner_search_counts_the_position_ids_as_the_prediction_does():
+    """The advisor's search scores a packed run (--document-len given) with the same cp
+    traffic as the prediction of a packed run (rank_traffic): the K/V per layer plus one gather
+    of the position ids per microbatch; without documents, without it. Ring and all-gather,
+    pp 1 and 2, recompute none and full."""
+    from dataclasses import replace
+
+    from trainmesh.config.parallel import ParallelConfig
+    from trainmesh.core.layout import Group
+    from trainmesh.models.gpt import GPTConfig
+    from trainmesh.planner.builtin import gpt_shape, rank_model
+    from trainmesh.planner.candidate import evaluate
+    from trainmesh.planner.cluster import Cluster
+    from trainmesh.planner.rank_bytes import rank_traffic
+    gpt = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=4)
+    for pp, mode, recompute in [(1, "ring", "none"), (2, "allgather", "full"), (2, "ring", "full")]:
+        layout = ParallelConfig(cp=2, pp=pp, microbatches=2, recompute=recompute, cp_comm=mode)
+        for packed in (True, False):
+            shape = replace(gpt_shape(gpt, micro_batch=4), document_len=5.0 if packed else None)
+            got = evaluate(layout, shape, Cluster(gpus=layout.world_size, efficiency=0.4)).traffic
+            want = rank_traffic(rank_model(gpt, pp=pp, tp=1, rank=0), layout, gpt, 4, 0, packed)
+            assert got["cp"] == want[Group.cp], (pp, mode, recompute, packed)
 
 
 def _short_paragraphs(tmp) -> str:

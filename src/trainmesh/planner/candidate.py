@@ -5,7 +5,9 @@ and the metrics summary prints). :func:`evaluate` scores it for a model on a clu
 models of :mod:`.memory`, :mod:`.peak`, :mod:`.traffic` and :mod:`.steptime`. The numbers
 describe the busiest rank: the first pipeline stage (most microbatches in flight) or the last
 (logits), whichever needs more. Context parallelism divides the tokens (activations, compute,
-TP/PP traffic) by cp, adds the K/V ring's traffic (``cp``) and widens the DP group to dp x cp.
+TP/PP traffic) by cp, adds the K/V ring's traffic (``cp``; with packed documents,
+``model.document_len`` given, the position ids' gather once per microbatch too) and widens the
+DP group to dp x cp.
 
 A mixture of experts splits the parameters in two: the dense ones (attention, norms,
 embeddings, the router and shared experts) are held per pp x tp rank and reduced over dp x cp
@@ -29,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from trainmesh.config.parallel import ParallelConfig
-from trainmesh.context_parallel.traffic import cp_bytes_per_layer
+from trainmesh.context_parallel.traffic import cp_bytes_per_layer, cp_document_bytes
 from trainmesh.core.axes import kind_groups
 from trainmesh.core.layout import Group
 from trainmesh.data_parallel.muon import ns_flops
@@ -193,6 +195,10 @@ def _rank_traffic(model: ModelShape, cfg: ParallelConfig, rank: int, layers: int
                                        d_model=kv, tp=cfg.tp, mode=cfg.cp_comm, elem_bytes=e,
                                        forwards=1 if cfg.recompute == "none" else 2)
         traffic["cp"] = {op: b * layers * m for op, b in per_layer.items()}
+        if model.document_len is not None and layers:   # packed: the position ids, per microbatch
+            for op, b in cp_document_bytes(cp=cfg.cp, micro_batch=model.micro_batch,
+                                           seq_len=model.seq_len).items():
+                traffic["cp"][op] = traffic["cp"].get(op, 0) + b * m
     if split.experts:
         routed = tokens // (cfg.tp if cfg.sequence_parallel else 1)
         traffic["ep"] = ep_ops(ep=cfg.ep, moe_layers=moe, tokens=routed, top_k=model.top_k,
