@@ -31,7 +31,10 @@ import torch
 from test_context_parallel import emulate_ranks
 from tolerances import assert_fp32_close, fp64_atol, scale_of
 
+from trainmesh.comm import Comm
 from trainmesh.context_parallel import (
+    ContextParallelAttention,
+    apply_context_parallel,
     fused_available,
     ring_attention,
     shard_sequence,
@@ -42,6 +45,7 @@ from trainmesh.context_parallel.documents import (
     plan_pair,
     rank_work,
 )
+from trainmesh.core.mesh import ParallelMesh
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -177,13 +181,7 @@ def test_a_packed_forward_gathers_its_documents_once(monkeypatch, recompute):
     reusing them; another microbatch (an equal tensor, another object) and the same tensor
     written in place gather again, and the entry of a freed one goes at that gather. One
     process: cp 1 under the all-gather mode (the ring's hops need process groups)."""
-    from trainmesh.comm import Comm
-    from trainmesh.context_parallel import (
-        ContextParallelAttention,
-        apply_context_parallel,
-    )
     from trainmesh.context_parallel import documents as module
-    from trainmesh.core.mesh import ParallelMesh
     from trainmesh.engine.recompute import apply_recompute
     from trainmesh.models.gpt import GPT, GPTConfig
     gathered, real = [], module.gather_documents
@@ -213,8 +211,7 @@ def test_a_packed_forward_gathers_its_documents_once(monkeypatch, recompute):
 
 
 def _count_plans(monkeypatch) -> list:
-    """The window of every block plan made (documents.plan, which ring attention's plans call)
-    from now on."""
+    """The window of every block plan (documents.plan) made from now on."""
     from trainmesh.context_parallel import documents as module
     planned, real = [], module.plan
     monkeypatch.setattr(module, "plan", lambda docs, rank, cp, c, window=None:
@@ -227,21 +224,10 @@ def test_a_hub_model_plans_its_blocks_once_per_window(monkeypatch):
     full attention, under ring attention (cp 1, the all-gather mode; one process): a packed
     forward and backward plans its blocks once per window, the layers of one window sharing
     the plan, and unpacked ones (no documents) likewise, once for every forward."""
-    transformers = pytest.importorskip("transformers")
-    from trainmesh.comm import Comm
-    from trainmesh.context_parallel import apply_context_parallel
-    from trainmesh.core.mesh import ParallelMesh
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
-    model = transformers.Gemma3ForCausalLM(config)
-    mesh = ParallelMesh(local=True)
+    model, mesh = _gemma3(4), ParallelMesh(local=True)
     apply_context_parallel(model, mesh, Comm(mesh), mode="allgather")
     planned = _count_plans(monkeypatch)
-    tokens = torch.randint(64, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(0))
     model(input_ids=tokens, position_ids=positions_of([5, 20, 7]).repeat(2, 1)).logits.sum().backward()
     assert sorted(planned, key=str) == [6, None], planned
     model(input_ids=tokens).logits.sum().backward()
@@ -318,18 +304,22 @@ def _one_process(flags: list[str], data_of, batch: int) -> list[dict]:
     return out
 
 
-def _gemma3_window_dir(tmp) -> str:
-    """A tiny Gemma 3 (text): a sliding-window layer (window 6, shorter than the sequence and
-    crossing the chunks of --cp 2) and a full-attention one, matrices at std 0.2."""
-    from helpers import widened
+def _gemma3(layers: int):
+    """A tiny Gemma 3 (text) of ``layers`` alternating a sliding window (6, shorter than the
+    sequence and crossing the chunks of --cp 2) and full attention, after seed 0."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        sliding_window=6, layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
-    widened(transformers.Gemma3ForCausalLM(config)).save_pretrained(str(tmp / "gemma3"))
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False))
+
+
+def _gemma3_window_dir(tmp) -> str:
+    """:func:`_gemma3` of 2 layers, matrices at std 0.2, saved."""
+    from helpers import widened
+    widened(_gemma3(2)).save_pretrained(str(tmp / "gemma3"))
     return str(tmp / "gemma3")
 
 
