@@ -110,7 +110,7 @@ class Trial:
             threading.Thread(target=self._hostile, args=(stop,), daemon=True).start()
         try:
             for n, at in enumerate(plan):
-                self._wait(lambda at=at: max(_top(f) for f in self.files) >= at)
+                self._wait(lambda at=at: max(_top(f) for f in self.files) >= at, procs, at)
                 time.sleep(self.rng.uniform(0.0, 0.5))   # anywhere inside a step
                 if self.chaos[n] == "r":
                     os.killpg(procs[victim].pid, signal.SIGKILL)
@@ -136,9 +136,16 @@ class Trial:
             self.log.close()
         return [f"{who} exited {code}" for who, code in codes.items() if code != 0]
 
-    def _wait(self, condition, timeout: float = 900.0) -> None:
+    def _wait(self, condition, procs: dict[int, subprocess.Popen], at: int,
+              timeout: float = 900.0) -> None:
+        """Until ``condition``; RuntimeError naming the exit codes if every replica has exited
+        first (the run ended before step ``at``), TimeoutError if nothing moves for ``timeout``."""
         deadline = time.monotonic() + timeout
         while not condition():
+            codes = {i: p.poll() for i, p in procs.items()}
+            if all(c is not None for c in codes.values()) and not condition():
+                raise RuntimeError(f"every replica exited before step {at} (exit codes {codes}; "
+                                   f"their stderr: {self.root / 'stderr.log'})")
             if time.monotonic() > deadline:
                 raise TimeoutError("the run stopped making progress")
             time.sleep(0.05)
