@@ -287,3 +287,35 @@ def test_the_coordinator_waits_for_a_replica_holding_the_committed_step():
     began = time.monotonic()
     decision = c._decide(7, c._collect(store, 7, members, began), members)
     assert decision.abort.startswith("no replica holding") and time.monotonic() - began < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_took_over_redoes_a_step_whose_only_holder_was_lost():
+    """The chaos soak's failure: the new coordinator took over at step 15 (replica 1 had read the
+    commit of step 14, replicas 0 and 2 had not: they hold step 13), and replica 1 was lost in its
+    first quorum. Replicas 0 and 2 redo step 14 (a step is a function of the state before it),
+    once, and only before this coordinator commits a step (planted: the old decision fails with
+    the abort "no replica holding the live state is left")."""
+    from trainmesh.fault_tolerance.coordinator import Coordinator
+
+    def asked(q: int, steps: dict[int, int]) -> dict[int, Request]:
+        return {r: Request(r, f"{r}.0", s, False, 100 + r, last=50, timeout_s=30.0, quorum=q)
+                for r, s in steps.items()}
+
+    lines: list[str] = []
+    c = Coordinator(replicas=3, secret=SECRET, notify=lines.append, startup_timeout_s=30)
+    first = c._decide(0, asked(0, {0: 13, 1: 14, 2: 13}), [])
+    assert (first.abort, first.step, first.source, first.receivers, first.restarted) == \
+        (None, 15, 1, [0, 2], True)
+    second = c._decide(1, asked(1, {0: 13, 2: 13}), first.members)
+    assert (second.abort, second.step, second.source, second.receivers, second.lost) == \
+        (None, 14, None, [], [1]), second.abort
+    assert c.committed == 13 and "step 14 was held only by replicas since lost" in lines[-1], lines
+    third = c._decide(2, asked(2, {0: 12}), second.members)   # once: not from two steps back
+    assert third.abort and third.abort.startswith("no replica holding the live state is left"), third.abort
+    again = Coordinator(replicas=3, secret=SECRET, notify=lines.append, startup_timeout_s=30)
+    took = again._decide(0, asked(0, {0: 13, 1: 14, 2: 13}), [])
+    done = [Outcome(r, f"{r}.0", True, row={"loss": 3.5}, quorum=0) for r in range(3)]
+    again._committed(took, done, None)   # this coordinator committed step 15 itself
+    later = again._decide(1, asked(1, {0: 14}), took.members)   # (cut off before its commit)
+    assert later.abort and later.abort.startswith("no replica holding the live state is left"), later.abort

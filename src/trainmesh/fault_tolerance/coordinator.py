@@ -108,6 +108,8 @@ class Coordinator:
         """Why the run could not go on (None: it reached its last step, or was stopped)."""
         self.final_loss = float("nan")
         self.committed = 0
+        self._rebuilt = False
+        """The last committed step was rebuilt from the requests, none committed here since."""
         self._stop = threading.Event()
         self._suspects: set[int] = set()
         """Members lost during the last attempt: the next quorum does not wait for them (they
@@ -309,9 +311,15 @@ class Coordinator:
         step = max((req.step for req in holders), default=-1)
         restarted = q == 0 and step > 0
         if restarted:   # rebuilt: the newest step a replica applied was committed
-            self.committed = step
+            self.committed, self._rebuilt = step, True
             self.notify(f"trainmesh: coordinator at {self.address} took over at step {step + 1} "
                         f"with replicas {sorted(requests)}")
+        if self._rebuilt and holders and step == self.committed - 1:
+            # those that applied the rebuilt step were lost before another took it; the others
+            # missed its commit when the old coordinator died: as if lost with it, it is redone
+            self.notify(f"trainmesh: coordinator at {self.address}: step {self.committed} was "
+                        f"held only by replicas since lost; redone from step {step}")
+            self.committed, self._rebuilt = step, False
         if step < self.committed:   # (those behind it cannot be the source)
             return Decision(q, members, abort=f"no replica holding the live state is left (the "
                                               f"last committed step is {self.committed}); the run "
@@ -369,7 +377,7 @@ class Coordinator:
         return outcome if outcome.incarnation == incarnation else None
 
     def _committed(self, decision: Decision, outcomes: list[Outcome], failed_at: float | None) -> None:
-        self.committed = decision.step
+        self.committed, self._rebuilt = decision.step, False
         if len(decision.members) < self.replicas:
             self.tally.degraded_steps += 1
         if failed_at is not None:
